@@ -1,0 +1,27 @@
+"""moekit: fast FP8 Mixture-of-Experts layers on NVIDIA Hopper, with the choice of kernel measured."""
+
+from .api import fused_moe
+from .backends import backend_names, get_backend
+from .routing import RoutingConfig, route
+from .select import BackendUnavailableError, Choice, select_backend
+from .spec import SCHEMES, MoEShape, QuantScheme, get_scheme
+from .weights import MoEWeights, quantize_weights
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "fused_moe",
+    "route",
+    "RoutingConfig",
+    "MoEShape",
+    "QuantScheme",
+    "SCHEMES",
+    "get_scheme",
+    "MoEWeights",
+    "quantize_weights",
+    "select_backend",
+    "Choice",
+    "BackendUnavailableError",
+    "backend_names",
+    "get_backend",
+]

@@ -1,0 +1,84 @@
+"""`fused_moe`: the one entry point that runs an MoE layer's experts."""
+
+from __future__ import annotations
+
+import torch
+
+from .backends import get_backend
+from .select import select_backend
+from .weights import MoEWeights
+
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    weights: MoEWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    backend: str | None = "auto",
+    *,
+    apply_router_weight_on_input: bool = False,
+) -> torch.Tensor:
+    """Run the routed experts: out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
+
+    x [M, H] (bf16, fp16; float32 on backends that allow it), topk_weights [M, K] float,
+    topk_ids [M, K] int32/int64. Returns [M, H] in x's dtype. `backend`: a backend name or
+    "auto"; None or "auto" lets MOEKIT_BACKEND decide before auto does.
+    `apply_router_weight_on_input` (Llama-4, top-1): the weight scales x before the experts.
+    """
+    topk_weights, topk_ids = validate_inputs(x, weights, topk_weights, topk_ids)
+    M, K = topk_ids.shape
+    if apply_router_weight_on_input:
+        if K != 1:
+            raise ValueError(f"apply_router_weight_on_input needs top-k = 1, got top-k = {K}")
+        x = (x.float() * topk_weights).to(x.dtype)
+        topk_weights = torch.ones_like(topk_weights)
+    choice = select_backend(weights.shape(K), weights.scheme, x.device, x.dtype, M, backend)
+    if M == 0:
+        return x.new_empty(0, weights.hidden)
+    return get_backend(choice.backend).run(x, weights, topk_weights, topk_ids)
+
+
+def validate_inputs(x, weights, topk_weights, topk_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check every input of fused_moe; returns topk_weights as float32 and topk_ids as int32.
+
+    Ids are range-checked on the host for CPU tensors. On a GPU the check is a device-side
+    assertion (torch._assert_async), so it never makes the host wait and survives graph capture.
+    """
+    if not isinstance(weights, MoEWeights):
+        raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
+    for name, t in (("x", x), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+        if t.device != weights.device:
+            raise ValueError(f"{name} is on {t.device} but the weights are on {weights.device}")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"x has dtype {x.dtype}; expected bfloat16, float16 or float32")
+    if x.shape[1] != weights.hidden:
+        raise ValueError(f"x has hidden size {x.shape[1]} but the weights expect {weights.hidden}")
+    if topk_ids.shape != topk_weights.shape:
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} differ in shape"
+        )
+    if topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"routing has {topk_ids.shape[0]} rows but x has {x.shape[0]} tokens")
+    E, K = weights.num_experts, topk_ids.shape[1]
+    if not 1 <= K <= E:
+        raise ValueError(f"top-k must be between 1 and the number of experts ({E}), got {K}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids has dtype {topk_ids.dtype}; expected int32 or int64")
+    if not topk_weights.is_floating_point():
+        raise ValueError(f"topk_weights has dtype {topk_weights.dtype}; expected a float dtype")
+    if topk_ids.numel():
+        in_range = (topk_ids >= 0) & (topk_ids < E)
+        if topk_ids.device.type == "cuda":
+            torch._assert_async(in_range.all(), f"moekit: topk_ids outside [0, {E})")
+        elif not bool(in_range.all()):
+            bad = topk_ids[~in_range]
+            raise ValueError(
+                f"topk_ids must lie in [0, {E}); found {bad.numel()} outside, e.g. {bad[0].item()}"
+            )
+    return topk_weights.float(), topk_ids.to(torch.int32)

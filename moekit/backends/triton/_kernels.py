@@ -1,0 +1,420 @@
+"""Triton kernels of the `triton` backend: only @triton.jit code lives here; launch.py runs it.
+
+Letters: P = M*K (token, expert) pairs, pair p = token p // K; E experts; H hidden; N intermediate.
+Rows of the "sorted" space are pairs grouped by expert, each expert's group padded to BLOCK_M;
+expert e owns rows [start[e], start[e+1]) of which the first count[e] are real pairs.
+"""
+
+import triton
+import triton.language as tl
+
+
+# --------------------------------------------------------------------------- CPU-interpreter fixes
+# INTERPRET (constexpr) is True only under TRITON_INTERPRET=1. The interpreter of triton 3.9 gets three
+# things wrong that the GPU gets right: a float32 -> e4m3 cast that rounds up across a power of two
+# loses the carry (124.97 becomes 64, not 128); a float32 -> bfloat16 cast truncates instead of
+# rounding to nearest; and tl.dot on bfloat16 operands returns garbage.
+
+
+@triton.jit
+def _to_fp8(x, INTERPRET: tl.constexpr):
+    """float32 within +-448 -> float8e4nv, rounding to nearest even."""
+    if INTERPRET:
+        # Round in float32 first, so that the cast itself is exact: normal values keep 3 mantissa
+        # bits (add half an ulp of the kept bits, ties to even, then drop the low 20 bits);
+        # subnormals (below 2**-6) are multiples of 2**-9, rounded by adding and removing 1.5 * 2**14.
+        bits = x.to(tl.int32, bitcast=True)
+        kept = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+        x = tl.where(tl.abs(x) < 0.015625, (x + 24576.0) - 24576.0, kept)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _to_dtype(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """float32 -> the activations' dtype, rounding to nearest even."""
+    if INTERPRET and dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _dot(a, b, acc, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc + a @ b in float32. Hopper's tensor cores sum FP8 products in a narrower accumulator
+    (about 1e-2 relative error over K = 4096, measured); max_num_imprecise_acc makes the compiler
+    add each BLOCK_K-long partial product into the float32 acc instead, as DeepGEMM does."""
+    if INTERPRET and a.dtype == tl.bfloat16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)  # exact: bf16 -> f32 loses nothing
+    if a.dtype == tl.float8e4nv:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+    return tl.dot(a, b, acc)
+
+
+# --------------------------------------------------------------------------- token alignment
+# Deterministic counting sort of the pairs by expert, entirely on the GPU: chunks of CHUNK pairs
+# count their experts, a scan turns counts into padded offsets, and each chunk scatters its pairs
+# (pairs of one expert keep their order, so the layout is the same on every run).
+
+
+@triton.jit
+def _chunk_counts(ids_ptr, counts_ptr, chunk, P, E, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr):
+    """counts[e] = pairs of this chunk routed to expert e, for every e (dense row, no atomics)."""
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)  # [CHUNK] int32
+    for e0 in range(0, E, E_BLOCK):
+        experts = e0 + tl.arange(0, E_BLOCK)
+        hits = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_BLOCK]
+        tl.store(counts_ptr + experts, tl.sum(hits, axis=0), mask=experts < E)
+
+
+@triton.jit
+def _scatter_chunk(ids_ptr, sorted_ptr, chunk_offset_ptr, start_ptr, chunk, P, CHUNK: tl.constexpr):
+    """Write each pair p of this chunk to row start[e] + (pairs of e in earlier chunks) + rank."""
+    local = tl.arange(0, CHUNK)
+    offs = chunk * CHUNK + local
+    valid = offs < P
+    ids = tl.load(ids_ptr + offs, mask=valid, other=-1)  # [CHUNK]
+    same = (ids[:, None] == ids[None, :]) & (local[None, :] < local[:, None])
+    rank = tl.sum(same.to(tl.int32), axis=1)  # earlier pairs of the same expert in this chunk
+    safe_ids = tl.where(valid, ids, 0)
+    row = tl.load(start_ptr + safe_ids, mask=valid) + tl.load(chunk_offset_ptr + safe_ids, mask=valid) + rank
+    tl.store(sorted_ptr + row, offs, mask=valid)
+
+
+@triton.jit
+def _padded_starts(counts_ptr, count_out_ptr, start_ptr, E, BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr):
+    """start[e] = sum over e' < e of count[e'] rounded up to BLOCK_M; start[E] = rows in use."""
+    carry = 0
+    for e0 in range(0, E, E_BLOCK):
+        experts = e0 + tl.arange(0, E_BLOCK)
+        cnt = tl.load(counts_ptr + experts, mask=experts < E, other=0)
+        padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        inclusive = tl.cumsum(padded, axis=0)
+        tl.store(start_ptr + experts, carry + inclusive - padded, mask=experts < E)
+        tl.store(count_out_ptr + experts, cnt, mask=experts < E)
+        carry += tl.sum(padded, axis=0)
+    tl.store(start_ptr + E, carry)
+
+
+@triton.jit
+def align_single_kernel(
+    ids_ptr,  # (P,) int32 expert of each pair
+    sorted_ptr,  # (max_rows,) int32 out: pair of each sorted row
+    count_ptr,  # (E,) int32 out: pairs per expert
+    start_ptr,  # (E + 1,) int32 out: first row of each expert
+    zero_ptr,  # (E,) int32 zeros: no earlier chunks
+    P, E,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr,
+):
+    """The whole alignment in one program, for P <= CHUNK (decode sizes): one launch."""
+    _chunk_counts(ids_ptr, count_ptr, 0, P, E, CHUNK, E_BLOCK)
+    tl.debug_barrier()  # the counts written above are read back by other threads
+    _padded_starts(count_ptr, count_ptr, start_ptr, E, BLOCK_M, E_BLOCK)
+    tl.debug_barrier()
+    _scatter_chunk(ids_ptr, sorted_ptr, zero_ptr, start_ptr, 0, P, CHUNK)
+
+
+@triton.jit
+def align_count_kernel(ids_ptr, chunk_counts_ptr, P, E, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr):
+    chunk = tl.program_id(0)
+    _chunk_counts(ids_ptr, chunk_counts_ptr + chunk * E, chunk, P, E, CHUNK, E_BLOCK)
+
+
+@triton.jit
+def align_scan_kernel(
+    chunk_counts_ptr,  # (C, E) int32 in: per-chunk counts; out: pairs of e in earlier chunks
+    total_ptr,  # (E,) int32 scratch
+    count_ptr, start_ptr, C, E,
+    BLOCK_M: tl.constexpr, C_POW2: tl.constexpr, E_BLOCK: tl.constexpr,
+):
+    chunks = tl.arange(0, C_POW2)
+    for e0 in range(0, E, E_BLOCK):
+        experts = e0 + tl.arange(0, E_BLOCK)
+        mask = (chunks[:, None] < C) & (experts[None, :] < E)
+        ptrs = chunk_counts_ptr + chunks[:, None] * E + experts[None, :]
+        cnt = tl.load(ptrs, mask=mask, other=0)  # [C_POW2, E_BLOCK]
+        inclusive = tl.cumsum(cnt, axis=0)
+        tl.store(ptrs, inclusive - cnt, mask=mask)  # exclusive prefix over chunks
+        tl.store(total_ptr + experts, tl.sum(cnt, axis=0), mask=experts < E)
+    tl.debug_barrier()
+    _padded_starts(total_ptr, count_ptr, start_ptr, E, BLOCK_M, E_BLOCK)
+
+
+@triton.jit
+def align_scatter_kernel(ids_ptr, sorted_ptr, chunk_offsets_ptr, start_ptr, P, E, CHUNK: tl.constexpr):
+    chunk = tl.program_id(0)
+    _scatter_chunk(ids_ptr, sorted_ptr, chunk_offsets_ptr + chunk * E, start_ptr, chunk, P, CHUNK)
+
+
+# --------------------------------------------------------------------------- activation quantization
+# MODE: 0 = one scale per row, 1 = one scale per 1x128 group, 2 = amax of the row into a shared
+# per-tensor maximum (atomic max of non-negative floats: the same result in any order),
+# 3 = quantize with a per-tensor scale (static, or from the shared maximum when FROM_AMAX).
+
+
+@triton.jit
+def quantize_rows_kernel(
+    x_ptr,  # (M, H) bf16/fp16
+    q_ptr,  # (M, H) fp8 out
+    scale_ptr,  # (M,) or (M, ceil(H/128)) float32 out; or (1,) in for MODE 3
+    amax_ptr,  # (1,) float32 shared maximum (MODE 2 writes it, MODE 3 + FROM_AMAX reads it)
+    H, stride_x, stride_q, stride_s,
+    MODE: tl.constexpr, FROM_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)
+    if MODE == 2:
+        tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
+    else:
+        if MODE == 0:
+            scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / 448.0
+            tl.store(scale_ptr + row, scale)
+            q = x / scale
+        elif MODE == 1:
+            groups = tl.reshape(x, (BLOCK_H // GROUP, GROUP))
+            g_scale = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-10) / 448.0  # [BLOCK_H // GROUP]
+            g_idx = tl.arange(0, BLOCK_H // GROUP)
+            tl.store(scale_ptr + row * stride_s + g_idx, g_scale, mask=g_idx * GROUP < H)
+            q = tl.reshape(groups / g_scale[:, None], (BLOCK_H,))
+        else:
+            if FROM_AMAX:
+                scale = tl.maximum(tl.load(amax_ptr), 1e-10) / 448.0
+                if row == 0:
+                    tl.store(scale_ptr, scale)
+            else:
+                scale = tl.load(scale_ptr)
+            q = x / scale
+        q = tl.clamp(q, -448.0, 448.0)
+        tl.store(q_ptr + row * stride_q + cols, _to_fp8(q, INTERPRET), mask=cols < H)
+
+
+# --------------------------------------------------------------------------- expert GEMMs
+# Scale kinds (constexpr): A_SCALE 0 none, 1 per tensor, 2 per row, 3 per 1x128 group of K;
+# B_SCALE 0 none, 1 per tensor (one per expert), 2 per output channel, 3 per 128x128 block.
+# Group and block scales change with each K step, so they are applied inside the loop; the
+# others once after it. Block scales need BLOCK_K == 128 and BLOCK_N dividing 128.
+
+
+@triton.jit
+def _expert_of_block(start_ptr, row0, E, E_POW2: tl.constexpr):
+    """The expert whose padded rows contain row0 (number of experts starting after row 0 at or
+    before row0, minus one)."""
+    experts = tl.arange(0, E_POW2)
+    starts = tl.load(start_ptr + 1 + experts, mask=experts < E, other=2147483647)
+    return tl.sum((starts <= row0).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _tile_ids(num_rows_ptr, num_n_blocks, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Grouped ordering of (row block, column block): GROUP_M row blocks share columns in L2."""
+    pid = tl.program_id(0)
+    num_m_blocks = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
+    per_group = GROUP_M * num_n_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    group_size = tl.maximum(group_size, 1)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    return pid_m, pid_n, num_m_blocks
+
+
+@triton.jit
+def _quantize_tile(a, scale_of_row, INTERPRET: tl.constexpr):
+    """float32 tile -> FP8 with per-row scales [BLOCK_M] (the 1x128 group or per-tensor rule)."""
+    return _to_fp8(tl.clamp(a / scale_of_row[:, None], -448.0, 448.0), INTERPRET)
+
+
+@triton.jit
+def gemm1_kernel(
+    a_ptr,  # (M, H) fp8 or bf16/fp16 activations (rows read through the sorted pair ids)
+    a_scale_ptr,  # (1,) | (M,) | (M, ceil(H/128)) float32
+    w_ptr,  # (E, 2N, H) weights, gate rows then up rows
+    w_scale_ptr,  # (E,) | (E, 2N) | (E, 2N/128, ceil(H/128)) float32
+    out_ptr,  # (rows, N) bf16/fp16 SiLU(gate) * up, or fp8 when OUT_SCALE is static
+    out_scale_ptr,  # (1,) float32 static scale of the output (fp8-tensor-static), or
+    # (rows, ceil(N/128)) float32 scales of the output's 1x128 groups (OUT_MODE 3)
+    amax_ptr,  # (1,) float32 shared maximum of |output| (fp8-tensor-dynamic)
+    sorted_ptr, count_ptr, start_ptr,  # alignment (see module docstring)
+    P, E, N, H, K_TOP,
+    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
+    A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, OUT_MODE: tl.constexpr, ACT_DTYPE: tl.constexpr,
+    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """OUT_MODE: 0 store in the output dtype, 1 also record amax, 2 quantize with a static scale,
+    3 quantize per 1x128 group (BLOCK_N a multiple of 128, so a tile holds whole groups)."""
+    num_n_blocks = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n, num_m_blocks = _tile_ids(start_ptr + E, num_n_blocks, GROUP_M, BLOCK_M)
+    if pid_m >= num_m_blocks:
+        return  # the grid is sized for the worst routing; this block has no rows this time
+    row0 = pid_m * BLOCK_M
+    e = _expert_of_block(start_ptr, row0, E, E_POW2)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows - tl.load(start_ptr + e) < tl.load(count_ptr + e)
+    pair = tl.load(sorted_ptr + rows, mask=row_ok, other=0)
+    token = (pair // K_TOP).to(tl.int64)  # [BLOCK_M]
+
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    e64 = e.to(tl.int64)
+    a_ptrs = a_ptr + token[:, None] * stride_am + ks[None, :]
+    gate_ptrs = w_ptr + e64 * stride_we + cols[None, :] * stride_wn + ks[:, None]
+    up_ptrs = gate_ptrs + N * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = ks < H - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b_gate = tl.load(gate_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        b_up = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if A_SCALE == 3 or B_SCALE == 3:
+            step_a = tl.full((BLOCK_M,), 1.0, tl.float32)
+            if A_SCALE == 3:
+                step_a = tl.load(a_scale_ptr + token * stride_as + k0 // BLOCK_K, mask=row_ok, other=0.0)
+            step_gate = 1.0
+            step_up = 1.0
+            if B_SCALE == 3:
+                ws = w_scale_ptr + e64 * stride_wse + k0 // BLOCK_K
+                step_gate = tl.load(ws + (pid_n * BLOCK_N // 128) * stride_wsn)
+                step_up = tl.load(ws + ((N + pid_n * BLOCK_N) // 128) * stride_wsn)
+            acc_gate += tl.dot(a, b_gate) * (step_a[:, None] * step_gate)
+            acc_up += tl.dot(a, b_up) * (step_a[:, None] * step_up)
+        else:
+            acc_gate = _dot(a, b_gate, acc_gate, BLOCK_K, INTERPRET)
+            acc_up = _dot(a, b_up, acc_up, BLOCK_K, INTERPRET)
+        a_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+
+    if A_SCALE == 1:
+        a_s = tl.load(a_scale_ptr)
+        acc_gate *= a_s
+        acc_up *= a_s
+    elif A_SCALE == 2:
+        a_s = tl.load(a_scale_ptr + token, mask=row_ok, other=0.0)
+        acc_gate *= a_s[:, None]
+        acc_up *= a_s[:, None]
+    if B_SCALE == 1:
+        b_s = tl.load(w_scale_ptr + e64 * stride_wse)
+        acc_gate *= b_s
+        acc_up *= b_s
+    elif B_SCALE == 2:
+        ws = w_scale_ptr + e64 * stride_wse
+        acc_gate *= tl.load(ws + cols, mask=col_ok, other=0.0)[None, :]
+        acc_up *= tl.load(ws + N + cols, mask=col_ok, other=0.0)[None, :]
+
+    # SiLU(gate) * up, rounded to the activations' dtype as the reference defines it.
+    act = _to_dtype(acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up, ACT_DTYPE, INTERPRET)
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if OUT_MODE == 1:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(out_mask, tl.abs(act.to(tl.float32)), 0.0), axis=1), axis=0))
+    if OUT_MODE == 2:
+        q = tl.clamp(act.to(tl.float32) / tl.load(out_scale_ptr), -448.0, 448.0)
+        tl.store(out_ptrs, _to_fp8(q, INTERPRET), mask=out_mask)
+    elif OUT_MODE == 3:
+        groups = tl.reshape(act.to(tl.float32), (BLOCK_M, BLOCK_N // 128, 128))
+        g_scale = tl.maximum(tl.max(tl.abs(groups), axis=2), 1e-10) / 448.0  # [BLOCK_M, BLOCK_N // 128]
+        q = tl.reshape(tl.clamp(groups / g_scale[:, :, None], -448.0, 448.0), (BLOCK_M, BLOCK_N))
+        tl.store(out_ptrs, _to_fp8(q, INTERPRET), mask=out_mask)
+        g_idx = pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
+        s_ptrs = out_scale_ptr + rows[:, None].to(tl.int64) * stride_os + g_idx[None, :]
+        tl.store(s_ptrs, g_scale, mask=row_ok[:, None] & (g_idx[None, :] * 128 < N))
+    else:
+        tl.store(out_ptrs, act, mask=out_mask)
+
+
+@triton.jit
+def gemm2_kernel(
+    a_ptr,  # (rows, N) intermediate in sorted-row order: bf16/fp16, or fp8 (static scheme)
+    a_scale_ptr,  # (1,) static scale, (1,) shared amax (per-tensor dynamic), or (rows, ceil(N/128))
+    w_ptr,  # (E, H, N)
+    w_scale_ptr,  # (E,) | (E, H) | (E, H/128... ceil, N/128) float32
+    topk_weights_ptr,  # (P,) float32
+    out_ptr,  # (P, H) x's dtype: each pair's weighted expert output
+    sorted_ptr, count_ptr, start_ptr,
+    P, E, N, H,
+    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    A_MODE: tl.constexpr, B_SCALE: tl.constexpr,
+    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """A_MODE: 0 unquantized, 1 FP8 with a static scale, 2 quantize per 1x128 group while loading,
+    3 quantize per tensor while loading (scale from the shared amax), 4 FP8 with 1x128 group scales."""
+    num_n_blocks = tl.cdiv(H, BLOCK_N)
+    pid_m, pid_n, num_m_blocks = _tile_ids(start_ptr + E, num_n_blocks, GROUP_M, BLOCK_M)
+    if pid_m >= num_m_blocks:
+        return
+    row0 = pid_m * BLOCK_M
+    e = _expert_of_block(start_ptr, row0, E, E_POW2)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows - tl.load(start_ptr + e) < tl.load(count_ptr + e)
+
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    e64 = e.to(tl.int64)
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
+    b_ptrs = w_ptr + e64 * stride_we + cols[None, :] * stride_wn + ks[:, None]
+    tensor_scale = 1.0
+    if A_MODE == 1:
+        tensor_scale = tl.load(a_scale_ptr)
+    elif A_MODE == 3:
+        tensor_scale = tl.maximum(tl.load(a_scale_ptr), 1e-10) / 448.0
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, N, BLOCK_K):
+        k_ok = ks < N - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if A_MODE == 2 or A_MODE == 4:
+            if A_MODE == 2:
+                a32 = a.to(tl.float32)
+                step_a = tl.maximum(tl.max(tl.abs(a32), axis=1), 1e-10) / 448.0  # [BLOCK_M]
+                a = _quantize_tile(a32, step_a, INTERPRET)
+            else:
+                step_a = tl.load(a_scale_ptr + rows.to(tl.int64) * stride_as + k0 // BLOCK_K, mask=row_ok, other=0.0)
+            step_b = 1.0
+            if B_SCALE == 3:
+                step_b = tl.load(w_scale_ptr + e64 * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn + k0 // BLOCK_K)
+            acc += tl.dot(a, b) * (step_a[:, None] * step_b)
+        elif A_MODE == 3:
+            a = _quantize_tile(a.to(tl.float32), tl.full((BLOCK_M,), 1.0, tl.float32) * tensor_scale, INTERPRET)
+            acc = _dot(a, b, acc, BLOCK_K, INTERPRET)
+        else:
+            acc = _dot(a, b, acc, BLOCK_K, INTERPRET)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    if A_MODE == 1 or A_MODE == 3:
+        acc *= tensor_scale
+    if B_SCALE == 1:
+        acc *= tl.load(w_scale_ptr + e64 * stride_wse)
+    elif B_SCALE == 2:
+        acc *= tl.load(w_scale_ptr + e64 * stride_wse + cols, mask=col_ok, other=0.0)[None, :]
+
+    pair = tl.load(sorted_ptr + rows, mask=row_ok, other=0)
+    acc *= tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out_ptrs, _to_dtype(acc, out_ptr.dtype.element_ty, INTERPRET), mask=row_ok[:, None] & col_ok[None, :])
+
+
+# --------------------------------------------------------------------------- combine
+
+
+@triton.jit
+def combine_kernel(
+    pairs_ptr,  # (M*K, H) weighted expert outputs
+    out_ptr,  # (M, H)
+    H, K_TOP: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """out[t] = sum over j of pairs[t*K + j], in float32 and in j order: deterministic."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(K_TOP):
+        acc += tl.load(pairs_ptr + (token * K_TOP + j) * H + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * H + cols, _to_dtype(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)

@@ -1,0 +1,132 @@
+"""Launch configuration of the triton backend: `KernelConfig`, analytic defaults, tuned tables.
+
+One config serves both GEMMs (they share the row blocks of the alignment). BLOCK_N is the width
+of an output tile: GEMM1 computes BLOCK_N gate and BLOCK_N up columns per tile, so its tile spans
+2 * BLOCK_N columns of w13 (vLLM's BLOCK_SIZE_N for the same tile is 2 * BLOCK_N).
+
+Tuned tables (written by `moekit tune`) are JSON files named
+    E={E},N={N},H={H},device_name={device},scheme={scheme}.json
+holding {"meta": {...}, "configs": {"<batch size>": {BLOCK_M: .., ..., "us": ..}}}; the entry
+of the nearest measured batch size is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+from pathlib import Path
+
+from ...spec import MoEShape, QuantScheme
+
+log = logging.getLogger("moekit.triton")
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "configs" / "triton"
+CONFIG_DIR_ENV = "MOEKIT_CONFIG_DIR"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    BLOCK_M: int = 64
+    BLOCK_N: int = 64
+    BLOCK_K: int = 128
+    GROUP_M: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def problems(self, scheme: QuantScheme) -> list[str]:
+        """Why this config cannot run `scheme` (empty when it can)."""
+        out = []
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                out.append(f"{name}={v} must be a power of two >= 16")
+        if scheme.is_fp8 and scheme.activation in ("group", "token") and self.BLOCK_K != 128:
+            # the intermediate (and block activations) are quantized per 1x128 group of K
+            out.append(f"BLOCK_K={self.BLOCK_K} must be 128 for {scheme.name}")
+        if scheme.weight == "block" and (self.BLOCK_N > 128 or 128 % self.BLOCK_N):
+            out.append(f"BLOCK_N={self.BLOCK_N} must divide 128 for 128x128 weight blocks")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            out.append(f"num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
+        if not 1 <= self.num_stages <= 8:
+            out.append(f"num_stages={self.num_stages} must be between 1 and 8")
+        return out
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KernelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: int(v) for k, v in d.items() if k in names})
+
+
+def default_config(shape: MoEShape, scheme: QuantScheme, num_tokens: int) -> KernelConfig:
+    """Analytic defaults by regime, from the rows each expert receives on average.
+
+    Decode (<= 16 rows per expert) is memory-bound: 16-row tiles and narrow 64-column tiles put
+    every SM to streaming weights. Beyond that, 128-column tiles let GEMM1's epilogue quantize
+    whole 1x128 groups, so GEMM2 reads FP8 straight into the tensor cores: on an H200 (2026-12-02,
+    BENCHMARKS.md) this was 2.5x faster at M = 4096 than 64-column tiles, with BLOCK_M 64 best on
+    128/256-expert shapes and BLOCK_M 128 on Mixtral's 8 experts (1024 rows per expert).
+    """
+    rows_per_expert = num_tokens * shape.top_k / shape.num_experts
+    if rows_per_expert <= 16:
+        return KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128 if scheme.is_fp8 else 64, GROUP_M=1, num_warps=4, num_stages=4)
+    block_m = 128 if rows_per_expert >= 512 else 64
+    return KernelConfig(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128 if scheme.is_fp8 else 64, GROUP_M=8, num_warps=8, num_stages=4)
+
+
+def normalize_device_name(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'NVIDIA_H100_80GB_HBM3' (vLLM's convention for file names)."""
+    return name.strip().replace(" ", "_")
+
+
+def table_name(shape: MoEShape, scheme: QuantScheme, device_name: str) -> str:
+    return (
+        f"E={shape.num_experts},N={shape.n},H={shape.hidden},"
+        f"device_name={normalize_device_name(device_name)},scheme={scheme.name}.json"
+    )
+
+
+def config_dirs() -> list[Path]:
+    """User tables (MOEKIT_CONFIG_DIR, os.pathsep-separated) before the shipped ones."""
+    user = [Path(p) for p in os.environ.get(CONFIG_DIR_ENV, "").split(os.pathsep) if p]
+    return user + [SHIPPED_DIR]
+
+
+@functools.lru_cache(maxsize=256)
+def _load_table(path: Path, mtime: float) -> dict[int, KernelConfig] | None:
+    try:
+        data = json.loads(path.read_text())
+        return {int(m): KernelConfig.from_dict(c) for m, c in data["configs"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        log.warning("moekit: ignoring tuned table %s: %s", path, e)
+        return None
+
+
+def tuned_configs(shape: MoEShape, scheme: QuantScheme, device_name: str) -> tuple[dict[int, KernelConfig], Path] | None:
+    name = table_name(shape, scheme, device_name)
+    for d in config_dirs():
+        path = d / name
+        if path.is_file():
+            table = _load_table(path, path.stat().st_mtime)
+            if table:
+                return table, path
+    return None
+
+
+def nearest(table: dict[int, KernelConfig], num_tokens: int) -> KernelConfig:
+    """The config measured at the batch size nearest to num_tokens (ties: the smaller size)."""
+    return table[min(table, key=lambda m: (abs(m - num_tokens), m))]
+
+
+def get_config(shape: MoEShape, scheme: QuantScheme, num_tokens: int, device_name: str | None) -> KernelConfig:
+    if device_name:
+        found = tuned_configs(shape, scheme, device_name)
+        if found:
+            cfg = nearest(found[0], num_tokens)
+            if not cfg.problems(scheme):
+                return cfg
+    return default_config(shape, scheme, num_tokens)

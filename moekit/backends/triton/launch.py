@@ -1,0 +1,267 @@
+"""The `triton` backend: moekit's own fused FP8 MoE kernels (kernels in _kernels.py).
+
+One layer call is, on the GPU and without a host synchronisation (so it captures into a CUDA graph):
+  1. align: pairs grouped by expert, each group padded to BLOCK_M (1 launch at decode, 3 beyond)
+  2. quantize x by the scheme's activation rule (1 launch; 2 for a dynamic per-tensor scale)
+  3. GEMM1, rows gathered through the sorted pair ids, SiLU(gate) * up in the epilogue
+  4. GEMM2, the intermediate quantized while it is loaded, top-k weight in the epilogue
+  5. combine each token's K rows in a fixed order (deterministic)
+
+The GEMM2 input of fp8-channel-token is quantized per 1x128 group of the intermediate rather than
+per row: each 128-column group gets its own scale, so no element is quantized more coarsely than
+a per-row scale would (the group's max is at most the row's), and it fuses into GEMM2's loads.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ...spec import MoEShape, QuantScheme
+from ...weights import MoEWeights
+from ..base import Backend, device_capability
+from . import _kernels as k
+from .config import KernelConfig, get_config
+
+SINGLE_ALIGN_MAX_PAIRS = 128  # up to this many pairs, one program aligns them all
+CHUNK = 128  # pairs per program of the multi-program alignment
+E_BLOCK = 64  # experts handled at once when counting
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=16)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+A_SCALE_KIND = {None: 0, "tensor": 1, "token": 2, "group": 3}
+B_SCALE_KIND = {None: 0, "tensor": 1, "channel": 2, "block": 3}
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    description = "moekit's fused Triton kernels (GPU-side alignment, fused SiLU, deterministic combine)"
+
+    def supports(self, shape: MoEShape, scheme: QuantScheme, device: torch.device, dtype=torch.bfloat16):
+        reasons = []
+        if device.type == "cuda":
+            cap = device_capability(device)
+            need = (8, 9) if scheme.is_fp8 else (8, 0)
+            if cap is not None and cap < need:
+                reasons.append(
+                    f"{scheme.name} needs compute capability {need[0]}.{need[1]}+"
+                    f"{' (FP8 tensor cores)' if scheme.is_fp8 else ''}, found {cap[0]}.{cap[1]}"
+                )
+        elif device.type == "cpu":
+            if not _interpreting():
+                reasons.append("on the CPU the Triton kernels run only under TRITON_INTERPRET=1")
+        else:
+            reasons.append(f"needs a CUDA GPU (or the CPU interpreter), got device {device.type}")
+        if dtype not in (torch.bfloat16, torch.float16):
+            reasons.append(f"activations must be bfloat16 or float16, got {dtype}")
+        if shape.hidden % 16 or shape.n % 16:
+            # 16-byte aligned rows for the loads; every real model satisfies this
+            reasons.append(f"hidden ({shape.hidden}) and intermediate per GPU ({shape.n}) must be multiples of 16")
+        return reasons
+
+    def config_for(self, weights: MoEWeights, top_k: int, num_tokens: int, device: torch.device) -> KernelConfig:
+        name = _device_name(device.index or 0) if device.type == "cuda" else None
+        return get_config(weights.shape(top_k), weights.scheme, num_tokens, name)
+
+    def run(self, x, weights, topk_weights, topk_ids, config: KernelConfig | None = None):
+        M, K = topk_ids.shape
+        cfg = config or self.config_for(weights, K, M, x.device)
+        problems = cfg.problems(weights.scheme)
+        if problems:
+            raise ValueError(f"kernel config {cfg} cannot run {weights.scheme.name}: {'; '.join(problems)}")
+        align = align_pairs(topk_ids, weights.num_experts, cfg.BLOCK_M)
+        a, a_scale = quantize_input(x, weights)
+        act = gemm1(a, a_scale, weights, align, K, x.dtype, cfg)
+        pairs = gemm2(act, weights, align, topk_weights, x.dtype, cfg)
+        return combine(pairs, M, K)
+
+    def prepare_gemm_only(self, x, weights, topk_weights, topk_ids, config: KernelConfig | None = None):
+        """A closure running only the two expert GEMMs (SiLU fused in GEMM1) on inputs already
+        aligned and quantized: what `moekit bench --mode gemm` and the tuner time."""
+        M, K = topk_ids.shape
+        cfg = config or self.config_for(weights, K, M, x.device)
+        align = align_pairs(topk_ids, weights.num_experts, cfg.BLOCK_M)
+        a, a_scale = quantize_input(x, weights)
+        tw = topk_weights.float()
+
+        def run_gemms():
+            act = gemm1(a, a_scale, weights, align, K, x.dtype, cfg)
+            return gemm2(act, weights, align, tw, x.dtype, cfg)
+
+        return run_gemms
+
+
+# --------------------------------------------------------------------------- launch steps
+
+
+class Alignment:
+    """Result of align_pairs: `sorted_pairs[row]` is the pair at a sorted row; expert e owns rows
+    [start[e], start[e+1]) whose first count[e] are real; `max_rows` bounds start[E] for any routing."""
+
+    def __init__(self, sorted_pairs, count, start, max_rows, num_pairs):
+        self.sorted_pairs, self.count, self.start = sorted_pairs, count, start
+        self.max_rows, self.num_pairs = max_rows, num_pairs
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    P, E = topk_ids.numel(), num_experts
+    ids = topk_ids.reshape(-1)
+    # every non-empty expert wastes at most block_m - 1 rows; at most min(E, P) are non-empty
+    max_rows = P + min(E, P) * (block_m - 1)
+    dev = ids.device
+    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=dev)
+    count = torch.empty(E, dtype=torch.int32, device=dev)
+    start = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    if P <= SINGLE_ALIGN_MAX_PAIRS:
+        zeros = torch.zeros(E, dtype=torch.int32, device=dev)
+        k.align_single_kernel[(1,)](
+            ids, sorted_pairs, count, start, zeros, P, E,
+            BLOCK_M=block_m, CHUNK=SINGLE_ALIGN_MAX_PAIRS, E_BLOCK=E_BLOCK,
+        )
+    else:
+        chunks = triton.cdiv(P, CHUNK)
+        chunk_counts = torch.empty(chunks, E, dtype=torch.int32, device=dev)
+        total = torch.empty(E, dtype=torch.int32, device=dev)
+        k.align_count_kernel[(chunks,)](ids, chunk_counts, P, E, CHUNK=CHUNK, E_BLOCK=E_BLOCK)
+        k.align_scan_kernel[(1,)](
+            chunk_counts, total, count, start, chunks, E,
+            BLOCK_M=block_m, C_POW2=triton.next_power_of_2(chunks), E_BLOCK=16,
+        )
+        k.align_scatter_kernel[(chunks,)](ids, sorted_pairs, chunk_counts, start, P, E, CHUNK=CHUNK)
+    return Alignment(sorted_pairs, count, start, max_rows, P)
+
+
+def quantize_input(x: torch.Tensor, weights: MoEWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x -> (FP8 x, scales) by the scheme's activation rule; unquantized schemes pass x through."""
+    scheme = weights.scheme
+    if not scheme.is_fp8:
+        return x, None
+    M, H = x.shape
+    x = x.contiguous()
+    q = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=x.device)
+    block_h = triton.next_power_of_2(max(H, 128))
+    launch = functools.partial(
+        k.quantize_rows_kernel[(M,)], x, q, H=H, stride_x=x.stride(0), stride_q=q.stride(0),
+        BLOCK_H=block_h, GROUP=128, INTERPRET=_interpreting(),
+    )
+    if scheme.activation == "token":
+        scale = torch.empty(M, dtype=torch.float32, device=x.device)
+        launch(scale_ptr=scale, amax_ptr=scale, stride_s=1, MODE=0, FROM_AMAX=False)
+    elif scheme.activation == "group":
+        scale = torch.empty(M, triton.cdiv(H, 128), dtype=torch.float32, device=x.device)
+        launch(scale_ptr=scale, amax_ptr=scale, stride_s=scale.stride(0), MODE=1, FROM_AMAX=False)
+    elif scheme.static_activation:
+        scale = weights.a13_scale
+        launch(scale_ptr=scale, amax_ptr=scale, stride_s=0, MODE=3, FROM_AMAX=False)
+    else:  # one dynamic scale for the whole tensor: a max pass, then the quantizing pass
+        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+        scale = torch.empty(1, dtype=torch.float32, device=x.device)
+        launch(scale_ptr=scale, amax_ptr=amax, stride_s=0, MODE=2, FROM_AMAX=False)
+        launch(scale_ptr=scale, amax_ptr=amax, stride_s=0, MODE=3, FROM_AMAX=True)
+    return q, scale
+
+
+def _tiles(align: Alignment, cfg: KernelConfig, width: int) -> tuple[int]:
+    return (triton.cdiv(align.max_rows, cfg.BLOCK_M) * triton.cdiv(width, cfg.BLOCK_N),)
+
+
+def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
+    """Strides of a weight-scale tensor along experts and rows (its last dim is contiguous)."""
+    if scale is None:
+        return 0, 0
+    return scale.stride(0), (scale.stride(1) if scale.dim() > 2 else 0)
+
+
+class Intermediate:
+    """GEMM1's output in sorted-row order, and how GEMM2 reads it (gemm2_kernel's A_MODE)."""
+
+    def __init__(self, values, scale, a_mode):
+        self.values, self.scale, self.a_mode = values, scale, a_mode
+
+
+def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dtype, cfg: KernelConfig) -> Intermediate:
+    """Rows of a gathered by expert, times w13, SiLU(gate) * up, then the intermediate's own
+    quantization where it can be fused here (static scale; 1x128 groups when a tile holds whole
+    groups); otherwise GEMM2 quantizes it while loading."""
+    scheme = weights.scheme
+    E, N, H = weights.num_experts, weights.n, weights.hidden
+    dev = a.device
+    fp8 = torch.float8_e4m3fn
+    if not scheme.is_fp8:
+        out_mode, a_mode, scale, out = 0, 0, None, torch.empty(align.max_rows, N, dtype=out_dtype, device=dev)
+    elif scheme.static_activation:
+        out_mode, a_mode, scale = 2, 1, weights.a2_scale
+        out = torch.empty(align.max_rows, N, dtype=fp8, device=dev)
+    elif scheme.activation == "tensor":  # one dynamic scale: GEMM1 records the max, GEMM2 quantizes
+        out_mode, a_mode, scale = 1, 3, torch.zeros(1, dtype=torch.float32, device=dev)
+        out = torch.empty(align.max_rows, N, dtype=out_dtype, device=dev)
+    elif cfg.BLOCK_N % 128 == 0:  # token and group rules: 1x128 groups, see the module docstring
+        out_mode, a_mode = 3, 4
+        out = torch.empty(align.max_rows, N, dtype=fp8, device=dev)
+        scale = torch.empty(align.max_rows, triton.cdiv(N, 128), dtype=torch.float32, device=dev)
+    else:
+        out_mode, a_mode, scale = 0, 2, None
+        out = torch.empty(align.max_rows, N, dtype=out_dtype, device=dev)
+    w_scale = weights.w13_scale
+    unused = a  # pointer arguments a variant never reads
+    stride_wse, stride_wsn = _scale_strides(w_scale)
+    k.gemm1_kernel[_tiles(align, cfg, N)](
+        a, a_scale if a_scale is not None else unused, weights.w13,
+        w_scale if w_scale is not None else unused, out,
+        scale if scale is not None else unused, scale if scale is not None else unused,
+        align.sorted_pairs, align.count, align.start,
+        align.num_pairs, E, N, H, top_k,
+        a.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
+        weights.w13.stride(0), weights.w13.stride(1), stride_wse, stride_wsn, out.stride(0),
+        scale.stride(0) if scale is not None and scale.dim() == 2 else 0,
+        A_SCALE=A_SCALE_KIND[scheme.activation] if scheme.is_fp8 else 0,
+        B_SCALE=B_SCALE_KIND[scheme.weight],
+        OUT_MODE=out_mode, ACT_DTYPE=_TL_DTYPE[out_dtype], E_POW2=triton.next_power_of_2(E),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, INTERPRET=_interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return Intermediate(out, scale, a_mode)
+
+
+def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights, out_dtype, cfg: KernelConfig):
+    """Intermediate rows times w2 of their expert, times the pair's top-k weight, written to the
+    pair's own row of a [P, H] buffer (no two programs write the same element: deterministic)."""
+    scheme = weights.scheme
+    E, N, H = weights.num_experts, weights.n, weights.hidden
+    values = act.values
+    out = torch.empty(align.num_pairs, H, dtype=out_dtype, device=values.device)
+    w_scale = weights.w2_scale
+    stride_wse, stride_wsn = _scale_strides(w_scale)
+    k.gemm2_kernel[_tiles(align, cfg, H)](
+        values, act.scale if act.scale is not None else values, weights.w2,
+        w_scale if w_scale is not None else values, topk_weights.reshape(-1).contiguous(), out,
+        align.sorted_pairs, align.count, align.start,
+        align.num_pairs, E, N, H,
+        values.stride(0), act.scale.stride(0) if act.scale is not None and act.scale.dim() == 2 else 0,
+        weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
+        A_MODE=act.a_mode, B_SCALE=B_SCALE_KIND[scheme.weight], E_POW2=triton.next_power_of_2(E),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, INTERPRET=_interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def combine(pairs: torch.Tensor, M: int, K: int) -> torch.Tensor:
+    H = pairs.shape[1]
+    out = torch.empty(M, H, dtype=pairs.dtype, device=pairs.device)
+    block_h = min(triton.next_power_of_2(H), 1024)
+    k.combine_kernel[(M, triton.cdiv(H, block_h))](pairs, out, H, K_TOP=K, BLOCK_H=block_h, INTERPRET=_interpreting())
+    return out

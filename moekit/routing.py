@@ -1,0 +1,241 @@
+"""Routing: turning router logits into each token's top-k experts and their weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingConfig:
+    """The routing rule of a model family.
+
+    scoring: "softmax" (Mixtral, Qwen, OLMoE) or "sigmoid" (DeepSeek-V3, Kimi-K2, GLM-4.5, Llama-4).
+    renormalize: divide the k chosen weights by their sum.
+    num_groups / topk_groups: grouped top-k (DeepSeek-V3: 8 groups, 4 kept); None = no grouping.
+    use_correction_bias: a learned per-expert bias is added to the scores to choose the experts
+        (not to weigh them): DeepSeek-V3's e_score_correction_bias.
+    routed_scaling_factor: multiplies the final weights (DeepSeek-V3 2.5, Kimi-K2 2.827).
+    apply_on_input: the weight multiplies the expert's input instead of its output (Llama-4, top-1).
+    """
+
+    top_k: int
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    renormalize: bool = True
+    num_groups: int | None = None
+    topk_groups: int | None = None
+    use_correction_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    apply_on_input: bool = False
+
+
+_SCORINGS = ("softmax", "sigmoid")
+# Added to the denominator when renormalizing, as DeepSeek-V3's HF code does: sigmoid weights can
+# all underflow to 0 for very negative logits, and 0 / 1e-20 = 0 beats 0 / 0 = NaN. Against a
+# softmax top-k sum (>= 1/E) it is far below float32 resolution, so one rule serves every family.
+_RENORM_EPS = 1e-20
+
+
+def route(
+    router_logits: torch.Tensor,
+    top_k: int | None = None,
+    *,
+    renormalize: bool = True,
+    scoring: str = "softmax",
+    num_groups: int | None = None,
+    topk_groups: int | None = None,
+    correction_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+    config: RoutingConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose each token's top-k experts and their weights.
+
+    router_logits: [M, E], any float dtype and device; the math runs in float32.
+    Returns (topk_weights float32 [M, k], topk_ids int32 [M, k]) on the logits' device, each row
+    ordered by decreasing choice score.
+
+    The rule, in the order the Hugging Face modelling code applies it:
+      1. scores = softmax(logits) over all E (Mixtral, Qwen2/3-MoE, OLMoE) or sigmoid(logits)
+         (DeepSeek-V3, Kimi-K2, GLM-4.5, Llama-4).
+      2. choice = scores + correction_bias (DeepSeek-V3's e_score_correction_bias), if given.
+      3. grouped top-k (num_groups/topk_groups): a group's score is the sum of its 2 best choice
+         values; only experts of the topk_groups best groups may be chosen.
+      4. ids = top-k of choice; weights = the UNBIASED scores of those experts.
+      5. renormalize: weights /= (sum + 1e-20); then weights *= routed_scaling_factor.
+    Llama-4 is sigmoid, top-1, renormalize=False: its weight sigmoid(chosen logit) is what the
+    model multiplies the expert's input by (`RoutingConfig.apply_on_input`; not route()'s job).
+
+    With `config`, its fields give the rule and the other rule keywords must stay at their
+    defaults; `correction_bias` is still passed here, since it is a tensor of the checkpoint.
+    """
+    if config is not None:
+        overridden = [
+            name
+            for name, value, default in (
+                ("top_k", top_k, None),
+                ("renormalize", renormalize, True),
+                ("scoring", scoring, "softmax"),
+                ("num_groups", num_groups, None),
+                ("topk_groups", topk_groups, None),
+                ("routed_scaling_factor", routed_scaling_factor, 1.0),
+            )
+            if value != default
+        ]
+        if overridden:
+            raise ValueError(
+                f"route(): pass either config or the keywords {overridden}, not both "
+                f"(config already sets top_k={config.top_k}, scoring={config.scoring!r}, ...)"
+            )
+        if config.use_correction_bias and correction_bias is None:
+            raise ValueError(
+                "route(): config.use_correction_bias is True but no correction_bias tensor was "
+                "given (pass the checkpoint's e_score_correction_bias, shape [E])"
+            )
+        if not config.use_correction_bias and correction_bias is not None:
+            raise ValueError(
+                "route(): correction_bias was given but config.use_correction_bias is False"
+            )
+        top_k, renormalize, scoring = config.top_k, config.renormalize, config.scoring
+        num_groups, topk_groups = config.num_groups, config.topk_groups
+        routed_scaling_factor = config.routed_scaling_factor
+
+    logits = _check_logits(router_logits)
+    num_tokens, num_experts = logits.shape
+    _check_rule(top_k, num_experts, scoring, num_groups, topk_groups, routed_scaling_factor)
+    bias = _check_bias(correction_bias, num_experts, logits.device)
+
+    if num_tokens == 0:
+        return (
+            torch.empty(0, top_k, dtype=torch.float32, device=logits.device),
+            torch.empty(0, top_k, dtype=torch.int32, device=logits.device),
+        )
+
+    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    if bias is not None:
+        choice = scores + bias
+    elif scoring == "sigmoid" and num_groups is None:
+        # sigmoid is monotonic, so choosing on the raw logits picks the same experts, and keeps
+        # apart large logits whose float32 sigmoids both round to 1.0 (Llama-4 picks on logits).
+        choice = logits
+    else:
+        choice = scores
+
+    # topk_groups == num_groups keeps every group (GLM-4.5 and Kimi-K2 ship n_group=topk_group=1).
+    if num_groups is not None and topk_groups < num_groups:
+        choice = _mask_unkept_groups(choice, num_groups, topk_groups)
+
+    ids = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + _RENORM_EPS)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
+    return weights, ids.to(torch.int32)
+
+
+def _mask_unkept_groups(choice: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """Set to -inf the choice scores of experts outside each row's topk_groups best groups.
+
+    -inf follows DeepSeek's own inference code. HF's DeepseekV3 / Glm4Moe code fills 0.0
+    instead, which is the same while every kept choice score is positive, but once
+    correction_bias pushes kept scores below 0 it lets experts of dropped groups win.
+    """
+    num_tokens, num_experts = choice.shape
+    grouped = choice.reshape(num_tokens, num_groups, num_experts // num_groups)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [M, G]
+    kept = torch.zeros_like(group_scores, dtype=torch.bool)
+    kept.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
+    masked = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf"))
+    return masked.reshape(num_tokens, num_experts)
+
+
+def _check_logits(router_logits) -> torch.Tensor:
+    if not isinstance(router_logits, torch.Tensor):
+        raise ValueError(
+            f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}"
+        )
+    if router_logits.dim() != 2:
+        raise ValueError(
+            f"router_logits must be 2-D [tokens, experts], got {router_logits.dim()}-D "
+            f"with shape {tuple(router_logits.shape)}"
+        )
+    if not router_logits.is_floating_point():
+        raise ValueError(
+            f"router_logits must be a floating point tensor, got {router_logits.dtype}"
+        )
+    if router_logits.shape[1] == 0:
+        raise ValueError("router_logits has 0 experts (shape [M, 0]); expected E >= 1")
+    logits = router_logits.float()
+    # Non-finite logits would route silently to arbitrary experts. On a GPU the check is a
+    # device-side assertion: it never makes the host wait, so routing can be graph-captured.
+    finite = torch.isfinite(logits)
+    if logits.device.type == "cuda":
+        torch._assert_async(finite.all(), "moekit.route: router_logits has NaN or inf values")
+    elif not bool(finite.all()):
+        bad = int((~finite).sum())
+        raise ValueError(
+            f"router_logits has {bad} non-finite value(s) (NaN or inf) out of {logits.numel()}; "
+            "expected all finite"
+        )
+    return logits
+
+
+def _check_rule(top_k, num_experts, scoring, num_groups, topk_groups, routed_scaling_factor):
+    if top_k is None:
+        raise ValueError("route(): top_k is required (or pass config=RoutingConfig(...))")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be an integer in [1, E={num_experts}], got {top_k!r}")
+    if scoring not in _SCORINGS:
+        raise ValueError(f"unknown scoring {scoring!r}; expected one of {_SCORINGS}")
+    if not (math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
+        raise ValueError(
+            f"routed_scaling_factor must be a finite number > 0, got {routed_scaling_factor!r}"
+        )
+    if (num_groups is None) != (topk_groups is None):
+        raise ValueError(
+            f"num_groups and topk_groups go together, got num_groups={num_groups!r}, "
+            f"topk_groups={topk_groups!r}"
+        )
+    if num_groups is None:
+        return
+    if not isinstance(num_groups, int) or num_groups < 1 or num_experts % num_groups:
+        raise ValueError(
+            f"num_groups must be a positive integer dividing E={num_experts}, got {num_groups!r}"
+        )
+    if not isinstance(topk_groups, int) or not 1 <= topk_groups <= num_groups:
+        raise ValueError(
+            f"topk_groups must be an integer in [1, num_groups={num_groups}], got {topk_groups!r}"
+        )
+    group_size = num_experts // num_groups
+    if top_k > topk_groups * group_size:
+        raise ValueError(
+            f"top_k={top_k} exceeds the experts in the kept groups: topk_groups={topk_groups} "
+            f"* (E/num_groups={group_size}) = {topk_groups * group_size}"
+        )
+    if topk_groups < num_groups and group_size < 2:
+        raise ValueError(
+            f"grouped routing scores a group by its 2 best experts, so E/num_groups must be >= 2, "
+            f"got E={num_experts}, num_groups={num_groups}"
+        )
+
+
+def _check_bias(correction_bias, num_experts, device) -> torch.Tensor | None:
+    if correction_bias is None:
+        return None
+    if not isinstance(correction_bias, torch.Tensor) or not correction_bias.is_floating_point():
+        raise ValueError(
+            f"correction_bias must be a floating point tensor of shape [E={num_experts}], got "
+            f"{getattr(correction_bias, 'dtype', type(correction_bias).__name__)}"
+        )
+    if tuple(correction_bias.shape) != (num_experts,):
+        raise ValueError(
+            f"correction_bias shape {tuple(correction_bias.shape)} does not match the router "
+            f"logits: expected ({num_experts},)"
+        )
+    bias = correction_bias.to(device=device, dtype=torch.float32)
+    if not bool(torch.isfinite(bias).all()):
+        raise ValueError("correction_bias has non-finite values (NaN or inf); expected all finite")
+    return bias

@@ -1,0 +1,225 @@
+"""`MoEWeights`: one layer's expert weights and scales, in the layout every backend reads.
+
+Layout (as vLLM, SGLang and transformers v5 fused experts):
+    w13 [E, 2N, H]: gate rows first, then up rows;  w2 [E, H, N].
+Scales (float32) by weight granularity:
+    tensor  w13_scale [E]              w2_scale [E]
+    channel w13_scale [E, 2N]          w2_scale [E, H]
+    block   w13_scale [E, 2N/128, ceil(H/128)]   w2_scale [E, ceil(H/128), N/128]
+Static activation scales (fp8-tensor-static): a13_scale and a2_scale, float32 [1], one per GEMM input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import quant
+from .spec import BLOCK, FP8_MAX, MoEShape, QuantScheme, get_scheme
+
+UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass(eq=False)
+class MoEWeights:
+    scheme: QuantScheme
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    a13_scale: torch.Tensor | None = None
+    a2_scale: torch.Tensor | None = None
+    # Per-backend derived state (e.g. a dequantized copy for the `torch` backend), built once.
+    prepared: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.scheme = get_scheme(self.scheme)
+        _validate(self)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_fp8(
+        cls,
+        scheme: str | QuantScheme,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_scale: torch.Tensor,
+        w2_scale: torch.Tensor,
+        a13_scale: torch.Tensor | None = None,
+        a2_scale: torch.Tensor | None = None,
+    ) -> "MoEWeights":
+        """Wrap FP8 tensors and scales that already exist (a checkpoint), validating every one."""
+        scheme = get_scheme(scheme)
+        if not scheme.is_fp8:
+            raise ValueError(f"from_fp8 needs an FP8 scheme, got {scheme.name!r}")
+        return cls(scheme, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.w13.shape[2]
+
+    @property
+    def n(self) -> int:
+        """Intermediate size per expert (on this GPU)."""
+        return self.w2.shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13.device
+
+    def shape(self, top_k: int) -> MoEShape:
+        return MoEShape(self.num_experts, self.hidden, self.n, top_k)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        names = ("w13", "w2", "w13_scale", "w2_scale", "a13_scale", "a2_scale")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weights and scales (not of any backend's prepared copies)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def to(self, device: torch.device | str) -> "MoEWeights":
+        moved = {k: v.to(device) for k, v in self.tensors().items()}
+        return MoEWeights(self.scheme, **moved)
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 (w13 [E, 2N, H], w2 [E, H, N])."""
+        return self.dequantize_expert(slice(None))
+
+    def dequantize_expert(self, experts: int | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 weights of some experts, without materialising the others."""
+        if isinstance(experts, int):
+            experts = slice(experts, experts + 1)
+        if not self.scheme.is_fp8:
+            return self.w13[experts].float(), self.w2[experts].float()
+        g = self.scheme.weight
+        return (
+            quant.dequantize_weight(self.w13[experts], self.w13_scale[experts], g),
+            quant.dequantize_weight(self.w2[experts], self.w2_scale[experts], g),
+        )
+
+
+def _check_tensor(name: str, t, dtypes, shape, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"MoEWeights.{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ValueError(
+            f"MoEWeights.{name} has dtype {t.dtype}; expected {' or '.join(map(str, dtypes))}"
+        )
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"MoEWeights.{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
+    if t.device != device:
+        raise ValueError(f"MoEWeights.{name} is on {t.device} but w13 is on {device}")
+
+
+def _validate(w: MoEWeights) -> None:
+    s = w.scheme
+    for name in ("w13", "w2"):
+        t = getattr(w, name)
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"MoEWeights.{name} must be a 3-D tensor, got {got}")
+    E, two_n, H = w.w13.shape
+    if two_n % 2:
+        raise ValueError(f"MoEWeights.w13 has {two_n} rows; expected 2N (gate rows then up rows)")
+    N = two_n // 2
+    device = w.w13.device
+    wdtypes = (quant.FP8_DTYPE,) if s.is_fp8 else UNQUANTIZED_DTYPES
+    _check_tensor("w13", w.w13, wdtypes, None, device)
+    _check_tensor("w2", w.w2, (w.w13.dtype,), (E, H, N), device)
+
+    if not s.is_fp8:
+        extra = [k for k in ("w13_scale", "w2_scale", "a13_scale", "a2_scale") if getattr(w, k) is not None]
+        if extra:
+            raise ValueError(f"scheme {s.name} is unquantized but scales were given: {', '.join(extra)}")
+        return
+
+    if s.weight == "block" and N % BLOCK:
+        raise ValueError(
+            f"scheme {s.name} needs the intermediate size per GPU to be a multiple of {BLOCK} "
+            f"(gate and up rows must not share a 128-row block), got N={N}"
+        )
+    for name, rows, cols in (("w13_scale", 2 * N, H), ("w2_scale", H, N)):
+        t = getattr(w, name)
+        if t is None:
+            raise ValueError(f"scheme {s.name} has FP8 weights, so MoEWeights.{name} is required")
+        _check_tensor(name, t, (torch.float32,), quant.weight_scale_shape(s.weight, E, rows, cols), device)
+    for name in ("a13_scale", "a2_scale"):
+        t = getattr(w, name)
+        if s.static_activation:
+            if t is None:
+                raise ValueError(
+                    f"scheme {s.name} uses static activation scales, so MoEWeights.{name} is required"
+                )
+            _check_tensor(name, t, (torch.float32,), (1,), device)
+        elif t is not None:
+            raise ValueError(f"scheme {s.name} computes activation scales per call; {name} must be None")
+
+
+def quantize_weights(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    scheme: str | QuantScheme,
+    *,
+    input_scales: tuple[float | torch.Tensor, float | torch.Tensor] | None = None,
+    calibration: torch.Tensor | None = None,
+) -> MoEWeights:
+    """Quantize float expert weights (w13 [E, 2N, H], w2 [E, H, N]) to `scheme`.
+
+    fp8-tensor-static also needs the static activation scales of both GEMM inputs: pass them as
+    `input_scales=(a13_scale, a2_scale)`, or pass activations `calibration=x [T, H]` to measure
+    them (x is sent through every expert, a conservative bound on what routing will send).
+    """
+    scheme = get_scheme(scheme)
+    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
+        raise TypeError("quantize_weights takes torch tensors w13 [E, 2N, H] and w2 [E, H, N]")
+    if not w13.is_floating_point() or w13.dtype == quant.FP8_DTYPE:
+        raise ValueError(f"quantize_weights needs float weights, got w13 of dtype {w13.dtype}")
+    if not scheme.is_fp8:
+        return MoEWeights(scheme, w13, w2)
+    q13, s13 = quant.quantize_weight(w13, scheme.weight)
+    q2, s2 = quant.quantize_weight(w2, scheme.weight)
+    a13 = a2 = None
+    if scheme.static_activation:
+        if input_scales is not None and calibration is not None:
+            raise ValueError("give either input_scales= or calibration=, not both")
+        if input_scales is not None:
+            a13, a2 = (torch.as_tensor(s, dtype=torch.float32, device=w13.device).reshape(1) for s in input_scales)
+        elif calibration is not None:
+            a13, a2 = _calibrate(w13, w2, calibration)
+        else:
+            raise ValueError(
+                f"scheme {scheme.name} uses static activation scales: pass input_scales=(a13, a2) "
+                "from the checkpoint or calibration=x (sample activations [T, H]) to measure them"
+            )
+        for name, s in (("a13", a13), ("a2", a2)):
+            if not bool(torch.isfinite(s).all()) or float(s) <= 0:
+                raise ValueError(f"static activation scale {name} must be positive and finite, got {float(s)}")
+    return MoEWeights(scheme, q13, q2, s13, s2, a13, a2)
+
+
+@torch.no_grad()
+def _calibrate(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() != 2 or x.shape[1] != w13.shape[2] or x.shape[0] == 0:
+        raise ValueError(
+            f"calibration activations must be [T > 0, hidden={w13.shape[2]}], got {tuple(x.shape)}"
+        )
+    x = x.to(w13.device).float()
+    a13 = quant.scale_from_amax(x.abs().amax()).reshape(1)
+    xq = quant.fake_quantize_activation(x, "tensor", a13)
+    N = w2.shape[2]
+    amax = torch.zeros((), device=x.device)
+    for e in range(w13.shape[0]):  # one expert at a time bounds the memory to [T, 2N]
+        h = xq @ w13[e].float().T
+        amax = torch.maximum(amax, (torch.nn.functional.silu(h[:, :N]) * h[:, N:]).abs().amax())
+    return a13, quant.scale_from_amax(amax).reshape(1)
+
+
+__all__ = ["MoEWeights", "quantize_weights", "FP8_MAX"]

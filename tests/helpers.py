@@ -1,0 +1,50 @@
+"""Shared test helpers: random problems and error metrics."""
+
+from __future__ import annotations
+
+import torch
+
+import moekit
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref||, in float64."""
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+def max_rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| scaled by max |ref| (catches a few badly wrong elements that L2 hides)."""
+    out, ref = out.double(), ref.double()
+    return float((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+
+
+def random_weights(E, H, N, scheme, *, dtype=torch.bfloat16, device="cpu", seed=0):
+    """Random expert weights quantized to `scheme`, scaled so activations stay O(1)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    w13 = torch.randn(E, 2 * N, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, N, generator=g) / N**0.5
+    scheme = moekit.get_scheme(scheme)
+    kw = {}
+    if scheme.static_activation:
+        kw["calibration"] = torch.randn(64, H, generator=g)
+    if not scheme.is_fp8:
+        w13, w2 = w13.to(dtype), w2.to(dtype)
+    return moekit.quantize_weights(w13, w2, scheme, **kw).to(device)
+
+
+def random_routing(M, E, K, *, device="cpu", seed=0, experts=None):
+    """Random top-k routing (distinct experts per token). `experts` restricts the choice to a
+    subset, so that the other experts receive no tokens."""
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    pool = torch.arange(E) if experts is None else torch.as_tensor(experts)
+    if K > len(pool):
+        raise ValueError("top-k larger than the expert pool")
+    ids = torch.stack([pool[torch.randperm(len(pool), generator=g)[:K]] for _ in range(M)]) if M else torch.zeros(0, K, dtype=torch.long)
+    weights = torch.rand(M, K, generator=g) + 0.1
+    return weights.to(device), ids.to(torch.int32).to(device)
+
+
+def random_x(M, H, *, dtype=torch.bfloat16, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed + 2)
+    return torch.randn(M, H, generator=g).to(dtype).to(device)

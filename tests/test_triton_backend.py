@@ -1,0 +1,213 @@
+"""The triton backend against `reference`: under TRITON_INTERPRET=1 on the CPU (small shapes),
+and at the real preset shapes on a GPU (marked `gpu`)."""
+
+import pytest
+import torch
+
+import moekit
+from moekit.backends.reference import reference_moe
+from moekit.backends.triton import KernelConfig
+from moekit.backends.triton.launch import align_pairs
+
+from helpers import max_rel, random_routing, random_weights, random_x, rel_l2
+
+SCHEMES = ["bf16", "fp8-tensor-static", "fp8-tensor-dynamic", "fp8-channel-token", "fp8-block128"]
+
+# Tolerances. The reference multiplies the same quantized inputs in float32, so the differences
+# are roundings, not quantization: each pair's weighted output is stored in bf16 before the
+# combine (2**-9 relative per element at most), the two final outputs are each rounded to bf16
+# (2**-9 each), and the float32 sums run in another order, which now and then moves an
+# intermediate value across an FP8 rounding boundary (one element off by one FP8 step, 2**-4 of
+# itself, diluted over N terms). Three bf16 roundings bound the per-element error by
+# 3 * 2**-9 ~ 6e-3 of |ref| at worst; random roundings give an L2 error near 2e-3 (measured
+# 2.6e-3 to 3.1e-3 on the CPU). A wrong scale or a wrong row moves the error to 1e-1 or more.
+REL_L2_TOL = 1e-2
+MAX_REL_TOL = 2e-2
+
+
+def reference_for(x, w, tw, ids):
+    # fp8-channel-token's intermediate is quantized per 1x128 group by this backend (documented)
+    group = "group" if w.scheme.name == "fp8-channel-token" else None
+    return reference_moe(x, w, tw, ids, intermediate_granularity=group)
+
+
+def check(x, w, tw, ids, **kw):
+    out = moekit.fused_moe(x, w, tw, ids, backend="triton", **kw)
+    ref = reference_for(x, w, tw, ids)
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    assert torch.isfinite(out).all()
+    assert rel_l2(out, ref) < REL_L2_TOL, rel_l2(out, ref)
+    assert max_rel(out, ref) < MAX_REL_TOL, max_rel(out, ref)
+    return out
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize(
+    "E,H,N,M,K",
+    [
+        (3, 144, 128, 5, 2),  # hidden not a multiple of the 128 K-tile
+        (5, 256, 128, 1, 1),  # M = 1, top-1
+        (5, 128, 256, 3, 5),  # top-k = E
+    ],
+)
+def test_matches_reference(scheme, E, H, N, M, K, device):
+    w = random_weights(E, H, N, scheme, device=device, seed=E * M)
+    tw, ids = random_routing(M, E, K, device=device, seed=M)
+    check(random_x(M, H, device=device, seed=K), w, tw, ids)
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8-channel-token", "fp8-tensor-dynamic"])
+def test_intermediate_not_a_multiple_of_the_tiles(scheme, device):
+    w = random_weights(3, 208, 96, scheme, device=device)  # N = 96: a partial 64-wide tile and 128-group
+    tw, ids = random_routing(7, 3, 2, device=device)
+    check(random_x(7, 208, device=device), w, tw, ids)
+
+
+def test_fp16_activations(device):
+    w = random_weights(3, 128, 128, "bf16", dtype=torch.float16, device=device)
+    tw, ids = random_routing(4, 3, 2, device=device)
+    check(random_x(4, 128, dtype=torch.float16, device=device), w, tw, ids)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-channel-token", "fp8-block128"])
+def test_experts_without_tokens_and_all_on_one_expert(scheme, device):
+    w = random_weights(5, 128, 128, scheme, device=device)
+    x = random_x(6, 128, device=device)
+    tw, ids = random_routing(6, 5, 2, device=device, experts=[1, 3])  # experts 0, 2, 4 idle
+    check(x, w, tw, ids)
+    tw, ids = random_routing(6, 5, 1, device=device, experts=[4])  # every token on expert 4
+    check(x, w, tw, ids)
+
+
+def test_top8_many_pairs_uses_the_multi_program_alignment(device):
+    # 20 tokens x top-8 = 160 pairs > 128: the count / scan / scatter kernels
+    w = random_weights(9, 128, 128, "fp8-block128", device=device)
+    tw, ids = random_routing(20, 9, 8, device=device)
+    check(random_x(20, 128, device=device), w, tw, ids)
+
+
+def test_m_zero_and_apply_on_input(device):
+    w = random_weights(3, 128, 128, "fp8-channel-token", device=device)
+    x = random_x(4, 128, device=device)
+    tw, ids = random_routing(4, 3, 1, device=device)
+    assert moekit.fused_moe(x[:0], w, tw[:0], ids[:0], backend="triton").shape == (0, 128)
+    out = moekit.fused_moe(x, w, tw, ids, backend="triton", apply_router_weight_on_input=True)
+    ref = moekit.fused_moe(x, w, tw, ids, backend="reference", apply_router_weight_on_input=True)
+    # the reference quantizes per row what the backend quantizes per group: compare loosely
+    assert rel_l2(out, ref) < 5e-2
+
+
+@pytest.mark.parametrize("P,E,block_m", [(7, 3, 16), (128, 5, 16), (300, 7, 32), (129, 130, 16)])
+def test_alignment_is_a_padded_stable_sort(P, E, block_m, device):
+    g = torch.Generator().manual_seed(P)
+    ids = torch.randint(0, E, (P,), generator=g, dtype=torch.int32)
+    ids[: min(P, 3)] = 0  # never an empty problem
+    al = align_pairs(ids.view(-1, 1).to(device), E, block_m)
+    count, start = al.count.cpu(), al.start.cpu()
+    assert torch.equal(count, torch.bincount(ids.long(), minlength=E).int())
+    padded = (count + block_m - 1) // block_m * block_m
+    assert torch.equal(start[1:] - start[:-1], padded)
+    assert start[0] == 0 and start[-1] <= al.max_rows
+    pairs = al.sorted_pairs.cpu()
+    for e in range(E):
+        got = pairs[start[e] : start[e] + count[e]]
+        # the pairs of expert e, in increasing order: the same layout on every run
+        assert torch.equal(got, torch.nonzero(ids == e).flatten().int())
+
+
+def test_config_problems_are_reported():
+    with pytest.raises(ValueError, match="BLOCK_K=64 must be 128"):
+        w = random_weights(3, 128, 128, "fp8-block128")
+        tw, ids = random_routing(2, 3, 1)
+        backend = moekit.get_backend("triton")
+        backend.run(random_x(2, 128), w, tw, ids, config=KernelConfig(BLOCK_K=64))
+    assert "BLOCK_N=256 must divide 128" in " ".join(KernelConfig(BLOCK_N=256).problems(moekit.get_scheme("fp8-block128")))
+
+
+def test_supports_names_every_reason():
+    from moekit.spec import MoEShape
+
+    reasons = moekit.get_backend("triton").supports(
+        MoEShape(4, 100, 40, 2), moekit.get_scheme("bf16"), torch.device("cpu"), torch.float32
+    )
+    text = " ".join(reasons)
+    assert "float32" in text and "multiples of 16" in text
+
+
+# ------------------------------------------------------------------------------------ GPU
+PRESET_SHAPES = {  # the anchor shapes: (E, H, N, K, scheme)
+    "glm-4.5v-fp8 tp2": (128, 4096, 704, 8, "fp8-channel-token"),
+    "mixtral-8x7b": (8, 4096, 14336, 2, "fp8-channel-token"),
+    "deepseek-v3 tp8": (256, 7168, 256, 8, "fp8-block128"),
+    "qwen3-30b-a3b": (128, 2048, 768, 8, "fp8-block128"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(PRESET_SHAPES))
+@pytest.mark.parametrize("M", [1, 7, 300])
+def test_gpu_preset_shapes(name, M):
+    E, H, N, K, scheme = PRESET_SHAPES[name]
+    w = random_weights(E, H, N, scheme, device="cuda")
+    tw, ids = random_routing(M, E, K, device="cuda", seed=M)
+    check(random_x(M, H, device="cuda"), w, tw, ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_gpu_every_scheme_with_idle_experts(scheme):
+    E, H, N, K = 64, 2048, 768, 8
+    w = random_weights(E, H, N, scheme, device="cuda")
+    tw, ids = random_routing(33, E, K, device="cuda", experts=list(range(0, E, 3)))
+    check(random_x(33, H, device="cuda"), w, tw, ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [4, 1000])
+def test_gpu_bitwise_deterministic(M):
+    E, H, N, K = 128, 4096, 704, 8
+    w = random_weights(E, H, N, "fp8-channel-token", device="cuda")
+    tw, ids = random_routing(M, E, K, device="cuda")
+    x = random_x(M, H, device="cuda")
+    first = moekit.fused_moe(x, w, tw, ids, backend="triton")
+    for _ in range(5):
+        assert torch.equal(moekit.fused_moe(x, w, tw, ids, backend="triton"), first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [2, 512])
+def test_gpu_cuda_graph_replay_with_fresh_routing(M):
+    E, H, N, K = 128, 4096, 704, 8
+    w = random_weights(E, H, N, "fp8-channel-token", device="cuda")
+    x = random_x(M, H, device="cuda")
+    tw, ids = random_routing(M, E, K, device="cuda", seed=1)
+    moekit.fused_moe(x, w, tw, ids, backend="triton")  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moekit.fused_moe(x, w, tw, ids, backend="triton")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moekit.fused_moe(x, w, tw, ids, backend="triton")
+    for seed in (2, 3):  # new routing, new inputs, same buffers
+        tw2, ids2 = random_routing(M, E, K, device="cuda", seed=seed)
+        x2 = random_x(M, H, device="cuda", seed=seed)
+        tw.copy_(tw2), ids.copy_(ids2), x.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, moekit.fused_moe(x2, w, tw2, ids2, backend="triton"))
+
+
+@pytest.mark.parametrize("scheme", ["fp8-channel-token", "fp8-block128"])
+def test_group_quantization_fused_into_gemm1(scheme, device):
+    # BLOCK_N = 128: GEMM1's epilogue quantizes each 1x128 group, GEMM2 reads FP8 (A_MODE 4);
+    # N = 384 for the block scheme, 208 (a partial last group) otherwise
+    N = 384 if scheme == "fp8-block128" else 208
+    w = random_weights(3, 256, N, scheme, device=device)
+    tw, ids = random_routing(5, 3, 2, device=device)
+    x = random_x(5, 256, device=device)
+    cfg = KernelConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=4)
+    out = moekit.get_backend("triton").run(x, w, tw.float(), ids, config=cfg)
+    ref = reference_for(x, w, tw, ids)
+    assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < MAX_REL_TOL
