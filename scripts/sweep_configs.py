@@ -26,8 +26,10 @@ backend = moekit.get_backend("triton")
 for M in args.batch_sizes:
     w, x, tw, ids = random_problem(shape, scheme, M)
     default = backend.config_for(w, shape.top_k, M, x.device)
-    grid = [KernelConfig(bm, bn, 128, g, nw, ns) for bm, bn, g, nw, ns in itertools.product(
-        (16, 32, 64) if M <= 256 else (64, 128), (64, 128), (8,), (4, 8), (3, 4))]
+    if M * shape.top_k / shape.num_experts <= 16:  # decode: small tiles, how narrow and how deep
+        grid = [KernelConfig(16, bn, 128, 1, nw, ns) for bn, nw, ns in itertools.product((16, 32, 64), (2, 4), (3, 4, 5))]
+    else:
+        grid = [KernelConfig(bm, bn, 128, 8, nw, ns) for bm, bn, nw, ns in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))]
     results = []
     for cfg in [default] + grid:
         if cfg.problems(w.scheme):

@@ -68,7 +68,8 @@ def _chunk_counts(ids_ptr, counts_ptr, chunk, P, E, CHUNK: tl.constexpr, E_BLOCK
 
 
 @triton.jit
-def _scatter_chunk(ids_ptr, sorted_ptr, chunk_offset_ptr, start_ptr, chunk, P, CHUNK: tl.constexpr):
+def _scatter_chunk(ids_ptr, sorted_ptr, chunk_offset_ptr, start_ptr, chunk, P, CHUNK: tl.constexpr,
+                   HAS_EARLIER_CHUNKS: tl.constexpr):
     """Write each pair p of this chunk to row start[e] + (pairs of e in earlier chunks) + rank."""
     local = tl.arange(0, CHUNK)
     offs = chunk * CHUNK + local
@@ -77,7 +78,9 @@ def _scatter_chunk(ids_ptr, sorted_ptr, chunk_offset_ptr, start_ptr, chunk, P, C
     same = (ids[:, None] == ids[None, :]) & (local[None, :] < local[:, None])
     rank = tl.sum(same.to(tl.int32), axis=1)  # earlier pairs of the same expert in this chunk
     safe_ids = tl.where(valid, ids, 0)
-    row = tl.load(start_ptr + safe_ids, mask=valid) + tl.load(chunk_offset_ptr + safe_ids, mask=valid) + rank
+    row = tl.load(start_ptr + safe_ids, mask=valid) + rank
+    if HAS_EARLIER_CHUNKS:
+        row += tl.load(chunk_offset_ptr + safe_ids, mask=valid)
     tl.store(sorted_ptr + row, offs, mask=valid)
 
 
@@ -97,21 +100,14 @@ def _padded_starts(counts_ptr, count_out_ptr, start_ptr, E, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def align_single_kernel(
-    ids_ptr,  # (P,) int32 expert of each pair
-    sorted_ptr,  # (max_rows,) int32 out: pair of each sorted row
-    count_ptr,  # (E,) int32 out: pairs per expert
-    start_ptr,  # (E + 1,) int32 out: first row of each expert
-    zero_ptr,  # (E,) int32 zeros: no earlier chunks
-    P, E,
-    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr,
-):
-    """The whole alignment in one program, for P <= CHUNK (decode sizes): one launch."""
+def _align_single(ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E,
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr):
+    """The whole alignment in one program, for P <= CHUNK (decode sizes)."""
     _chunk_counts(ids_ptr, count_ptr, 0, P, E, CHUNK, E_BLOCK)
     tl.debug_barrier()  # the counts written above are read back by other threads
     _padded_starts(count_ptr, count_ptr, start_ptr, E, BLOCK_M, E_BLOCK)
     tl.debug_barrier()
-    _scatter_chunk(ids_ptr, sorted_ptr, zero_ptr, start_ptr, 0, P, CHUNK)
+    _scatter_chunk(ids_ptr, sorted_ptr, count_ptr, start_ptr, 0, P, CHUNK, False)
 
 
 @triton.jit
@@ -143,7 +139,7 @@ def align_scan_kernel(
 @triton.jit
 def align_scatter_kernel(ids_ptr, sorted_ptr, chunk_offsets_ptr, start_ptr, P, E, CHUNK: tl.constexpr):
     chunk = tl.program_id(0)
-    _scatter_chunk(ids_ptr, sorted_ptr, chunk_offsets_ptr + chunk * E, start_ptr, chunk, P, CHUNK)
+    _scatter_chunk(ids_ptr, sorted_ptr, chunk_offsets_ptr + chunk * E, start_ptr, chunk, P, CHUNK, True)
 
 
 # --------------------------------------------------------------------------- activation quantization
@@ -153,16 +149,11 @@ def align_scatter_kernel(ids_ptr, sorted_ptr, chunk_offsets_ptr, start_ptr, P, E
 
 
 @triton.jit
-def quantize_rows_kernel(
-    x_ptr,  # (M, H) bf16/fp16
-    q_ptr,  # (M, H) fp8 out
-    scale_ptr,  # (M,) or (M, ceil(H/128)) float32 out; or (1,) in for MODE 3
-    amax_ptr,  # (1,) float32 shared maximum (MODE 2 writes it, MODE 3 + FROM_AMAX reads it)
-    H, stride_x, stride_q, stride_s,
+def _quantize_row(
+    row, x_ptr, q_ptr, scale_ptr, amax_ptr, H, stride_x, stride_q, stride_s,
     MODE: tl.constexpr, FROM_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)
     if MODE == 2:
@@ -188,6 +179,43 @@ def quantize_rows_kernel(
             q = x / scale
         q = tl.clamp(q, -448.0, 448.0)
         tl.store(q_ptr + row * stride_q + cols, _to_fp8(q, INTERPRET), mask=cols < H)
+
+
+@triton.jit
+def quantize_rows_kernel(
+    x_ptr,  # (M, H) bf16/fp16
+    q_ptr,  # (M, H) fp8 out
+    scale_ptr,  # (M,) or (M, ceil(H/128)) float32 out; or (1,) in for MODE 3
+    amax_ptr,  # (1,) float32 shared maximum (MODE 2 writes it, MODE 3 + FROM_AMAX reads it)
+    H, stride_x, stride_q, stride_s,
+    MODE: tl.constexpr, FROM_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    _quantize_row(tl.program_id(0).to(tl.int64), x_ptr, q_ptr, scale_ptr, amax_ptr, H, stride_x, stride_q,
+                  stride_s, MODE, FROM_AMAX, BLOCK_H, GROUP, INTERPRET)
+
+
+@triton.jit
+def align_single_kernel(ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E,
+                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr):
+    _align_single(ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E, BLOCK_M, CHUNK, E_BLOCK)
+
+
+@triton.jit
+def decode_prologue_kernel(
+    ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E,
+    x_ptr, q_ptr, scale_ptr, H, stride_x, stride_q, stride_s,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr,
+    MODE: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Alignment (program 0) and the quantization of every row of x (programs 1..M) in one
+    launch: at decode sizes each launch costs about as much as the work itself."""
+    pid = tl.program_id(0)
+    if pid == 0:
+        _align_single(ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E, BLOCK_M, CHUNK, E_BLOCK)
+    else:
+        _quantize_row((pid - 1).to(tl.int64), x_ptr, q_ptr, scale_ptr, scale_ptr, H, stride_x, stride_q,
+                      stride_s, MODE, False, BLOCK_H, GROUP, INTERPRET)
 
 
 # --------------------------------------------------------------------------- expert GEMMs

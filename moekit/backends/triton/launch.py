@@ -82,8 +82,11 @@ class TritonBackend(Backend):
         problems = cfg.problems(weights.scheme)
         if problems:
             raise ValueError(f"kernel config {cfg} cannot run {weights.scheme.name}: {'; '.join(problems)}")
-        align = align_pairs(topk_ids, weights.num_experts, cfg.BLOCK_M)
-        a, a_scale = quantize_input(x, weights)
+        if M * K <= SINGLE_ALIGN_MAX_PAIRS and _row_quant_mode(weights.scheme) is not None:
+            align, a, a_scale = align_and_quantize(x, weights, topk_ids, cfg.BLOCK_M)
+        else:
+            align = align_pairs(topk_ids, weights.num_experts, cfg.BLOCK_M)
+            a, a_scale = quantize_input(x, weights)
         act = gemm1(a, a_scale, weights, align, K, x.dtype, cfg)
         pairs = gemm2(act, weights, align, topk_weights, x.dtype, cfg)
         return combine(pairs, M, K)
@@ -117,18 +120,12 @@ class Alignment:
 
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
-    P, E = topk_ids.numel(), num_experts
-    ids = topk_ids.reshape(-1)
-    # every non-empty expert wastes at most block_m - 1 rows; at most min(E, P) are non-empty
-    max_rows = P + min(E, P) * (block_m - 1)
-    dev = ids.device
-    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=dev)
-    count = torch.empty(E, dtype=torch.int32, device=dev)
-    start = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    align = _empty_alignment(topk_ids, num_experts, block_m)
+    P, E, ids, dev = align.num_pairs, num_experts, topk_ids.reshape(-1), topk_ids.device
+    sorted_pairs, count, start = align.sorted_pairs, align.count, align.start
     if P <= SINGLE_ALIGN_MAX_PAIRS:
-        zeros = torch.zeros(E, dtype=torch.int32, device=dev)
         k.align_single_kernel[(1,)](
-            ids, sorted_pairs, count, start, zeros, P, E,
+            ids, sorted_pairs, count, start, P, E,
             BLOCK_M=block_m, CHUNK=SINGLE_ALIGN_MAX_PAIRS, E_BLOCK=E_BLOCK,
         )
     else:
@@ -141,7 +138,43 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
             BLOCK_M=block_m, C_POW2=triton.next_power_of_2(chunks), E_BLOCK=16,
         )
         k.align_scatter_kernel[(chunks,)](ids, sorted_pairs, chunk_counts, start, P, E, CHUNK=CHUNK)
-    return Alignment(sorted_pairs, count, start, max_rows, P)
+    return align
+
+
+def _empty_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    P, E, dev = topk_ids.numel(), num_experts, topk_ids.device
+    # every non-empty expert wastes at most block_m - 1 rows; at most min(E, P) are non-empty
+    max_rows = P + min(E, P) * (block_m - 1)
+    return Alignment(
+        torch.empty(max_rows, dtype=torch.int32, device=dev),
+        torch.empty(E, dtype=torch.int32, device=dev),
+        torch.empty(E + 1, dtype=torch.int32, device=dev),
+        max_rows, P,
+    )
+
+
+def _row_quant_mode(scheme: QuantScheme) -> int | None:
+    """quantize_rows_kernel's MODE for schemes quantized row by row (None otherwise)."""
+    if not scheme.is_fp8:
+        return None
+    if scheme.static_activation:
+        return 3
+    return {"token": 0, "group": 1}.get(scheme.activation)
+
+
+def _input_scale(x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
+    M, H = x.shape
+    if weights.scheme.static_activation:
+        return weights.a13_scale
+    if weights.scheme.activation == "token":
+        return torch.empty(M, dtype=torch.float32, device=x.device)
+    if weights.scheme.activation == "group":
+        return torch.empty(M, triton.cdiv(H, 128), dtype=torch.float32, device=x.device)
+    return torch.empty(1, dtype=torch.float32, device=x.device)
+
+
+def _block_h(H: int) -> int:
+    return triton.next_power_of_2(max(H, 128))
 
 
 def quantize_input(x: torch.Tensor, weights: MoEWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -152,26 +185,37 @@ def quantize_input(x: torch.Tensor, weights: MoEWeights) -> tuple[torch.Tensor, 
     M, H = x.shape
     x = x.contiguous()
     q = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=x.device)
-    block_h = triton.next_power_of_2(max(H, 128))
+    scale = _input_scale(x, weights)
     launch = functools.partial(
-        k.quantize_rows_kernel[(M,)], x, q, H=H, stride_x=x.stride(0), stride_q=q.stride(0),
-        BLOCK_H=block_h, GROUP=128, INTERPRET=_interpreting(),
+        k.quantize_rows_kernel[(M,)], x, q, scale, H=H, stride_x=x.stride(0), stride_q=q.stride(0),
+        stride_s=scale.stride(0) if scale.dim() == 2 else 0, BLOCK_H=_block_h(H), GROUP=128,
+        INTERPRET=_interpreting(),
     )
-    if scheme.activation == "token":
-        scale = torch.empty(M, dtype=torch.float32, device=x.device)
-        launch(scale_ptr=scale, amax_ptr=scale, stride_s=1, MODE=0, FROM_AMAX=False)
-    elif scheme.activation == "group":
-        scale = torch.empty(M, triton.cdiv(H, 128), dtype=torch.float32, device=x.device)
-        launch(scale_ptr=scale, amax_ptr=scale, stride_s=scale.stride(0), MODE=1, FROM_AMAX=False)
-    elif scheme.static_activation:
-        scale = weights.a13_scale
-        launch(scale_ptr=scale, amax_ptr=scale, stride_s=0, MODE=3, FROM_AMAX=False)
+    mode = _row_quant_mode(scheme)
+    if mode is not None:
+        launch(amax_ptr=scale, MODE=mode, FROM_AMAX=False)
     else:  # one dynamic scale for the whole tensor: a max pass, then the quantizing pass
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-        scale = torch.empty(1, dtype=torch.float32, device=x.device)
-        launch(scale_ptr=scale, amax_ptr=amax, stride_s=0, MODE=2, FROM_AMAX=False)
-        launch(scale_ptr=scale, amax_ptr=amax, stride_s=0, MODE=3, FROM_AMAX=True)
+        launch(amax_ptr=amax, MODE=2, FROM_AMAX=False)
+        launch(amax_ptr=amax, MODE=3, FROM_AMAX=True)
     return q, scale
+
+
+def align_and_quantize(x, weights: MoEWeights, topk_ids, block_m: int):
+    """align_pairs and quantize_input in one launch (decode sizes, row-wise schemes)."""
+    M, H = x.shape
+    x = x.contiguous()
+    align = _empty_alignment(topk_ids, weights.num_experts, block_m)
+    q = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = _input_scale(x, weights)
+    k.decode_prologue_kernel[(1 + M,)](
+        topk_ids.reshape(-1), align.sorted_pairs, align.count, align.start, align.num_pairs,
+        weights.num_experts, x, q, scale, H, x.stride(0), q.stride(0),
+        scale.stride(0) if scale.dim() == 2 else 0,
+        BLOCK_M=block_m, CHUNK=SINGLE_ALIGN_MAX_PAIRS, E_BLOCK=E_BLOCK,
+        MODE=_row_quant_mode(weights.scheme), BLOCK_H=_block_h(H), GROUP=128, INTERPRET=_interpreting(),
+    )
+    return align, q, scale
 
 
 def _tiles(align: Alignment, cfg: KernelConfig, width: int) -> tuple[int]:
