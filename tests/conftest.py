@@ -22,3 +22,18 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """Register extra backends for one test; the registry and select's cache are restored after."""
+    import moekit.select
+    from moekit.backends import base
+
+    monkeypatch.setattr(moekit.select, "_supports_cache", {})
+
+    def add(backend):
+        monkeypatch.setitem(base._REGISTRY, backend.name, backend)
+        return backend
+
+    return add

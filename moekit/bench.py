@@ -1,0 +1,955 @@
+"""`moekit bench`: every backend on real model shapes, against the roofline, with accuracy.
+
+For each model, batch size M and backend, one point: the layer (or its expert GEMMs alone) timed
+by the shared harness (`moekit.timing.time_graph`: CUDA graphs, L2 flushed before each replay and
+its time subtracted, median of repeated replays), the flops and bytes of `moekit.roofline`, the
+floor of the measured ceilings, the speedup against a baseline backend, and the relative error of
+the backend's output against `reference` on the same inputs.
+
+Inputs are random (never zeros); routing is precomputed and shared by every backend of a point:
+    uniform  K distinct experts per token, uniformly at random
+    skewed   K distinct experts per token drawn from a Zipf-like expert popularity (seeded)
+    FILE     recorded topk_ids [M', K] (.pt or .npy): the first M rows, tiled if M' < M
+
+Without a CUDA GPU the same pipeline runs the CPU backends on a scaled-down shape (`cpu_shape`).
+
+Gemm-only mode (`--mode gemm`) times the two expert GEMMs alone, on inputs already quantized and
+aligned. A backend opts in by defining the optional hook (duck-typed, see `GemmOnly`):
+
+    backend.prepare_gemm_only(x, weights, topk_weights, topk_ids) -> callable
+
+which does all the preparation (quantize x, align/permute tokens) once and returns a closure that
+runs only GEMM1 and GEMM2. Backends without it are reported as "n/a (no gemm-only mode)".
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from . import roofline
+from .api import fused_moe, validate_inputs
+from .backends import backend_names, get_backend
+from .models import ModelSpec, get_model
+from .select import select_backend
+from .spec import MoEShape, QuantScheme, get_scheme
+from .timing import DEFAULT_REPS, DEFAULT_WARMUP, Timing, time_graph
+from .weights import MoEWeights, quantize_weights
+
+
+class BenchInputError(ValueError):
+    """Bad input to bench or check: the CLI prints it as one line and exits with status 2."""
+
+
+class GemmOnly(Protocol):
+    """The optional gemm-only hook of a backend (see the module docstring)."""
+
+    def prepare_gemm_only(
+        self, x: torch.Tensor, weights: MoEWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> Callable[[], Any]: ...
+
+
+GEMM_ONLY_HOOK = "prepare_gemm_only"
+NO_GEMM_ONLY = "n/a (no gemm-only mode)"
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+CPU_BATCH_SIZES = (1, 4, 16, 64)
+# The scaled-down shape of the CPU run: hidden and intermediate per expert shrunk, experts capped.
+CPU_HIDDEN, CPU_N, CPU_MAX_EXPERTS = 256, 128, 16
+# Backends that run on the CPU only inside the Triton interpreter: correct, but far too slow for
+# a default run (they stay available when named in --backends).
+INTERPRETED_ON_CPU = ("triton",)
+DEFAULT_BASELINES = ("cutlass", "torch", "reference")  # first runnable one, unless --baseline
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+ROUTINGS = ("uniform", "skewed")
+ZIPF_EXPONENT = 1.2  # popularity of the r-th most popular expert ~ 1 / r^1.2
+
+BASE_COLUMNS = (
+    "model", "scheme", "backend", "chosen", "mode", "batch_size", "median_us", "p20_us", "p80_us",
+    "tflops", "gbps", "floor_us", "efficiency",
+)  # then speedup_vs_<baseline>, rel_err, [model_moe_us], note
+# Every row carries where it came from, so that rows of many runs can be pooled and each still
+# reproduced: the same values as the JSON metadata.
+PROVENANCE_COLUMNS = ("device", "capability", "torch", "triton", "moekit", "git_commit", "date", "command")
+UNITS = {
+    "batch_size": "tokens (M)",
+    "median_us": "µs, median of the replays (L2 flushed, flush time subtracted)",
+    "p20_us": "µs, 20th percentile",
+    "p80_us": "µs, 80th percentile",
+    "tflops": "TFLOP/s (1e12), 2*M*topk*3*N*H / median",
+    "gbps": "GB/s (1e9 bytes/s), roofline bytes / median",
+    "floor_us": "µs, max(bytes / copy bandwidth, flops / matmul rate)",
+    "efficiency": "floor_us / median_us (1.0 = the physical limit)",
+    "speedup": "baseline median / this median",
+    "rel_err": "||out - ref||_2 / ||ref||_2 against the reference backend, same inputs",
+    "model_moe_us": "µs per decode step for the whole model: MoE layers x median_us",
+}
+
+
+# ------------------------------------------------------------------------------ input parsing
+
+
+def parse_batch_sizes(values: Sequence[str] | None, default: Sequence[int]) -> list[int]:
+    """Positive integers, from repeated and/or comma-separated strings; duplicates dropped."""
+    if not values:
+        return list(default)
+    sizes: list[int] = []
+    for value in values:
+        for part in str(value).replace(",", " ").split():
+            try:
+                size = int(part)
+            except ValueError:
+                raise BenchInputError(f"--batch-sizes: {part!r} is not an integer") from None
+            if size < 1:
+                raise BenchInputError(f"--batch-sizes: {size} is not a positive integer")
+            if size not in sizes:
+                sizes.append(size)
+    if not sizes:
+        raise BenchInputError("--batch-sizes: no batch size given")
+    return sizes
+
+
+def parse_names(values: Sequence[str] | None) -> list[str] | None:
+    if not values:
+        return None
+    names: list[str] = []
+    for value in values:
+        for part in str(value).replace(",", " ").split():
+            if part not in names:
+                names.append(part)
+    return names or None
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise BenchInputError(f"--dtype: {name!r} is not one of {', '.join(DTYPES)}") from None
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ---------------------------------------------------------------------------------- problems
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One model as it runs here: `shape` is the model's (CPU: scaled down), `spec` the model's own."""
+
+    spec: ModelSpec
+    shape: MoEShape
+    scheme: QuantScheme
+    scaled: bool
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.scheme.name}, {self.shape.describe()})"
+
+    def to_json(self) -> dict:
+        def shape_dict(s: MoEShape) -> dict:
+            return {
+                "num_experts": s.num_experts, "hidden": s.hidden, "intermediate": s.intermediate,
+                "n": s.n, "top_k": s.top_k, "tp": s.tp, "num_layers": s.num_layers,
+            }
+
+        return {
+            "name": self.name,
+            "model_type": self.spec.model_type,
+            "hf_id": self.spec.hf_id,
+            "scheme": self.scheme.name,
+            "shape": shape_dict(self.shape),
+            "model_shape": shape_dict(self.spec.shape),
+            "scaled_down": self.scaled,
+        }
+
+
+def cpu_shape(shape: MoEShape) -> MoEShape:
+    """The CPU stand-in of a layer: hidden <= 256, N <= 128, E <= 16, top-k <= E, tp 1; the MoE
+    layer count is kept (for whole-model estimates of the scaled-down model)."""
+    experts = min(shape.num_experts, CPU_MAX_EXPERTS)
+    return MoEShape(
+        num_experts=experts,
+        hidden=min(shape.hidden, CPU_HIDDEN),
+        intermediate=min(shape.n, CPU_N),
+        top_k=min(shape.top_k, experts),
+        tp=1,
+        num_layers=shape.num_layers,
+        shared_experts=shape.shared_experts,
+    )
+
+
+def cpu_banner(batch_sizes: Sequence[int]) -> str:
+    return (
+        "No CUDA GPU: running the CPU backends on a scaled-down shape (hidden <= "
+        f"{CPU_HIDDEN}, N <= {CPU_N}, experts <= {CPU_MAX_EXPERTS}, batch sizes "
+        f"{' '.join(map(str, batch_sizes))}); timings say nothing about a GPU"
+    )
+
+
+def resolve_problems(models: Sequence[str], tp: int, scheme: str | None, device: torch.device) -> list[Problem]:
+    if not models:
+        raise BenchInputError("give at least one --model (a preset name or a config.json / model folder)")
+    if not isinstance(tp, int) or tp < 1:
+        raise BenchInputError(f"--tp must be a positive integer, got {tp!r}")
+    override = None
+    if scheme is not None:
+        try:
+            override = get_scheme(scheme)
+        except ValueError as e:
+            raise BenchInputError(f"--scheme: {e}") from None
+    problems = []
+    for name in models:
+        try:
+            spec = get_model(name, tp=tp)
+        except (ValueError, OSError) as e:
+            raise BenchInputError(f"--model {name}: {_one_line(e)}") from None
+        s = override or spec.scheme
+        shape = spec.shape
+        scaled = device.type != "cuda"
+        if scaled:
+            shape = cpu_shape(shape)
+        if s.weight == "block" and shape.n % 128:
+            raise BenchInputError(
+                f"--model {name}: scheme {s.name} needs the intermediate size per GPU to be a multiple "
+                f"of 128, got {shape.n} (intermediate {spec.shape.intermediate} / tp {tp})"
+            )
+        problems.append(Problem(spec, shape, s, scaled))
+    return problems
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
+
+
+# ---------------------------------------------------------------------------------- backends
+
+
+@dataclasses.dataclass
+class BackendPlan:
+    """Which backends run for each problem, and why the others do not."""
+
+    per_problem: dict[str, list[str]]  # problem name -> backend names (may include "auto")
+    skipped: dict[str, dict[str, list[str]]]  # problem name -> backend -> reasons
+
+
+def plan_backends(
+    problems: Sequence[Problem],
+    requested: Sequence[str] | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    include_auto: bool = True,
+    extra: Sequence[str] = (),
+) -> BackendPlan:
+    """Default: every registered backend that can run the problem here (plus `auto`); a backend
+    named explicitly that cannot run is bad input, with its reasons."""
+    known = backend_names()
+    if requested:
+        for name in requested:
+            if name != "auto" and name not in known:
+                raise BenchInputError(
+                    f"--backends: unknown backend {name!r}; expected auto or one of: {', '.join(known)}"
+                )
+    per_problem: dict[str, list[str]] = {}
+    skipped: dict[str, dict[str, list[str]]] = {}
+    interpreting = device.type == "cpu"
+    for p in problems:
+        names: list[str] = []
+        skipped[p.name] = {}
+        candidates = list(requested) if requested else list(known)
+        for name in extra:
+            if name not in candidates:
+                candidates.append(name)
+        for name in candidates:
+            if name == "auto":
+                continue
+            reasons = get_backend(name).supports(p.shape, p.scheme, device, dtype)
+            explicit = bool(requested) and name in requested or name in extra
+            if reasons:
+                if explicit:
+                    raise BenchInputError(
+                        f"backend {name!r} cannot run {p.describe()} on {device.type}: {'; '.join(reasons)}"
+                    )
+                skipped[p.name][name] = reasons
+            elif interpreting and name in INTERPRETED_ON_CPU and not explicit:
+                skipped[p.name][name] = [
+                    "on the CPU it runs only in the Triton interpreter, far too slow for a default run "
+                    "(name it in --backends to include it anyway)"
+                ]
+            elif name == "reference" and device.type == "cuda" and not explicit:
+                skipped[p.name][name] = [
+                    "the float32 ground truth: used for the rel_err column, too slow to time on real "
+                    "shapes by default (name it in --backends to time it)"
+                ]
+            else:
+                names.append(name)
+        if (not requested and include_auto) or (requested and "auto" in requested):
+            names.append("auto")
+        per_problem[p.name] = names
+    return BackendPlan(per_problem, skipped)
+
+
+def choose_baseline(requested: str | None, problems, device, dtype) -> str:
+    known = backend_names()
+    if requested is not None:
+        if requested not in known:
+            raise BenchInputError(f"--baseline: unknown backend {requested!r}; expected one of: {', '.join(known)}")
+        return requested
+    for name in DEFAULT_BASELINES:
+        if name in known and all(not get_backend(name).supports(p.shape, p.scheme, device, dtype) for p in problems):
+            return name
+    return "reference"
+
+
+# ------------------------------------------------------------------------------ random inputs
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+@torch.no_grad()
+def make_weights(
+    shape: MoEShape, scheme: QuantScheme, device: torch.device, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16
+) -> MoEWeights:
+    """Random expert weights quantized to `scheme`, scaled so that activations stay O(1).
+
+    Generated a slice of experts at a time (float32 slices of at most ~1 GiB), so that a real
+    model's layer never needs all its weights in float32 at once."""
+    E, H, N = shape.num_experts, shape.hidden, shape.n
+    g = _generator(device, seed)
+    per_expert = 3 * N * H * 4
+    chunk = max(1, min(E, (1 << 30) // per_expert))
+    parts: list[MoEWeights] = []
+    input_scales = None
+    for start in range(0, E, chunk):
+        count = min(chunk, E - start)
+        w13 = torch.randn(count, 2 * N, H, device=device, generator=g) / math.sqrt(H)
+        w2 = torch.randn(count, H, N, device=device, generator=g) / math.sqrt(N)
+        if not scheme.is_fp8:
+            parts.append(MoEWeights(scheme, w13.to(dtype), w2.to(dtype)))
+            continue
+        kw: dict[str, Any] = {}
+        if scheme.static_activation:
+            if input_scales is None:  # calibrate the static scales once, on the first slice
+                kw["calibration"] = torch.randn(64, H, device=device, generator=g)
+            else:
+                kw["input_scales"] = input_scales
+        part = quantize_weights(w13, w2, scheme, **kw)
+        if scheme.static_activation and input_scales is None:
+            input_scales = (part.a13_scale, part.a2_scale)
+        parts.append(part)
+        del w13, w2
+    if len(parts) == 1:
+        return parts[0]
+    cat = {
+        name: torch.cat([getattr(p, name) for p in parts])
+        for name in ("w13", "w2", "w13_scale", "w2_scale")
+        if getattr(parts[0], name) is not None
+    }
+    if scheme.static_activation:
+        cat["a13_scale"], cat["a2_scale"] = input_scales
+    return MoEWeights(scheme, **cat)
+
+
+def make_x(M: int, H: int, device: torch.device, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(M, H, generator=g).to(dtype).to(device)
+
+
+def _topk_weights(M: int, K: int, g: torch.Generator) -> torch.Tensor:
+    w = torch.rand(M, K, generator=g) + 0.1
+    return w / w.sum(dim=1, keepdim=True)
+
+
+def uniform_routing(M: int, E: int, K: int, *, seed: int = 0, pool: Sequence[int] | None = None):
+    """(topk_weights float32 [M, K], topk_ids int32 [M, K]) on the CPU: K distinct experts per
+    token, uniformly at random (from `pool` only, if given)."""
+    g = torch.Generator().manual_seed(seed)
+    experts = torch.arange(E) if pool is None else torch.as_tensor(list(pool))
+    if K > len(experts):
+        raise ValueError(f"top-k {K} exceeds the {len(experts)} experts to choose from")
+    choice = torch.rand(M, len(experts), generator=g).topk(K, dim=1).indices
+    ids = experts[choice]
+    return _topk_weights(M, K, g), ids.to(torch.int32)
+
+
+def skewed_routing(M: int, E: int, K: int, *, seed: int = 0):
+    """K distinct experts per token, drawn with Zipf-like popularity: the r-th most popular expert
+    (a seeded permutation decides which) is chosen with weight 1 / r^ZIPF_EXPONENT."""
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.empty(E)
+    ranks[torch.randperm(E, generator=g)] = torch.arange(1, E + 1, dtype=torch.float32)
+    popularity = ranks.pow(-ZIPF_EXPONENT)
+    ids = torch.multinomial(popularity.expand(M, E).contiguous(), K, replacement=False, generator=g)
+    return _topk_weights(M, K, g), ids.to(torch.int32)
+
+
+def load_routing_file(path: str, spec: ModelSpec) -> torch.Tensor:
+    """Recorded topk_ids [M', K] from a .pt (torch.save of a tensor, or of a dict holding
+    "topk_ids") or .npy file, checked against the model: int64 on the CPU."""
+    p = Path(path).expanduser()
+    where = f"--routing {path}"
+    if not p.is_file():
+        raise BenchInputError(f"{where}: not 'uniform', 'skewed', or an existing .pt / .npy file")
+    try:
+        if p.suffix == ".npy":
+            data = torch.from_numpy(np.load(p, allow_pickle=False))
+        elif p.suffix in (".pt", ".pth"):
+            data = torch.load(p, map_location="cpu", weights_only=True)
+            if isinstance(data, dict) and "topk_ids" in data:
+                data = data["topk_ids"]
+        else:
+            raise BenchInputError(f"{where}: expected a .pt or .npy file, got {p.suffix or 'no extension'}")
+    except BenchInputError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any load failure is bad input
+        raise BenchInputError(f"{where}: cannot load it ({type(e).__name__}: {_one_line(e)})") from None
+    if not isinstance(data, torch.Tensor):
+        raise BenchInputError(f"{where}: holds a {type(data).__name__}, expected a tensor of topk_ids [tokens, top_k]")
+    if data.dtype.is_floating_point or data.dtype.is_complex or data.dtype == torch.bool:
+        raise BenchInputError(f"{where}: topk_ids must be integers, got dtype {data.dtype}")
+    if data.dim() != 2 or data.shape[0] == 0:
+        raise BenchInputError(f"{where}: topk_ids must be 2-D [tokens > 0, top_k], got shape {tuple(data.shape)}")
+    E, K = spec.shape.num_experts, spec.shape.top_k
+    if data.shape[1] != K:
+        raise BenchInputError(f"{where}: has top-k {data.shape[1]} but {spec.name} routes each token to {K} experts")
+    data = data.long()
+    lo, hi = int(data.min()), int(data.max())
+    if lo < 0 or hi >= E:
+        raise BenchInputError(f"{where}: expert ids must lie in [0, {E}) for {spec.name}, found ids from {lo} to {hi}")
+    return data
+
+
+def recorded_routing(ids: torch.Tensor, M: int, shape: MoEShape, *, seed: int = 0):
+    """The first M rows of recorded ids (tiled when fewer), folded onto a scaled-down shape's
+    experts (id mod E) and top-k (first columns) when the shape is smaller than the model's."""
+    reps = -(-M // ids.shape[0])
+    rows = ids.repeat(reps, 1)[:M]
+    rows = rows[:, : shape.top_k] % shape.num_experts
+    g = torch.Generator().manual_seed(seed)
+    return _topk_weights(M, shape.top_k, g), rows.to(torch.int32)
+
+
+def make_routing(kind: str, M: int, shape: MoEShape, *, seed: int = 0, recorded: torch.Tensor | None = None):
+    if recorded is not None:
+        return recorded_routing(recorded, M, shape, seed=seed)
+    if kind == "skewed":
+        return skewed_routing(M, shape.num_experts, shape.top_k, seed=seed)
+    return uniform_routing(M, shape.num_experts, shape.top_k, seed=seed)
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+# ------------------------------------------------------------------------------------ outputs
+
+
+def prepare_out_dir(out: str | os.PathLike | None, prefix: str) -> tuple[Path, bool]:
+    """The output folder, created and proven writable now (before any work): (path, created)."""
+    if out is None or str(out) == "":
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = Path("moekit-results") / f"{prefix}-{stamp}"
+    else:
+        path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise BenchInputError(f"--out {path}: exists and is not a folder")
+    created = not path.exists()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BenchInputError(f"--out {path}: cannot create the folder ({e.strerror or _one_line(e)})") from None
+    try:
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".moekit-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        if created:
+            _remove_empty_dirs(path)
+        raise BenchInputError(f"--out {path}: folder is not writable ({e.strerror or _one_line(e)})") from None
+    return path, created
+
+
+def _remove_empty_dirs(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        pass
+
+
+def write_atomically(out_dir: Path, writers: dict[str, Callable[[Path], None]]) -> list[Path]:
+    """Write every file to a hidden temporary name first, then move them all into place. On any
+    failure the temporaries are removed and nothing new appears under its final name."""
+    tmps: dict[str, Path] = {}
+    try:
+        for name, writer in writers.items():
+            tmp = out_dir / f".{name}.{os.getpid()}.tmp"
+            tmps[name] = tmp
+            writer(tmp)
+        final = []
+        for name, tmp in tmps.items():
+            os.replace(tmp, out_dir / name)
+            final.append(out_dir / name)
+        return final
+    finally:
+        for tmp in tmps.values():
+            if tmp.exists():
+                tmp.unlink()
+
+
+def json_safe(obj):
+    """obj with every non-finite float (inf, nan) replaced by None: strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def git_commit() -> str:
+    """HEAD of the git checkout holding the moekit package, else "unknown"."""
+    here = Path(__file__).resolve().parent
+    try:
+        result = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    commit = result.stdout.strip()
+    return commit if result.returncode == 0 and commit else "unknown"
+
+
+def environment(device: torch.device, argv: Sequence[str] | None) -> dict:
+    """Device, versions, commit, date and the command line that reproduces the run."""
+    import moekit
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001
+        triton_version = "none"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        cap = torch.cuda.get_device_capability(device)
+        capability = f"{cap[0]}.{cap[1]}"
+    else:
+        name = f"CPU ({platform.processor() or platform.machine() or 'unknown'})"
+        capability = None
+    args = list(sys.argv[1:] if argv is None else argv)
+    return {
+        "device": name,
+        "device_type": device.type,
+        "capability": capability,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "moekit": moekit.__version__,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": shlex.join(["moekit", *map(str, args)]),
+        "env": {k: os.environ[k] for k in ("MOEKIT_BACKEND", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES") if k in os.environ},
+    }
+
+
+def require_plotting() -> None:
+    from . import plots
+
+    try:
+        plots.require_matplotlib()
+    except plots.PlotError as e:
+        raise BenchInputError(f"{e}; or pass --no-plots") from None
+
+
+# -------------------------------------------------------------------------------------- bench
+
+
+@dataclasses.dataclass
+class BenchOptions:
+    models: list[str]
+    tp: int = 1
+    scheme: str | None = None
+    batch_sizes: list[str] | None = None
+    backends: list[str] | None = None
+    baseline: str | None = None
+    mode: str = "layer"
+    routing: str = "uniform"
+    check: bool = True
+    out: str | None = None
+    seed: int = 0
+    dtype: str = "bf16"
+    reps: int = DEFAULT_REPS
+    warmup: int = DEFAULT_WARMUP
+    model_estimate: bool = False
+    plots: bool = True
+    refresh_ceilings: bool = False
+    argv: list[str] | None = None
+
+
+@dataclasses.dataclass
+class BenchResult:
+    out_dir: Path
+    files: list[Path]
+    columns: list[str]
+    rows: list[dict]
+    metadata: dict
+    errors: int
+
+
+@dataclasses.dataclass
+class _Plan:
+    problems: list[Problem]
+    batch_sizes: list[int]
+    backends: BackendPlan
+    baseline: str
+    dtype: torch.dtype
+    device: torch.device
+    routing_kind: str
+    recorded: dict[str, torch.Tensor]
+    out_dir: Path
+    created: bool
+    columns: list[str]
+
+
+def _validate(opts: BenchOptions, device: torch.device) -> _Plan:
+    if opts.mode not in ("layer", "gemm"):
+        raise BenchInputError(f"--mode: {opts.mode!r} is not 'layer' or 'gemm'")
+    if not isinstance(opts.reps, int) or opts.reps < 1:
+        raise BenchInputError(f"--reps must be a positive integer, got {opts.reps!r}")
+    if not isinstance(opts.warmup, int) or opts.warmup < 0:
+        raise BenchInputError(f"--warmup must be a non-negative integer, got {opts.warmup!r}")
+    dtype = parse_dtype(opts.dtype)
+    batch_sizes = parse_batch_sizes(opts.batch_sizes, DEFAULT_BATCH_SIZES if device.type == "cuda" else CPU_BATCH_SIZES)
+    problems = resolve_problems(opts.models, opts.tp, opts.scheme, device)
+    names = [p.name for p in problems]
+    if len(set(names)) != len(names):
+        raise BenchInputError(f"--model: the same model is given twice ({', '.join(names)})")
+    recorded: dict[str, torch.Tensor] = {}
+    routing_kind = opts.routing
+    if routing_kind not in ROUTINGS:
+        for p in problems:
+            recorded[p.name] = load_routing_file(routing_kind, p.spec)
+        routing_kind = "file"
+    requested = parse_names(opts.backends)
+    baseline = choose_baseline(opts.baseline, problems, device, dtype)
+    plan = plan_backends(problems, requested, device, dtype, extra=(baseline,))
+    if opts.plots:
+        require_plotting()
+    columns = [*BASE_COLUMNS, f"speedup_vs_{baseline}", "rel_err"]
+    if opts.model_estimate:
+        columns.append("model_moe_us")
+    columns += ["note", *PROVENANCE_COLUMNS]
+    out_dir, created = prepare_out_dir(opts.out, "bench")
+    return _Plan(problems, batch_sizes, plan, baseline, dtype, device, routing_kind, recorded, out_dir, created, columns)
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    """`value` with `digits` decimals, but never fewer than 4 significant digits (tiny CPU rates)."""
+    if value is None or not math.isfinite(value):
+        return None
+    if value != 0 and abs(value) < 10 ** (3 - digits):
+        return float(f"{value:.4g}")
+    return round(value, digits)
+
+
+def _point(
+    p: Problem, name: str, mode: str, M: int, x, weights, tw, ids, opts: BenchOptions, device, ceilings, reference_out
+) -> dict:
+    """Time one (model, backend, batch size) and fill its row (speedup is added afterwards)."""
+    row: dict[str, Any] = {
+        "model": p.name, "scheme": p.scheme.name, "backend": name, "chosen": name, "mode": mode, "batch_size": M,
+    }
+    notes = []
+    try:
+        if name == "auto":
+            row["chosen"] = select_backend(p.shape, p.scheme, device, x.dtype, M, "auto").backend
+        if mode == "layer":
+            def fn():
+                return fused_moe(x, weights, tw, ids, backend=name)
+        else:
+            backend = get_backend(row["chosen"])
+            hook = getattr(backend, GEMM_ONLY_HOOK, None)
+            if hook is None:
+                row["note"] = NO_GEMM_ONLY
+                return row
+            vtw, vids = validate_inputs(x, weights, tw, ids)
+            fn = hook(x, weights, vtw, vids)
+        with torch.no_grad():
+            timing: Timing = time_graph(fn, reps=opts.reps, warmup=opts.warmup, device=device)
+            if opts.check and reference_out is not None:
+                out = fused_moe(x, weights, tw, ids, backend=name)
+                err = rel_l2(out, reference_out())
+                if math.isfinite(err):
+                    row["rel_err"] = float(f"{err:.4e}")
+                else:
+                    notes.append("output has NaN or inf values")
+    except Exception as e:  # noqa: BLE001 - one failing point is reported, the run goes on
+        row["note"] = f"error: {type(e).__name__}: {_one_line(e)[:200]}"
+        row["_error"] = True
+        return row
+    if timing.note:
+        notes.append(timing.note)
+    counts = roofline.count(p.shape, p.scheme, M, ids, x.dtype)
+    median = timing.median_us
+    row.update(median_us=_round(median, 3), p20_us=_round(timing.p20_us, 3), p80_us=_round(timing.p80_us, 3))
+    if median > 0:
+        row["tflops"] = _round(counts.flops / (median * 1e-6) / 1e12, 4)
+        row["gbps"] = _round(counts.bytes / (median * 1e-6) / 1e9, 3)
+    floor = roofline.floor_us(counts, ceilings, p.scheme)
+    if floor is not None:
+        row["floor_us"] = _round(floor, 3)
+        if median > 0:
+            row["efficiency"] = _round(floor / median, 4)
+    if opts.model_estimate:
+        row["model_moe_us"] = _round(median * p.shape.num_layers, 2)
+    if notes:
+        row["note"] = "; ".join(notes)
+    return row
+
+
+def run_bench(opts: BenchOptions, console=None) -> BenchResult:
+    """The whole `moekit bench` pipeline; BenchInputError for bad input (nothing written)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = console or Console()
+    device = default_device()
+    plan = _validate(opts, device)
+    try:
+        return _run(opts, plan, console, Progress, (BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn))
+    except BaseException:
+        if plan.created:
+            _remove_empty_dirs(plan.out_dir)
+        raise
+
+
+def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResult:
+    BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn = cols
+    device, dtype = plan.device, plan.dtype
+    if device.type != "cuda":
+        console.print(cpu_banner(plan.batch_sizes), style="bold yellow", highlight=False)
+    ceilings = roofline.get_ceilings(device, refresh=opts.refresh_ceilings)
+    meta = environment(device, opts.argv)
+    console.print(
+        f"device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}, moekit {meta['moekit']}",
+        highlight=False,
+    )
+    console.print(
+        f"ceilings: {ceilings.describe()}" if ceilings else "ceilings: none on the CPU (floors and efficiencies left empty)",
+        highlight=False,
+    )
+    for p in plan.problems:
+        runs = ", ".join(plan.backends.per_problem[p.name]) or "none"
+        console.print(f"{p.describe()}: backends {runs}; baseline {plan.baseline}", highlight=False)
+        for name, reasons in plan.backends.skipped[p.name].items():
+            console.print(f"  skipped {name}: {'; '.join(reasons)}", highlight=False)
+    if plan.routing_kind == "file" and any(p.scaled for p in plan.problems):
+        console.print("  recorded routing folded onto the scaled-down shape (id mod experts)", highlight=False)
+
+    rows: list[dict] = []
+    total = sum(len(plan.backends.per_problem[p.name]) for p in plan.problems) * len(plan.batch_sizes)
+    progress = Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True,
+    )
+    with progress:
+        task = progress.add_task("bench", total=total)
+        for pi, p in enumerate(plan.problems):
+            names = plan.backends.per_problem[p.name]
+            if not names:
+                continue
+            weights = make_weights(p.shape, p.scheme, device, seed=opts.seed + 1000 * pi, dtype=dtype)
+            for M in plan.batch_sizes:
+                seed = opts.seed * 1_000_003 + M
+                x = make_x(M, p.shape.hidden, device, seed=seed, dtype=dtype)
+                tw, ids = make_routing(plan.routing_kind, M, p.shape, seed=seed, recorded=plan.recorded.get(p.name))
+                tw, ids = tw.to(device), ids.to(device)
+                cache: dict[str, torch.Tensor] = {}
+
+                def reference_out():
+                    if "ref" not in cache:
+                        cache["ref"] = fused_moe(x, weights, tw, ids, backend="reference")
+                    return cache["ref"]
+
+                for name in names:
+                    progress.update(task, description=f"{p.name} M={M} {name}")
+                    rows.append(_point(p, name, opts.mode, M, x, weights, tw, ids, opts, device, ceilings, reference_out))
+                    progress.advance(task)
+                del x, tw, ids, cache
+            del weights
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    _add_speedups(rows, plan.baseline)
+    for r in rows:
+        r.update({k: meta[k] for k in PROVENANCE_COLUMNS})
+    errors = sum(1 for r in rows if r.pop("_error", False))
+    meta.update(
+        tool="moekit bench",
+        mode=opts.mode,
+        routing=opts.routing if plan.routing_kind == "file" else plan.routing_kind,
+        dtype=opts.dtype,
+        seed=opts.seed,
+        reps=opts.reps,
+        warmup=opts.warmup,
+        baseline=plan.baseline,
+        accuracy_check=opts.check,
+        cpu_scaled_down=device.type != "cuda",
+        batch_sizes=plan.batch_sizes,
+        timing=(
+            f"CUDA graph replays; L2 flushed by zeroing a 512 MiB buffer before each, the flush's median "
+            f"time subtracted; median of {opts.reps} after {opts.warmup} warm-up calls"
+            if device.type == "cuda"
+            else f"CPU wall clock (time.perf_counter) around each call; median of {opts.reps} after {opts.warmup} warm-up calls"
+        ),
+        ceilings=dataclasses.asdict(ceilings) if ceilings else None,
+        models=[p.to_json() for p in plan.problems],
+        skipped_backends=plan.backends.skipped,
+    )
+    files = _write(plan, rows, meta, opts)
+    print_table(console, rows, plan.columns, opts.model_estimate)
+    console.print(f"wrote {', '.join(str(f) for f in files)}", highlight=False)
+    return BenchResult(plan.out_dir, files, plan.columns, rows, meta, errors)
+
+
+def _add_speedups(rows: list[dict], baseline: str) -> None:
+    key = f"speedup_vs_{baseline}"
+    base = {
+        (r["model"], r["batch_size"]): r.get("median_us")
+        for r in rows
+        if r["backend"] == baseline and r.get("median_us")
+    }
+    for r in rows:
+        b = base.get((r["model"], r["batch_size"]))
+        if b and r.get("median_us"):
+            r[key] = round(b / r["median_us"], 4)
+
+
+def _write(plan: _Plan, rows: list[dict], meta: dict, opts: BenchOptions) -> list[Path]:
+    from . import plots
+
+    columns = plan.columns
+    units = {c: UNITS.get("speedup" if c.startswith("speedup_vs_") else c) for c in columns}
+    units = {c: u for c, u in units.items() if u}
+
+    def write_csv(path: Path):
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+            w.writeheader()
+            for r in rows:
+                w.writerow({c: ("" if r.get(c) is None else r.get(c)) for c in columns})
+
+    def write_json(path: Path):
+        doc = {"metadata": meta, "columns": columns, "units": units, "rows": [{c: r.get(c) for c in columns} for r in rows]}
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(json_safe(doc), f, indent=2, ensure_ascii=False, allow_nan=False)
+            f.write("\n")
+
+    what = "expert GEMMs only" if opts.mode == "gemm" else "whole layer, routing excluded"
+    title = f"moekit bench: {what}, {plan.routing_kind} routing\n{meta['device']}"
+    if meta["cpu_scaled_down"]:
+        title += " (scaled-down CPU shape)"
+    writers: dict[str, Callable[[Path], None]] = {"bench.csv": write_csv}
+    if opts.plots:
+        writers["latency.png"] = lambda path: plots.latency_plot(rows, path, title=title)
+        writers["efficiency.png"] = lambda path: plots.efficiency_plot(
+            rows, path, title=title, has_ceilings=meta["ceilings"] is not None
+        )
+    writers["bench.json"] = write_json  # last: its presence says the run completed
+    return write_atomically(plan.out_dir, writers)
+
+
+def _fmt(value, spec: str) -> str:
+    if value is None:
+        return "-"
+    return format(value, spec)
+
+
+def _print_wide(console, renderable) -> None:
+    """Print at the terminal's width; into a pipe or file (logs, CI), wide enough not to squeeze."""
+    if console.is_terminal or console.width >= 160:
+        console.print(renderable)
+        return
+    from rich.console import Console
+
+    Console(file=console.file, width=160, no_color=console.no_color).print(renderable)
+
+
+def _us(value) -> str:
+    """A time in µs with 3-4 significant digits."""
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 1000 else f"{value:.0f}"
+
+
+def _sig(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+
+
+def print_table(console, rows: list[dict], columns: list[str], model_estimate: bool) -> None:
+    """One rich table per model."""
+    from rich import box
+    from rich.table import Table
+
+    speedup = next(c for c in columns if c.startswith("speedup_vs_"))
+    heads = ["M", "backend", "median µs", "p20-p80", "TFLOP/s", "GB/s", "floor µs", "eff",
+             "x " + speedup.removeprefix("speedup_vs_"), "rel err"]
+    if model_estimate:
+        heads.append("model MoE ms")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        model_rows = [r for r in rows if r["model"] == model]
+        table = Table(
+            title=f"{model} ({model_rows[0]['scheme']}, {model_rows[0]['mode']})", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True
+        )
+        for h in heads:
+            table.add_column(h, justify="left" if h == "backend" else "right")
+        for r in model_rows:
+            backend = r["backend"] + (f">{r['chosen']}" if r["backend"] == "auto" else "")
+            if r.get("median_us") is None:
+                table.add_row(str(r["batch_size"]), backend, r.get("note") or "-", *["-"] * (len(heads) - 3))
+                continue
+            cells = [
+                str(r["batch_size"]), backend, _us(r["median_us"]), f"{_us(r['p20_us'])}-{_us(r['p80_us'])}",
+                _sig(r.get("tflops")), _sig(r.get("gbps")),
+                _us(r.get("floor_us")), _fmt(r.get("efficiency"), ".2f"), _fmt(r.get(speedup), ".2f"),
+                _fmt(r.get("rel_err"), ".1e"),
+            ]
+            if model_estimate:
+                cells.append(_fmt(None if r.get("model_moe_us") is None else r["model_moe_us"] / 1e3, ".2f"))
+            table.add_row(*cells)
+        _print_wide(console, table)
+    notes = {r["note"] for r in rows if r.get("note") and r.get("median_us") is not None}
+    for note in sorted(notes):
+        console.print(f"note: {note}", highlight=False)
+
+
+__all__ = [
+    "BenchInputError", "BenchOptions", "BenchResult", "GemmOnly", "run_bench", "make_weights", "make_x",
+    "uniform_routing", "skewed_routing", "load_routing_file", "cpu_shape", "resolve_problems",
+]

@@ -1,0 +1,166 @@
+"""The `moekit` command line: thin argument parsing over the library."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, exit status 2."""
+
+
+def cmd_info(args) -> int:
+    import torch
+    import triton
+
+    import moekit
+    from moekit.backends import backend_names, get_backend
+    from moekit.spec import FP8_CHANNEL_TOKEN, MoEShape
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        cap = torch.cuda.get_device_capability()
+        console.print(f"device: {torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]})")
+    else:
+        console.print("device: CPU (no CUDA GPU visible)")
+    console.print(f"moekit {moekit.__version__}, torch {torch.__version__}, triton {triton.__version__}")
+    # A representative problem: FP8 per-channel weights, dimensions every kernel accepts.
+    shape, scheme = MoEShape(8, 4096, 1024, 2), FP8_CHANNEL_TOKEN
+    table = Table(title=f"backends on {device.type} ({scheme.name}, {shape.describe()})")
+    table.add_column("backend")
+    table.add_column("status")
+    table.add_column("description")
+    for name in backend_names():
+        backend = get_backend(name)
+        reasons = backend.supports(shape, scheme, device)
+        status = "[green]available[/]" if not reasons else "[red]unavailable[/]: " + "; ".join(reasons)
+        table.add_row(name, status, backend.description)
+    console.print(table)
+    return 0
+
+
+def cmd_models(args) -> int:
+    from moekit.models import PRESETS
+
+    table = Table(title="model presets")
+    for col in ("name", "experts", "hidden", "intermediate", "top-k", "shared", "MoE layers", "scheme", "routing"):
+        table.add_column(col, justify="right" if col not in ("name", "scheme", "routing") else "left")
+    for name, spec in PRESETS.items():
+        s, r = spec.shape, spec.routing
+        routing = r.scoring + (" grouped" if r.num_groups and r.num_groups > 1 else "") + (
+            " on input" if r.apply_on_input else ""
+        )
+        table.add_row(
+            name, str(s.num_experts), str(s.hidden), str(s.intermediate), str(s.top_k),
+            str(s.shared_experts), str(s.num_layers), spec.scheme.name, routing,
+        )
+    console.print(table)
+    return 0
+
+
+def _add_model_args(p: argparse.ArgumentParser, batch_help: str, backends_help: str) -> None:
+    p.add_argument("--model", action="append", required=True, metavar="NAME|PATH",
+                   help="a preset name (see `moekit models`) or a config.json / model folder; repeatable")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="tensor parallelism: the experts' intermediate size is split over this many GPUs")
+    p.add_argument("--scheme", default=None, help="quantization scheme (default: the model's own)")
+    p.add_argument("--batch-sizes", nargs="+", metavar="M", default=None, help=batch_help)
+    p.add_argument("--backends", nargs="+", metavar="NAME", default=None, help=backends_help)
+    p.add_argument("--out", default=None, help="output folder (default: a timestamped one under moekit-results/)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of weights, inputs and routing")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="activation dtype")
+
+
+def cmd_bench(args) -> int:
+    from moekit.bench import BenchInputError, BenchOptions, run_bench
+
+    opts = BenchOptions(
+        models=args.model, tp=args.tp, scheme=args.scheme, batch_sizes=args.batch_sizes,
+        backends=args.backends, baseline=args.baseline, mode=args.mode, routing=args.routing,
+        check=not args.no_check, out=args.out, seed=args.seed, dtype=args.dtype, reps=args.reps,
+        warmup=args.warmup, model_estimate=args.model_estimate, plots=not args.no_plots,
+        refresh_ceilings=args.refresh_ceilings, argv=getattr(args, "argv", None),
+    )
+    try:
+        result = run_bench(opts, console)
+    except BenchInputError as e:
+        raise UsageError(str(e)) from None
+    return 1 if result.errors else 0
+
+
+def cmd_check(args) -> int:
+    from moekit.bench import BenchInputError
+    from moekit.check import CheckOptions, run_check
+
+    opts = CheckOptions(
+        models=args.model, tp=args.tp, scheme=args.scheme, batch_sizes=args.batch_sizes,
+        backends=args.backends, seeds=args.seeds, seed=args.seed, out=args.out, dtype=args.dtype,
+        argv=getattr(args, "argv", None),
+    )
+    try:
+        report = run_check(opts, console)
+    except BenchInputError as e:
+        raise UsageError(str(e)) from None
+    return 0 if report.passed else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moekit", description=__import__("moekit").__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="device, versions, and which backends can run here").set_defaults(func=cmd_info)
+    sub.add_parser("models", help="list the model presets").set_defaults(func=cmd_models)
+
+    bench = sub.add_parser("bench", help="time every backend on real model shapes, against the roofline")
+    _add_model_args(
+        bench,
+        "batch sizes in tokens (default: 1 2 4 ... 8192 on a GPU; 1 4 16 64 on the CPU)",
+        "backends to time, 'auto' included (default: every one that can run here, plus auto)",
+    )
+    bench.add_argument("--baseline", default=None,
+                       help="backend the speedups are measured against (default: cutlass where available)")
+    bench.add_argument("--mode", choices=("layer", "gemm"), default="layer",
+                       help="layer: the whole layer, routing excluded; gemm: the two expert GEMMs alone")
+    bench.add_argument("--routing", default="uniform", metavar="uniform|skewed|FILE",
+                       help="random top-k, a skewed (Zipf-like) expert popularity, or recorded topk_ids (.pt/.npy)")
+    bench.add_argument("--no-check", action="store_true", help="skip the relative error against reference")
+    bench.add_argument("--model-estimate", action="store_true",
+                       help="add the MoE time per decode step of the whole model (MoE layers x layer time)")
+    bench.add_argument("--reps", type=int, default=30, help="timed replays per point")
+    bench.add_argument("--warmup", type=int, default=5, help="warm-up calls per point")
+    bench.add_argument("--no-plots", action="store_true", help="write no PNG plots (no matplotlib needed)")
+    bench.add_argument("--refresh-ceilings", action="store_true",
+                       help="measure the device's copy bandwidth and matmul rates again")
+    bench.set_defaults(func=cmd_bench)
+
+    check = sub.add_parser("check", help="accuracy of every backend against a float64 computation")
+    _add_model_args(
+        check,
+        "batch sizes in tokens (default: 1 7 64); a case with idle experts (M=8, half the experts) is added",
+        "backends to check (default: every one that can run the model's scheme here)",
+    )
+    check.add_argument("--seeds", type=int, default=3, help="number of seeds per batch size")
+    check.set_defaults(func=cmd_check)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line, for reproducibility
+    try:
+        return args.func(args)
+    except UsageError as e:
+        from rich.markup import escape
+
+        console.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""`moekit bench` end to end on the CPU: the files it writes, and its answers to bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from moekit import bench, plots
+from moekit.backends.reference import ReferenceBackend
+from moekit.cli import main
+
+CPU = not torch.cuda.is_available()
+FAST = ["--reps", "2", "--warmup", "1"]
+PRESET = "qwen3-30b-a3b-fp8"  # fp8-block128; on the CPU scaled down to E=16 H=256 N=128 top-8
+COLUMNS = [
+    "model", "scheme", "backend", "chosen", "mode", "batch_size", "median_us", "p20_us", "p80_us",
+    "tflops", "gbps", "floor_us", "efficiency",
+]
+PROVENANCE = ["device", "capability", "torch", "triton", "moekit", "git_commit", "date", "command"]
+META_KEYS = set(PROVENANCE)
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    """A tiny bf16 Mixtral-style model: 4 experts, top-2, hidden 64, intermediate 128, 3 layers."""
+    folder = tmp_path / "tiny-moe"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 3,
+    }))
+    return folder
+
+
+def read_csv(path):
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, list(reader)
+
+
+def one_line_error(capsys) -> str:
+    out, err = capsys.readouterr()
+    lines = [line for line in (out + err).splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error:"), lines[0]
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+def test_bench_end_to_end_writes_every_file(tmp_path, tiny_config, capsys):
+    out = tmp_path / "results"
+    argv = ["bench", "--model", PRESET, "--model", str(tiny_config), "--batch-sizes", "1", "4",
+            "--backends", "reference", "auto", "--baseline", "reference", "--model-estimate",
+            "--out", str(out), *FAST]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    if CPU:
+        assert text.splitlines()[0].startswith("No CUDA GPU: running the CPU backends on a scaled-down shape")
+
+    assert sorted(p.name for p in out.iterdir()) == ["bench.csv", "bench.json", "efficiency.png", "latency.png"]
+
+    # CSV: the columns with their units in the names, one row per model x batch size x backend
+    columns, rows = read_csv(out / "bench.csv")
+    assert columns == COLUMNS + ["speedup_vs_reference", "rel_err", "model_moe_us", "note", *PROVENANCE]
+    assert len(rows) == 2 * 2 * 2
+    assert {r["model"] for r in rows} == {PRESET, "tiny-moe"}
+    assert {r["backend"] for r in rows} == {"reference", "auto"}
+    assert {int(r["batch_size"]) for r in rows} == {1, 4}
+    assert {r["mode"] for r in rows} == {"layer"}
+    layers = {PRESET: 48, "tiny-moe": 3}
+    for r in rows:
+        med, p20, p80 = float(r["median_us"]), float(r["p20_us"]), float(r["p80_us"])
+        assert 0 < p20 <= med <= p80
+        assert float(r["tflops"]) > 0 and float(r["gbps"]) > 0
+        assert float(r["rel_err"]) < 1e-1
+        assert float(r["model_moe_us"]) == pytest.approx(med * layers[r["model"]], rel=1e-3)
+        if r["backend"] == "reference":
+            assert float(r["speedup_vs_reference"]) == 1.0
+            assert float(r["rel_err"]) == 0.0
+        if CPU:
+            assert r["floor_us"] == "" and r["efficiency"] == ""
+    schemes = {r["model"]: r["scheme"] for r in rows}
+    assert schemes == {PRESET: "fp8-block128", "tiny-moe": "bf16"}
+    assert all(r["chosen"] and r["chosen"] != "auto" for r in rows)
+
+    # JSON: the same rows, units, and what reproduces them
+    doc = json.loads((out / "bench.json").read_text())
+    meta = doc["metadata"]
+    assert META_KEYS <= set(meta)
+    assert meta["command"].startswith("moekit bench --model " + PRESET)
+    assert meta["git_commit"]
+    for r in rows:  # every CSV row says where it came from
+        assert r["command"] == meta["command"] and r["date"] == meta["date"] and r["device"] == meta["device"]
+        assert r["torch"] == torch.__version__ and r["git_commit"] == meta["git_commit"]
+    assert meta["cpu_scaled_down"] is CPU
+    assert doc["columns"] == columns
+    assert len(doc["rows"]) == len(rows)
+    assert doc["units"]["median_us"].startswith("µs") and doc["units"]["tflops"].startswith("TFLOP/s")
+    assert "speedup_vs_reference" in doc["units"] and "model_moe_us" in doc["units"]
+    shapes = {m["name"]: m["shape"] for m in meta["models"]}
+    if CPU:
+        assert shapes[PRESET] == {"num_experts": 16, "hidden": 256, "intermediate": 128, "n": 128,
+                                  "top_k": 8, "tp": 1, "num_layers": 48}
+        assert meta["ceilings"] is None and meta["capability"] is None
+
+    # PNG plots open as images
+    import matplotlib.image
+
+    for name in ("latency.png", "efficiency.png"):
+        img = matplotlib.image.imread(out / name)
+        assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+
+
+@pytest.mark.skipif(not CPU, reason="the CPU defaults")
+def test_bench_cpu_defaults(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert main(["bench", "--model", PRESET, "--out", str(out), "--no-check", "--no-plots", *FAST]) == 0
+    _, rows = read_csv(out / "bench.csv")
+    assert sorted({int(r["batch_size"]) for r in rows}) == list(bench.CPU_BATCH_SIZES)
+    assert "auto" in {r["backend"] for r in rows} and "reference" in {r["backend"] for r in rows}
+    assert all(r["rel_err"] == "" for r in rows)  # --no-check
+    assert not (out / "latency.png").exists()
+    doc = json.loads((out / "bench.json").read_text())
+    text = capsys.readouterr().out
+    for name, reasons in doc["metadata"]["skipped_backends"][PRESET].items():
+        assert f"skipped {name}" in text and reasons
+
+
+def test_bench_default_out_folder_is_timestamped(tmp_path, tiny_config, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--model", str(tiny_config), "--batch-sizes", "2", "--backends", "reference",
+                 "--no-plots", "--no-check", *FAST]) == 0
+    (folder,) = (tmp_path / "moekit-results").iterdir()
+    assert folder.name.startswith("bench-") and len(folder.name) == len("bench-YYYYmmdd-HHMMSS")
+    assert (folder / "bench.csv").is_file() and (folder / "bench.json").is_file()
+
+
+@pytest.mark.parametrize("routing", ["skewed", "file.pt", "file.npy"])
+def test_bench_routings(tmp_path, tiny_config, routing):
+    if routing.startswith("file"):
+        ids = torch.tensor([[0, 1], [2, 3], [3, 0]])
+        path = tmp_path / f"ids.{routing.split('.')[1]}"
+        if path.suffix == ".pt":
+            torch.save(ids, path)
+        else:
+            np.save(path, ids.numpy().astype(np.int32))
+        routing = str(path)
+    out = tmp_path / "o"
+    assert main(["bench", "--model", str(tiny_config), "--routing", routing, "--batch-sizes", "5",
+                 "--backends", "reference", "--no-plots", "--out", str(out), *FAST]) == 0
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["metadata"]["routing"] == routing
+    assert doc["rows"][0]["median_us"] > 0
+
+
+class GemmOnlyBackend(ReferenceBackend):
+    """A backend with the optional gemm-only hook: only the two GEMMs on pre-sorted rows."""
+
+    name = "gemmonly"
+    prepared = 0
+
+    def prepare_gemm_only(self, x, weights, topk_weights, topk_ids):
+        type(self).prepared += 1
+        w13, w2 = weights.dequantize()
+        e = int(topk_ids[0, 0])
+        a = x.float()
+
+        def gemms():
+            h = a @ w13[e].T
+            return h[:, : weights.n] @ w2[e].T
+
+        return gemms
+
+
+def test_bench_gemm_mode_uses_the_hook_and_reports_na(tmp_path, tiny_config, registry):
+    registry(GemmOnlyBackend())
+    out = tmp_path / "o"
+    assert main(["bench", "--model", str(tiny_config), "--mode", "gemm", "--batch-sizes", "1", "3",
+                 "--backends", "gemmonly", "reference", "--baseline", "gemmonly", "--out", str(out), *FAST]) == 0
+    _, rows = read_csv(out / "bench.csv")
+    by_backend = {(r["backend"], r["batch_size"]): r for r in rows}
+    assert GemmOnlyBackend.prepared == 2
+    for m in ("1", "3"):
+        timed, na = by_backend[("gemmonly", m)], by_backend[("reference", m)]
+        assert timed["mode"] == "gemm" and float(timed["median_us"]) > 0
+        assert float(timed["speedup_vs_gemmonly"]) == 1.0
+        assert na["median_us"] == "" and na["note"] == "n/a (no gemm-only mode)"
+    assert (out / "latency.png").is_file()
+
+
+# ------------------------------------------------------------------------------- bad input
+
+
+class RefusingBackend(ReferenceBackend):
+    name = "picky"
+
+    def supports(self, shape, scheme, device, dtype=torch.bfloat16):
+        return ["needs a unicorn", "needs the moon"]
+
+
+class CrashingPlotError(RuntimeError):
+    pass
+
+
+def _bad_cases(tmp_path, tiny_config):
+    no_moe = tmp_path / "dense"
+    no_moe.mkdir()
+    (no_moe / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64,
+                                                    "intermediate_size": 128, "num_hidden_layers": 2}))
+    not_a_folder = tmp_path / "file.txt"
+    not_a_folder.write_text("x")
+    wrong_k = tmp_path / "wrong_k.pt"
+    torch.save(torch.zeros(4, 3, dtype=torch.long), wrong_k)
+    out_of_range = tmp_path / "range.npy"
+    np.save(out_of_range, np.array([[0, 9]]))
+    floats = tmp_path / "floats.pt"
+    torch.save(torch.zeros(4, 2), floats)
+    m = ["--model", str(tiny_config)]
+    return {
+        "unknown model": (["--model", "no-such-model"], "unknown model"),
+        "config without MoE fields": (["--model", str(no_moe)], "no usable MoE fields"),
+        "unknown backend": (m + ["--backends", "nope"], "unknown backend"),
+        "backend that cannot run": (m + ["--backends", "picky"], "needs a unicorn; needs the moon"),
+        "baseline that cannot run": (m + ["--baseline", "picky"], "needs a unicorn"),
+        "zero batch size": (m + ["--batch-sizes", "0"], "not a positive integer"),
+        "negative batch size": (m + ["--batch-sizes", "4", "-2"], "not a positive integer"),
+        "text batch size": (m + ["--batch-sizes", "many"], "not an integer"),
+        "fractional batch size": (m + ["--batch-sizes", "1.5"], "not an integer"),
+        "unwritable out": (m + ["--out", str(not_a_folder / "sub")], "cannot create the folder"),
+        "out is a file": (m + ["--out", str(not_a_folder)], "not a folder"),
+        "bad scheme": (m + ["--scheme", "int4"], "unknown quantization scheme"),
+        "bad tp": (m + ["--tp", "0"], "--tp"),
+        "tp not dividing": (m + ["--tp", "3"], "not divisible"),
+        "routing file missing": (m + ["--routing", str(tmp_path / "nope.pt")], "not 'uniform', 'skewed'"),
+        "routing top-k mismatch": (m + ["--routing", str(wrong_k)], "has top-k 3"),
+        "routing ids out of range": (m + ["--routing", str(out_of_range)], "[0, 4)"),
+        "routing of floats": (m + ["--routing", str(floats)], "must be integers"),
+    }
+
+
+CASES = [
+    "unknown model", "config without MoE fields", "unknown backend", "backend that cannot run",
+    "baseline that cannot run", "zero batch size", "negative batch size", "text batch size",
+    "fractional batch size", "unwritable out", "out is a file", "bad scheme", "bad tp", "tp not dividing",
+    "routing file missing", "routing top-k mismatch", "routing ids out of range", "routing of floats",
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bench_bad_input_is_one_line_and_exit_2(case, tmp_path, tiny_config, registry, capsys):
+    registry(RefusingBackend())
+    args, expected = _bad_cases(tmp_path, tiny_config)[case]
+    out_given = "--out" in args
+    argv = ["bench", *args, *([] if out_given else ["--out", str(tmp_path / "out")]), *FAST]
+    assert main(argv) == 2
+    line = one_line_error(capsys)
+    assert expected in line
+    assert not (tmp_path / "out").exists()  # nothing created, let alone half-written
+
+
+def test_bench_without_matplotlib_says_how_to_get_it(tmp_path, tiny_config, monkeypatch, capsys):
+    def missing():
+        raise plots.PlotError("plots need matplotlib, which is not installed: pip install 'moekit[plot]'")
+
+    monkeypatch.setattr(plots, "require_matplotlib", missing)
+    assert main(["bench", "--model", str(tiny_config), "--out", str(tmp_path / "o"), *FAST]) == 2
+    line = one_line_error(capsys)
+    assert "pip install 'moekit[plot]'" in line and "--no-plots" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_failure_while_writing_leaves_nothing_half_written(tmp_path, tiny_config, monkeypatch):
+    def crash(*args, **kwargs):
+        raise CrashingPlotError("disk on fire")
+
+    monkeypatch.setattr(plots, "efficiency_plot", crash)
+    out = tmp_path / "o"
+    with pytest.raises(CrashingPlotError):
+        main(["bench", "--model", str(tiny_config), "--batch-sizes", "1", "--backends", "reference",
+              "--out", str(out), *FAST])
+    assert not out.exists()  # created by the run, left empty, removed
+
+    out.mkdir()  # a folder that existed before is kept, without partial files
+    with pytest.raises(CrashingPlotError):
+        main(["bench", "--model", str(tiny_config), "--batch-sizes", "1", "--backends", "reference",
+              "--out", str(out), *FAST])
+    assert list(out.iterdir()) == []
+
+
+def test_argparse_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--model", PRESET, "--mode", "fast"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main(["bench"])  # --model is required
+    assert e.value.code == 2

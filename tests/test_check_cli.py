@@ -1,0 +1,247 @@
+"""`moekit check` end to end on the CPU, and its float64 computation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import moekit
+from moekit import check
+from moekit.api import validate_inputs
+from moekit.backends.reference import ReferenceBackend, reference_moe
+from moekit.cli import main
+
+from helpers import random_routing, random_weights, random_x, rel_l2
+
+CPU = not torch.cuda.is_available()
+PRESET = "qwen3-30b-a3b-fp8"  # fp8-block128; on the CPU scaled down to E=16 H=256 N=128 top-8
+
+
+@pytest.fixture
+def torch_backend(registry):
+    """The `torch` backend, registered if the package does not register it yet."""
+    if "torch" not in moekit.backend_names():
+        from moekit.backends.torch_backend import TorchBackend
+
+        registry(TorchBackend())
+    return "torch"
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    folder = tmp_path / "tiny-moe"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "num_local_experts": 6, "num_experts_per_tok": 2, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2,
+    }))
+    return folder
+
+
+def one_line_error(capsys) -> str:
+    out, err = capsys.readouterr()
+    lines = [line for line in (out + err).splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error:")
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+def test_check_end_to_end_reference_and_torch_pass(tmp_path, torch_backend, capsys):
+    out = tmp_path / "check"
+    argv = ["check", "--model", PRESET, "--backends", "reference", torch_backend, "--seeds", "2",
+            "--out", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    if CPU:
+        assert text.startswith("No CUDA GPU")
+    assert "pass" in text and "FAIL" not in text
+    assert [p.name for p in out.iterdir()] == ["check.json"]
+    report = json.loads((out / "check.json").read_text())
+    assert report["passed"] is True
+    assert {"device", "torch", "moekit", "git_commit", "date", "command"} <= set(report["metadata"])
+    assert report["metadata"]["command"].startswith("moekit check --model " + PRESET)
+    assert "2^-4" in report["threshold_derivation"] and "fp8-block128" in report["thresholds"]
+    (model,) = report["models"]
+    assert model["scheme"] == "fp8-block128"
+    E = model["shape"]["num_experts"]
+    sizes = {c["batch_size"] for c in model["cases"]}
+    assert {1, 7, 64} <= sizes
+    assert any(c["experts_used"] is not None and len(c["experts_used"]) < E for c in model["cases"])
+    assert {c["seed"] for c in model["cases"]} == {0, 1}
+    by_name = {b["backend"]: b for b in model["backends"]}
+    assert set(by_name) == {"reference", "torch"}
+    assert by_name["reference"]["class"] == "reference" and by_name["torch"]["class"] == "dequantized"
+    for b in by_name.values():
+        assert b["passed"] and not b["errors"]
+        assert len(b["cases"]) == len(model["cases"])
+        for c in b["cases"]:
+            assert c["rel_l2"] <= b["threshold"]["rel_l2"]
+            assert c["max_rel"] <= b["threshold"]["max_rel"]
+            assert c["cos"] >= b["threshold"]["min_cos"]
+    assert by_name["reference"]["worst"]["rel_l2"] < 4e-3
+    # the torch backend skips the FP8 activation quantization: a few percent, as derived
+    assert 1e-2 < by_name["torch"]["worst"]["rel_l2"] < 1e-1
+    (pair,) = model["pairwise_rel_l2"]
+    assert {pair["a"], pair["b"]} == {"reference", "torch"} and pair["worst_rel_l2"] > 0
+
+
+def test_check_bf16_model_from_config(tmp_path, tiny_config, torch_backend):
+    out = tmp_path / "c"
+    assert main(["check", "--model", str(tiny_config), "--backends", "reference", torch_backend,
+                 "--seeds", "1", "--batch-sizes", "1", "5", "--out", str(out)]) == 0
+    report = json.loads((out / "check.json").read_text())
+    (model,) = report["models"]
+    assert model["scheme"] == "bf16"
+    torch_result = next(b for b in model["backends"] if b["backend"] == "torch")
+    assert torch_result["passed"] and torch_result["worst"]["rel_l2"] < 1e-2  # no FP8 noise in bf16
+
+
+class WrongBackend(ReferenceBackend):
+    """Off by 5 %: far above any FP8 kernel's error against the float64 computation."""
+
+    name = "wrong"
+
+    def run(self, x, weights, topk_weights, topk_ids):
+        return (reference_moe(x, weights, topk_weights, topk_ids).float() * 1.05).to(x.dtype)
+
+
+class CrashingBackend(ReferenceBackend):
+    name = "crashing"
+
+    def run(self, x, weights, topk_weights, topk_ids):
+        raise RuntimeError("kernel exploded")
+
+
+@pytest.mark.parametrize("bad", [WrongBackend, CrashingBackend])
+def test_check_failing_backend_gives_exit_1(tmp_path, tiny_config, registry, bad, capsys):
+    registry(bad())
+    out = tmp_path / "c"
+    assert main(["check", "--model", str(tiny_config), "--scheme", "fp8-channel-token", "--seeds", "1",
+                 "--batch-sizes", "1", "4", "--backends", "reference", bad.name, "--out", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert "FAIL" in text
+    report = json.loads((out / "check.json").read_text())
+    assert report["passed"] is False
+    results = {b["backend"]: b for b in report["models"][0]["backends"]}
+    assert results["reference"]["passed"] is True
+    assert results[bad.name]["passed"] is False
+    if bad is CrashingBackend:
+        assert "kernel exploded" in results[bad.name]["errors"][0]
+    else:
+        assert results[bad.name]["worst"]["rel_l2"] == pytest.approx(0.05, rel=0.1)
+
+
+def test_check_default_backends_are_every_runnable_one(tmp_path, tiny_config, capsys):
+    out = tmp_path / "c"
+    assert main(["check", "--model", str(tiny_config), "--seeds", "1", "--batch-sizes", "1", "--out", str(out)]) == 0
+    report = json.loads((out / "check.json").read_text())
+    (model,) = report["models"]
+    checked = {b["backend"] for b in model["backends"]}
+    skipped = set(model["skipped_backends"])
+    assert checked | skipped == set(moekit.backend_names())
+    assert "reference" in checked
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--model", "no-such-model"], "unknown model"),
+        (["--model", PRESET, "--seeds", "0"], "--seeds"),
+        (["--model", PRESET, "--batch-sizes", "0"], "not a positive integer"),
+        (["--model", PRESET, "--backends", "auto"], "'auto'"),
+        (["--model", PRESET, "--backends", "nope"], "unknown backend"),
+    ],
+)
+def test_check_bad_input_is_one_line_and_exit_2(args, expected, tmp_path, capsys):
+    assert main(["check", *args, "--out", str(tmp_path / "o")]) == 2
+    assert expected in one_line_error(capsys)
+    assert not (tmp_path / "o").exists()
+
+
+# ----------------------------------------------------------------------- float64 computation
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8-tensor-static", "fp8-tensor-dynamic", "fp8-channel-token", "fp8-block128"])
+def test_float64_moe_matches_the_reference_problem(scheme):
+    E, H, N, K, M = 6, 200, 128, 2, 9  # H not a multiple of 128: partial groups and blocks
+    w = random_weights(E, H, N, scheme, seed=1)
+    tw, ids = random_routing(M, E, K, seed=1, experts=[0, 2, 3])  # experts 1, 4, 5 get no tokens
+    x = random_x(M, H, seed=1)
+    tw, ids = validate_inputs(x, w, tw, ids)
+    ref64 = check.float64_moe(x, w, tw, ids)
+    assert ref64.dtype == torch.float64 and ref64.shape == (M, H)
+    assert rel_l2(reference_moe(x, w, tw, ids), ref64) < 4e-3
+    m = check.metrics(reference_moe(x, w, tw, ids), ref64)
+    assert m["cos"] > 0.99999 and m["max_rel"] < 8e-3
+
+
+def test_metrics_of_identical_and_opposite_outputs():
+    a = torch.randn(4, 8, dtype=torch.float64)
+    assert check.metrics(a, a) == {"rel_l2": 0.0, "max_rel": 0.0, "cos": pytest.approx(1.0)}
+    m = check.metrics(-a, a)
+    assert m["rel_l2"] == pytest.approx(2.0) and m["cos"] == pytest.approx(-1.0)
+    nan = check.metrics(torch.full_like(a, float("nan")), a)
+    assert nan["rel_l2"] == float("inf")
+
+
+def test_every_scheme_and_class_has_a_threshold():
+    for scheme in moekit.SCHEMES.values():
+        for cls in ("reference", "kernel", "dequantized"):
+            t = check.threshold_for(scheme.name, cls)
+            assert 0 < t.rel_l2 < t.max_rel and 0 < t.min_cos < 1
+
+
+def test_intermediate_granularity_of_triton_follows_its_kernels():
+    if "triton" not in moekit.backend_names():
+        pytest.skip("no triton backend registered")
+    schemes = moekit.SCHEMES
+    assert check.intermediate_granularity("triton", schemes["fp8-channel-token"]) == "group"
+    assert check.intermediate_granularity("triton", schemes["fp8-block128"]) is None
+    assert check.intermediate_granularity("triton", schemes["fp8-tensor-dynamic"]) is None
+    assert check.intermediate_granularity("reference", schemes["fp8-channel-token"]) is None
+    assert not check.gemm1_output_rounded("triton", schemes["fp8-channel-token"])
+    if "cutlass" in moekit.backend_names():
+        assert check.gemm1_output_rounded("cutlass", schemes["fp8-channel-token"])
+
+
+class RoundsGemm1Output(ReferenceBackend):
+    """float32 like the reference, but GEMM1's output stored in bf16 before SiLU (as cutlass does),
+    declared through the `gemm1_output_rounded` attribute."""
+
+    name = "roundsh"
+    gemm1_output_rounded = True
+
+    def run(self, x, weights, topk_weights, topk_ids):
+        from moekit import quant
+
+        s, M, K, N = weights.scheme, *topk_ids.shape, weights.n
+        xq = quant.fake_quantize_activation(x, s.activation, weights.a13_scale)
+        w13, w2 = weights.dequantize()
+        ids = topk_ids.long()
+        h = torch.einsum("mh,mkfh->mkf", xq, w13[ids]).to(x.dtype).float()  # the added rounding point
+        act = (torch.nn.functional.silu(h[..., :N]) * h[..., N:]).to(x.dtype).float().reshape(M * K, N)
+        act = quant.fake_quantize_activation(act, s.activation, weights.a2_scale).reshape(M, K, N)
+        y = torch.einsum("mkn,mkhn->mkh", act, w2[ids])
+        return (y * topk_weights[:, :, None]).sum(1).to(x.dtype)
+
+
+def test_backend_is_compared_with_its_own_rounding_points(tmp_path, tiny_config, registry, monkeypatch):
+    registry(RoundsGemm1Output())
+    argv = ["check", "--model", str(tiny_config), "--scheme", "fp8-channel-token", "--seeds", "2",
+            "--batch-sizes", "1", "7", "64", "--backends", "roundsh"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    report = json.loads((tmp_path / "a" / "check.json").read_text())
+    (result,) = report["models"][0]["backends"]
+    assert result["problem"] == {"intermediate_granularity": None, "gemm1_output_rounded": True}
+    assert result["worst"]["rel_l2"] < 5e-3
+
+    # without the declaration the bf16 rounding of h flips intermediate FP8 roundings: ~2e-2, a fail
+    monkeypatch.setattr(RoundsGemm1Output, "gemm1_output_rounded", False)
+    assert main([*argv, "--out", str(tmp_path / "b")]) == 1
+    report = json.loads((tmp_path / "b" / "check.json").read_text())
+    assert 1e-2 < report["models"][0]["backends"][0]["worst"]["rel_l2"] < 5e-2

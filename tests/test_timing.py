@@ -1,0 +1,148 @@
+"""The shared timing harness (moekit.timing) and the roofline counts and ceilings (moekit.roofline)."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from moekit import roofline
+from moekit.spec import BF16, FP8_BLOCK128, FP8_CHANNEL_TOKEN, FP8_TENSOR_STATIC, MoEShape
+from moekit.timing import Timing, time_graph
+
+
+# ------------------------------------------------------------------------------------ timing
+
+
+def test_cpu_timing_returns_ordered_positive_percentiles():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.0005)
+
+    t = time_graph(fn, reps=7, warmup=2, device="cpu")
+    assert t.method == "cpu"
+    assert len(calls) == 9  # warm-up + timed calls
+    assert len(t.samples) == 7
+    assert 0 < t.p20_us <= t.median_us <= t.p80_us
+    assert t.median_us >= 500  # slept 0.5 ms per call
+    assert t.flush_us is None
+
+
+def test_timing_percentiles_from_samples():
+    t = Timing.from_samples([5.0, 1.0, 3.0, 2.0, 4.0], "cpu")
+    assert t.median_us == 3.0
+    assert t.p20_us == pytest.approx(1.8)
+    assert t.p80_us == pytest.approx(4.2)
+    with pytest.raises(ValueError):
+        Timing.from_samples([], "cpu")
+
+
+@pytest.mark.parametrize("kw", [{"reps": 0}, {"reps": 2.5}, {"warmup": -1}])
+def test_time_graph_rejects_bad_counts(kw):
+    with pytest.raises(ValueError):
+        time_graph(lambda: None, device="cpu", **kw)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_timing_subtracts_the_flush():
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    t = time_graph(lambda: a @ a, reps=10, warmup=2)
+    assert t.method == "cuda-graph" and t.note is None
+    assert t.flush_us is not None and t.flush_us > 20  # 512 MiB cannot be zeroed faster
+    assert 0 < t.p20_us <= t.median_us <= t.p80_us < 10_000
+
+
+@pytest.mark.gpu
+def test_cuda_timing_falls_back_to_eager_when_capture_fails():
+    a = torch.randn(256, 256, device="cuda")
+
+    def syncs():
+        return (a @ a).sum().item()  # a host sync: cannot be captured
+
+    t = time_graph(syncs, reps=5, warmup=1)
+    assert t.method == "cuda-eager"
+    assert "capture failed" in t.note
+    assert t.median_us > 0
+
+
+# ------------------------------------------------------------------------------------ counts
+
+
+def test_flops_and_bytes_follow_the_formulas():
+    shape = MoEShape(8, 256, 128, 2)
+    ids = torch.tensor([[0, 1], [1, 2], [0, 2]], dtype=torch.int32)  # 3 experts touched
+    c = roofline.count(shape, FP8_CHANNEL_TOKEN, 3, ids)
+    assert c.flops == 2 * 3 * 2 * 3 * 128 * 256
+    assert c.experts_touched == 3
+    scales = (2 * 128 + 256) * 4  # channel scales of w13 and w2, float32
+    assert c.weight_bytes == 3 * (3 * 128 * 256 * 1 + scales)
+    assert c.activation_bytes == 3 * 256 * 2 * 2 + 3 * 2 * 8
+    assert c.bytes == c.weight_bytes + c.activation_bytes
+    bf16 = roofline.count(shape, BF16, 3, ids)
+    assert bf16.weight_bytes == 3 * 3 * 128 * 256 * 2
+
+
+def test_scale_bytes_per_scheme():
+    shape = MoEShape(4, 256, 256, 2)
+    assert roofline.scale_bytes_per_expert(shape, BF16) == 0
+    assert roofline.scale_bytes_per_expert(shape, FP8_TENSOR_STATIC) == 2 * 4 + 8
+    assert roofline.scale_bytes_per_expert(shape, FP8_BLOCK128) == (4 * 2 + 2 * 2) * 4
+
+
+def test_expected_experts_touched_without_routing():
+    shape = MoEShape(128, 256, 128, 8)
+    assert roofline.count(shape, BF16, 1).experts_touched == pytest.approx(8)
+    assert roofline.count(shape, BF16, 4096).experts_touched == pytest.approx(128)
+
+
+def test_floor_is_the_larger_of_memory_and_compute_time():
+    shape = MoEShape(8, 4096, 14336, 2)
+    c = roofline.count(shape, FP8_CHANNEL_TOKEN, 1)
+    ceilings = roofline.Ceilings("fake", copy_gbps=3000.0, bf16_tflops=700.0, fp8_tflops=1400.0,
+                                 torch="t", triton="t", measured="now")
+    floor = roofline.floor_us(c, ceilings, FP8_CHANNEL_TOKEN)
+    assert floor == pytest.approx(c.bytes / 3000e9 * 1e6)  # decode: memory bound
+    big = roofline.count(shape, FP8_CHANNEL_TOKEN, 65536)
+    assert roofline.floor_us(big, ceilings, FP8_CHANNEL_TOKEN) == pytest.approx(big.flops / 1400e12 * 1e6)
+    big_bf16 = roofline.count(shape, BF16, 65536)  # bf16 weights: the bf16 matmul rate bounds them
+    assert roofline.floor_us(big_bf16, ceilings, BF16) == pytest.approx(big_bf16.flops / 700e12 * 1e6)
+    assert roofline.floor_us(c, None, FP8_CHANNEL_TOKEN) is None
+
+
+# ---------------------------------------------------------------------------------- ceilings
+
+
+def test_cache_dir_respects_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("MOEKIT_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert roofline.cache_dir() == tmp_path / "xdg" / "moekit"
+    monkeypatch.setenv("MOEKIT_CACHE_DIR", str(tmp_path / "mine"))
+    assert roofline.cache_dir() == tmp_path / "mine"
+
+
+def test_no_ceilings_on_the_cpu():
+    assert roofline.get_ceilings("cpu") is None
+
+
+def test_ceilings_are_cached_per_device_and_versions(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOEKIT_CACHE_DIR", str(tmp_path))
+    measured = []
+
+    def fake_measure(device):
+        measured.append(device)
+        return roofline.Ceilings("Fake GPU", 3000.0, 700.0, 1400.0, torch.__version__, "x", "2026-01-01")
+
+    monkeypatch.setattr(roofline, "measure_ceilings", fake_measure)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    first = roofline.get_ceilings("cuda")
+    second = roofline.get_ceilings("cuda")
+    assert len(measured) == 1
+    assert first.source == "measured" and second.source == "cache"
+    assert second.copy_gbps == 3000.0 and second.fp8_tflops == 1400.0
+    data = json.loads((tmp_path / "ceilings.json").read_text())
+    (key,) = data
+    assert "Fake GPU" in key and torch.__version__ in key and "triton" in key
+    roofline.get_ceilings("cuda", refresh=True)
+    assert len(measured) == 2
