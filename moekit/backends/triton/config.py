@@ -4,10 +4,9 @@ One config serves both GEMMs (they share the row blocks of the alignment). BLOCK
 of an output tile: GEMM1 computes BLOCK_N gate and BLOCK_N up columns per tile, so its tile spans
 2 * BLOCK_N columns of w13 (vLLM's BLOCK_SIZE_N for the same tile is 2 * BLOCK_N).
 
-Tuned tables (written by `moekit tune`) are JSON files named
-    E={E},N={N},H={H},device_name={device},scheme={scheme}.json
-holding {"meta": {...}, "configs": {"<batch size>": {BLOCK_M: .., ..., "us": ..}}}; the entry
-of the nearest measured batch size is used.
+Tuned tables (written by `moekit tune`, found through `moekit.tables`: the user's folders, then
+the shipped ones) hold {"meta": {...}, "configs": {"<batch size>": {BLOCK_M: .., ..., "us": ..}}};
+the entry of the nearest measured batch size is used.
 """
 
 from __future__ import annotations
@@ -16,14 +15,12 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 from pathlib import Path
 
 from ...spec import MoEShape, QuantScheme
+from ...tables import find_tables
 
 log = logging.getLogger("moekit.triton")
-SHIPPED_DIR = Path(__file__).resolve().parents[2] / "configs" / "triton"
-CONFIG_DIR_ENV = "MOEKIT_CONFIG_DIR"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,24 +75,6 @@ def default_config(shape: MoEShape, scheme: QuantScheme, num_tokens: int) -> Ker
     return KernelConfig(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128 if scheme.is_fp8 else 64, GROUP_M=8, num_warps=8, num_stages=4)
 
 
-def normalize_device_name(name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'NVIDIA_H100_80GB_HBM3' (vLLM's convention for file names)."""
-    return name.strip().replace(" ", "_")
-
-
-def table_name(shape: MoEShape, scheme: QuantScheme, device_name: str) -> str:
-    return (
-        f"E={shape.num_experts},N={shape.n},H={shape.hidden},"
-        f"device_name={normalize_device_name(device_name)},scheme={scheme.name}.json"
-    )
-
-
-def config_dirs() -> list[Path]:
-    """User tables (MOEKIT_CONFIG_DIR, os.pathsep-separated) before the shipped ones."""
-    user = [Path(p) for p in os.environ.get(CONFIG_DIR_ENV, "").split(os.pathsep) if p]
-    return user + [SHIPPED_DIR]
-
-
 @functools.lru_cache(maxsize=256)
 def _load_table(path: Path, mtime: float) -> dict[int, KernelConfig] | None:
     try:
@@ -107,13 +86,10 @@ def _load_table(path: Path, mtime: float) -> dict[int, KernelConfig] | None:
 
 
 def tuned_configs(shape: MoEShape, scheme: QuantScheme, device_name: str) -> tuple[dict[int, KernelConfig], Path] | None:
-    name = table_name(shape, scheme, device_name)
-    for d in config_dirs():
-        path = d / name
-        if path.is_file():
-            table = _load_table(path, path.stat().st_mtime)
-            if table:
-                return table, path
+    for path in find_tables("triton", shape, scheme, device_name):
+        table = _load_table(path, path.stat().st_mtime)
+        if table:
+            return table, path
     return None
 
 

@@ -1,0 +1,110 @@
+"""Where measured tables live, what they are called, and how they are written.
+
+Two kinds of table, both written by `moekit tune`, one JSON file per (device, shape, scheme):
+    triton/    the triton backend's tuned launch configs, keyed by batch size
+    backends/  every backend's measured time per batch size and the winner (auto reads these)
+
+They are searched in the folders of MOEKIT_CONFIG_DIR (several separated by os.pathsep, each laid
+out like moekit/configs/: a `triton/` and a `backends/` subfolder) before the tables shipped in
+the package. A file name says which problem it measured:
+    E={E},N={N},H={H},device_name={device},scheme={scheme}.json
+with N the intermediate size per GPU and the device name as vLLM writes it ('NVIDIA H100 80GB
+HBM3' -> 'NVIDIA_H100_80GB_HBM3').
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from .spec import MoEShape, QuantScheme
+
+CONFIG_DIR_ENV = "MOEKIT_CONFIG_DIR"
+SHIPPED_ROOT = Path(__file__).resolve().parent / "configs"
+Kind = Literal["triton", "backends"]
+KINDS: tuple[str, ...] = ("triton", "backends")
+
+
+def normalize_device_name(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'NVIDIA_H100_80GB_HBM3' (vLLM's convention for file names)."""
+    return name.strip().replace(" ", "_")
+
+
+def device_family(name: str) -> str | None:
+    """The GPU model a device name belongs to ('H100', 'H200', 'H20', 'GH200', ...), or None.
+
+    One GPU model ships under several names (H100 SXM reads 'NVIDIA H100 80GB HBM3', PCIe
+    'NVIDIA H100 PCIe', NVL 'NVIDIA H100 NVL'); a table measured on one of them is the best
+    guess for the others when no exact match exists.
+    """
+    m = re.search(r"\b(GH|GB|[A-Z])(\d{2,3})[A-Z]?\b", name.replace("_", " ").upper())
+    return m.group(1) + m.group(2) if m else None
+
+
+def table_name(shape: MoEShape, scheme: QuantScheme, device_name: str) -> str:
+    return (
+        f"E={shape.num_experts},N={shape.n},H={shape.hidden},"
+        f"device_name={normalize_device_name(device_name)},scheme={scheme.name}.json"
+    )
+
+
+def _device_of(file_name: str) -> str | None:
+    m = re.search(r"device_name=([^,]+),", file_name)
+    return m.group(1) if m else None
+
+
+def search_dirs(kind: Kind) -> list[Path]:
+    """The folders holding tables of `kind`: the user's (MOEKIT_CONFIG_DIR) first, then shipped."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown table kind {kind!r}; expected one of {KINDS}")
+    user = [Path(p) / kind for p in os.environ.get(CONFIG_DIR_ENV, "").split(os.pathsep) if p]
+    return user + [SHIPPED_ROOT / kind]
+
+
+def find_tables(kind: Kind, shape: MoEShape, scheme: QuantScheme, device_name: str) -> list[Path]:
+    """Candidate table files, best first.
+
+    In each folder (user folders before shipped ones): the exact device name, then another
+    device name of the same GPU model (H100 SXM for an H100 PCIe, say). Callers take the first
+    file that loads; a file that fails to load is skipped with a warning by the caller.
+    """
+    exact = table_name(shape, scheme, device_name)
+    family = device_family(device_name)
+    stem_without_device = exact.replace(f"device_name={normalize_device_name(device_name)},", "")
+    found: list[Path] = []
+    for d in search_dirs(kind):
+        if (d / exact).is_file():
+            found.append(d / exact)
+        if family is None or not d.is_dir():
+            continue
+        for path in sorted(d.glob("*.json")):
+            other = _device_of(path.name)
+            if (
+                path.name != exact
+                and other is not None
+                and device_family(other) == family
+                and path.name.replace(f"device_name={other},", "") == stem_without_device
+            ):
+                found.append(path)
+    return found
+
+
+def write_json_atomically(path: str | os.PathLike, data) -> Path:
+    """Write JSON to `path` through a temporary file and a rename: a reader (or a kill) never
+    sees a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
