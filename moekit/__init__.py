@@ -2,8 +2,9 @@
 
 from .api import fused_moe
 from .backends import backend_names, get_backend
+from .layer import MoELayer
 from .routing import RoutingConfig, route
-from .select import BackendUnavailableError, Choice, select_backend
+from .select import BackendUnavailableError, Choice, DeviceSpec, select_backend
 from .spec import SCHEMES, MoEShape, QuantScheme, get_scheme
 from .weights import MoEWeights, quantize_weights
 
@@ -11,6 +12,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "fused_moe",
+    "MoELayer",
     "route",
     "RoutingConfig",
     "MoEShape",
@@ -21,6 +23,7 @@ __all__ = [
     "quantize_weights",
     "select_backend",
     "Choice",
+    "DeviceSpec",
     "BackendUnavailableError",
     "backend_names",
     "get_backend",

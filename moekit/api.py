@@ -19,6 +19,7 @@ def fused_moe(
     backend: str | None = "auto",
     *,
     apply_router_weight_on_input: bool = False,
+    allow_weight_copies: bool = True,
 ) -> torch.Tensor:
     """Run the routed experts: out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
 
@@ -26,6 +27,8 @@ def fused_moe(
     topk_ids [M, K] int32/int64. Returns [M, H] in x's dtype. `backend`: a backend name or
     "auto"; None or "auto" lets MOEKIT_BACKEND decide before auto does.
     `apply_router_weight_on_input` (Llama-4, top-1): the weight scales x before the experts.
+    `allow_weight_copies=False`: auto never picks a backend that keeps a converted copy of the
+    weights (what `moekit.MoELayer` passes); a backend named explicitly still runs.
     """
     topk_weights, topk_ids = validate_inputs(x, weights, topk_weights, topk_ids)
     M, K = topk_ids.shape
@@ -34,7 +37,9 @@ def fused_moe(
             raise ValueError(f"apply_router_weight_on_input needs top-k = 1, got top-k = {K}")
         x = (x.float() * topk_weights).to(x.dtype)
         topk_weights = torch.ones_like(topk_weights)
-    choice = select_backend(weights.shape(K), weights.scheme, x.device, x.dtype, M, backend)
+    choice = select_backend(
+        weights.shape(K), weights.scheme, x.device, x.dtype, M, backend, allow_weight_copies=allow_weight_copies
+    )
     if M == 0:
         return x.new_empty(0, weights.hidden)
     return get_backend(choice.backend).run(x, weights, topk_weights, topk_ids)

@@ -111,6 +111,83 @@ def cmd_check(args) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_tune(args) -> int:
+    from moekit.bench import BenchInputError
+    from moekit.tune import TuneOptions, run_tune
+
+    opts = TuneOptions(
+        models=args.model, tp=args.tp, scheme=args.scheme, batch_sizes=args.batch_sizes, backends=args.backends,
+        budget=args.budget, out=args.out, routing=args.routing, search_space=args.search_space, reps=args.reps,
+        warmup=args.warmup, seed=args.seed, dtype=args.dtype, export_vllm=args.export_vllm,
+        argv=getattr(args, "argv", None),
+    )
+    try:
+        return run_tune(opts, console).exit_code
+    except BenchInputError as e:
+        raise UsageError(str(e)) from None
+
+
+def cmd_select(args) -> int:
+    import torch
+
+    from moekit.models import get_model
+    from moekit.select import BackendUnavailableError, DeviceSpec, explain
+    from moekit.spec import get_scheme
+
+    def positive(flag, value):
+        if value is None or not str(value).isdigit() or int(value) < 1:
+            raise UsageError(f"{flag} must be a positive integer, got {value!r}")
+        return int(value)
+
+    if not args.model:
+        raise UsageError("give --model (a preset name, see `moekit models`, or a config.json / model folder)")
+    batch, tp = positive("--batch-size", args.batch_size), positive("--tp", args.tp)
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    if args.dtype not in dtypes:
+        raise UsageError(f"--dtype must be bf16 or fp16, got {args.dtype!r}")
+    try:
+        spec = get_model(args.model, tp=tp)
+        scheme = get_scheme(args.scheme) if args.scheme else spec.scheme
+        if scheme.weight == "block" and spec.shape.n % 128:
+            raise ValueError(f"scheme {scheme.name} needs the intermediate size per GPU to be a multiple of 128, got {spec.shape.n}")
+        if args.device_name is not None:
+            device = DeviceSpec.from_name(args.device_name)
+        else:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        lines = explain(spec.shape, scheme, device, dtypes[args.dtype], batch, args.backend or "auto")
+    except BackendUnavailableError as e:
+        raise UsageError(
+            f"backend {e.name!r} cannot run this problem: {'; '.join(e.reasons)} (backends that can: {', '.join(e.runnable)})"
+        ) from None
+    except (ValueError, OSError) as e:
+        raise UsageError(" ".join(str(e).split())) from None
+    if isinstance(device, DeviceSpec):
+        where = str(device)
+    else:
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (no CUDA GPU visible)"
+    rows = batch * spec.shape.top_k / spec.shape.num_experts
+    head = [f"model: {spec.name}: {spec.shape.describe()}, {scheme.name}, {args.dtype} activations",
+            f"device: {where}", f"batch size: {batch} ({rows:g} rows per expert)"]
+    for line in head + lines:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from moekit.hf.eval import EvalInputError, EvalOptions, run_eval  # imports transformers: only here
+
+    opts = EvalOptions(
+        model=args.model, backends=args.backends, text=args.text, max_tokens=args.max_tokens,
+        gen_tokens=args.gen_tokens, seq_len=args.seq_len, scheme=args.scheme, out=args.out,
+        argv=getattr(args, "argv", None),
+    )
+    try:
+        run_eval(opts, console)
+    except EvalInputError as e:
+        raise UsageError(str(e)) from None
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moekit", description=__import__("moekit").__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -147,6 +224,49 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--seeds", type=int, default=3, help="number of seeds per batch size")
     check.set_defaults(func=cmd_check)
+
+    tune = sub.add_parser("tune", help="search the triton backend's configs and time every backend; write the tables auto reads")
+    _add_model_args(
+        tune,
+        "batch sizes in tokens (default: 1 2 4 ... 8192 on a GPU; 1 4 on the CPU)",
+        "backends to time besides triton (default: every one that can run here; reference only when named)",
+    )
+    next(a for a in tune._actions if a.dest == "out").help = (
+        "output folder: tables, and the journal a rerun resumes from (default: moekit-results/tune)")
+    tune.add_argument("--budget", default=None, metavar="TIME",
+                      help="stop cleanly after this long (90s, 10m, 1h), keeping the best found so far")
+    tune.add_argument("--routing", default="uniform", metavar="uniform|skewed|FILE",
+                      help="routing of the tuning inputs: random top-k, Zipf-like skew, or recorded topk_ids (.pt/.npy)")
+    tune.add_argument("--search-space", choices=("pruned", "full"), default="pruned",
+                      help="pruned: skip dominated configs and those >1.5x slower at the next smaller batch size; "
+                           "full: every config that can run (exhaustive)")
+    tune.add_argument("--reps", type=int, default=20, help="timed replays per config")
+    tune.add_argument("--warmup", type=int, default=3, help="warm-up calls per config (the first compiles)")
+    tune.add_argument("--export-vllm", default=None, metavar="DIR",
+                      help="also write the configs as vLLM fused_moe config files into DIR")
+    tune.set_defaults(func=cmd_tune)
+
+    select = sub.add_parser("select", help="which backend auto runs for a model and batch size, and why")
+    select.add_argument("--model", default=None, metavar="NAME|PATH", help="a preset name or a config.json / model folder")
+    select.add_argument("--tp", "--tensor-parallel-size", dest="tp", default="1", help="tensor parallelism")
+    select.add_argument("--scheme", default=None, help="quantization scheme (default: the model's own)")
+    select.add_argument("--batch-size", default=None, metavar="M", help="tokens in the batch")
+    select.add_argument("--device-name", default=None, metavar="NAME",
+                        help="answer for this GPU instead of the local device, e.g. 'NVIDIA H100 80GB HBM3'")
+    select.add_argument("--backend", default=None, help="a backend name, as the backend argument would give it")
+    select.add_argument("--dtype", default="bf16", help="activation dtype: bf16 or fp16")
+    select.set_defaults(func=cmd_select)
+    ev = sub.add_parser("eval", help="a local transformers MoE model on each backend: perplexity, KL and top-1 vs reference, tokens/s")
+    ev.add_argument("--model", required=True, metavar="PATH", help="a local model folder (config.json, safetensors, tokenizer)")
+    ev.add_argument("--backends", nargs="+", metavar="NAME", default=None,
+                    help="backends to evaluate (default: every one that can run here); reference is always added")
+    ev.add_argument("--text", default=None, metavar="FILE", help="text to score (default: moekit/data/eval.txt)")
+    ev.add_argument("--max-tokens", type=int, default=512, help="tokens of the text scored")
+    ev.add_argument("--seq-len", type=int, default=256, help="tokens per scoring window")
+    ev.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens generated for tokens/s (0: skip)")
+    ev.add_argument("--scheme", default=None, help="quantize a bf16 checkpoint's experts on load to this scheme")
+    ev.add_argument("--out", default=None, metavar="FILE", help="write the JSON report here")
+    ev.set_defaults(func=cmd_eval)
     return parser
 
 

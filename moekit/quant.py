@@ -19,7 +19,12 @@ AMAX_FLOOR = 1e-10
 
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    return amax.float().clamp(min=AMAX_FLOOR) / FP8_MAX
+    # Divide by a tensor on amax's device, not by a Python number: on CUDA, torch turns division
+    # by a host scalar into multiplication by its reciprocal, which differs from IEEE division
+    # in the last bit for about half of all values (seen on an H200, 2026-12-03), and then
+    # a GPU's FP8 values would depend on which code path quantized them.
+    fp8_max = torch.full((), FP8_MAX, dtype=torch.float32, device=amax.device)
+    return amax.float().clamp(min=AMAX_FLOOR) / fp8_max
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

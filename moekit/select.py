@@ -1,7 +1,21 @@
 """Which backend runs a call: the `backend` argument, then MOEKIT_BACKEND, then auto.
 
 A backend asked for by name (argument or environment) that cannot run raises
-`BackendUnavailableError` with every reason; only `auto` chooses among backends.
+`BackendUnavailableError` with every reason; only `auto` chooses among backends:
+
+  1. the backend decision table of (device, shape, scheme), if one loads (`moekit.decisions`:
+     the user's MOEKIT_CONFIG_DIR before the shipped tables): at the measured batch size nearest
+     to M in log space (the end point below the smallest / above the largest), its winner; if the
+     winner cannot run here, the fastest backend measured there that can;
+  2. otherwise `HEURISTIC_RULES`: the first backend of a preference list that can run.
+Auto never picks a backend whose supports() refuses. With `allow_weight_copies=False` (what
+`moekit.MoELayer` passes) it also passes over backends that would keep a converted copy of the
+weights (`Backend.copies_weights`): the `torch` backend on FP8 schemes.
+
+Cost per call: everything that does not depend on M (refusals, the table file, the device name)
+is resolved once per (shape, scheme, device, dtype, MOEKIT_CONFIG_DIR, TRITON_INTERPRET) and each
+batch size's choice is then memoised, so a call is a few dictionary look-ups (no file IO, no JSON,
+no GPU synchronisation). Tables written later in the same process are seen after `clear_cache()`.
 """
 
 from __future__ import annotations
@@ -9,23 +23,76 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 from typing import Literal
 
 import torch
 
-from .backends.base import backend_names, get_backend
+from . import decisions, tables
+from .backends.base import assume_capability, backend_names, get_backend
 from .spec import MoEShape, QuantScheme
 
 ENV_VAR = "MOEKIT_BACKEND"
 log = logging.getLogger("moekit.select")
 
-# Until measured decision tables exist, auto takes the first backend that can run, in this order.
-# GPU: moekit's own fused kernels first, the CUTLASS grouped GEMM next, then plain torch.
-# CPU: the torch backend (per-expert loop); Triton runs on the CPU only in the slow interpreter.
-HEURISTIC_ORDER = {
-    "cuda": ("triton", "cutlass", "torch", "reference"),
-    "cpu": ("torch", "reference"),
+# ===================================================================================== HEURISTIC
+# What auto does without a decision table for (device, shape, scheme). Per device type, rules
+# (max rows per expert, preference order): rows per expert = M * top_k / E; the first rule whose
+# bound holds (None: no bound) applies, and auto takes the first backend of its order that can
+# run (and, in a MoELayer, keeps no copy of the weights). A device type not listed here: reference.
+#
+# A rule may carry a third element, the smallest intermediate size per GPU (N) it applies to.
+#
+# Evidence (H200, torch 2.11, triton 3.6, 2026-12-03, `moekit bench` whole layer, BENCHMARKS.md):
+# triton (analytic default configs) was the fastest backend at every batch size 1..8192 on
+# GLM-4.5V-FP8 TP2 (E=128, N=704: 1.3x-3.2x faster than cutlass) and DeepSeek-V3 TP8 (block
+# weights: cutlass cannot run; 1.1x-2.2x faster than torch), and on Mixtral-8x7B FP8 (E=8,
+# N=14336) up to M=512 (128 rows per expert: 754 vs 783 µs). From M=1024 on Mixtral (256+ rows per
+# expert of a 14336-wide expert) CUTLASS's grouped GEMM won: 1126 vs 1265 µs at 1024, 3124 vs 3992
+# at 4096, 6593 vs 7586 at 8192. Hence: few, wide experts with many rows each -> cutlass first.
+# Shapes with a decision table (shipped or tuned) never reach these rules.
+HEURISTIC_RULES: dict[str, tuple[tuple, ...]] = {
+    "cuda": (
+        (255, ("triton", "cutlass", "torch", "reference")),
+        (None, ("cutlass", "triton", "torch", "reference"), 4096),
+        (None, ("triton", "cutlass", "torch", "reference")),
+    ),
+    "cpu": ((None, ("torch", "reference")),),
 }
+# ===============================================================================================
+
+# GPU models whose compute capability moekit knows, for devices described by name (--device-name).
+KNOWN_CAPABILITIES: dict[str, tuple[int, int]] = {
+    "H100": (9, 0), "H200": (9, 0), "H20": (9, 0), "GH200": (9, 0),
+    "A100": (8, 0),
+    "L40S": (8, 9), "L4": (8, 9),
+}
+COPY_REASON = "keeps a converted copy of the weights (a MoELayer's auto avoids it; name it to use it)"
+_PER_M_LIMIT = 1 << 14  # memoised batch sizes per problem; beyond, choices are computed each call
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """A CUDA GPU described rather than present: its name (as torch.cuda.get_device_name says it)
+    and compute capability. select_backend answers for it as if it were here."""
+
+    name: str
+    capability: tuple[int, int]
+    type = "cuda"  # like torch.device.type (a class attribute, not a field)
+
+    @classmethod
+    def from_name(cls, name: str) -> "DeviceSpec":
+        """'NVIDIA H100 80GB HBM3' -> capability (9, 0), by the GPU model in the name."""
+        for token in re.split(r"[\s_\-]+", str(name).strip().upper()):
+            if token in KNOWN_CAPABILITIES:
+                return cls(str(name).strip(), KNOWN_CAPABILITIES[token])
+        raise ValueError(
+            f"unknown GPU {name!r}: moekit knows the compute capability of "
+            f"{', '.join(KNOWN_CAPABILITIES)} (give the name as torch reports it, e.g. 'NVIDIA H100 80GB HBM3')"
+        )
+
+    def __str__(self) -> str:
+        return f"{self.name} (compute capability {self.capability[0]}.{self.capability[1]}, described)"
 
 
 class BackendUnavailableError(RuntimeError):
@@ -48,59 +115,264 @@ class Choice:
     source: Literal["argument", "environment", "table", "heuristic"]
     detail: str
     refused: dict[str, list[str]]  # backend -> reasons it cannot run (only backends that cannot)
+    avoided: dict[str, str] = dataclasses.field(default_factory=dict)  # runnable, but auto passed it over
 
     def __str__(self) -> str:
         return f"{self.backend} ({self.source}: {self.detail})"
 
 
-_supports_cache: dict[tuple, list[str]] = {}
+# One cache for everything static: supports() answers and the per-problem resolvers. Tests that
+# change the registry replace it (conftest's `registry` fixture); `clear_cache()` empties it.
+_supports_cache: dict[tuple, object] = {}
 
 
-def refusals(shape: MoEShape, scheme: QuantScheme, device: torch.device, dtype: torch.dtype) -> dict[str, list[str]]:
-    """Every registered backend's reasons not to run (empty list: it can). Cached: it is static."""
+def clear_cache() -> None:
+    """Forget every cached refusal, table and choice (after writing tables in this process)."""
+    _supports_cache.clear()
+
+
+def _device_key(device) -> torch.device | DeviceSpec:
+    if isinstance(device, (torch.device, DeviceSpec)):
+        return device
+    return torch.device(device)
+
+
+def refusals(
+    shape: MoEShape, scheme: QuantScheme, device: torch.device | DeviceSpec | str, dtype: torch.dtype
+) -> dict[str, list[str]]:
+    """Every registered backend's reasons not to run (empty list: it can). Cached: it is static.
+    A `DeviceSpec` is answered as a CUDA device of its capability, present or not."""
+    device = _device_key(device)
     key = (shape, scheme, device, dtype, os.environ.get("TRITON_INTERPRET"))
     result = {}
     for name in backend_names():
         k = (name, *key)
         if k not in _supports_cache:
-            _supports_cache[k] = get_backend(name).supports(shape, scheme, device, dtype)
+            backend = get_backend(name)
+            if isinstance(device, DeviceSpec):
+                with assume_capability(device.capability):
+                    _supports_cache[k] = backend.supports(shape, scheme, torch.device("cuda"), dtype)
+            else:
+                _supports_cache[k] = backend.supports(shape, scheme, device, dtype)
         result[name] = _supports_cache[k]
     return result
+
+
+def device_name(device: torch.device | DeviceSpec) -> str | None:
+    """The name decision tables are filed under: the GPU's name, 'cpu', or None (no tables)."""
+    if isinstance(device, DeviceSpec):
+        return device.name
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        try:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return torch.cuda.get_device_name(index)
+        except Exception:  # noqa: BLE001 - no CUDA here: no table
+            return None
+    return None
+
+
+def _environment() -> tuple:
+    """(MOEKIT_BACKEND, MOEKIT_CONFIG_DIR, TRITON_INTERPRET) as cheap-to-compare values.
+
+    os.environ.get costs ~1 us per missing name (a KeyError inside); on POSIX os.environ keeps
+    its values in the bytes dict `_data`, which reads in ~0.05 us and always agrees with it."""
+    data = getattr(os.environ, "_data", None)
+    if os.name == "posix" and type(data) is dict:
+        return data.get(b"MOEKIT_BACKEND"), data.get(b"MOEKIT_CONFIG_DIR"), data.get(b"TRITON_INTERPRET")
+    get = os.environ.get
+    return get(ENV_VAR), get(tables.CONFIG_DIR_ENV), get("TRITON_INTERPRET")
 
 
 def select_backend(
     shape: MoEShape,
     scheme: QuantScheme,
-    device: torch.device | str,
+    device: torch.device | DeviceSpec | str,
     dtype: torch.dtype = torch.bfloat16,
     num_tokens: int = 1,
     backend: str | None = "auto",
+    *,
+    allow_weight_copies: bool = True,
 ) -> Choice:
-    """The backend that `fused_moe` would run for this problem, and where that choice came from."""
-    device = torch.device(device)
-    reasons = refusals(shape, scheme, device, dtype)
-    refused = {name: r for name, r in reasons.items() if r}
-    runnable = [name for name, r in reasons.items() if not r]
+    """The backend that `fused_moe` would run for this problem, and where that choice came from.
 
-    requested, source = backend, "argument"
-    if requested in (None, "auto") and os.environ.get(ENV_VAR, "auto") != "auto":
-        requested, source = os.environ[ENV_VAR], "environment"
-    if requested not in (None, "auto"):
-        get_backend(requested)  # unknown names raise, listing the valid ones
-        if refused.get(requested):
-            where = "argument" if source == "argument" else f"{ENV_VAR}={requested}"
-            raise BackendUnavailableError(requested, where, refused[requested], runnable)
-        detail = "backend argument" if source == "argument" else f"{ENV_VAR}={requested}"
-        choice = Choice(requested, source, detail, refused)
+    `device` may be a `DeviceSpec` (a GPU described by name and capability, not present).
+    `allow_weight_copies=False`: auto passes over backends that would keep a converted copy of
+    the weights (a backend named by argument or MOEKIT_BACKEND is still used)."""
+    env_backend, config_dir, interpret = _environment()
+    if not isinstance(device, (torch.device, DeviceSpec)):
+        device = torch.device(device)
+    key = ("auto", shape, scheme, device, dtype, allow_weight_copies, config_dir, interpret, tables.SHIPPED_ROOT)
+    resolver = _supports_cache.get(key)
+    if resolver is None:
+        resolver = _resolver(shape, scheme, device, dtype, allow_weight_copies)
+
+    if backend is None or backend == "auto":
+        if env_backend is not None:
+            env_backend = os.environ.get(ENV_VAR)  # the str (the fast read gave bytes on POSIX)
+        if env_backend is None or env_backend == "auto":
+            choice = resolver.auto(num_tokens)
+        else:
+            choice = resolver.named(env_backend, "environment")
     else:
-        choice = _auto(shape, scheme, device, num_tokens, runnable, refused)
-    log.debug("moekit: M=%d %s %s -> %s", num_tokens, shape.describe(), scheme.name, choice)
+        choice = resolver.named(backend, "argument")
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("moekit: M=%d %s %s -> %s", num_tokens, shape.describe(), scheme.name, choice)
     return choice
 
 
-def _auto(shape, scheme, device, num_tokens, runnable, refused) -> Choice:
-    order = HEURISTIC_ORDER.get(device.type, ("reference",))
-    for name in order:
-        if name in runnable:
-            return Choice(name, "heuristic", f"first runnable of {', '.join(order)} on {device.type}", refused)
-    return Choice("reference", "heuristic", "no faster backend can run this problem", refused)
+def _resolver(shape, scheme, device, dtype, allow_weight_copies) -> "_Resolver":
+    """The cached resolver of a problem (select_backend inlines the look-up)."""
+    _, config_dir, interpret = _environment()
+    device = _device_key(device)
+    key = ("auto", shape, scheme, device, dtype, allow_weight_copies, config_dir, interpret, tables.SHIPPED_ROOT)
+    resolver = _supports_cache.get(key)
+    if resolver is None:
+        resolver = _supports_cache[key] = _Resolver(shape, scheme, device, dtype, allow_weight_copies)
+    return resolver
+
+
+def explain(
+    shape: MoEShape,
+    scheme: QuantScheme,
+    device: torch.device | DeviceSpec | str,
+    dtype: torch.dtype = torch.bfloat16,
+    num_tokens: int = 1,
+    backend: str | None = "auto",
+) -> list[str]:
+    """What `moekit select` prints: the choice for fused_moe (and for a MoELayer where it differs),
+    where it came from, the decision table's times at the measured sizes used, every refusal.
+    Raises ValueError (unknown backend) or BackendUnavailableError like select_backend."""
+    device = _device_key(device)
+    choice = select_backend(shape, scheme, device, dtype, num_tokens, backend)
+    r = _resolver(shape, scheme, device, dtype, True)
+    lines = [f"backend: {choice.backend}"]
+    if choice.source == "table":
+        where = r.table.locate(num_tokens).describe()
+        lines += [f"from: decision table {r.table.path}", f"  {where}"]
+        rest = choice.detail.split(where, 1)[-1].lstrip("; ")
+        if rest:
+            lines.append(f"  {rest}")
+    else:
+        lines.append(f"from: {choice.source} ({choice.detail})")
+    for path, problem in r.skipped:
+        lines.append(f"skipped table {path}: {problem}")
+    if r.table is None:
+        name = device_name(device)
+        if name is None:
+            lines.append(f"no decision table: tables exist per named device, not for {device}")
+        else:
+            dirs = ", ".join(str(d) for d in tables.search_dirs("backends"))
+            lines.append(f"no decision table {tables.table_name(shape, scheme, name)} in {dirs}")
+    else:
+        loc = r.table.locate(num_tokens)
+        points = loc.neighbours()
+        lines.append(f"measured (us) in {r.table.path.name}:")
+        header = ["backend"] + [f"M={p.m}" + (" (used)" if p is loc.point else "") for p in points]
+        rows = [header]
+        names = list(dict.fromkeys(n for p in points for n in [*p.fastest(), *p.errors]))
+        for n in names:
+            cells = [n]
+            for p in points:
+                if n in p.us:
+                    cells.append(f"{p.us[n]:.4g}" + (" winner" if n == p.winner else ""))
+                else:
+                    cells.append(f"failed: {p.errors[n]}" if n in p.errors else "-")
+            rows.append(cells)
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    if r.refused:
+        lines.append("refused:")
+        lines += [f"  {n}: {'; '.join(reasons)}" for n, reasons in r.refused.items()]
+    else:
+        lines.append("refused: none")
+    if choice.source in ("table", "heuristic"):
+        layer = select_backend(shape, scheme, device, dtype, num_tokens, backend, allow_weight_copies=False)
+        if layer.backend != choice.backend:
+            passed = ", ".join(layer.avoided)
+            lines.append(f"a MoELayer (auto) runs {layer.backend} instead: {passed} {COPY_REASON}")
+    return lines
+
+
+class _Resolver:
+    """Everything about one problem that does not depend on M, and the memoised choice per M."""
+
+    def __init__(self, shape, scheme, device, dtype, allow_weight_copies):
+        self.shape, self.scheme, self.device = shape, scheme, device
+        reasons = refusals(shape, scheme, device, dtype)
+        self.refused = {name: r for name, r in reasons.items() if r}
+        self.runnable = [name for name, r in reasons.items() if not r]
+        self.avoided = {}
+        if not allow_weight_copies:
+            self.avoided = {n: COPY_REASON for n in self.runnable if get_backend(n).copies_weights(scheme)}
+        self.eligible = [n for n in self.runnable if n not in self.avoided]
+        self.skipped: list = []  # (path, problem) of tables that did not load
+        name = device_name(device)
+        self.table = decisions.find_table(shape, scheme, name, self.skipped) if name else None
+        self._per_m: dict[int, Choice] = {}
+        self._named: dict[tuple[str, str], Choice] = {}
+
+    # ----------------------------------------------------------------------- named backends
+    def named(self, name: str, source: str) -> Choice:
+        choice = self._named.get((name, source))
+        if choice is None:
+            get_backend(name)  # unknown names raise, listing the valid ones
+            detail = "backend argument" if source == "argument" else f"{ENV_VAR}={name}"
+            if self.refused.get(name):
+                where = "argument" if source == "argument" else f"{ENV_VAR}={name}"
+                raise BackendUnavailableError(name, where, self.refused[name], self.runnable)
+            choice = self._named[(name, source)] = Choice(name, source, detail, self.refused, self.avoided)
+        return choice
+
+    # --------------------------------------------------------------------------------- auto
+    def auto(self, m: int) -> Choice:
+        choice = self._per_m.get(m)
+        if choice is None:
+            choice = self.decide(m)
+            if len(self._per_m) < _PER_M_LIMIT:
+                self._per_m[m] = choice
+        return choice
+
+    def why_not(self, name: str) -> str:
+        if name in self.refused:
+            return "; ".join(self.refused[name])
+        if name in self.avoided:
+            return self.avoided[name]
+        return "not a backend of this moekit"
+
+    def decide(self, m: int) -> Choice:
+        note = ""
+        if self.table is not None:
+            loc = self.table.locate(m)
+            point, where = loc.point, f"{self.table.path}: {loc.describe()}"
+            if point.winner in self.eligible:
+                return Choice(point.winner, "table", where, self.refused, self.avoided)
+            passed = [f"winner {point.winner} cannot be used ({self.why_not(point.winner)})"]
+            for name in point.fastest():
+                if name in self.eligible:
+                    detail = "; ".join([where, *passed, f"fastest usable measured there: {name} ({point.us[name]:g} us)"])
+                    return Choice(name, "table", detail, self.refused, self.avoided)
+                if name != point.winner:
+                    passed.append(f"{name} cannot be used ({self.why_not(name)})")
+            note = f"table {self.table.path} measured no usable backend at M={point.m}; "
+        return self.heuristic(m, note)
+
+    def heuristic(self, m: int, note: str = "") -> Choice:
+        rules = HEURISTIC_RULES.get(self.device.type, ((None, ("reference",)),))
+        rows = m * self.shape.top_k / self.shape.num_experts
+        bound, order, min_n = None, rules[-1][1], 0
+        for bound, order, *rest in rules:
+            min_n = rest[0] if rest else 0
+            if (bound is None or rows <= bound) and self.shape.n >= min_n:
+                break
+        rule = "" if bound is None else f" (rows per expert {rows:g} <= {bound:g})"
+        if min_n:
+            rule += f" (rows per expert {rows:g}, intermediate {self.shape.n} >= {min_n})"
+        passed = [n for n in order if n in self.avoided]
+        passed_note = f"; passed over {', '.join(passed)}: {COPY_REASON}" if passed else ""
+        for name in order:
+            if name in self.eligible:
+                detail = f"{note}first usable of {', '.join(order)} on {self.device.type}{rule}{passed_note}"
+                return Choice(name, "heuristic", detail, self.refused, self.avoided)
+        return Choice("reference", "heuristic", f"{note}no faster backend can run this problem", self.refused, self.avoided)

@@ -178,3 +178,15 @@ def test_route_at_scale():
     assert torch.equal(bits(a[rows]), bits(a_twin[rows])) and torch.equal(s[rows], s_twin[rows])
     small = ops.permute(x[:300], ids[:300], E)[2]
     check_layout(small, ids[:300], E, ops.ALIGN_M)
+
+
+def test_gemm_only_closure_computes_the_layers_gemm2_rows(weights):
+    """`prepare_gemm_only` times the same two GEMMs the layer runs: combining its output gives
+    the layer's output bitwise (same kernels, same inputs, the same deterministic combine)."""
+    w = weights("glm-4.5v-tp2", "fp8-channel-token")
+    x = random_x(37, w.hidden, device="cuda", seed=5)
+    tw, ids = random_routing(37, w.num_experts, 8, device="cuda", seed=5)
+    y = moekit.get_backend("cutlass").prepare_gemm_only(x, w, tw, ids)()
+    _, _, layout = ops.permute(x, ids, w.num_experts, align=ops.ALIGN_M, quant="token")
+    combined = ops.combine(y, layout, tw, out_dtype=x.dtype)
+    assert torch.equal(bits(combined), bits(moekit.fused_moe(x, w, tw, ids, backend="cutlass")))

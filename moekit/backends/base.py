@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import abc
+import contextlib
+import contextvars
 
 import torch
 
@@ -35,6 +37,11 @@ class Backend(abc.ABC):
     ) -> torch.Tensor:  # [M, H], x's dtype
         ...
 
+    def copies_weights(self, scheme: QuantScheme) -> bool:
+        """True if running `scheme` keeps a converted second copy of the weights (in
+        weights.prepared). `auto` in a `moekit.MoELayer` never picks such a backend; naming it does."""
+        return False
+
 
 _REGISTRY: dict[str, Backend] = {}
 
@@ -59,8 +66,29 @@ def backend_names() -> list[str]:
     return list(_REGISTRY)
 
 
+_assumed_capability: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "moekit_assumed_capability", default=None
+)
+
+
+@contextlib.contextmanager
+def assume_capability(capability: tuple[int, int]):
+    """Inside the block, every CUDA device reads as having `capability`: lets supports() answer
+    for a GPU that is not here (`moekit select --device-name`). Real devices are unaffected outside."""
+    token = _assumed_capability.set(tuple(capability))
+    try:
+        yield
+    finally:
+        _assumed_capability.reset(token)
+
+
 def device_capability(device: torch.device) -> tuple[int, int] | None:
     """(major, minor) of a CUDA device, None for any other device."""
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if device.type != "cuda":
+        return None
+    assumed = _assumed_capability.get()
+    if assumed is not None:
+        return assumed
+    if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_capability(device)

@@ -185,6 +185,26 @@ class CutlassBackend(Backend):
     def run(self, x, weights: MoEWeights, topk_weights, topk_ids):
         return run_cutlass(x, weights, topk_weights, topk_ids)
 
+    def prepare_gemm_only(self, x, weights: MoEWeights, topk_weights, topk_ids):
+        """A closure running only the two grouped GEMMs on rows already permuted and quantized
+        (the intermediate computed once, outside): what `moekit bench --mode gemm` times, and
+        the definition of the anchor table's `cutlass` GEMM column."""
+        p = prepare(weights)
+        gemm = gemm_for(x.device)[1]
+        quant = "token" if weights.scheme.activation == "token" else "tensor"
+        a, a_scale, layout = glue.permute(
+            x, topk_ids, weights.num_experts, align=glue.ALIGN_M, quant=quant, static_scale=weights.a13_scale
+        )
+        h = gemm(a, p.w13_t, a_scale, p.w13_scale, layout.offs)
+        act, act_scale = glue.silu_mul(h, layout, act_dtype=x.dtype, quant=quant, static_scale=weights.a2_scale)
+        del h
+
+        def run_gemms():
+            gemm(a, p.w13_t, a_scale, p.w13_scale, layout.offs)
+            return gemm(act, p.w2_t, act_scale, p.w2_scale, layout.offs)
+
+        return run_gemms
+
 
 def run_cutlass(x, weights: MoEWeights, topk_weights, topk_ids, *, gemm=None, impl=None):
     """The cutlass computation. `gemm` (a `gemm_candidates()` fn) and `impl` (the glue's) default

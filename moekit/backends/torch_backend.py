@@ -87,6 +87,9 @@ class TorchBackend(Backend):
         # grouped_mm; everything else the per-expert loop (float32 computes in float32).
         return []
 
+    def copies_weights(self, scheme: QuantScheme) -> bool:
+        return scheme.is_fp8  # the dequantized copy in weights.prepared["torch"]
+
     def run(self, x, weights: MoEWeights, topk_weights, topk_ids):
         w13, w2 = prepared_weights(weights, x.dtype)
         if _use_grouped_mm(x, weights):

@@ -39,14 +39,14 @@ def _to_dtype(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+def _dot(a, b, acc, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr):
     """acc + a @ b in float32. Hopper's tensor cores sum FP8 products in a narrower accumulator
     (about 1e-2 relative error over K = 4096, measured); max_num_imprecise_acc makes the compiler
     add each BLOCK_K-long partial product into the float32 acc instead, as DeepGEMM does."""
     if INTERPRET and a.dtype == tl.bfloat16:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)  # exact: bf16 -> f32 loses nothing
     if a.dtype == tl.float8e4nv:
-        return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        return tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE)
     return tl.dot(a, b, acc)
 
 
@@ -154,31 +154,33 @@ def _quantize_row(
     MODE: tl.constexpr, FROM_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    cols = tl.arange(0, BLOCK_H)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)
-    if MODE == 2:
-        tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
+    if MODE == 1:
+        # 1x128 groups, addressed as a [groups, GROUP] tile (no tl.reshape: reductions over a
+        # reshaped view were wrong on an H200 with triton 3.6, 2026-12-03)
+        g_idx = tl.arange(0, BLOCK_H // GROUP)
+        cols2 = g_idx[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        x2 = tl.load(x_ptr + row * stride_x + cols2, mask=cols2 < H, other=0.0).to(tl.float32)
+        g_scale = tl.maximum(tl.max(tl.abs(x2), axis=1), 1e-10) / 448.0  # [BLOCK_H // GROUP]
+        tl.store(scale_ptr + row * stride_s + g_idx, g_scale, mask=g_idx * GROUP < H)
+        q2 = tl.clamp(x2 / g_scale[:, None], -448.0, 448.0)
+        tl.store(q_ptr + row * stride_q + cols2, _to_fp8(q2, INTERPRET), mask=cols2 < H)
     else:
-        if MODE == 0:
-            scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / 448.0
-            tl.store(scale_ptr + row, scale)
-            q = x / scale
-        elif MODE == 1:
-            groups = tl.reshape(x, (BLOCK_H // GROUP, GROUP))
-            g_scale = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-10) / 448.0  # [BLOCK_H // GROUP]
-            g_idx = tl.arange(0, BLOCK_H // GROUP)
-            tl.store(scale_ptr + row * stride_s + g_idx, g_scale, mask=g_idx * GROUP < H)
-            q = tl.reshape(groups / g_scale[:, None], (BLOCK_H,))
+        cols = tl.arange(0, BLOCK_H)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)
+        if MODE == 2:
+            tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
         else:
-            if FROM_AMAX:
+            if MODE == 0:
+                scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / 448.0
+                tl.store(scale_ptr + row, scale)
+            elif FROM_AMAX:
                 scale = tl.maximum(tl.load(amax_ptr), 1e-10) / 448.0
                 if row == 0:
                     tl.store(scale_ptr, scale)
             else:
                 scale = tl.load(scale_ptr)
-            q = x / scale
-        q = tl.clamp(q, -448.0, 448.0)
-        tl.store(q_ptr + row * stride_q + cols, _to_fp8(q, INTERPRET), mask=cols < H)
+            q = tl.clamp(x / scale, -448.0, 448.0)
+            tl.store(q_ptr + row * stride_q + cols, _to_fp8(q, INTERPRET), mask=cols < H)
 
 
 @triton.jit
@@ -269,14 +271,16 @@ def gemm1_kernel(
     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, OUT_MODE: tl.constexpr, ACT_DTYPE: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
+    GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """OUT_MODE: 0 store in the output dtype, 1 also record amax, 2 quantize with a static scale,
     3 quantize per 1x128 group (BLOCK_N a multiple of 128, so a tile holds whole groups)."""
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n, num_m_blocks = _tile_ids(start_ptr + E, num_n_blocks, GROUP_M, BLOCK_M)
-    if pid_m >= num_m_blocks:
-        return  # the grid is sized for the worst routing; this block has no rows this time
+    if pid_m >= num_m_blocks or pid_n >= num_n_blocks:
+        # the grid is sized for the worst routing: this block has no rows this time, or (last,
+        # short group of GROUP_M) its column block lies past the end
+        return
     row0 = pid_m * BLOCK_M
     e = _expert_of_block(start_ptr, row0, E, E_POW2)
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -308,11 +312,12 @@ def gemm1_kernel(
                 ws = w_scale_ptr + e64 * stride_wse + k0 // BLOCK_K
                 step_gate = tl.load(ws + (pid_n * BLOCK_N // 128) * stride_wsn)
                 step_up = tl.load(ws + ((N + pid_n * BLOCK_N) // 128) * stride_wsn)
-            acc_gate += tl.dot(a, b_gate) * (step_a[:, None] * step_gate)
-            acc_up += tl.dot(a, b_up) * (step_a[:, None] * step_up)
+            zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_gate += _dot(a, b_gate, zero, PROMOTE, INTERPRET) * (step_a[:, None] * step_gate)
+            acc_up += _dot(a, b_up, zero, PROMOTE, INTERPRET) * (step_a[:, None] * step_up)
         else:
-            acc_gate = _dot(a, b_gate, acc_gate, BLOCK_K, INTERPRET)
-            acc_up = _dot(a, b_up, acc_up, BLOCK_K, INTERPRET)
+            acc_gate = _dot(a, b_gate, acc_gate, PROMOTE, INTERPRET)
+            acc_up = _dot(a, b_up, acc_up, PROMOTE, INTERPRET)
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
@@ -344,13 +349,12 @@ def gemm1_kernel(
         q = tl.clamp(act.to(tl.float32) / tl.load(out_scale_ptr), -448.0, 448.0)
         tl.store(out_ptrs, _to_fp8(q, INTERPRET), mask=out_mask)
     elif OUT_MODE == 3:
-        groups = tl.reshape(act.to(tl.float32), (BLOCK_M, BLOCK_N // 128, 128))
-        g_scale = tl.maximum(tl.max(tl.abs(groups), axis=2), 1e-10) / 448.0  # [BLOCK_M, BLOCK_N // 128]
-        q = tl.reshape(tl.clamp(groups / g_scale[:, :, None], -448.0, 448.0), (BLOCK_M, BLOCK_N))
-        tl.store(out_ptrs, _to_fp8(q, INTERPRET), mask=out_mask)
-        g_idx = pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
-        s_ptrs = out_scale_ptr + rows[:, None].to(tl.int64) * stride_os + g_idx[None, :]
-        tl.store(s_ptrs, g_scale, mask=row_ok[:, None] & (g_idx[None, :] * 128 < N))
+        # BLOCK_N == 128: each tile row is one 1x128 group of the intermediate. (Reductions over
+        # a tl.reshape'd 3-D view were wrong on an H200 with triton 3.6, 2026-12-03, so no reshape.)
+        a32 = tl.where(out_mask, act.to(tl.float32), 0.0)
+        g_scale = tl.maximum(tl.max(tl.abs(a32), axis=1), 1e-10) / 448.0  # [BLOCK_M]
+        tl.store(out_ptrs, _quantize_tile(a32, g_scale, INTERPRET), mask=out_mask)
+        tl.store(out_scale_ptr + rows.to(tl.int64) * stride_os + pid_n, g_scale, mask=row_ok)
     else:
         tl.store(out_ptrs, act, mask=out_mask)
 
@@ -368,14 +372,14 @@ def gemm2_kernel(
     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     A_MODE: tl.constexpr, B_SCALE: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
+    GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """A_MODE: 0 unquantized, 1 FP8 with a static scale, 2 quantize per 1x128 group while loading,
     3 quantize per tensor while loading (scale from the shared amax), 4 FP8 with 1x128 group scales."""
     num_n_blocks = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n, num_m_blocks = _tile_ids(start_ptr + E, num_n_blocks, GROUP_M, BLOCK_M)
-    if pid_m >= num_m_blocks:
-        return
+    if pid_m >= num_m_blocks or pid_n >= num_n_blocks:
+        return  # see gemm1_kernel
     row0 = pid_m * BLOCK_M
     e = _expert_of_block(start_ptr, row0, E, E_POW2)
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -407,12 +411,12 @@ def gemm2_kernel(
             step_b = 1.0
             if B_SCALE == 3:
                 step_b = tl.load(w_scale_ptr + e64 * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn + k0 // BLOCK_K)
-            acc += tl.dot(a, b) * (step_a[:, None] * step_b)
+            acc += _dot(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PROMOTE, INTERPRET) * (step_a[:, None] * step_b)
         elif A_MODE == 3:
             a = _quantize_tile(a.to(tl.float32), tl.full((BLOCK_M,), 1.0, tl.float32) * tensor_scale, INTERPRET)
-            acc = _dot(a, b, acc, BLOCK_K, INTERPRET)
+            acc = _dot(a, b, acc, PROMOTE, INTERPRET)
         else:
-            acc = _dot(a, b, acc, BLOCK_K, INTERPRET)
+            acc = _dot(a, b, acc, PROMOTE, INTERPRET)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 

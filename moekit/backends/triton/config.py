@@ -6,7 +6,7 @@ of an output tile: GEMM1 computes BLOCK_N gate and BLOCK_N up columns per tile, 
 
 Tuned tables (written by `moekit tune`, found through `moekit.tables`: the user's folders, then
 the shipped ones) hold {"meta": {...}, "configs": {"<batch size>": {BLOCK_M: .., ..., "us": ..}}};
-the entry of the nearest measured batch size is used.
+the entry of the nearest measured batch size (in log space) is used.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import logging
 from pathlib import Path
 
@@ -94,8 +95,11 @@ def tuned_configs(shape: MoEShape, scheme: QuantScheme, device_name: str) -> tup
 
 
 def nearest(table: dict[int, KernelConfig], num_tokens: int) -> KernelConfig:
-    """The config measured at the batch size nearest to num_tokens (ties: the smaller size)."""
-    return table[min(table, key=lambda m: (abs(m - num_tokens), m))]
+    """The config measured at the batch size nearest to num_tokens in log space (tuned sizes are
+    powers of two, and the regime changes with the ratio, not the difference); ties: the smaller
+    size. The same rule as the backend decision tables (moekit.decisions)."""
+    m = max(num_tokens, 1)
+    return table[min(table, key=lambda size: (abs(math.log(size / m)), size))]
 
 
 def get_config(shape: MoEShape, scheme: QuantScheme, num_tokens: int, device_name: str | None) -> KernelConfig:

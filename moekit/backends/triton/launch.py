@@ -30,6 +30,8 @@ from .config import KernelConfig, get_config
 SINGLE_ALIGN_MAX_PAIRS = 128  # up to this many pairs, one program aligns them all
 CHUNK = 128  # pairs per program of the multi-program alignment
 E_BLOCK = 64  # experts handled at once when counting
+# FP8 products are added into the float32 accumulator every this many K (0: every BLOCK_K).
+FP8_PROMOTE_EVERY = int(os.environ.get("MOEKIT_FP8_PROMOTE", "0"))
 
 
 def _interpreting() -> bool:
@@ -252,7 +254,7 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
     elif scheme.activation == "tensor":  # one dynamic scale: GEMM1 records the max, GEMM2 quantizes
         out_mode, a_mode, scale = 1, 3, torch.zeros(1, dtype=torch.float32, device=dev)
         out = torch.empty(align.max_rows, N, dtype=out_dtype, device=dev)
-    elif cfg.BLOCK_N % 128 == 0:  # token and group rules: 1x128 groups, see the module docstring
+    elif cfg.BLOCK_N == 128:  # token and group rules: a tile row is one 1x128 group (module docstring)
         out_mode, a_mode = 3, 4
         out = torch.empty(align.max_rows, N, dtype=fp8, device=dev)
         scale = torch.empty(align.max_rows, triton.cdiv(N, 128), dtype=torch.float32, device=dev)
@@ -274,7 +276,7 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
         A_SCALE=A_SCALE_KIND[scheme.activation] if scheme.is_fp8 else 0,
         B_SCALE=B_SCALE_KIND[scheme.weight],
         OUT_MODE=out_mode, ACT_DTYPE=_TL_DTYPE[out_dtype], E_POW2=triton.next_power_of_2(E),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, INTERPRET=_interpreting(),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=FP8_PROMOTE_EVERY or cfg.BLOCK_K, INTERPRET=_interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return Intermediate(out, scale, a_mode)
@@ -297,7 +299,7 @@ def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights
         values.stride(0), act.scale.stride(0) if act.scale is not None and act.scale.dim() == 2 else 0,
         weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
         A_MODE=act.a_mode, B_SCALE=B_SCALE_KIND[scheme.weight], E_POW2=triton.next_power_of_2(E),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, INTERPRET=_interpreting(),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=FP8_PROMOTE_EVERY or cfg.BLOCK_K, INTERPRET=_interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -1,0 +1,247 @@
+"""Backend decision tables: every backend's measured time per batch size, and the winner.
+
+`moekit tune` writes one JSON file per (device, shape, scheme), named by `moekit.tables.table_name`
+and found by `moekit.tables.find_tables("backends", ...)` (the user's MOEKIT_CONFIG_DIR folders
+before the shipped moekit/configs/backends/, an exact device name before another name of the same
+GPU model). The format (version 1):
+
+    {"format": "moekit-backend-table", "version": 1,
+     "meta": {"device_name": "...", "num_experts": E, "hidden": H, "intermediate": N_per_gpu,
+              "top_k": K, "scheme": "...", "dtype": "bfloat16", "routing": "uniform",
+              "mode": "layer", "moekit": "...", "torch": "...", "triton": "...", "date": "..."},
+     "batch_sizes": {"<M>": {"us": {"<backend>": <us>, ...}, "winner": "<backend>",
+                             "errors": {"<backend>": "<reason>"}}, ...}}
+
+A batch size M that was not measured takes the measured size nearest to it in log space (M between
+measured sizes a < b uses a when M*M <= a*b, else b); below the smallest or above the largest
+measured size, the end point. What runs at that size is `moekit.select`'s business: the winner if
+it can run here, else the fastest backend measured there that can.
+
+A table that does not load or does not validate is skipped with ONE `BackendTableWarning` per file
+(naming the file and the problem); the caller falls back to the next table or the heuristic.
+Nothing here raises into a forward pass: `find_table` catches every error.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import math
+import re
+import warnings
+from pathlib import Path
+from typing import Literal
+
+from . import tables
+from .spec import MoEShape, QuantScheme
+
+FORMAT = "moekit-backend-table"
+VERSION = 1
+_FILE_NAME = re.compile(r"^E=(\d+),N=(\d+),H=(\d+),device_name=(.+),scheme=(.+)\.json$")
+
+
+class BackendTableWarning(UserWarning):
+    """A backend decision table was skipped (it did not load or did not validate)."""
+
+
+class TableError(ValueError):
+    """Why a backend decision table cannot be used."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One measured batch size: every backend's time (us), the winner, and what failed there."""
+
+    m: int
+    us: dict[str, float]
+    winner: str
+    errors: dict[str, str]
+
+    def fastest(self) -> list[str]:
+        """Measured backends, fastest first (ties by name)."""
+        return sorted(self.us, key=lambda b: (self.us[b], b))
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """Where a batch size M falls in a table: the measured size used and the two bracketing it."""
+
+    m: int
+    point: Point  # the measured size whose result is used
+    lower: Point | None  # the largest measured size <= M (None below the smallest)
+    upper: Point | None  # the smallest measured size >= M (None above the largest)
+    how: Literal["exact", "between", "below", "above"]
+
+    def neighbours(self) -> list[Point]:
+        """The measured sizes looked at (one when exact or beyond the ends, else two)."""
+        if self.how == "exact":
+            return [self.point]
+        return [p for p in (self.lower, self.upper) if p is not None]
+
+    def describe(self) -> str:
+        if self.how == "exact":
+            return f"measured at M={self.m}"
+        if self.how == "between":
+            return (
+                f"M={self.m} between measured {self.lower.m} and {self.upper.m}, "
+                f"nearest in log space: {self.point.m}"
+            )
+        end = "smallest" if self.how == "below" else "largest"
+        return f"M={self.m} {self.how} the {end} measured size, using M={self.point.m}"
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendTable:
+    path: Path
+    meta: dict
+    points: tuple[Point, ...]  # sorted by batch size
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(p.m for p in self.points)
+
+    def locate(self, m: int) -> Location:
+        sizes = self.sizes
+        i = bisect.bisect_left(sizes, m)
+        if i < len(sizes) and sizes[i] == m:
+            p = self.points[i]
+            return Location(m, p, p, p, "exact")
+        if i == 0:
+            return Location(m, self.points[0], None, self.points[0], "below")
+        if i == len(sizes):
+            return Location(m, self.points[-1], self.points[-1], None, "above")
+        lo, hi = self.points[i - 1], self.points[i]
+        # nearest in log space: log M - log lo <= log hi - log M  <=>  M*M <= lo*hi (ties: lo)
+        return Location(m, lo if m * m <= lo.m * hi.m else hi, lo, hi, "between")
+
+
+# ------------------------------------------------------------------------------- validation
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _positive_finite(value) -> bool:
+    return (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    )
+
+
+def parse_table(data, path: str | Path, shape: MoEShape | None = None, scheme: QuantScheme | None = None) -> BackendTable:
+    """Validate the parsed JSON of a table file; raises TableError naming the first problem.
+
+    The meta must match the file name (E, N, H, device, scheme) and, when given, the problem asked
+    about (`shape`: experts, hidden, intermediate per GPU, top-k; `scheme`)."""
+    path = Path(path)
+    if not isinstance(data, dict):
+        raise TableError(f"expected a JSON object, got {type(data).__name__}")
+    if data.get("format") != FORMAT:
+        raise TableError(f"'format' is {data.get('format')!r}, expected {FORMAT!r}")
+    if data.get("version") != VERSION:
+        raise TableError(f"version {data.get('version')!r}; this moekit reads version {VERSION}")
+    meta = data.get("meta")
+    if not isinstance(meta, dict):
+        raise TableError("'meta' is missing or not an object")
+    for key in ("num_experts", "hidden", "intermediate", "top_k"):
+        if not _positive_int(meta.get(key)):
+            raise TableError(f"meta.{key} is {meta.get(key)!r}, expected a positive integer")
+    for key in ("device_name", "scheme"):
+        if not isinstance(meta.get(key), str) or not meta[key]:
+            raise TableError(f"meta.{key} is {meta.get(key)!r}, expected a name")
+    if meta.get("mode", "layer") != "layer":
+        raise TableError(f"meta.mode is {meta.get('mode')!r}; auto decides on whole-layer times ('layer')")
+
+    m = _FILE_NAME.match(path.name)
+    if m is None:
+        raise TableError("file name is not E={E},N={N},H={H},device_name={device},scheme={scheme}.json")
+    named = {"num_experts": int(m[1]), "intermediate": int(m[2]), "hidden": int(m[3]), "scheme": m[5]}
+    for key, value in named.items():
+        if meta[key] != value:
+            raise TableError(f"meta.{key} is {meta[key]!r} but the file name says {value!r}")
+    if tables.normalize_device_name(meta["device_name"]) != m[4]:
+        raise TableError(f"meta.device_name is {meta['device_name']!r} but the file name says {m[4]!r}")
+    if shape is not None:
+        asked = {"num_experts": shape.num_experts, "hidden": shape.hidden, "intermediate": shape.n, "top_k": shape.top_k}
+        for key, value in asked.items():
+            if meta[key] != value:
+                raise TableError(f"measured with {key}={meta[key]}, this problem has {key}={value}")
+    if scheme is not None and meta["scheme"] != scheme.name:
+        raise TableError(f"measured for scheme {meta['scheme']!r}, this problem is {scheme.name!r}")
+
+    sizes = data.get("batch_sizes")
+    if not isinstance(sizes, dict) or not sizes:
+        raise TableError("'batch_sizes' is missing, empty or not an object")
+    points = []
+    for key, entry in sizes.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and str(int(key)) == key and int(key) > 0):
+            raise TableError(f"batch size {key!r} is not a positive integer")
+        where = f"batch size {key}"
+        if not isinstance(entry, dict):
+            raise TableError(f"{where}: expected an object")
+        us = entry.get("us")
+        if not isinstance(us, dict) or not us:
+            raise TableError(f"{where}: 'us' is missing, empty or not an object")
+        for backend, value in us.items():
+            if not _positive_finite(value):
+                raise TableError(f"{where}: {backend} time {value!r} is not a positive finite number of us")
+        winner = entry.get("winner")
+        if winner not in us:
+            raise TableError(f"{where}: winner {winner!r} is not among the measured backends {sorted(us)}")
+        errors = entry.get("errors", {})
+        if not isinstance(errors, dict) or not all(isinstance(v, str) for v in errors.values()):
+            raise TableError(f"{where}: 'errors' must map backend names to reasons")
+        points.append(Point(int(key), {b: float(v) for b, v in us.items()}, winner, dict(errors)))
+    points.sort(key=lambda p: p.m)
+    return BackendTable(path, dict(meta), tuple(points))
+
+
+def load_table(path: str | Path, shape: MoEShape | None = None, scheme: QuantScheme | None = None) -> BackendTable:
+    """Read and validate one table file; raises TableError."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TableError(f"cannot read it: {e}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as e:  # JSONDecodeError
+        raise TableError(f"not valid JSON: {e}") from None
+    return parse_table(data, path, shape, scheme)
+
+
+# ------------------------------------------------------------------------------------ lookup
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(path, problem: str) -> None:
+    key = (str(path), problem)
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(f"moekit: ignoring backend table {path}: {problem}", BackendTableWarning, stacklevel=3)
+
+
+def find_table(
+    shape: MoEShape, scheme: QuantScheme, device_name: str, skipped: list | None = None
+) -> BackendTable | None:
+    """The first valid table for this problem on this device (user folders, then shipped), or None.
+
+    Tables that fail to load are skipped with one warning per file; their (path, problem) is also
+    appended to `skipped` when given. Never raises."""
+    try:
+        candidates = tables.find_tables("backends", shape, scheme, device_name)
+    except Exception as e:  # noqa: BLE001 - an unreadable folder must not break a forward pass
+        _warn_once(tables.search_dirs("backends")[0], f"cannot search for tables: {e}")
+        return None
+    for path in candidates:
+        try:
+            return load_table(path, shape, scheme)
+        except Exception as e:  # noqa: BLE001 - TableError and anything unexpected alike
+            problem = str(e) if isinstance(e, TableError) else f"{type(e).__name__}: {e}"
+            if skipped is not None:
+                skipped.append((path, problem))
+            _warn_once(path, problem)
+    return None

@@ -1,0 +1,249 @@
+"""Expert parallel MoE: every rank holds whole experts [start, end) and its own tokens
+(data-parallel attention style); (token, expert) pairs travel to the rank that owns the expert.
+
+One call of `ep_fused_moe`, on every rank of the group:
+  1. plan     each (token, j) pair's destination = the owner of expert topk_ids[token, j]; pairs
+              are ordered by destination (stable: within a destination, in token-major, j-minor
+              order) and counted.
+  2. counts   all_to_all_single of the [world] pair counts: each rank learns how many rows it
+              will receive from every other rank.
+  3. dispatch all_to_all_single of the rows, with those split sizes. A row is one pair packed in
+              bytes: [local expert id int32 | routing weight float32 | x row (x's dtype), padded
+              to 8 bytes], so ids, weights and activations travel in ONE collective.
+  4. experts  fused_moe on the received rows with top-k = 1 (the row's local expert and weight),
+              any single-device backend.
+  5. return   all_to_all_single of the result rows back to where they came from (the inverse
+              split sizes), in x's dtype.
+  6. combine  each token's k rows are summed in float32 in j order (0, 1, ..., k-1), never in
+              arrival order, and rounded once to x's dtype: deterministic, and the same on any
+              world size.
+
+The routing weight is applied REMOTELY, by the destination's fused_moe (in the GEMM2 epilogue of
+the fused backends), so the combine is a plain sum. It costs 4 bytes per row on the wire (a row
+is 2*H bytes of bf16); in exchange the backends' fused weight epilogue does the multiply, and
+`apply_router_weight_on_input` (Llama-4: the weight scales the expert's input) works unchanged.
+
+Host synchronisation: all_to_all_single with uneven splits needs the split sizes on the host, so
+step 2 ends with a .tolist() of the received counts (a device-to-host sync per call). That is
+accepted here: the layer is not CUDA-graph capturable under expert parallelism (a fixed-capacity
+dispatch, padding every rank's buffer to a worst case, would be).
+
+What is and is not the single-process result (same backend, full weights):
+  - For the schemes whose activation quantization is per row (bf16, fp8-tensor-static,
+    fp8-channel-token, fp8-block128) a pair's expert output does not depend on the other rows in
+    the batch, so EP computes each pair exactly as `fused_moe(x, weights, w[:, j:j+1], ids[:, j:j+1])`
+    would. The only difference from the single-process layer is the combine: single-process
+    sums the k float32 pair results and rounds once; EP receives each pair already rounded to x's
+    dtype (fused_moe returns x's dtype), then sums in float32 and rounds: k extra roundings of
+    2^-8 relative (bf16) each. With float32 activations there is no such rounding and EP is
+    exact up to the order of the k-term sum (j order here; the backends' own combines sum over j
+    too).
+  - fp8-tensor-dynamic computes ONE activation scale per fused_moe call: EP computes it per
+    destination rank over the rows it received (x rows and intermediates), single-process over
+    the whole batch. The destination's amax is <= the whole batch's, so quantization is at least
+    as fine, but not the same: EP differs from single-process by FP8 quantization noise.
+
+Expert placement (`expert_partition`): contiguous ranges; with E = q * world + r, ranks 0..r-1 own
+q + 1 experts and the others q (E=5 over 2 ranks: [0, 3), [3, 5); over 3: [0, 2), [2, 4), [4, 5)).
+Every rank must own at least one expert (E >= world size).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from ..api import fused_moe
+from ..weights import MoEWeights
+from .tp import _check_rank
+
+_META_BYTES = 8  # int32 local expert id + float32 routing weight, at the front of each row
+
+
+def expert_partition(num_experts: int, world_size: int) -> list[tuple[int, int]]:
+    """[(start, end)] of every rank: contiguous, the first num_experts % world_size ranks one more."""
+    _check_rank(0, world_size)
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < world_size:
+        raise ValueError(
+            f"expert parallel needs at least one expert per rank: num_experts={num_experts!r}, "
+            f"world_size={world_size}"
+        )
+    q, r = divmod(num_experts, world_size)
+    bounds = [rank * q + min(rank, r) for rank in range(world_size + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(world_size)]
+
+
+def expert_range(num_experts: int, rank: int, world_size: int) -> tuple[int, int]:
+    """(start, end): the experts rank `rank` owns (see expert_partition)."""
+    _check_rank(rank, world_size)
+    return expert_partition(num_experts, world_size)[rank]
+
+
+def shard_weights_ep(weights: MoEWeights, rank: int, world_size: int) -> MoEWeights:
+    """Rank `rank`'s experts [start, end) of `weights` (all their scales sliced alike; static
+    activation scales replicated). Contiguous copies: the full weights can be freed afterwards."""
+    if not isinstance(weights, MoEWeights):
+        raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
+    start, end = expert_range(weights.num_experts, rank, world_size)
+    kw = {}
+    for name, t in weights.tensors().items():
+        per_expert = name in ("w13", "w2", "w13_scale", "w2_scale")  # a13/a2 are not per expert
+        kw[name] = t[start:end].contiguous() if per_expert else t.clone()
+    return MoEWeights(weights.scheme, **kw)
+
+
+def _check_inputs(x, local_weights, topk_weights, topk_ids, num_experts, rank, world, apply_on_input):
+    if not isinstance(local_weights, MoEWeights):
+        raise TypeError(f"local_weights must be a moekit.MoEWeights, got {type(local_weights).__name__}")
+    start, end = expert_range(num_experts, rank, world)
+    if local_weights.num_experts != end - start:
+        raise ValueError(
+            f"rank {rank} of {world} owns experts [{start}, {end}) of {num_experts}, but local_weights "
+            f"holds {local_weights.num_experts} experts (use shard_weights_ep)"
+        )
+    for name, t in (("x", x), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
+        if t.device != local_weights.device:
+            raise ValueError(f"{name} is on {t.device} but the weights are on {local_weights.device}")
+    if x.shape[1] != local_weights.hidden:
+        raise ValueError(f"x has hidden size {x.shape[1]} but the weights expect {local_weights.hidden}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"x {tuple(x.shape)}, topk_weights {tuple(topk_weights.shape)} and topk_ids "
+            f"{tuple(topk_ids.shape)} disagree (expected [M, H], [M, K], [M, K])"
+        )
+    if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
+        raise ValueError("topk_ids must be int32/int64 and topk_weights a float tensor")
+    if apply_on_input and topk_ids.shape[1] != 1:
+        raise ValueError(f"apply_router_weight_on_input needs top-k = 1, got top-k = {topk_ids.shape[1]}")
+    if topk_ids.numel():
+        in_range = (topk_ids >= 0) & (topk_ids < num_experts)
+        if topk_ids.device.type == "cuda":  # no host sync: a device-side assertion
+            torch._assert_async(in_range.all(), f"moekit: topk_ids outside [0, {num_experts})")
+        elif not bool(in_range.all()):
+            raise ValueError(f"topk_ids must lie in [0, num_experts={num_experts})")
+
+
+def _byte_view(buf: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+    """Columns [lo, hi) of a [rows, row_bytes] uint8 buffer seen as `dtype` (no copy)."""
+    return buf[:, lo:hi].view(dtype)
+
+
+def ep_fused_moe(
+    x: torch.Tensor,
+    local_weights: MoEWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    group: dist.ProcessGroup | None = None,
+    backend: str | None = "auto",
+    *,
+    apply_router_weight_on_input: bool = False,
+) -> torch.Tensor:
+    """The MoE layer under expert parallelism (see the module docstring for the steps).
+
+    x [M, H]: THIS rank's tokens (M may differ between ranks, and may be 0); topk_weights and
+    topk_ids [M, K]: their routing, with GLOBAL expert ids in [0, num_experts). local_weights:
+    this rank's experts (`shard_weights_ep(weights, rank, world)`). Returns [M, H] in x's dtype:
+    the layer's output for this rank's tokens. `backend`: the single-device backend of the local
+    experts. A collective: every rank of `group` must call it, also with M = 0.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    _check_inputs(x, local_weights, topk_weights, topk_ids, num_experts, rank, world, apply_router_weight_on_input)
+    M, K = topk_ids.shape
+    H = x.shape[1]
+
+    # 1. plan, 2. counts (host sync)
+    flat_ids, dest, order, send_counts, starts = _plan(topk_ids, num_experts, world)
+    send_splits, recv_splits = _exchange_counts(send_counts, group)
+
+    # 3. dispatch: pack [local id | weight | x row] per pair, in destination order.
+    row_bytes, x_bytes = _row_bytes(H, x.dtype)
+    send = torch.empty(M * K, row_bytes, dtype=torch.uint8, device=x.device)
+    _byte_view(send, 0, 4, torch.int32)[:, 0] = flat_ids[order] - starts[dest[order]]
+    _byte_view(send, 4, 8, torch.float32)[:, 0] = topk_weights.reshape(-1).float()[order]
+    _byte_view(send, 8, 8 + x_bytes, x.dtype).copy_(x[order // K])
+    recv = torch.empty(sum(recv_splits), row_bytes, dtype=torch.uint8, device=x.device)
+    dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+
+    # 4. experts: top-1 per received row; the destination applies the routing weight.
+    y = fused_moe(
+        _byte_view(recv, 8, 8 + x_bytes, x.dtype).contiguous(),
+        local_weights,
+        _byte_view(recv, 4, 8, torch.float32).contiguous(),
+        _byte_view(recv, 0, 4, torch.int32).contiguous(),
+        backend,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+    )
+
+    # 5. return the results to where the rows came from (the inverse splits).
+    back = torch.empty(M * K, H, dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(back, y.contiguous(), send_splits, recv_splits, group=group)
+
+    # 6. combine in j order, in float32, one rounding at the end.
+    pairs = torch.empty_like(back).index_copy_(0, order, back).view(M, K, H)
+    out = pairs[:, 0].to(torch.float32, copy=True)
+    for j in range(1, K):
+        out += pairs[:, j]
+    return out.to(x.dtype)
+
+
+def _plan(topk_ids: torch.Tensor, num_experts: int, world: int):
+    """(flat_ids, dest, order, send_counts, starts): every pair's destination rank, the pairs
+    ordered by destination (a stable sort keeps each destination's pairs in token-major, j-minor
+    order), the number of pairs for each rank, and each rank's first expert."""
+    starts, ends = _bounds(num_experts, world, topk_ids.device)
+    flat_ids = topk_ids.reshape(-1).long()
+    dest = torch.bucketize(flat_ids, ends, right=True)  # the first range whose end > id
+    order = torch.argsort(dest, stable=True)
+    return flat_ids, dest, order, torch.bincount(dest, minlength=world), starts
+
+
+@functools.lru_cache(maxsize=64)
+def _bounds(num_experts: int, world: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's first expert and end, as tensors on `device` (built once: no copy per call)."""
+    partition = expert_partition(num_experts, world)
+    return (
+        torch.tensor([s for s, _ in partition], device=device),
+        torch.tensor([e for _, e in partition], device=device),
+    )
+
+
+def _exchange_counts(send_counts: torch.Tensor, group) -> tuple[list[int], list[int]]:
+    """all_to_all_single of the per-rank pair counts. The .tolist() calls are the device-to-host
+    sync that all_to_all_single's uneven split sizes need (accepted: see the module docstring)."""
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    return send_counts.tolist(), recv_counts.tolist()
+
+
+def _row_bytes(H: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of a dispatched row, bytes of its x part): rows padded to 8-byte multiples so that
+    every field can be viewed in place."""
+    x_bytes = H * torch.empty(0, dtype=dtype).element_size()
+    return _META_BYTES + -(-x_bytes // 8) * 8, x_bytes
+
+
+def ep_comm_only(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, group=None):
+    """For benchmarks: a callable running only the collectives of one `ep_fused_moe` call with
+    these inputs (count exchange with its host sync, dispatch, return), on buffers of the same
+    sizes; no packing, no experts, no combine. A collective: call it on every rank."""
+    world = dist.get_world_size(group)
+    M, K = topk_ids.shape
+    send_counts = _plan(topk_ids, num_experts, world)[3]
+    send_splits, recv_splits = _exchange_counts(send_counts, group)
+    row_bytes, _ = _row_bytes(x.shape[1], x.dtype)
+    send = torch.zeros(M * K, row_bytes, dtype=torch.uint8, device=x.device)
+    recv = torch.empty(sum(recv_splits), row_bytes, dtype=torch.uint8, device=x.device)
+    y = torch.zeros(sum(recv_splits), x.shape[1], dtype=x.dtype, device=x.device)
+    back = torch.empty(M * K, x.shape[1], dtype=x.dtype, device=x.device)
+
+    def run() -> None:
+        _exchange_counts(send_counts, group)
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+        dist.all_to_all_single(back, y, send_splits, recv_splits, group=group)
+
+    return run

@@ -1,0 +1,39 @@
+"""moekit inside Hugging Face transformers (v5): FP8 MoE experts without dequantizing.
+
+    import moekit.hf                                   # registers experts_implementation="moekit"
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moekit")   # bf16 experts
+    model = moekit.hf.from_pretrained(path)            # FP8 checkpoints: experts stay FP8
+    model = moekit.hf.from_pretrained(path, scheme="fp8-channel-token")   # quantize bf16 on load
+    moekit.hf.patch_model(model)                       # an already loaded model
+    moekit.hf.save_pretrained(model, out)              # compressed-tensors FP8 checkpoint
+
+Importing this module imports transformers; `import moekit` alone never does.
+"""
+
+from .experts import IMPLEMENTATION, MoekitExperts, experts_modules, moekit_experts_forward, register, set_backend
+from .families import FAMILIES, UnsupportedModelError
+from .load import from_pretrained, patch_model, quantize_model
+from .save import save_pretrained
+
+register()
+
+__all__ = [
+    "IMPLEMENTATION",
+    "FAMILIES",
+    "MoekitExperts",
+    "UnsupportedModelError",
+    "experts_modules",
+    "from_pretrained",
+    "moekit_experts_forward",
+    "patch_model",
+    "quantize_model",
+    "register",
+    "save_pretrained",
+    "set_backend",
+    "experts_nbytes",
+]
+
+
+def experts_nbytes(model) -> int:
+    """Bytes held by the model's moekit experts modules (weights and scales)."""
+    return sum(m.nbytes for m in experts_modules(model).values())

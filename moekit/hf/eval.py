@@ -1,0 +1,206 @@
+"""`moekit eval`: a local transformers MoE model with its experts on each moekit backend.
+
+For every backend (the experts change, nothing else does):
+  - perplexity on a text (default: moekit/data/eval.txt, chapter 1 of Jane Austen's "Pride and
+    Prejudice", 1813, public domain), scored in windows of --seq-len tokens, --max-tokens in all;
+  - against the `reference` backend (FP8 math in float32, the ground truth), at every scored
+    position: the next-token KL divergence KL(reference || backend) and top-1 agreement; the
+    same two numbers for every pair of backends;
+  - tokens/s of greedy generation (--gen-tokens new tokens after a 16-token prompt of the text,
+    after one warm-up generation), and how many generated tokens match the reference's.
+A rich table on the console; the whole report as JSON with --out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "eval.txt"
+PROMPT_TOKENS = 16
+
+
+class EvalInputError(ValueError):
+    """Bad input to moekit eval: printed as one line by the CLI."""
+
+
+@dataclasses.dataclass
+class EvalOptions:
+    model: str
+    backends: list[str] | None = None
+    text: str | None = None
+    max_tokens: int = 512
+    gen_tokens: int = 32
+    seq_len: int = 256
+    scheme: str | None = None
+    out: str | None = None
+    device: str | None = None
+    argv: list[str] | None = None
+
+
+def _device(opts: EvalOptions) -> torch.device:
+    if opts.device:
+        return torch.device(opts.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _plan_backends(requested, weights, device, dtype) -> list[str]:
+    """reference first, then the requested backends (default: every one that can run here)."""
+    from ..backends import backend_names, get_backend
+
+    shape = weights.shape(1)
+    names = backend_names()
+    if requested:
+        unknown = [b for b in requested if b not in names]
+        if unknown:
+            raise EvalInputError(f"unknown backend {unknown[0]!r}; expected one of: {', '.join(names)}")
+        for b in requested:
+            reasons = get_backend(b).supports(shape, weights.scheme, device, dtype)
+            if reasons:
+                raise EvalInputError(f"backend {b!r} cannot run this model here: {'; '.join(reasons)}")
+        chosen = list(dict.fromkeys(requested))
+    else:
+        chosen = [b for b in names if not get_backend(b).supports(shape, weights.scheme, device, dtype)]
+    return ["reference"] + [b for b in chosen if b != "reference"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def _score(model, ids: torch.Tensor, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs [P, V] float32 on the CPU, next-token NLL [P]) over windows of seq_len tokens."""
+    logps, nlls = [], []
+    for start in range(0, ids.numel() - 1, seq_len):
+        window = ids[start : start + seq_len + 1]
+        if window.numel() < 2:
+            break
+        logits = model(input_ids=window[None, :-1].to(device)).logits[0].float()
+        lp = torch.log_softmax(logits, dim=-1).cpu()
+        logps.append(lp)
+        nlls.append(-lp.gather(1, window[1:, None]).squeeze(1))
+    return torch.cat(logps), torch.cat(nlls)
+
+
+def _compare(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """KL(a || b) per position (mean and max) and top-1 agreement of two log-prob matrices."""
+    kl = (a.exp() * (a - b)).sum(dim=-1).clamp(min=0)
+    return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+            "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
+
+
+@torch.no_grad()
+def _generate(model, prompt: torch.Tensor, n: int, device) -> tuple[list[int], float]:
+    kw = dict(do_sample=False, pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0)
+    model.generate(prompt.to(device), max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+    _sync(device)
+    t0 = time.perf_counter()
+    out = model.generate(prompt.to(device), max_new_tokens=n, min_new_tokens=n, **kw)
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    new = out[0, prompt.shape[1]:].tolist()
+    return new, len(new) / elapsed if elapsed > 0 else float("inf")
+
+
+def run_eval(opts: EvalOptions, console=None) -> dict:
+    from rich.table import Table
+
+    import moekit.hf as mh
+    from transformers import AutoTokenizer
+
+    from .families import UnsupportedModelError
+
+    if opts.max_tokens < 2:
+        raise EvalInputError(f"--max-tokens must be at least 2, got {opts.max_tokens}")
+    if opts.seq_len < 1 or opts.gen_tokens < 0:
+        raise EvalInputError("--seq-len must be >= 1 and --gen-tokens >= 0")
+    folder = Path(opts.model)
+    if not (folder / "config.json").is_file():
+        raise EvalInputError(f"--model {opts.model!r} is not a local model folder (no config.json)")
+    text_path = Path(opts.text) if opts.text else DEFAULT_TEXT
+    if not text_path.is_file():
+        raise EvalInputError(f"--text {str(text_path)!r}: no such file")
+    text = text_path.read_text(encoding="utf-8")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as e:
+        raise EvalInputError(f"{opts.model}: no usable tokenizer in the model folder ({type(e).__name__}: {e})") from None
+    ids = torch.tensor(tokenizer(text).input_ids[: opts.max_tokens], dtype=torch.long)
+    if ids.numel() < 2:
+        raise EvalInputError(f"{text_path}: fewer than 2 tokens to score")
+
+    device = _device(opts)
+    kwargs = {"device_map": str(device)} if device.type == "cuda" else {}
+    try:
+        model = mh.from_pretrained(folder, backend="reference", scheme=opts.scheme, **kwargs)
+    except UnsupportedModelError as e:
+        raise EvalInputError(str(e)) from None
+    model.to(device)
+    modules = mh.experts_modules(model)
+    first = next(iter(modules.values())).moe_weights()
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    backends = _plan_backends(opts.backends, first, device, dtype)
+
+    results: dict[str, dict] = {}
+    logps: dict[str, torch.Tensor] = {}
+    prompt = ids[None, :PROMPT_TOKENS]
+    for b in backends:
+        mh.set_backend(model, b)
+        t0 = time.perf_counter()
+        lp, nll = _score(model, ids, opts.seq_len, device)
+        score_s = time.perf_counter() - t0
+        logps[b] = lp
+        r = {"perplexity": math.exp(float(nll.mean())), "mean_nll": float(nll.mean()), "score_seconds": score_s}
+        if opts.gen_tokens:
+            new, tps = _generate(model, prompt, opts.gen_tokens, device)
+            r.update(tokens_per_s=tps, generated=new)
+        results[b] = r
+        if console is not None:
+            console.print(f"  {b}: perplexity {r['perplexity']:.3f}" + (f", {r['tokens_per_s']:.1f} tokens/s" if opts.gen_tokens else ""))
+    ref = logps["reference"]
+    for b, r in results.items():
+        r.update({f"{k}_vs_reference": v for k, v in _compare(ref, logps[b]).items()})
+        if opts.gen_tokens:
+            same = sum(x == y for x, y in zip(results["reference"]["generated"], r["generated"]))
+            r["generated_match_reference"] = same / max(len(r["generated"]), 1)
+    pairwise = {f"{a}|{b}": _compare(logps[a], logps[b]) for i, a in enumerate(backends) for b in backends[i + 1:]}
+
+    report = {
+        "model": str(folder), "text": str(text_path), "scheme": first.scheme.name, "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""), "tokens": int(ids.numel()),
+        "positions_scored": int(ref.shape[0]), "seq_len": opts.seq_len, "gen_tokens": opts.gen_tokens,
+        "experts_modules": len(modules), "experts_bytes": mh.experts_nbytes(model),
+        "backends": results, "pairwise": pairwise, "argv": opts.argv,
+        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
+    }
+    if console is not None:
+        table = Table(title=f"moekit eval: {folder.name} ({first.scheme.name}, {report['positions_scored']} positions, {device.type})")
+        for col in ("backend", "perplexity", "KL vs reference", "top-1 vs reference", "tokens/s", "greedy = reference"):
+            table.add_column(col, justify="left" if col == "backend" else "right")
+        for b, r in results.items():
+            table.add_row(b, f"{r['perplexity']:.4f}", f"{r['kl_mean_vs_reference']:.2e}",
+                          f"{r['top1_agreement_vs_reference']:.1%}",
+                          f"{r['tokens_per_s']:.1f}" if "tokens_per_s" in r else "-",
+                          f"{r['generated_match_reference']:.0%}" if "generated_match_reference" in r else "-")
+        console.print(table)
+        if len(backends) > 2:
+            pt = Table(title="between backends")
+            for col in ("pair", "KL (mean)", "top-1 agreement"):
+                pt.add_column(col)
+            for k, v in pairwise.items():
+                pt.add_row(k.replace("|", " vs "), f"{v['kl_mean']:.2e}", f"{v['top1_agreement']:.1%}")
+            console.print(pt)
+    if opts.out:
+        out = Path(opts.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+        if console is not None:
+            console.print(f"report: {out}")
+    return report

@@ -1,0 +1,571 @@
+"""Loading transformers MoE models with moekit experts: FP8 stays FP8.
+
+    model = moekit.hf.from_pretrained("/models/Qwen3-30B-A3B-FP8-dynamic")      # FP8 as stored
+    model = moekit.hf.from_pretrained("/models/Mixtral-8x7B", scheme="fp8-channel-token")
+    model = moekit.hf.patch_model(model)                 # an already loaded model, experts via moekit
+
+How `from_pretrained` keeps the experts out of transformers' hands: while transformers builds the
+model, the family's experts class (Llama-4: its MoE block) is replaced through transformers'
+own class-replacement registry (`transformers.monkey_patching`) by a `MoekitExperts` that has
+no parameters. The checkpoint's expert tensors then match nothing in the model, so transformers
+neither reads nor dequantizes them; everything else (attention, router, shared experts, norms,
+embeddings, and the checkpoint's quantization of those) loads exactly as transformers loads it.
+Then each experts module is filled from the safetensors files, one tensor at a time
+(`checkpoint.py`), in moekit's layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..models import parse_quantization_config
+from ..select import select_backend
+from ..spec import BF16, QuantScheme, get_scheme
+from ..weights import MoEWeights, quantize_weights
+from . import checkpoint as ckpt_mod
+from .experts import ExpertsError, MoekitExperts, check_hf_experts, experts_modules, register, set_backend
+from .families import Family, UnsupportedModelError, family_of_config, family_of_module
+
+log = logging.getLogger("moekit.hf")
+
+
+# ------------------------------------------------------------------------ module classes
+
+
+def _dims(module: nn.Module, family: Family) -> tuple[int, int, int]:
+    """(experts, hidden, intermediate) from a transformers experts module's weight shapes."""
+    gate_up = module.gate_up_proj
+    if family.transposed:
+        E, H, two_n = gate_up.shape
+    else:
+        E, two_n, H = gate_up.shape
+    return E, H, two_n // 2
+
+
+def _empty_experts(hf_experts: nn.Module, family: Family, config=None) -> MoekitExperts:
+    """A MoekitExperts without weights, shaped like this transformers experts module."""
+    if not family.transposed:
+        check_hf_experts(hf_experts)
+    elif not type(getattr(hf_experts, "act_fn", nn.SiLU())).__name__.startswith("SiLU"):
+        raise ExpertsError(f"{type(hf_experts).__name__}: activation {type(hf_experts.act_fn).__name__} is not SiLU")
+    E, H, N = _dims(hf_experts, family)
+    m = MoekitExperts(E, H, N, family=family.name, source_class=type(hf_experts).__name__,
+                      apply_on_input=family.apply_on_input)
+    m.config = config if config is not None else getattr(hf_experts, "config", None)
+    return m
+
+
+_CLASSES: dict[tuple[str, str], type] = {}
+
+
+def placeholder_class(family: Family) -> type:
+    """The class that stands in for the family's experts (or Llama-4 block) while loading."""
+    key = (family.module, family.patched_class)
+    if key in _CLASSES:
+        return _CLASSES[key]
+    if family.block_class is not None:
+        cls = llama4_block_class(family)
+    else:
+        original = family.original_class(family.experts_class)
+
+        def __init__(self, config, *args, **kwargs):
+            with torch.device("meta"):
+                reference = original(config, *args, **kwargs)
+            template = _empty_experts(reference, family, config)
+            MoekitExperts.__init__(self, template.num_experts, template.hidden_dim, template.intermediate_dim,
+                                   family=family.name, source_class=original.__name__,
+                                   apply_on_input=family.apply_on_input)
+            self.config = config
+
+        cls = type(f"Moekit{original.__name__}", (MoekitExperts,), {"__init__": __init__,
+                                                                     "__module__": __name__})
+    _CLASSES[key] = cls
+    return cls
+
+
+def llama4_block_class(family: Family) -> type:
+    """Llama-4's MoE block with its routed experts run by moekit (router weight on the input)."""
+    key = (family.module, "block")
+    if key in _CLASSES:
+        return _CLASSES[key]
+    block = family.original_class(family.block_class)
+
+    class MoekitLlama4TextMoe(block):
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            self.experts = _empty_experts(self.experts, family, config)
+
+        def forward(self, hidden_states):
+            x = hidden_states.reshape(-1, self.hidden_dim)
+            router_scores, router_logits = self.router(x)  # scores [T, E]: sigmoid of the top-k, 0 elsewhere
+            ids = torch.topk(router_logits, self.top_k, dim=1).indices
+            weights = router_scores.gather(1, ids)
+            out = self.shared_expert(x)
+            out.add_(self.experts(x, ids, weights))
+            return out, router_logits
+
+    MoekitLlama4TextMoe.__module__ = __name__
+    _CLASSES[key] = MoekitLlama4TextMoe
+    return MoekitLlama4TextMoe
+
+
+@contextlib.contextmanager
+def _placeholders(family: Family):
+    """While transformers builds a model, the family's experts are empty MoekitExperts."""
+    replacement = placeholder_class(family)
+    try:
+        from transformers.monkey_patching import get_patch_mapping, register_patch_mapping, unregister_patch_mapping
+    except ImportError:  # older transformers 5.x: swap the class in its module by hand
+        module = family.modeling_module()
+        original = getattr(module, family.patched_class)
+        setattr(module, family.patched_class, replacement)
+        try:
+            yield
+        finally:
+            setattr(module, family.patched_class, original)
+        return
+    key = f"^{family.patched_class}$"
+    previous = get_patch_mapping().get(key)
+    register_patch_mapping({key: replacement}, overwrite=True)
+    try:
+        yield
+    finally:
+        unregister_patch_mapping([key])
+        if previous is not None:
+            register_patch_mapping({key: previous})
+
+
+class _DropLoadReport(logging.Filter):
+    """transformers' load report lists the expert tensors moekit reads itself as unexpected:
+    it is replaced by moekit's own account of what else was missing or unexpected."""
+
+    def filter(self, record):
+        return "LOAD REPORT" not in record.getMessage()
+
+
+# ------------------------------------------------------------------------- checkpoint -> model
+
+
+def _module_of_prefix(prefix: str, family: Family, renamings, module_names: set[str], base_prefix: str) -> str | None:
+    """The model's experts module for a checkpoint experts prefix, through transformers' renamings."""
+    from transformers.core_model_loading import rename_source_key
+
+    probe = f"{prefix}.0.{family.projections[0]}.weight"
+    renamed, _ = rename_source_key(probe, renamings, [])
+    head = renamed[: renamed.rfind(".experts.")] + ".experts" if ".experts." in renamed else prefix
+    for candidate in (head, prefix, head.removeprefix(base_prefix + "."), f"{base_prefix}.{head}"):
+        if candidate in module_names:
+            return candidate
+    return None
+
+
+def prefix_of_module(model: nn.Module, name: str, family: Family) -> str:
+    """The checkpoint prefix of an experts module (transformers' renamings reversed)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:
+        conversions = get_model_conversion_mapping(model, add_legacy=False)
+    renamings = [c.reverse_transform() for c in conversions[::-1] if isinstance(c, WeightRenaming)]
+    probe = f"{name}.0.{family.projections[0]}.weight"
+    renamed, _ = rename_source_key(probe, renamings, [], reverse=True)
+    return renamed[: renamed.rfind(".experts.")] + ".experts" if ".experts." in renamed else name
+
+
+def _renamings(model):
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    return [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
+
+
+def _device_of(model: nn.Module, name: str) -> torch.device:
+    parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    for p in parent.parameters():
+        if p.device.type != "meta":
+            return p.device
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+def fill_from_checkpoint(model: nn.Module, folder: str | Path, family: Family, ckpt_scheme: QuantScheme,
+                         scheme: QuantScheme | None, dtype: torch.dtype) -> dict[str, MoekitExperts]:
+    """Load every MoekitExperts of `model` from the checkpoint at `folder`."""
+    ckpt = ckpt_mod.Checkpoint(folder)
+    try:
+        found = ckpt_mod.find_experts(ckpt, family)
+        modules = experts_modules(model)
+        if not found:
+            g, u, d = family.projections
+            raise ckpt_mod.CheckpointError(
+                f"{str(folder)!r}: no expert tensors found (looked for '<...>.experts.<e>.{g}|{u}|{d}.weight' "
+                "and '<...>.experts.gate_up_proj')"
+            )
+        renamings = _renamings(model)
+        base = getattr(model, "base_model_prefix", "model")
+        by_module: dict[str, str] = {}
+        for prefix in found:
+            name = _module_of_prefix(prefix, family, renamings, set(modules), base)
+            if name is None:
+                raise ckpt_mod.CheckpointError(
+                    f"checkpoint experts {prefix!r} belong to no experts module of the model "
+                    f"(it has {', '.join(sorted(modules)[:3])}{', ...' if len(modules) > 3 else ''})"
+                )
+            by_module[name] = prefix
+        unfilled = sorted(set(modules) - set(by_module))
+        if unfilled:
+            raise ckpt_mod.CheckpointError(
+                f"checkpoint {str(folder)!r} has no expert tensors for {unfilled[0]}"
+                + (f" (and {len(unfilled) - 1} more experts modules)" if len(unfilled) > 1 else "")
+            )
+        said_unquantized = False
+        for name, module in modules.items():
+            prefix = by_module[name]
+            entry = found[prefix]
+            E, H, N = module.num_experts, module.hidden_dim, module.intermediate_dim
+            device = _device_of(model, name)
+            stored = ckpt_mod.experts_dtype(ckpt, entry, prefix)
+            try:
+                if stored == torch.float8_e4m3fn:
+                    if not ckpt_scheme.is_fp8:
+                        raise ckpt_mod.CheckpointError(
+                            f"{prefix!r} holds FP8 expert weights but the config has no FP8 quantization_config"
+                        )
+                    if scheme is not None and scheme != ckpt_scheme:
+                        raise UnsupportedModelError(
+                            f"the checkpoint's experts are {ckpt_scheme.name}; moekit loads FP8 experts as "
+                            f"stored and does not convert them to {scheme.name} (leave scheme=None)"
+                        )
+                    weights = ckpt_mod.read_fp8(ckpt, entry, prefix, family, ckpt_scheme, E, H, N, device)
+                else:
+                    if ckpt_scheme.is_fp8 and not said_unquantized:
+                        log.warning("%s: quantization_config says %s but the experts are stored as %s; "
+                                    "they are loaded as stored%s", folder, ckpt_scheme.name, stored,
+                                    f" and quantized to {scheme.name}" if scheme and scheme.is_fp8 else
+                                    " (pass scheme= to quantize them)")
+                        said_unquantized = True
+                    target = scheme or BF16
+                    read_as = BF16 if target.static_activation else target
+                    weights = ckpt_mod.read_unquantized(ckpt, entry, prefix, family, E, H, N, dtype, device, read_as)
+            except ckpt_mod.CheckpointError as e:
+                raise ckpt_mod.CheckpointError(f"{name}: {e}") from None
+            module.moekit_name = name
+            module.load(weights)
+        return modules
+    finally:
+        ckpt.close()
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+def _quantize_module(module: MoekitExperts, scheme: QuantScheme, calibration: torch.Tensor | None) -> None:
+    """Requantize a bf16 MoekitExperts to `scheme` in place (one expert at a time)."""
+    if module.scheme == scheme:
+        return
+    if module.scheme.is_fp8:
+        raise UnsupportedModelError(
+            f"{module.label}: experts are already {module.scheme.name}; moekit does not requantize FP8 experts "
+            f"to {scheme.name}"
+        )
+    w = module.moe_weights()
+    if scheme.static_activation:
+        if calibration is None:
+            raise UnsupportedModelError(
+                f"{module.label}: scheme {scheme.name} needs static activation scales: pass calibration= "
+                "(token ids, or text with a tokenizer in the model folder) to measure them"
+            )
+        new = quantize_weights(w.w13, w.w2, scheme, calibration=calibration)
+    elif scheme.is_fp8:
+        new = ckpt_mod.quantize_per_expert(lambda e: (w.w13[e], w.w2[e]), w.num_experts, w.hidden, w.n,
+                                           scheme, w.device)
+    else:
+        new = MoEWeights(scheme, w.w13, w.w2)
+    module.load(new)
+
+
+@torch.no_grad()
+def _capture_inputs(model: nn.Module, modules: dict[str, MoekitExperts], input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each experts module's input rows [T, H] on the calibration tokens."""
+    seen: dict[str, list[torch.Tensor]] = {name: [] for name in modules}
+    hooks = []
+    for name, m in modules.items():
+        def hook(mod, args, name=name):
+            seen[name].append(args[0].reshape(-1, args[0].shape[-1]).detach().float())
+        hooks.append(m.register_forward_pre_hook(hook))
+    try:
+        device = next(p.device for p in model.parameters())
+        ids = input_ids if input_ids.dim() == 2 else input_ids[None]
+        model(input_ids=ids.to(device))
+    finally:
+        for h in hooks:
+            h.remove()
+    missing = [n for n, xs in seen.items() if not xs]
+    if missing:
+        raise UnsupportedModelError(f"calibration never reached {missing[0]}: no tokens were routed through it")
+    return {n: torch.cat(xs) for n, xs in seen.items()}
+
+
+def quantize_model(model: nn.Module, scheme: str | QuantScheme, calibration: torch.Tensor | None = None) -> None:
+    """Requantize every bf16 MoekitExperts of `model` to `scheme` (static: calibrated on token ids)."""
+    scheme = get_scheme(scheme)
+    modules = experts_modules(model)
+    inputs = {}
+    if scheme.static_activation and calibration is not None:
+        inputs = _capture_inputs(model, {n: m for n, m in modules.items() if m.scheme != scheme}, calibration)
+    for name, m in modules.items():
+        _quantize_module(m, scheme, inputs.get(name) if scheme.static_activation else None)
+
+
+# -------------------------------------------------------------------------------- patching
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _hf_to_moekit(hf: nn.Module, family: Family, name: str) -> MoekitExperts:
+    """A bf16 MoekitExperts over a transformers experts module's weights (no copy unless transposed)."""
+    new = _empty_experts(hf, family)
+    gate_up, down = hf.gate_up_proj.detach(), hf.down_proj.detach()
+    if gate_up.dtype not in (torch.bfloat16, torch.float16):
+        raise ExpertsError(f"{name}: experts are {gate_up.dtype}; moekit needs bf16/fp16 (load with dtype=torch.bfloat16)")
+    if family.transposed:
+        gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+    new.moekit_name = name
+    new.load(MoEWeights(BF16, gate_up, down))
+    return new
+
+
+def _to_moekit_modules(model: nn.Module) -> tuple[Family | None, dict[str, MoekitExperts], list[tuple[str, nn.Module]]]:
+    """Replace every transformers experts module (Llama-4: block) of a supported family by a
+    MoekitExperts over the same weights. Returns (family, moekit modules, replaced originals)."""
+    family = None
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, MoekitExperts):
+            continue
+        fam = family_of_module(module)
+        if fam is None:
+            continue
+        family = fam
+        if fam.block_class is not None and type(module).__name__ == fam.block_class:
+            module.__class__ = llama4_block_class(fam)  # same router and shared expert, moekit experts
+            experts_name = f"{name}.experts"
+            if isinstance(module.experts, nn.ModuleList):  # per-expert MLPs (transformers' quantized Llama-4)
+                mlp = module.experts[0]
+                empty = MoekitExperts(len(module.experts), mlp.gate_proj.in_features, mlp.gate_proj.out_features,
+                                      family=fam.name, source_class=type(module.experts).__name__,
+                                      apply_on_input=fam.apply_on_input)
+                empty.moekit_name = experts_name
+                module.experts = empty  # filled from checkpoint= (patch_model raises otherwise)
+            elif not isinstance(module.experts, MoekitExperts):
+                module.experts = _hf_to_moekit(module.experts, fam, experts_name)
+            replaced.append((experts_name, module))
+        elif fam.block_class is None:
+            _replace(model, name, _hf_to_moekit(module, fam, name))
+            replaced.append((name, module))
+    modules = experts_modules(model)
+    for name, m in modules.items():
+        m.moekit_name = name
+        if family is None and m.family:
+            from .families import family_of
+
+            family = family_of(m.family)
+    return family, modules, replaced
+
+
+def _set_implementation(model: nn.Module) -> None:
+    set_impl = getattr(model, "set_experts_implementation", None)
+    if callable(set_impl):
+        try:
+            set_impl("moekit")
+        except Exception as e:  # a model that cannot switch: its experts are moekit's anyway
+            log.debug("set_experts_implementation('moekit') not applied: %s", e)
+
+
+def _check_backend(modules: dict[str, MoekitExperts], backend: str | None) -> None:
+    """Raise BackendUnavailableError now (not at the first forward) for a backend that cannot run."""
+    if backend in (None, "auto") or not modules:
+        return
+    m = next(iter(modules.values()))
+    w = m.moe_weights()
+    dtype = w.w13.dtype if not w.scheme.is_fp8 else torch.bfloat16
+    select_backend(w.shape(1), w.scheme, w.device, dtype, 1, backend)
+
+
+def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backend: str | None = "auto", *,
+                checkpoint: str | Path | None = None, calibration: torch.Tensor | None = None) -> nn.Module:
+    """Run the routed experts of an already loaded transformers model through moekit.
+
+    Every experts module of a supported family (Llama-4: its MoE block) is replaced by a
+    `MoekitExperts`; routers, shared experts and everything else are untouched.
+    - checkpoint=None: the model's own expert weights, kept as they are (scheme None or "bf16",
+      no copy) or quantized to `scheme` one expert at a time (the bf16 originals are released).
+      fp8-tensor-static measures its activation scales on `calibration` (token ids [B, T]).
+    - checkpoint=PATH: the experts are (re)loaded from that checkpoint's safetensors files, FP8
+      as stored (e.g. a model that transformers loaded with dequantized experts).
+    Returns the model.
+    """
+    register()
+    family, modules, _ = _to_moekit_modules(model)
+    if not modules:
+        from .families import FAMILIES
+
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no experts module of a family moekit runs "
+            f"({', '.join(f.name for f in FAMILIES)})"
+        )
+    if checkpoint is not None:
+        raw = _raw_config(Path(checkpoint))
+        ckpt_scheme = _checkpoint_scheme(raw, checkpoint)
+        dtype = next((m.moe_weights().w13.dtype for m in modules.values()
+                      if m.loaded and not m.scheme.is_fp8), torch.bfloat16)
+        want = get_scheme(scheme) if scheme is not None else None
+        fill_from_checkpoint(model, checkpoint, family, ckpt_scheme, want, dtype)
+        if want is not None and want != ckpt_scheme:
+            quantize_model(model, want, calibration)
+    else:
+        empty = [name for name, m in modules.items() if not m.loaded]
+        if empty:
+            raise UnsupportedModelError(f"{empty[0]}: these experts hold no weights moekit can use; pass checkpoint=")
+        if scheme is not None:
+            quantize_model(model, scheme, calibration)
+    set_backend(model, backend)
+    _check_backend(modules, backend)
+    _set_implementation(model)
+    return model
+
+
+# --------------------------------------------------------------------------------- loading
+
+
+def _raw_config(folder: Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise UnsupportedModelError(f"{str(folder)!r} is not a model folder: it has no config.json")
+    return json.loads(path.read_text())
+
+
+def _checkpoint_scheme(raw: dict, folder) -> QuantScheme:
+    quant = raw.get("quantization_config")
+    if quant is None and isinstance(raw.get("text_config"), dict):
+        quant = raw["text_config"].get("quantization_config")
+    try:
+        return parse_quantization_config(quant)
+    except ValueError as e:
+        raise UnsupportedModelError(f"{folder}: moekit cannot run this checkpoint's quantization: {e}") from None
+
+
+def _model_class(config):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from transformers import AutoModelForImageTextToText
+    except ImportError:  # pragma: no cover
+        AutoModelForImageTextToText = None
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        if auto is not None and type(config) in auto._model_mapping:
+            return auto
+    return AutoModelForCausalLM
+
+
+def _tokens(calibration, folder: Path):
+    if calibration is None or isinstance(calibration, torch.Tensor):
+        return calibration
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    return tok(str(calibration), return_tensors="pt").input_ids
+
+
+def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str | QuantScheme | None = None, *,
+                    dtype: torch.dtype = torch.bfloat16, calibration=None, model_class=None, **kwargs) -> nn.Module:
+    """Load a local transformers MoE model with its routed experts in moekit.
+
+    FP8 checkpoints (compressed-tensors fp8 tensor/channel/block, DeepSeek-style quant_method
+    "fp8" with weight_scale_inv, fbgemm_fp8) keep their experts in FP8 exactly as stored, read
+    tensor by tensor from the safetensors files: no bf16 copy of the experts is ever made.
+    Unquantized checkpoints keep bf16 experts (scheme=None) or are quantized on load to `scheme`
+    one expert at a time; fp8-tensor-static also needs `calibration` (token ids, or a text that
+    the model folder's tokenizer encodes). `backend`: a moekit backend name or "auto" (then
+    MOEKIT_BACKEND, then moekit's choice). Other keyword arguments go to transformers'
+    from_pretrained (device_map, attn_implementation, ...); `model_class` overrides the Auto class.
+    """
+    from transformers import AutoConfig
+
+    register()
+    folder = Path(path)
+    raw = _raw_config(folder)
+    ckpt_scheme = _checkpoint_scheme(raw, folder)
+    config = AutoConfig.from_pretrained(folder)
+    family = family_of_config(config)
+    want = get_scheme(scheme) if scheme is not None else None
+    if ckpt_scheme.is_fp8 and want is not None and want != ckpt_scheme:
+        raise UnsupportedModelError(
+            f"{folder}: the checkpoint is {ckpt_scheme.name}; moekit loads FP8 experts as stored and does not "
+            f"convert them to {want.name} (leave scheme=None)"
+        )
+    if want is not None and want.static_activation and not ckpt_scheme.is_fp8 and calibration is None:
+        raise UnsupportedModelError(
+            f"scheme {want.name} needs static activation scales: pass calibration= (token ids, or a text "
+            "that the model's tokenizer encodes), or use fp8-tensor-dynamic"
+        )
+    if backend not in (None, "auto"):
+        from ..backends import get_backend
+
+        get_backend(backend)
+    quant = getattr(config, "quantization_config", None)
+    if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
+        # transformers' FP8 quantizer swaps every module named "*.experts" for its own FP8Experts:
+        # keep its hands off moekit's (the dense layers stay its job)
+        quant = dict(quant)
+        quant["modules_to_not_convert"] = list(quant.get("modules_to_not_convert") or []) + ["experts"]
+        config.quantization_config = quant
+    kwargs.setdefault("config", config)
+    cls = model_class or _model_class(config)
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    drop = _DropLoadReport()
+    report_logger.addFilter(drop)
+    try:
+        with _placeholders(family):
+            model, info = cls.from_pretrained(folder, dtype=dtype, experts_implementation="moekit",
+                                              output_loading_info=True, **kwargs)
+    finally:
+        report_logger.removeFilter(drop)
+    _report(info, folder)
+    modules = experts_modules(model)
+    if not modules:
+        raise UnsupportedModelError(f"{type(model).__name__}: no experts module was built for family {family.name}")
+    fill_from_checkpoint(model, folder, family, ckpt_scheme, want, dtype)
+    if want is not None and want.static_activation and not ckpt_scheme.is_fp8:
+        quantize_model(model, want, _tokens(calibration, folder))
+    set_backend(model, backend)
+    _check_backend(modules, backend)
+    return model
+
+
+_EXPERT_KEY = re.compile(r"\.experts\.(\d+\.[^.]+\.[a-z_]+|gate_up_proj|down_proj)$")
+
+
+def _report(info: dict, folder) -> None:
+    """What transformers did not load, leaving out the expert tensors moekit reads itself."""
+    unexpected = sorted(k for k in info.get("unexpected_keys", ()) if not _EXPERT_KEY.search(k))
+    missing = sorted(info.get("missing_keys", ()))
+    mismatched = info.get("mismatched_keys", ())
+    for what, keys in (("unexpected (not used)", unexpected), ("missing (newly initialized)", missing),
+                       ("of mismatched shape", mismatched)):
+        if keys:
+            shown = ", ".join(map(str, list(keys)[:5])) + (", ..." if len(keys) > 5 else "")
+            log.warning("%s: %d checkpoint tensors %s: %s", folder, len(keys), what, shown)

@@ -1,0 +1,194 @@
+"""Saving a model with moekit experts as a compressed-tensors checkpoint (vLLM, SGLang,
+transformers and moekit load it).
+
+What is written:
+- the experts, per expert, under the names the family's checkpoints use (transformers' own
+  renamings reversed: Mixtral `block_sparse_moe.experts.{e}.w1|w3|w2`, the others
+  `mlp.experts.{e}.gate_proj|up_proj|down_proj`, Llama-4 `feed_forward.experts.{e}...`):
+  `.weight` FP8 e4m3fn [out, in], `.weight_scale` float32 (tensor [1], channel [out, 1],
+  block [out/128, in/128]) and, for fp8-tensor-static, `.input_scale` [1] (gate and up carry
+  the layer's a13, down its a2);
+- everything else as the model holds it (bf16 stays bf16; layers that transformers kept in FP8
+  keep their FP8 weight and scales), under transformers' checkpoint names;
+- config.json with a compressed-tensors `quantization_config`: one config group targeting
+  "Linear" with the scheme's weights and input_activations, format "float-quantized", status
+  "compressed", and `ignore` listing every non-expert Linear whose weight is not FP8 (so the
+  attention, routers, shared experts and lm_head stay unquantized for every loader).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..spec import BLOCK, QuantScheme
+from .experts import experts_modules
+from .families import UnsupportedModelError, family_of
+from .load import prefix_of_module
+
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+
+
+def quantization_config(scheme: QuantScheme, ignore: list[str]) -> dict:
+    """The compressed-tensors quantization_config of a moekit FP8 scheme."""
+    def args(strategy, dynamic, **extra):
+        return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": dynamic,
+                "group_size": None, "block_structure": None, "actorder": None, "observer": None,
+                "observer_kwargs": {}, **extra}
+
+    if scheme.weight == "tensor":
+        weights = args("tensor", False, observer="minmax")
+        inputs = args("tensor", not scheme.static_activation, observer=None if not scheme.static_activation else "minmax")
+    elif scheme.weight == "channel":
+        weights = args("channel", False, observer="minmax")
+        inputs = args("token", True)
+    elif scheme.weight == "block":
+        weights = args("block", False, block_structure=[BLOCK, BLOCK], observer="minmax")
+        inputs = args("group", True, group_size=BLOCK)
+    else:
+        raise ValueError(f"scheme {scheme.name} is not an FP8 scheme")
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
+                        "output_activations": None, "format": "float-quantized"},
+        },
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "sparsity_config": {},
+    }
+
+
+def _expert_tensors(module, prefix: str, projections) -> dict[str, torch.Tensor]:
+    w = module.moe_weights()
+    s = w.scheme
+    N, E = w.n, w.num_experts
+    gate, up, down = projections
+    out: dict[str, torch.Tensor] = {}
+    for e in range(E):
+        mats = {gate: w.w13[e, :N], up: w.w13[e, N:], down: w.w2[e]}
+        for proj, mat in mats.items():
+            out[f"{prefix}.{e}.{proj}.weight"] = mat
+        if not s.is_fp8:
+            continue
+        if s.weight == "tensor":
+            scales = {gate: w.w13_scale[e].reshape(1), up: w.w13_scale[e].reshape(1), down: w.w2_scale[e].reshape(1)}
+        elif s.weight == "channel":
+            scales = {gate: w.w13_scale[e, :N, None], up: w.w13_scale[e, N:, None], down: w.w2_scale[e, :, None]}
+        else:
+            nb = N // BLOCK
+            scales = {gate: w.w13_scale[e, :nb], up: w.w13_scale[e, nb:], down: w.w2_scale[e]}
+        for proj, sc in scales.items():
+            out[f"{prefix}.{e}.{proj}.weight_scale"] = sc.clone()
+        if s.static_activation:
+            for proj, a in ((gate, w.a13_scale), (up, w.a13_scale), (down, w.a2_scale)):
+                out[f"{prefix}.{e}.{proj}.input_scale"] = a.reshape(1).clone()
+    return out
+
+
+def _non_expert_state(model: nn.Module, expert_names: list[str]) -> dict[str, torch.Tensor]:
+    """The rest of the model under its checkpoint names (tied copies dropped)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = model.state_dict()
+    inside = tuple(f"{n}." for n in expert_names)
+    state = {k: v for k, v in state.items() if not k.startswith(inside)}
+    seen: dict[tuple, str] = {}
+    for k in list(state):  # tied weights (embeddings / lm_head) are stored once
+        v = state[k]
+        ident = (v.device, v.data_ptr(), v.dtype, tuple(v.shape), tuple(v.stride()))
+        if v.numel() and ident in seen:
+            del state[k]
+        else:
+            seen[ident] = k
+    return revert_weight_conversion(model, state)
+
+
+def _write_shards(tensors: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> None:
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k in sorted(tensors):
+        t = tensors[k].detach().to("cpu")
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size():  # a view (one expert of w13)
+            t = t.clone()
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += nbytes
+    for old in folder.glob("model*.safetensors"):
+        old.unlink()
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        index.unlink()
+    if len(shards) == 1:
+        save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / name, metadata={"format": "pt"})
+        for k, t in shard.items():
+            weight_map[k] = name
+            total += t.numel() * t.element_size()
+    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write `model` (loaded or patched by moekit) to `path` as a compressed-tensors checkpoint:
+    config.json (+ generation_config.json) and safetensors shards. Returns the folder.
+    The tokenizer is not part of the model: save it alongside with tokenizer.save_pretrained(path)."""
+    modules = experts_modules(model)
+    if not modules:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no moekit experts: load it with moekit.hf.from_pretrained or "
+            "call moekit.hf.patch_model(model, scheme=...) first"
+        )
+    schemes = {m.scheme for m in modules.values()}
+    if len(schemes) != 1 or None in schemes:
+        raise UnsupportedModelError(f"the experts of one model must share one loaded scheme, found {schemes}")
+    scheme = schemes.pop()
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+
+    tensors = _non_expert_state(model, list(modules))
+    for name, m in modules.items():
+        family = family_of(m.family)
+        projections = family.projections if family else ("gate_proj", "up_proj", "down_proj")
+        prefix = prefix_of_module(model, name, family) if family else name
+        tensors.update(_expert_tensors(m, prefix, projections))
+
+    dense_fp8 = [k for k, t in tensors.items() if k.endswith(".weight") and t.dtype == torch.float8_e4m3fn
+                 and ".experts." not in k]
+    config = copy.deepcopy(model.config)
+    if scheme.is_fp8:
+        ignore = sorted(k[: -len(".weight")] for k, t in tensors.items()
+                        if k.endswith(".weight") and t.dim() == 2 and t.dtype != torch.float8_e4m3fn)
+        config.quantization_config = quantization_config(scheme, ignore)
+    elif dense_fp8:
+        raise UnsupportedModelError(
+            f"bf16 experts next to FP8 dense layers ({dense_fp8[0]}, ...) have no single quantization_config"
+        )
+    elif hasattr(config, "quantization_config"):
+        del config.quantization_config
+    for sub in ("text_config",):
+        sub_config = getattr(config, sub, None)
+        if sub_config is not None and hasattr(sub_config, "quantization_config"):
+            del sub_config.quantization_config
+    config.save_pretrained(folder)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and getattr(model, "can_generate", lambda: False)():
+        generation.save_pretrained(folder)
+    _write_shards(tensors, folder, max_shard_size)
+    return folder

@@ -1,0 +1,231 @@
+"""`MoELayer`: one MoE layer's routed experts as a `torch.nn.Module`.
+
+    layer = moekit.MoELayer(weights, routing=moekit.RoutingConfig(top_k=8))   # backend="auto"
+    out = layer(x, router_logits)                # routes with the layer's RoutingConfig
+    out = layer(x, topk_weights, topk_ids)       # or takes the routing as computed elsewhere
+
+The weight tensors are the module's buffers (`w13`, `w2`, and the scales the scheme has), so
+`.to(device)`, `state_dict()` and `load_state_dict()` behave as for any module; `.to(dtype)` and
+`.half()` move nothing but the device: FP8 weights and float32 scales keep their dtypes (the
+activations' dtype is x's). The weights exist once: `auto` chooses per call (each batch size M
+may get another backend) but only among backends that read them as they are, never one that keeps
+a converted copy (the `torch` backend dequantizes FP8 weights to bf16): that one runs only when
+named (`backend="torch"` or MOEKIT_BACKEND=torch). `memory()` reports the bytes of the weights and
+of every backend's prepared state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .api import fused_moe
+from .models import ModelSpec, get_model
+from .routing import RoutingConfig, route
+from .spec import QuantScheme, get_scheme
+from .weights import MoEWeights
+
+_TENSORS = ("w13", "w2", "w13_scale", "w2_scale", "a13_scale", "a2_scale")
+BIAS = "e_score_correction_bias"  # the checkpoint's name for DeepSeek-V3 / GLM-4.5's router bias
+
+
+def _tensors_in(obj, depth: int = 0):
+    """Every tensor reachable from a backend's prepared state (dicts, sequences, dataclasses)."""
+    if depth > 8:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors_in(getattr(obj, f.name), depth + 1)
+
+
+def _storage_key(t: torch.Tensor):
+    s = t.untyped_storage()
+    return (t.device, s.data_ptr()), s.nbytes()
+
+
+def weight_memory(weights: MoEWeights) -> dict:
+    """Bytes held for one layer's weights: {"weights": ..., "prepared": {backend: ...}, "total": ...}.
+
+    "weights": the weights and scales themselves. "prepared": per backend, the memory of what it
+    derived and keeps in weights.prepared, counted by storage: views of the weights (cutlass's
+    transposed views, scales used as they are) count 0, a converted copy (torch's dequantized bf16
+    weights) its full size, a storage shared by two backends once."""
+    seen = {_storage_key(t)[0] for t in weights.tensors().values()}
+    prepared = {}
+    for name, state in weights.prepared.items():
+        total = 0
+        for t in _tensors_in(state):
+            key, nbytes = _storage_key(t)
+            if key not in seen:
+                seen.add(key)
+                total += nbytes
+        prepared[name] = total
+    return {"weights": weights.nbytes, "prepared": prepared, "total": weights.nbytes + sum(prepared.values())}
+
+
+class MoELayer(torch.nn.Module):
+    """The routed experts of one MoE layer; see the module docstring.
+
+    weights: the layer's `MoEWeights` (used as they are, not copied). routing: the model's
+    `RoutingConfig`, needed for the `(x, router_logits)` form and for Llama-4's
+    `apply_on_input`; None means the caller always passes (x, topk_weights, topk_ids).
+    backend: "auto" (default; MOEKIT_BACKEND is honoured first), or a backend name.
+    correction_bias: DeepSeek-V3 / GLM-4.5's e_score_correction_bias [E] when the routing uses
+    one; a buffer (zeros until given or loaded with load_state_dict)."""
+
+    def __init__(
+        self,
+        weights: MoEWeights,
+        routing: RoutingConfig | None = None,
+        backend: str | None = "auto",
+        *,
+        correction_bias: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        if not isinstance(weights, MoEWeights):
+            raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
+        if routing is not None and not isinstance(routing, RoutingConfig):
+            raise TypeError(f"routing must be a moekit.RoutingConfig or None, got {type(routing).__name__}")
+        if routing is not None and not 1 <= routing.top_k <= weights.num_experts:
+            raise ValueError(f"routing top_k {routing.top_k} does not fit {weights.num_experts} experts")
+        self.routing = routing
+        self.backend = backend
+        for name, t in weights.tensors().items():
+            self.register_buffer(name, t)
+        if routing is not None and routing.use_correction_bias:
+            if correction_bias is None:
+                correction_bias = torch.zeros(weights.num_experts, device=weights.device)
+            self.register_buffer(BIAS, correction_bias.to(device=weights.device, dtype=torch.float32))
+        elif correction_bias is not None:
+            raise ValueError("correction_bias was given but the routing does not use one (use_correction_bias)")
+        self._scheme = weights.scheme
+        self._weights: MoEWeights | None = weights
+
+    # ------------------------------------------------------------------------- constructors
+    @classmethod
+    def from_model(
+        cls, model: str | ModelSpec, weights: MoEWeights, *, tp: int = 1, backend: str | None = "auto",
+        correction_bias: torch.Tensor | None = None,
+    ) -> "MoELayer":
+        """A layer of a model (a preset name, a config.json path, or a ModelSpec): its routing
+        rule, with these weights (which must have the model's shape at this tp)."""
+        spec = model if isinstance(model, ModelSpec) else get_model(model, tp=tp)
+        s = spec.shape
+        for what, want, got in (
+            ("experts", s.num_experts, weights.num_experts), ("hidden", s.hidden, weights.hidden),
+            ("intermediate per GPU", s.n, weights.n),
+        ):
+            if want != got:
+                raise ValueError(f"{spec.name} (tp {s.tp}) has {what} {want} but the weights have {got}")
+        return cls(weights, spec.routing, backend, correction_bias=correction_bias)
+
+    @classmethod
+    def random(
+        cls, model: str | ModelSpec, tp: int = 1, scheme: str | QuantScheme | None = None,
+        device: torch.device | str = "cpu", *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+        backend: str | None = "auto",
+    ) -> "MoELayer":
+        """A layer of the model's shape with random weights (scheme: the model's own by default)
+        and, where the routing has one, a random correction bias: for tests and demos."""
+        from .bench import make_weights
+
+        spec = model if isinstance(model, ModelSpec) else get_model(model, tp=tp)
+        scheme = get_scheme(scheme) if scheme is not None else spec.scheme
+        device = torch.device(device)
+        weights = make_weights(spec.shape, scheme, device, seed=seed, dtype=dtype)
+        bias = None
+        if spec.routing.use_correction_bias:
+            g = torch.Generator().manual_seed(seed + 7)
+            bias = (0.1 * torch.randn(spec.shape.num_experts, generator=g)).to(device)
+        return cls(weights, spec.routing, backend, correction_bias=bias)
+
+    # ---------------------------------------------------------------------------- weights
+    @property
+    def weights(self) -> MoEWeights:
+        """The MoEWeights over the current buffers: the same object (with its backends' prepared
+        state) until .to(), load_state_dict() or an assignment replaces or changes a buffer."""
+        w = self._weights
+        if w is None:
+            buffers = self._buffers
+            w = self._weights = MoEWeights(self._scheme, **{n: buffers.get(n) for n in _TENSORS})
+        return w
+
+    def __setattr__(self, name, value):
+        if name in _TENSORS:
+            self.__dict__["_weights"] = None  # a new weight tensor: rebuild (and re-validate) the weights
+        super().__setattr__(name, value)
+
+    def register_buffer(self, name, tensor, persistent=True):
+        self.__dict__["_weights"] = None
+        super().register_buffer(name, tensor, persistent)
+
+    def memory(self) -> dict:
+        """`weight_memory` of this layer's weights: bytes of the weights and of prepared copies."""
+        return weight_memory(self.weights)
+
+    def _apply(self, fn, *args, **kwargs):
+        # Module.to(dtype) / .half() convert every floating point buffer, FP8 included: keep the
+        # weights' and scales' dtypes and take only the device (probed on an empty tensor).
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            probe = fn(t.new_empty(0))
+            return fn(t) if probe.dtype == t.dtype else t.to(device=probe.device)
+
+        out = super()._apply(keep_dtype, *args, **kwargs)
+        self._weights = None
+        return out
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for name, buf in self._buffers.items():
+            t = state_dict.get(prefix + name)
+            if isinstance(t, torch.Tensor) and buf is not None and t.dtype != buf.dtype:
+                error_msgs.append(
+                    f"{prefix}{name} has dtype {t.dtype} in the state dict but {buf.dtype} in this layer "
+                    f"(scheme {self._scheme.name}); load weights of the same scheme"
+                )
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        self._weights = None  # new values: every backend's prepared state is stale
+
+    # ---------------------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor, *routing: torch.Tensor) -> torch.Tensor:
+        """`(x, router_logits)` or `(x, topk_weights, topk_ids)`; x [..., H] -> [..., H] in x's dtype."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        if len(routing) == 1:
+            if self.routing is None:
+                raise ValueError(
+                    "this MoELayer has no RoutingConfig: call it with (x, topk_weights, topk_ids), "
+                    "or build it with routing=RoutingConfig(...)"
+                )
+            logits = routing[0]
+            logits = logits.reshape(-1, logits.shape[-1]) if logits.dim() != 2 else logits
+            bias = self._buffers.get(BIAS)
+            topk_weights, topk_ids = route(logits, config=self.routing, correction_bias=bias)
+        elif len(routing) == 2:
+            topk_weights, topk_ids = routing
+            if topk_weights.dim() != 2:
+                topk_weights = topk_weights.reshape(-1, topk_weights.shape[-1])
+                topk_ids = topk_ids.reshape(-1, topk_ids.shape[-1])
+        else:
+            raise TypeError(
+                f"MoELayer takes (x, router_logits) or (x, topk_weights, topk_ids), got {1 + len(routing)} tensors"
+            )
+        on_input = self.routing is not None and self.routing.apply_on_input
+        out = fused_moe(
+            x2, self.weights, topk_weights, topk_ids, self.backend,
+            apply_router_weight_on_input=on_input, allow_weight_copies=False,
+        )
+        return out if x.dim() == 2 else out.reshape(*lead, out.shape[-1])
+
+    def extra_repr(self) -> str:
+        w = self.weights
+        top_k = f", top_k={self.routing.top_k}" if self.routing is not None else ""
+        return f"E={w.num_experts}, H={w.hidden}, N={w.n}{top_k}, scheme={w.scheme.name}, backend={self.backend!r}"

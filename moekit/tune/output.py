@@ -1,0 +1,231 @@
+"""What `moekit tune` writes, rebuilt from the journals (moekit.tune.journal) each time:
+
+OUT/triton/<table name>     the triton backend's table: per batch size the fastest config measured
+                            and its µs (read by moekit.backends.triton.config)
+OUT/backends/<table name>   the backend decision table: per batch size every backend's µs and the
+                            winner (read by moekit.decisions; format below)
+DIR/<vLLM name>             with --export-vllm: the same configs in vLLM's fused_moe file format
+
+Decision table, version 1 (moekit.decisions reads exactly this):
+    {"format": "moekit-backend-table", "version": 1,
+     "meta": {"device_name", "num_experts", "hidden", "intermediate" (per GPU), "top_k", "scheme",
+              "dtype", "routing", "mode": "layer", "moekit", "torch", "triton", "date"},
+     "batch_sizes": {"<M>": {"us": {"<backend>": µs}, "winner": "<backend>",
+                             "errors": {"<backend>": "<one-line reason>"}}}}
+triton's µs there is its fastest measured config's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..backends.triton.config import KernelConfig
+from ..spec import QuantScheme, get_scheme
+from ..tables import write_json_atomically
+
+BACKEND_TABLE_FORMAT = "moekit-backend-table"
+BACKEND_TABLE_VERSION = 1
+TRITON_TABLE_FORMAT = "moekit-triton-configs"
+
+# vLLM's own tuner (benchmarks/kernels/benchmark_moe.py) searches BLOCK_SIZE_N up to 256 and, for
+# 128x128 block-quantized weights, only multiples of 128 for BLOCK_SIZE_N and BLOCK_SIZE_K.
+VLLM_MAX_BLOCK_SIZE_N = 256
+
+
+# ------------------------------------------------------------------------- reading journals
+
+
+def best_config(journal: dict) -> tuple[str, dict] | None:
+    """(key, entry) of the fastest triton config measured in a journal; ties: the smaller key."""
+    ran = [(v["us"], k) for k, v in journal["configs"].items() if "us" in v]
+    if not ran:
+        return None
+    _, key = min(ran)
+    return key, journal["configs"][key]
+
+
+def search_complete(journal: dict) -> bool:
+    return bool(journal.get("search") and journal["search"].get("complete"))
+
+
+def _common_meta(journals: list[dict]) -> dict:
+    fp, problem = journals[-1]["fingerprint"], journals[-1]["problem"]
+    return {
+        "device_name": fp["device_name"],
+        "num_experts": problem["num_experts"],
+        "hidden": problem["hidden"],
+        "intermediate": problem["intermediate"],
+        "top_k": problem["top_k"],
+        "scheme": problem["scheme"],
+        "dtype": fp["dtype"],
+        "routing": fp["routing"],
+        "mode": "layer",
+        "moekit": fp["moekit"],
+        "torch": fp["torch"],
+        "triton": fp["triton"],
+        "date": max(j["updated"] for j in journals),  # when the last measurement was made
+    }
+
+
+# ---------------------------------------------------------------------------- the tables
+
+
+def triton_table(journals: list[dict], run_meta: dict | None = None) -> dict | None:
+    """{"meta": {...}, "configs": {"<M>": {BLOCK_M.., "us": .., "default_us": ..}}}, or None when
+    no config ran at any batch size."""
+    configs: dict[str, dict] = {}
+    incomplete = []
+    for j in journals:
+        best = best_config(j)
+        if best is None:
+            continue
+        key, entry = best
+        default = j["configs"].get(j.get("default") or "", {})
+        configs[str(j["batch_size"])] = {
+            **KernelConfig.from_dict(entry["config"]).to_dict(),
+            "us": entry["us"],
+            "default_us": default.get("us"),
+        }
+        if not search_complete(j):
+            incomplete.append(j["batch_size"])
+    if not configs:
+        return None
+    meta = {"format": TRITON_TABLE_FORMAT, **_common_meta(journals), **(run_meta or {})}
+    meta["incomplete_batch_sizes"] = incomplete  # best so far: the search stopped early there
+    return {"meta": meta, "configs": configs}
+
+
+def backend_table(journals: list[dict]) -> dict | None:
+    """The decision table (see the module docstring), or None when nothing ran."""
+    sizes: dict[str, dict] = {}
+    for j in journals:
+        us: dict[str, float] = {}
+        errors: dict[str, str] = {}
+        best = best_config(j)
+        if best is not None:
+            us["triton"] = best[1]["us"]
+        elif j["configs"]:
+            default = j["configs"].get(j.get("default") or "")
+            errors["triton"] = (default or next(iter(j["configs"].values()))).get("error", "no config ran")
+        for name, result in sorted(j["backends"].items()):
+            if "us" in result:
+                us[name] = result["us"]
+            else:
+                errors[name] = result["error"]
+        if not us:
+            continue
+        entry: dict = {"us": us, "winner": min(us, key=lambda b: (us[b], b))}
+        if errors:
+            entry["errors"] = errors
+        sizes[str(j["batch_size"])] = entry
+    if not sizes:
+        return None
+    return {
+        "format": BACKEND_TABLE_FORMAT,
+        "version": BACKEND_TABLE_VERSION,
+        "meta": _common_meta(journals),
+        "batch_sizes": sizes,
+    }
+
+
+# ------------------------------------------------------------------------------- vLLM
+
+
+def vllm_device_name(device_name: str) -> str:
+    """As vLLM's get_config_file_name writes it: spaces to '_', every H200 variant 'NVIDIA_H200'."""
+    name = device_name.strip().replace(" ", "_")
+    return "NVIDIA_H200" if "H200" in name.split("_") else name
+
+
+def vllm_file_name(num_experts: int, n: int, device_name: str, scheme: QuantScheme) -> str:
+    """E={E},N={N},device_name={dev}[,dtype=fp8_w8a8][,block_shape=[128,128]].json; N is the
+    intermediate size per GPU (vLLM's w2.shape[2]); unquantized schemes have no dtype part."""
+    dtype = ",dtype=fp8_w8a8" if scheme.is_fp8 else ""
+    block = f",block_shape=[{scheme.block},{scheme.block}]" if scheme.block else ""
+    return f"E={num_experts},N={n},device_name={vllm_device_name(device_name)}{dtype}{block}.json"
+
+
+def vllm_config(cfg: KernelConfig, scheme: QuantScheme) -> tuple[dict | None, str | None]:
+    """(vLLM's config for the same tile, None) or (None, why vLLM cannot take it).
+
+    vLLM runs one config for both GEMMs, each tile one BLOCK_SIZE_N-wide slice of w13's 2N rows
+    (gate or up). A moekit tile computes BLOCK_N gate and BLOCK_N up columns: 2 * BLOCK_N rows of
+    w13, the same operand tiles, shared memory and accumulators as vLLM's BLOCK_SIZE_N = 2 * BLOCK_N.
+    GEMM1 holds two thirds of the layer's work, so its tile is the one exported (vLLM's GEMM2 then
+    runs tiles twice as wide as moekit's)."""
+    block_n = 2 * cfg.BLOCK_N
+    if block_n > VLLM_MAX_BLOCK_SIZE_N:
+        return None, f"BLOCK_SIZE_N {block_n} is beyond vLLM's search space (<= {VLLM_MAX_BLOCK_SIZE_N})"
+    if scheme.block and (block_n % scheme.block or cfg.BLOCK_K % scheme.block):
+        return None, (
+            f"BLOCK_SIZE_N {block_n} / BLOCK_SIZE_K {cfg.BLOCK_K} not multiples of the {scheme.block}-wide "
+            "weight blocks (vLLM's rule for block-quantized weights)"
+        )
+    return {
+        "BLOCK_SIZE_M": cfg.BLOCK_M,
+        "BLOCK_SIZE_N": block_n,
+        "BLOCK_SIZE_K": cfg.BLOCK_K,
+        "GROUP_SIZE_M": cfg.GROUP_M,
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+    }, None
+
+
+def vllm_table(journals: list[dict]) -> tuple[str, dict, list[str]] | None:
+    """(file name, {"<M>": config}, notes): per batch size the fastest measured config that vLLM
+    can take (see vllm_config); notes say where that is not the overall fastest, or none could."""
+    if not journals:
+        return None
+    problem, fp = journals[-1]["problem"], journals[-1]["fingerprint"]
+    scheme = get_scheme(problem["scheme"])
+    table: dict[str, dict] = {}
+    notes = []
+    for j in journals:
+        ran = sorted((v["us"], k) for k, v in j["configs"].items() if "us" in v)
+        for rank, (_, key) in enumerate(ran):
+            cfg, why = vllm_config(KernelConfig.from_dict(j["configs"][key]["config"]), scheme)
+            if cfg is None:
+                if rank == 0:
+                    notes.append(f"M={j['batch_size']}: fastest config {key} not exported ({why})")
+                continue
+            table[str(j["batch_size"])] = cfg
+            if rank:
+                notes.append(f"M={j['batch_size']}: exported {key}, the fastest that vLLM can take")
+            break
+        else:
+            if ran:
+                notes.append(f"M={j['batch_size']}: no measured config that vLLM can take")
+    if not table:
+        return None
+    name = vllm_file_name(problem["num_experts"], problem["intermediate"], fp["device_name"], scheme)
+    return name, table, notes
+
+
+# ------------------------------------------------------------------------------- writing
+
+
+def write_tables(
+    out_dir: Path, table_file: str, journals: list[dict], run_meta: dict | None = None, export_dir: Path | None = None
+) -> tuple[list[Path], list[str]]:
+    """Write the tables of one (device, shape, scheme) from its journals: (paths, notes)."""
+    written, notes = [], []
+    triton = triton_table(journals, run_meta)
+    if triton is not None:
+        written.append(write_json_atomically(Path(out_dir) / "triton" / table_file, triton))
+    backends = backend_table(journals)
+    if backends is not None:
+        written.append(write_json_atomically(Path(out_dir) / "backends" / table_file, backends))
+    if export_dir is not None:
+        exported = vllm_table(journals)
+        if exported is not None:
+            name, table, vllm_notes = exported
+            ordered = dict(sorted(table.items(), key=lambda kv: int(kv[0])))
+            written.append(write_json_atomically(Path(export_dir) / name, ordered))
+            notes += [f"vLLM export: {n}" for n in vllm_notes]
+    return written, notes
+
+
+__all__ = [
+    "triton_table", "backend_table", "vllm_table", "vllm_config", "vllm_file_name", "vllm_device_name",
+    "write_tables", "best_config", "BACKEND_TABLE_FORMAT", "BACKEND_TABLE_VERSION",
+]

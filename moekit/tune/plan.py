@@ -1,0 +1,209 @@
+"""`moekit tune`'s options, checked all at once before anything runs or is written (bad input is
+one line and exit status 2), and turned into a `TunePlan` that worker processes can receive."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..backends import get_backend
+from ..bench import (
+    BenchInputError, ROUTINGS, load_routing_file, parse_batch_sizes, parse_dtype, parse_names, plan_backends,
+    prepare_out_dir, resolve_problems,
+)
+from ..spec import MoEShape, QuantScheme
+from .space import NEIGHBOUR_MARGIN, SEARCH_SPACES, SpaceFn, default_space
+
+GPU_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+CPU_BATCH_SIZES = (1, 4)  # the Triton interpreter takes ~0.3 s per layer call
+DEFAULT_REPS = 20  # per config: medians of 20 flushed replays are stable to ~1% on an H200
+DEFAULT_WARMUP = 3  # the first call compiles; the others settle the allocator
+
+
+class TuneInputError(BenchInputError):
+    """Bad input to tune: the CLI prints it as one line and exits with status 2."""
+
+
+@dataclasses.dataclass
+class TuneOptions:
+    models: list[str]
+    tp: int = 1
+    scheme: str | None = None  # one scheme, or several separated by commas (each tuned with its own scales)
+    batch_sizes: list[str] | None = None
+    backends: list[str] | None = None  # backends timed besides triton (default: every one that can run)
+    budget: str | None = None  # "90s", "10m", "1h"; None: no limit
+    out: str | None = None
+    routing: str = "uniform"
+    search_space: str = "pruned"
+    reps: int = DEFAULT_REPS
+    warmup: int = DEFAULT_WARMUP
+    seed: int = 0
+    dtype: str = "bf16"
+    export_vllm: str | None = None
+    argv: list[str] | None = None
+    space: SpaceFn | None = None  # tests: the configs to search instead of the device's space
+    devices: list[str] | None = None  # tests: worker devices instead of every visible GPU
+
+
+@dataclasses.dataclass
+class TuneProblem:
+    """One table to produce: a shape and scheme (several models may share it)."""
+
+    models: list[str]
+    shape: MoEShape
+    scheme: QuantScheme
+    weights_seed: int
+    backends: list[str]  # timed besides triton
+    recorded: torch.Tensor | None = None  # recorded topk_ids (--routing FILE)
+
+    @property
+    def label(self) -> str:
+        return f"{'='.join(self.models)} ({self.scheme.name})"
+
+
+@dataclasses.dataclass
+class TunePlan:
+    problems: list[TuneProblem]
+    batch_sizes: list[int]
+    dtype: torch.dtype
+    routing: str  # as given: uniform, skewed or the file
+    routing_kind: str  # uniform, skewed or file
+    seed: int
+    reps: int
+    warmup: int
+    search_space: str  # "pruned" or "full": which pruning applies (space.static_prune, neighbour_prune)
+    space: SpaceFn  # the configs to search
+    out_dir: Path
+    export_dir: Path | None
+    budget_s: float | None
+    run_meta: dict  # extra metadata of the triton tables (command, search settings)
+    created: list[Path]  # output folders this run created (removed again if it fails at once)
+
+
+_BUDGET = re.compile(r"(?:\d+(?:\.\d+)?[hms])+|\d+(?:\.\d+)?")
+_UNIT = {"h": 3600.0, "m": 60.0, "s": 1.0, "": 1.0}
+
+
+def parse_budget(text: str | None) -> float | None:
+    """'90s', '10m', '1h', '1h30m' or plain seconds ('90') -> seconds; None -> None."""
+    if text is None:
+        return None
+    compact = str(text).strip().lower().replace(" ", "")
+    if not _BUDGET.fullmatch(compact):
+        raise TuneInputError(f"--budget: {text!r} is not a duration like 90s, 10m, 1h or 1h30m")
+    seconds = sum(float(v) * _UNIT[u] for v, u in re.findall(r"(\d+(?:\.\d+)?)([hms]?)", compact))
+    if seconds <= 0:
+        raise TuneInputError(f"--budget: {text!r} is not a positive duration")
+    return seconds
+
+
+def _schemes(value: str | None) -> list[str | None]:
+    if value is None:
+        return [None]
+    names = [s for s in re.split(r"[,\s]+", value) if s]
+    if not names:
+        raise TuneInputError("--scheme: no scheme given")
+    return list(dict.fromkeys(names))
+
+
+def _other_backends(requested: Sequence[str] | None) -> list[str] | None:
+    names = parse_names(requested)
+    if names and "auto" in names:
+        raise TuneInputError("--backends: auto is not a backend to time; tune writes the table that auto reads")
+    return names
+
+
+def build_plan(opts: TuneOptions, device: torch.device) -> TunePlan:
+    """Check every option; raises TuneInputError naming the first problem. Creates the output
+    folder(s) last, so that bad input leaves nothing behind."""
+    if opts.search_space not in SEARCH_SPACES:
+        raise TuneInputError(f"--search-space: {opts.search_space!r} is not one of {', '.join(SEARCH_SPACES)}")
+    for name, value, least in (("--reps", opts.reps, 1), ("--warmup", opts.warmup, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise TuneInputError(f"{name} must be an integer >= {least}, got {value!r}")
+    budget = parse_budget(opts.budget)
+    dtype = parse_dtype(opts.dtype)
+    batch_sizes = sorted(parse_batch_sizes(opts.batch_sizes, GPU_BATCH_SIZES if device.type == "cuda" else CPU_BATCH_SIZES))
+    requested = _other_backends(opts.backends)
+    triton = get_backend("triton")
+
+    problems: list[TuneProblem] = []
+    by_table: dict[tuple, TuneProblem] = {}
+    for scheme_name in _schemes(opts.scheme):
+        for index, found in enumerate(resolve_problems(opts.models, opts.tp, scheme_name, device)):
+            reasons = triton.supports(found.shape, found.scheme, device, dtype)
+            if reasons:
+                raise TuneInputError(f"the triton backend cannot run {found.describe()} here: {'; '.join(reasons)}")
+            s = found.shape
+            key = (s.num_experts, s.hidden, s.n, s.top_k, found.scheme.name)
+            if key in by_table:  # another model with the same layer: one table serves both
+                if found.name not in by_table[key].models:
+                    by_table[key].models.append(found.name)
+                continue
+            named = [n for n in requested if n != "triton"] if requested else None
+            if named == []:  # --backends triton: no other backend
+                others = []
+            else:
+                others = plan_backends([found], named, device, dtype, include_auto=False).per_problem[found.name]
+            recorded = None
+            if opts.routing not in ROUTINGS:
+                recorded = load_routing_file(opts.routing, found.spec)
+            problem = TuneProblem(
+                [found.name], found.shape, found.scheme, opts.seed + 1000 * index,
+                [n for n in others if n != "triton"], recorded,
+            )
+            by_table[key] = problem
+            problems.append(problem)
+
+    out_dir, created = prepare_out_dir(opts.out or Path("moekit-results") / "tune", "tune")
+    created_dirs = [out_dir] if created else []
+    export_dir = None
+    if opts.export_vllm is not None:
+        try:
+            export_dir, created = prepare_out_dir(opts.export_vllm, "vllm")
+        except BenchInputError as e:
+            remove_if_empty(created_dirs)
+            raise TuneInputError(str(e).replace("--out", "--export-vllm", 1)) from None
+        if created:
+            created_dirs.append(export_dir)
+    space = opts.space or default_space(device, opts.search_space)
+    return TunePlan(
+        problems=problems,
+        batch_sizes=batch_sizes,
+        dtype=dtype,
+        routing=opts.routing,
+        routing_kind=opts.routing if opts.routing in ROUTINGS else "file",
+        seed=opts.seed,
+        reps=opts.reps,
+        warmup=opts.warmup,
+        search_space=opts.search_space,
+        space=space,
+        out_dir=out_dir,
+        export_dir=export_dir,
+        budget_s=budget,
+        run_meta={
+            "tool": "moekit tune",
+            "search_space": opts.search_space,
+            "neighbour_margin": NEIGHBOUR_MARGIN if opts.search_space == "pruned" else None,
+            "reps": opts.reps,
+            "warmup": opts.warmup,
+            "seed": opts.seed,
+        },
+        created=created_dirs,
+    )
+
+
+def remove_if_empty(folders: Sequence[Path]) -> None:
+    """Remove folders this run created, if nothing was written into them."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
+
+
+__all__ = ["TuneOptions", "TuneProblem", "TunePlan", "TuneInputError", "build_plan", "parse_budget"]

@@ -1,0 +1,155 @@
+"""What `moekit tune` shows: a rich progress bar per worker while it runs (problem, batch size,
+configs left, ETA), and at the end a summary per table and what the run did not cover."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from .output import best_config
+
+
+class LocalReporter:
+    """The Reporter of a worker running in this process."""
+
+    def __init__(self, view: "ProgressView", worker: int):
+        self.view, self.worker = view, worker
+
+    def device(self, name: str) -> None:
+        self.view.on_event(self.worker, "device", name)
+
+    def add_total(self, count: int) -> None:
+        self.view.on_event(self.worker, "add_total", count)
+
+    def describe(self, text: str) -> None:
+        self.view.on_event(self.worker, "describe", text)
+
+    def advance(self) -> None:
+        self.view.on_event(self.worker, "advance")
+
+    def log(self, text: str) -> None:
+        self.view.on_event(self.worker, "log", text)
+
+
+class ProgressView:
+    """One bar per worker; the ETA is rich's, from the pace so far and the measurements planned
+    (the plan shrinks as neighbour pruning drops configs)."""
+
+    def __init__(self, console, workers: int, labels: list[str]):
+        self.console = console
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=True,
+        )
+        self.labels = labels
+        self.tasks: dict[int, int] = {}
+        self.totals: dict[int, int] = {}
+        self.done: dict[int, int] = {}
+        self.device_names: dict[int, str] = {}
+
+    def __enter__(self) -> "ProgressView":
+        self.progress.start()
+        for worker, label in enumerate(self.labels):
+            self.tasks[worker] = self.progress.add_task(label, total=None)
+            self.totals[worker] = self.done[worker] = 0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def reporter(self, worker: int) -> LocalReporter:
+        return LocalReporter(self, worker)
+
+    def on_event(self, worker: int, kind: str, *args) -> None:
+        task = self.tasks[worker]
+        if kind == "device":
+            self.device_names[worker] = args[0]
+        elif kind == "add_total":
+            self.totals[worker] = max(self.totals[worker] + args[0], self.done[worker])
+            self.progress.update(task, total=self.totals[worker])
+        elif kind == "describe":
+            self.progress.update(task, description=f"{self.labels[worker]}: {args[0]}")
+        elif kind == "advance":
+            self.done[worker] += 1
+            self.progress.advance(task)
+        elif kind == "log":
+            self.progress.console.print(f"  {args[0]}", style="dim", highlight=False, markup=False, soft_wrap=True)
+        elif kind == "broken":
+            self.progress.console.print(f"[red]error:[/] {escape(args[0])}", highlight=False, soft_wrap=True)
+
+
+# ------------------------------------------------------------------------------- summary
+
+
+def _config_text(cfg: dict) -> str:
+    return (f"M{cfg['BLOCK_M']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} G{cfg['GROUP_M']} "
+            f"w{cfg['num_warps']} s{cfg['num_stages']}")
+
+
+def _us(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 1000 else f"{value:.0f}"
+
+
+def summary_table(title: str, journals: list[dict], backend_doc: dict | None) -> Table:
+    """Per batch size: the best config, its µs, the default config's, the gain, the winner."""
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    for head in ("M", "best triton config", "µs", "default µs", "gain", "winner", "winner µs", "configs"):
+        table.add_column(head, justify="left" if head in ("best triton config", "winner") else "right")
+    decisions = (backend_doc or {}).get("batch_sizes", {})
+    for j in journals:
+        best = best_config(j)
+        default = j["configs"].get(j.get("default") or "", {})
+        decision = decisions.get(str(j["batch_size"]), {})
+        winner = decision.get("winner")
+        search = j.get("search") or {}
+        measured = sum(1 for v in j["configs"].values() if "us" in v)
+        failed = len(j["configs"]) - measured
+        status = f"{measured} timed" + (f", {failed} failed" if failed else "")
+        if not search:
+            status += ", not searched"
+        elif not search.get("complete"):
+            status += ", stopped early"
+        gain = None
+        if best and default.get("us"):
+            gain = f"{default['us'] / best[1]['us']:.2f}x"
+        table.add_row(
+            str(j["batch_size"]),
+            _config_text(best[1]["config"]) if best else "-",
+            _us(best[1]["us"]) if best else "-",
+            _us(default.get("us")),
+            gain or "-",
+            winner or "-",
+            _us(decision.get("us", {}).get(winner)) if winner else "-",
+            status,
+        )
+    return table
+
+
+def uncovered(journals_by_size: dict[int, dict], batch_sizes: list[int], backends: list[str]) -> list[str]:
+    """What was asked for and not measured, one line per batch size."""
+    lines = []
+    for M in batch_sizes:
+        j = journals_by_size.get(M)
+        if j is None:
+            lines.append(f"M={M}: nothing measured")
+            continue
+        missing = []
+        if j.get("default") not in j["configs"]:
+            missing.append("default config")
+        missing += [name for name in backends if name not in j["backends"]]
+        search = j.get("search")
+        if search is None:
+            missing.append("the search")
+        elif not search.get("complete"):
+            timed = len(j["configs"])
+            missing.append(f"part of the search ({timed} configs measured, {search['candidates']} candidates)")
+        if missing:
+            lines.append(f"M={M}: not measured: {', '.join(missing)}")
+    return lines
+
+
+__all__ = ["ProgressView", "LocalReporter", "summary_table", "uncovered"]

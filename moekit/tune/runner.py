@@ -1,0 +1,510 @@
+"""Measuring for `moekit tune`: per problem and batch size, the default config and the other
+backends first (so that a budget cut still leaves a complete decision table), then the search.
+
+Every measurement is the whole layer through the shared harness (`moekit.timing.time_graph`:
+CUDA graph replays, L2 flushed before each), triton with the config forced
+(`TritonBackend.run(..., config=)`), on inputs made once per batch size from the run's seed.
+Weights are made once per problem and freed before the next.
+
+A config that fails (does not compile, runs out of shared memory or registers, produces NaN or an
+output far from the default config's) is recorded with its reason and skipped. After a failure on
+a GPU the device is synchronised: an error that broke the CUDA context stops the run
+(`DeviceBroken`), the config recorded as failed, so a rerun continues past it.
+
+Budget: a deadline for the whole run; each remaining (problem, batch size) search gets an equal
+share of the time left, its most promising configs first, so a short budget still searches every
+batch size a little instead of the first ones fully.
+
+Several GPUs: the batch sizes are split into contiguous runs, one worker process per GPU
+(torch.multiprocessing, spawn); each worker journals its own batch sizes, tables are rebuilt from
+all journals. One GPU or the CPU: the same worker, in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from pathlib import Path
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from .. import __version__ as moekit_version
+from ..api import validate_inputs
+from ..backends import get_backend
+from ..backends.triton.config import KernelConfig, default_config
+from ..bench import make_routing, make_weights, make_x, rel_l2
+from ..tables import table_name
+from ..timing import Timing, time_graph
+from .journal import MAX_DEATHS, Journal, journal_path, load_journals
+from .output import write_tables
+from .plan import TunePlan, TuneProblem
+from .space import NeighbourResult, config_key, neighbour_prune, shared_memory_limit, static_prune
+
+# A config whose output differs from the default config's by more than this (relative L2) is
+# wrong, not slower: configs change only the accumulation order (~1e-6) and, for FP8 schemes,
+# where the intermediate is quantized (the same 1x128 groups), measured at < 1e-3.
+OUTPUT_TOLERANCE = 1e-2
+
+
+def _clock() -> float:
+    """Seconds on a clock shared by every process of the machine (deadlines cross processes)."""
+    return time.monotonic()
+
+
+def measure_time(fn: Callable[[], object], *, reps: int, warmup: int, device: torch.device, what: str) -> Timing:
+    """The tuner's one timing call (`what` names the measurement; tests replace this function)."""
+    return time_graph(fn, reps=reps, warmup=warmup, device=device)
+
+
+class DeviceBroken(RuntimeError):
+    """A failure left the CUDA context unusable: this process cannot measure anything more."""
+
+
+class Reporter(Protocol):
+    def device(self, name: str) -> None: ...
+    def add_total(self, count: int) -> None: ...
+    def describe(self, text: str) -> None: ...
+    def advance(self) -> None: ...
+    def log(self, text: str) -> None: ...
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split()) or "(no message)"
+    return f"{type(e).__name__}: {text}"[:limit]
+
+
+def device_name(device: torch.device) -> str:
+    """The name tables are filed under: torch.cuda.get_device_name() as is, or 'cpu'."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def fingerprint(plan: TunePlan, name: str) -> dict:
+    """What a measurement depends on besides the config: journals that differ are not reused."""
+    import triton
+
+    return {
+        "device_name": name,
+        "dtype": str(plan.dtype).removeprefix("torch."),
+        "routing": plan.routing,
+        "seed": plan.seed,
+        "moekit": moekit_version,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+
+
+def problem_fields(problem: TuneProblem) -> dict:
+    s = problem.shape
+    return {"num_experts": s.num_experts, "hidden": s.hidden, "intermediate": s.n, "top_k": s.top_k,
+            "scheme": problem.scheme.name}
+
+
+class Deadline:
+    def __init__(self, end: float | None):
+        self.end = end
+
+    def passed(self) -> bool:
+        return self.end is not None and _clock() >= self.end
+
+    def share(self, slots_left: int) -> float | None:
+        """The end of an equal share of the time left, for one of `slots_left` searches."""
+        if self.end is None:
+            return None
+        now = _clock()
+        return now + max(self.end - now, 0.0) / max(slots_left, 1)
+
+
+@contextlib.contextmanager
+def _table_lock(out_dir: Path):
+    """Serialise table rebuilds of worker processes (each rebuild reads every journal)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the final rebuild in the parent is the one that counts
+        yield
+        return
+    lock = Path(out_dir) / ".progress" / ".lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def write_problem_tables(plan: TunePlan, table_file: str) -> tuple[list[Path], list[str]]:
+    with _table_lock(plan.out_dir):
+        journals = load_journals(plan.out_dir, table_file)
+        if not journals:
+            return [], []
+        return write_tables(plan.out_dir, table_file, journals, plan.run_meta, plan.export_dir)
+
+
+def order_candidates(configs: Sequence[KernelConfig], neighbour: NeighbourResult | None, default: KernelConfig):
+    """Most promising first, so that a budget cut loses the least: configs by their time at the
+    neighbouring batch size (a config new here by its half-height sibling's), then the unmeasured
+    ones by how few fields they change from the default config."""
+    measured = neighbour.us if neighbour else {}
+
+    def prior(cfg: KernelConfig):
+        for guess in (cfg, KernelConfig(**{**cfg.to_dict(), "BLOCK_M": max(cfg.BLOCK_M // 2, 16)})):
+            if config_key(guess) in measured:
+                return (0, measured[config_key(guess)])
+        changed = sum(a != b for a, b in zip(cfg.to_dict().values(), default.to_dict().values()))
+        return (1, changed)
+
+    return sorted(configs, key=prior)
+
+
+def _kinds(dropped: dict[str, str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for why in dropped.values():
+        kind = why.split(":", 1)[0]
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+class Inputs:
+    def __init__(self, x, weights, topk_weights, topk_ids):
+        self.x, self.weights, self.topk_weights, self.topk_ids = x, weights, topk_weights, topk_ids
+
+
+class Worker:
+    """Tunes every problem of the plan at `batch_sizes` on one device."""
+
+    def __init__(self, plan: TunePlan, device: torch.device, batch_sizes: Sequence[int], reporter: Reporter,
+                 deadline_end: float | None):
+        self.plan, self.device, self.sizes = plan, device, sorted(batch_sizes)
+        self.reporter, self.deadline = reporter, Deadline(deadline_end)
+        self.triton = get_backend("triton")
+        self._target: tuple[int, torch.Tensor | None] | None = None  # (M, default config's output)
+        self._weights = None
+
+    def run(self) -> None:
+        self.name = device_name(self.device)
+        self.reporter.device(self.name)
+        self.shared_memory, source = shared_memory_limit(self.device)
+        self.reporter.log(f"{self.name}: {self.shared_memory // 1024} KiB of shared memory per block ({source})")
+        self.slots_left = len(self.plan.problems) * len(self.sizes)
+        for problem in self.plan.problems:
+            if self.deadline.passed():
+                break
+            self._problem(problem)
+
+    # ------------------------------------------------------------------------------ phases
+
+    def _problem(self, p: TuneProblem) -> None:
+        table_file = table_name(p.shape, p.scheme, self.name)
+        fp = fingerprint(self.plan, self.name)
+        journals: dict[int, Journal] = {}
+        for M in self.sizes:
+            journals[M], note = Journal.open(journal_path(self.plan.out_dir, table_file, M), fp, problem_fields(p), M)
+            if note:
+                self.reporter.log(note)
+        estimate = {M: self._static_candidates(p, M, journals[M]) for M in self.sizes}
+        self.reporter.add_total(sum(estimate.values()) + sum(len(self._baseline_todo(p, j)) for j in journals.values()))
+        self._weights = None  # made at the first measurement: a finished journal needs none
+        try:
+            for M in self.sizes:
+                if self.deadline.passed():
+                    break
+                self._baseline(p, journals[M])
+            write_problem_tables(self.plan, table_file)
+            previous = None
+            for M in self.sizes:
+                if self.deadline.passed():
+                    break
+                self._search(p, journals[M], previous, estimate[M])
+                self.slots_left -= 1
+                previous = journals[M]
+                write_problem_tables(self.plan, table_file)
+        finally:
+            self._weights = self._target = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _baseline_todo(self, p: TuneProblem, j: Journal) -> list[tuple[str, object]]:
+        default = default_config(p.shape, p.scheme, j.batch_size)
+        todo: list[tuple[str, object]] = []
+        if j.config(config_key(default)) is None:
+            todo.append(("config", default))
+        todo += [("backend", name) for name in p.backends if j.backend(name) is None]
+        return todo
+
+    def _baseline(self, p: TuneProblem, j: Journal) -> None:
+        """The default config and every other backend at this batch size."""
+        M = j.batch_size
+        default = default_config(p.shape, p.scheme, M)
+        if j.data["default"] != config_key(default):
+            j.data["default"] = config_key(default)
+            j.save()
+        todo = self._baseline_todo(p, j)
+        if not todo:
+            return
+        inputs = self._inputs(p, M)
+        for kind, item in todo:
+            if self.deadline.passed():
+                self.reporter.add_total(-1)
+                continue
+            self.reporter.describe(f"{p.label} M={M}: {'default config' if kind == 'config' else item}")
+            if kind == "config":
+                self._measure_config(p, j, item, inputs, is_default=True)
+            else:
+                self._measure_backend(p, j, item, inputs)
+            self.reporter.advance()
+
+    def _static_candidates(self, p: TuneProblem, M: int, j: Journal) -> int:
+        kept, _ = static_prune(self.plan.space(p.scheme), p.shape, p.scheme, M, self.shared_memory, self.plan.search_space)
+        return sum(1 for c in kept if j.config(config_key(c)) is None)
+
+    def _search(self, p: TuneProblem, j: Journal, previous: Journal | None, estimated: int) -> None:
+        M = j.batch_size
+        default = default_config(p.shape, p.scheme, M)
+        kept, static = static_prune(self.plan.space(p.scheme), p.shape, p.scheme, M, self.shared_memory,
+                                    self.plan.search_space)
+        neighbour = None
+        if previous is not None:
+            search = previous.data.get("search") or {}
+            neighbour = NeighbourResult(previous.batch_size, previous.measured_us(), previous.failed(),
+                                        set(search.get("dropped", {})))
+        dropped: dict[str, str] = {}
+        if self.plan.search_space != "full":
+            kept, dropped = neighbour_prune(kept, neighbour)
+        kept = order_candidates(kept, neighbour, default)
+        todo = [c for c in kept if j.config(config_key(c)) is None]
+        j.data["search"] = {"space": self.plan.search_space, "candidates": len(kept), "dropped": dropped,
+                            "static": _kinds(static), "complete": not todo}
+        j.save()
+        self.reporter.add_total(len(todo) - estimated)
+        if not todo:
+            return
+        share_end = self.deadline.share(self.slots_left)
+        inputs = self._inputs(p, M)
+        done = 0
+        for cfg in todo:
+            if share_end is not None and _clock() >= share_end:
+                break
+            self.reporter.describe(f"{p.label} M={M}: {len(todo) - done} configs left")
+            self._measure_config(p, j, cfg, inputs)
+            self.reporter.advance()
+            done += 1
+        if done < len(todo):
+            self.reporter.add_total(done - len(todo))
+        j.data["search"]["complete"] = done == len(todo)
+        j.save()
+
+    # -------------------------------------------------------------------------- measuring
+
+    def _inputs(self, p: TuneProblem, M: int) -> Inputs:
+        if self._weights is None:  # once per problem, reused by every batch size and config
+            self._weights = make_weights(p.shape, p.scheme, self.device, seed=p.weights_seed, dtype=self.plan.dtype)
+        weights = self._weights
+        seed = self.plan.seed * 1_000_003 + M  # as moekit bench: the same inputs for the same seed
+        x = make_x(M, p.shape.hidden, self.device, seed=seed, dtype=self.plan.dtype)
+        tw, ids = make_routing(self.plan.routing_kind, M, p.shape, seed=seed, recorded=p.recorded)
+        tw, ids = validate_inputs(x, weights, tw.to(self.device), ids.to(self.device))
+        return Inputs(x, weights, tw, ids)
+
+    def _time(self, inputs: Inputs, backend, config: KernelConfig | None, what: str) -> tuple[dict, torch.Tensor | None]:
+        """(result for the journal, the layer's output of the first call)."""
+        kept: list[torch.Tensor] = []
+        kwargs = {} if config is None else {"config": config}
+        x, w, tw, ids = inputs.x, inputs.weights, inputs.topk_weights, inputs.topk_ids
+
+        def layer():
+            out = backend.run(x, w, tw, ids, **kwargs)
+            if not kept:
+                kept.append(out)
+            return out
+
+        try:
+            with torch.no_grad():
+                timing = measure_time(layer, reps=self.plan.reps, warmup=self.plan.warmup, device=self.device,
+                                      what=f"{what} at M={x.shape[0]}")
+        except Exception as e:  # noqa: BLE001 - compile errors, out of resources, OOM: recorded, skipped
+            return {"error": one_line(e)}, None
+        if not (math.isfinite(timing.median_us) and timing.median_us > 0):
+            return {"error": f"measured {timing.median_us} µs, below the timer's resolution"}, None
+        result = {"us": round(timing.median_us, 3), "p20_us": round(timing.p20_us, 3),
+                  "p80_us": round(timing.p80_us, 3), "method": timing.method}
+        if timing.note:
+            result["note"] = timing.note
+        return result, (kept[0] if kept else None)
+
+    def _measure_config(self, p: TuneProblem, j: Journal, cfg: KernelConfig, inputs: Inputs, is_default=False) -> None:
+        key, what = config_key(cfg), f"triton {config_key(cfg)}"
+        if j.deaths(what) >= MAX_DEATHS:
+            j.record_config(key, cfg.to_dict(), {"error": f"the process died {MAX_DEATHS} times while measuring it"})
+            return
+        j.begin(what)
+        try:
+            result, out = self._time(inputs, self.triton, cfg, what)
+            if out is not None:
+                if is_default:
+                    self._target = (j.batch_size, out)
+                wrong = self._wrong_output(out, None if is_default else self._default_output(p, inputs, j.batch_size))
+                if wrong:
+                    result = {"error": wrong, "rejected_us": result["us"]}
+        except BaseException:
+            j.end(what)  # stopped on purpose (Ctrl-C, a test): not a death
+            raise
+        j.record_config(key, cfg.to_dict(), result)
+        if "error" in result:
+            self.reporter.log(f"{p.label} M={j.batch_size}: config {key} skipped: {result['error']}")
+            self._check_device(what)
+
+    def _measure_backend(self, p: TuneProblem, j: Journal, name: str, inputs: Inputs) -> None:
+        what = f"backend {name}"
+        if j.deaths(what) >= MAX_DEATHS:
+            j.record_backend(name, {"error": f"the process died {MAX_DEATHS} times while measuring it"})
+            return
+        j.begin(what)
+        try:
+            result, out = self._time(inputs, get_backend(name), None, what)
+            wrong = self._wrong_output(out, None)
+            if wrong:
+                result = {"error": wrong}
+        except BaseException:
+            j.end(what)
+            raise
+        j.record_backend(name, result)
+        if "error" in result:
+            self.reporter.log(f"{p.label} M={j.batch_size}: backend {name} failed: {result['error']}")
+            self._check_device(what)
+
+    def _default_output(self, p: TuneProblem, inputs: Inputs, M: int) -> torch.Tensor | None:
+        """The default config's output at M: the reference of the output check. Kept from its
+        timing, or (after a resume) computed once; None when the default config fails."""
+        if self._target is None or self._target[0] != M:
+            try:
+                with torch.no_grad():
+                    out = self.triton.run(inputs.x, inputs.weights, inputs.topk_weights, inputs.topk_ids,
+                                          config=default_config(p.shape, p.scheme, M))
+            except Exception:  # noqa: BLE001 - without a reference only NaN/inf are checked
+                out = None
+            self._target = (M, out)
+        return self._target[1]
+
+    @staticmethod
+    def _wrong_output(out: torch.Tensor | None, reference: torch.Tensor | None) -> str | None:
+        if out is None:
+            return None
+        if not bool(torch.isfinite(out).all()):
+            return "wrong output: NaN or inf values"
+        if reference is not None:
+            err = rel_l2(out, reference)
+            if not err <= OUTPUT_TOLERANCE:
+                return f"wrong output: {err:.1e} relative L2 from the default config's (tolerance {OUTPUT_TOLERANCE:g})"
+        return None
+
+    def _check_device(self, what: str) -> None:
+        if self.device.type != "cuda":
+            return
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # an out-of-memory failure leaves cached blocks behind
+        except Exception as e:  # noqa: BLE001
+            raise DeviceBroken(
+                f"the CUDA context on {self.device} is unusable after {what} ({one_line(e)}); it is recorded "
+                "as failed: rerun the same command to continue"
+            ) from None
+
+
+# ------------------------------------------------------------------------- several GPUs
+
+
+def split_batch_sizes(sizes: Sequence[int], workers: int) -> list[list[int]]:
+    """Contiguous runs of the sorted sizes, as even as possible: each worker's sizes neighbour
+    each other, so its neighbour pruning has close evidence."""
+    sizes = sorted(sizes)
+    count = max(1, min(workers, len(sizes)))
+    base, extra = divmod(len(sizes), count)
+    chunks, start = [], 0
+    for i in range(count):
+        end = start + base + (1 if i < extra else 0)
+        chunks.append(sizes[start:end])
+        start = end
+    return chunks
+
+
+class QueueReporter:
+    """A worker process's Reporter: every event goes to the parent, which draws the progress."""
+
+    def __init__(self, queue, worker: int):
+        self.queue, self.worker = queue, worker
+
+    def _send(self, *event) -> None:
+        self.queue.put((self.worker, *event))
+
+    def device(self, name: str) -> None:
+        self._send("device", name)
+
+    def add_total(self, count: int) -> None:
+        self._send("add_total", count)
+
+    def describe(self, text: str) -> None:
+        self._send("describe", text)
+
+    def advance(self) -> None:
+        self._send("advance")
+
+    def log(self, text: str) -> None:
+        self._send("log", text)
+
+
+def _worker_main(index: int, plan: TunePlan, devices: list[str], chunks: list[list[int]], queue,
+                 deadline_end: float | None) -> None:
+    """Entry point of a worker process (torch.multiprocessing.spawn passes `index`)."""
+    device = torch.device(devices[index])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    reporter = QueueReporter(queue, index)
+    try:
+        Worker(plan, device, chunks[index], reporter, deadline_end).run()
+    except DeviceBroken as e:
+        reporter._send("broken", str(e))
+
+
+def run_workers(plan: TunePlan, devices: list[str], deadline_end: float | None, on_event) -> list[str]:
+    """Run one worker process per device over contiguous runs of the batch sizes; `on_event(worker,
+    kind, *args)` receives the workers' events. Returns the problems reported (DeviceBroken)."""
+    import queue as queue_module
+
+    import torch.multiprocessing as mp
+
+    chunks = split_batch_sizes(plan.batch_sizes, len(devices))
+    devices = devices[: len(chunks)]
+    events = mp.get_context("spawn").Queue()
+    broken: list[str] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                worker, kind, *args = events.get(timeout=0.05)
+            except queue_module.Empty:
+                return
+            if kind == "broken":
+                broken.append(args[0])
+            on_event(worker, kind, *args)
+
+    context = mp.spawn(_worker_main, args=(plan, devices, chunks, events, deadline_end),
+                       nprocs=len(devices), join=False)
+    try:
+        while not context.join(timeout=0.1):
+            drain()
+    except BaseException:
+        for process in context.processes:  # only the processes this run started
+            if process.is_alive():
+                process.terminate()
+        raise
+    finally:
+        drain()
+    return broken
+
+
+__all__ = [
+    "Worker", "DeviceBroken", "measure_time", "run_workers", "split_batch_sizes", "write_problem_tables",
+    "device_name", "order_candidates", "OUTPUT_TOLERANCE",
+]

@@ -1,0 +1,268 @@
+"""The triton backend's launch configs that `moekit tune` searches, and the pruning that keeps the
+search short without discarding anything that could win.
+
+Two kinds of pruning:
+
+* Static, per batch size (`static_prune`), from the config alone:
+    - cannot run: `KernelConfig.problems` (scheme rules: FP8 token/group schemes need BLOCK_K 128,
+      128x128 weight blocks need BLOCK_N dividing 128), or the operand tiles that Triton's software
+      pipeline keeps in shared memory exceed the device's limit;
+  and, in the `pruned` search only,
+    - spills registers: GEMM1's two float32 accumulators alone need more than 255 registers per
+      thread;
+    - dominated by a smaller tile with the same work: BLOCK_M above the most rows any expert can
+      receive (M: each token picks distinct experts), BLOCK_N / BLOCK_K above every dimension they
+      tile; GROUP_M values at least as large as the number of row blocks give the same tile order
+      as the smallest of them.
+* By measurement (`neighbour_prune`, `pruned` search only): a config slower than NEIGHBOUR_MARGIN
+  times the best triton config at the neighbouring (next smaller) batch size, or that failed there,
+  is not timed again; a config dropped at the neighbour stays dropped.
+
+`full` (`--search-space full`) keeps only the first rule (configs that cannot run would only fail):
+it is the exhaustive search the pruned one is compared against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from ..backends.triton.config import KernelConfig
+from ..spec import MoEShape, QuantScheme
+
+SEARCH_SPACES = ("pruned", "full")
+
+# Between adjacent batch sizes (2x apart) the rows per tile change by at most 2x, and so does how
+# well a tile shape fits the work; a config 50% slower than the best has, in our measurements, not
+# become the best at the next size. `--search-space full` measures whether this margin loses
+# anything (the lead's pruned-vs-exhaustive comparison).
+NEIGHBOUR_MARGIN = 1.5
+
+MAX_REGISTERS_PER_THREAD = 255  # a hard limit of every NVIDIA GPU since Kepler
+
+# Opt-in shared memory per block (what Triton checks its kernels against), by compute capability,
+# for torch versions whose device properties do not report it.
+SHARED_MEMORY_BY_CAPABILITY = {
+    (9, 0): 227 * 1024,  # Hopper: 232448 bytes
+    (8, 0): 163 * 1024,  # A100
+    (8, 6): 99 * 1024,
+    (8, 7): 163 * 1024,
+    (8, 9): 99 * 1024,  # Ada
+}
+HOPPER_SHARED_MEMORY = SHARED_MEMORY_BY_CAPABILITY[(9, 0)]
+
+# A search space: the configs to try for a scheme (before any pruning).
+SpaceFn = Callable[[QuantScheme], Sequence[KernelConfig]]
+
+
+def config_key(cfg: KernelConfig) -> str:
+    """A short, stable name for a config: the journal's and the summary's key."""
+    return (
+        f"M{cfg.BLOCK_M}-N{cfg.BLOCK_N}-K{cfg.BLOCK_K}-G{cfg.GROUP_M}"
+        f"-w{cfg.num_warps}-s{cfg.num_stages}"
+    )
+
+
+# ------------------------------------------------------------------------------- the spaces
+
+
+def hopper_space(scheme: QuantScheme, full: bool = False) -> list[KernelConfig]:
+    """The GPU search space, restricted to configs that can run `scheme` (KernelConfig.problems).
+
+    BLOCK_K 256 only for unquantized weights (FP8 token/group schemes are tied to 128-wide groups);
+    GROUP_M 32 only in the full search (beyond 16 the L2 reuse it buys is rarely measurable)."""
+    block_k = (64, 128) if scheme.is_fp8 else (64, 128, 256)
+    group_m = (1, 8, 16, 32) if full else (1, 8, 16)
+    configs = (
+        KernelConfig(bm, bn, bk, g, w, s)
+        for bm, bn, bk, g, w, s in itertools.product(
+            (16, 32, 64, 128), (32, 64, 128, 256), block_k, group_m, (4, 8), (2, 3, 4, 5)
+        )
+    )
+    return [c for c in configs if not c.problems(scheme)]
+
+
+def interpreter_space(scheme: QuantScheme) -> list[KernelConfig]:
+    """Two configs for the CPU, where the Triton interpreter takes ~0.3 s per layer call and the
+    times say nothing about a GPU: enough to run the whole pipeline, not a search."""
+    block_k = 128 if scheme.is_fp8 else 64
+    configs = (KernelConfig(16, 32, block_k, 1, 4, 2), KernelConfig(16, 64, block_k, 8, 4, 3))
+    return [c for c in configs if not c.problems(scheme)]
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperSpace:
+    """hopper_space as a picklable callable (worker processes receive it)."""
+
+    full: bool = False
+
+    def __call__(self, scheme: QuantScheme) -> list[KernelConfig]:
+        return hopper_space(scheme, full=self.full)
+
+
+def default_space(device: torch.device, search_space: str) -> SpaceFn:
+    if device.type != "cuda":
+        return interpreter_space
+    return HopperSpace(full=search_space == "full")
+
+
+# ------------------------------------------------------------------------- device limits
+
+
+def shared_memory_limit(device: torch.device) -> tuple[int, str]:
+    """(bytes of shared memory one block may use, where the number came from)."""
+    if device.type != "cuda":
+        return HOPPER_SHARED_MEMORY, "no GPU: assumed Hopper (sm90)"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    optin = getattr(props, "shared_memory_per_block_optin", None)  # torch >= 2.6 reports it
+    if optin:
+        return int(optin), "torch device properties"
+    try:  # what Triton itself checks compiled kernels against
+        import triton
+
+        return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]), "triton driver"
+    except Exception:  # noqa: BLE001 - any failure falls back to the table below
+        pass
+    cap = (props.major, props.minor)
+    return SHARED_MEMORY_BY_CAPABILITY.get(cap, HOPPER_SHARED_MEMORY), f"table for sm{cap[0]}{cap[1]}"
+
+
+# ------------------------------------------------------------------------------ estimates
+
+
+def _operand_bytes(scheme: QuantScheme) -> int:
+    """Bytes per operand element in shared memory. For FP8 schemes GEMM2's A (the intermediate)
+    may be loaded as bf16 and quantized in registers; counting 1 byte keeps the estimate a lower
+    bound."""
+    return 1 if scheme.is_fp8 else 2
+
+
+def shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme) -> int:
+    """A lower bound of the shared memory GEMM1 needs (its tiles are GEMM2's and one more): the
+    operand tiles of num_stages - 1 pipeline stages (Triton's pipeliner keeps at least that many in
+    flight). A config over the device's limit by this bound cannot compile."""
+    per_stage = cfg.BLOCK_M * cfg.BLOCK_K + 2 * cfg.BLOCK_K * cfg.BLOCK_N  # A, the gate and the up tile
+    return per_stage * _operand_bytes(scheme) * max(cfg.num_stages - 1, 1)
+
+
+def accumulator_registers(cfg: KernelConfig) -> float:
+    """float32 registers per thread that GEMM1's gate and up accumulators alone occupy."""
+    return 2 * cfg.BLOCK_M * cfg.BLOCK_N / (32 * cfg.num_warps)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+# ------------------------------------------------------------------------------- pruning
+
+
+def static_prune(
+    configs: Iterable[KernelConfig],
+    shape: MoEShape,
+    scheme: QuantScheme,
+    num_tokens: int,
+    shared_memory_limit: int,
+    search_space: str = "pruned",
+) -> tuple[list[KernelConfig], dict[str, str]]:
+    """(configs kept, {key of a config dropped: why}) for this batch size. See the module docstring."""
+    kept: list[KernelConfig] = []
+    dropped: dict[str, str] = {}
+    pruned = search_space != "full"
+    rows_max = max(16, _pow2_at_least(num_tokens))  # rows one expert can receive, as a tile size
+    widest = _pow2_at_least(max(shape.n, shape.hidden))
+    for cfg in dict.fromkeys(configs):  # keep the order, drop duplicates
+        key = config_key(cfg)
+        problems = cfg.problems(scheme)
+        smem = shared_memory_bytes(cfg, scheme)
+        if problems:
+            dropped[key] = "cannot run: " + "; ".join(problems)
+        elif smem > shared_memory_limit:
+            dropped[key] = f"shared memory: needs at least {smem // 1024} KiB, the device has {shared_memory_limit // 1024} KiB"
+        elif pruned and accumulator_registers(cfg) > MAX_REGISTERS_PER_THREAD:
+            dropped[key] = (
+                f"registers: the accumulators alone need {accumulator_registers(cfg):.0f} per thread "
+                f"(limit {MAX_REGISTERS_PER_THREAD})"
+            )
+        elif pruned and cfg.BLOCK_M > rows_max:
+            dropped[key] = f"dominated: BLOCK_M {cfg.BLOCK_M} > {rows_max}, the most rows an expert receives at M={num_tokens}"
+        elif pruned and (cfg.BLOCK_N > widest or cfg.BLOCK_K > widest):
+            dropped[key] = f"dominated: tile wider than every dimension it tiles (N {shape.n}, hidden {shape.hidden})"
+        else:
+            kept.append(cfg)
+    if pruned:
+        kept = _drop_equivalent_group_m(kept, shape, num_tokens, dropped)
+    return kept, dropped
+
+
+def _max_row_blocks(shape: MoEShape, num_tokens: int, block_m: int) -> int:
+    """Row blocks of the alignment in the worst routing (launch.py's `_empty_alignment` bound)."""
+    pairs = num_tokens * shape.top_k
+    max_rows = pairs + min(shape.num_experts, pairs) * (block_m - 1)
+    return -(-max_rows // block_m)
+
+
+def _drop_equivalent_group_m(configs, shape, num_tokens, dropped) -> list[KernelConfig]:
+    """GROUP_M only reorders tiles in groups of GROUP_M row blocks; with at least as many as there
+    are row blocks, every such value yields one group: the same order. Keep the smallest."""
+    kept = []
+    seen: set[KernelConfig] = set()
+    for cfg in sorted(configs, key=lambda c: c.GROUP_M):
+        blocks = _max_row_blocks(shape, num_tokens, cfg.BLOCK_M)
+        if cfg.GROUP_M >= blocks:
+            canonical = dataclasses.replace(cfg, GROUP_M=blocks)
+            if canonical in seen:
+                dropped[config_key(cfg)] = f"equivalent: same tile order as a smaller GROUP_M (at most {blocks} row blocks)"
+                continue
+            seen.add(canonical)
+        kept.append(cfg)
+    order = {c: i for i, c in enumerate(configs)}
+    return sorted(kept, key=order.__getitem__)
+
+
+@dataclasses.dataclass(frozen=True)
+class NeighbourResult:
+    """What happened at the neighbouring batch size: measured times, failures, margin drops."""
+
+    batch_size: int
+    us: dict[str, float]  # config key -> median µs (triton configs measured there)
+    failed: dict[str, str]  # config key -> error
+    dropped: set[str]  # keys dropped there by this same rule
+
+    @property
+    def best(self) -> float | None:
+        return min(self.us.values()) if self.us else None
+
+
+def neighbour_prune(
+    configs: Sequence[KernelConfig], neighbour: NeighbourResult | None, margin: float = NEIGHBOUR_MARGIN
+) -> tuple[list[KernelConfig], dict[str, str]]:
+    """(configs kept, {key dropped: why}) by the results at the neighbouring batch size. A config
+    that was not a candidate there (a larger BLOCK_M, say) is kept: there is no evidence against it."""
+    if neighbour is None:
+        return list(configs), {}
+    kept, dropped = [], {}
+    best = neighbour.best
+    m = neighbour.batch_size
+    for cfg in configs:
+        key = config_key(cfg)
+        if key in neighbour.failed:
+            dropped[key] = f"failed at M={m}"
+        elif key in neighbour.dropped:
+            dropped[key] = f"dropped at M={m}"
+        elif best is not None and key in neighbour.us and neighbour.us[key] > margin * best:
+            dropped[key] = f"lost at M={m}: {neighbour.us[key] / best:.2f}x the best there (margin {margin}x)"
+        else:
+            kept.append(cfg)
+    return kept, dropped
+
+
+__all__ = [
+    "SEARCH_SPACES", "NEIGHBOUR_MARGIN", "SpaceFn", "config_key", "hopper_space", "interpreter_space",
+    "default_space", "HopperSpace", "shared_memory_limit", "shared_memory_bytes", "accumulator_registers",
+    "static_prune", "neighbour_prune", "NeighbourResult",
+]

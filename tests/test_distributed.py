@@ -1,0 +1,505 @@
+"""moekit.distributed: tensor parallel (TP) and expert parallel (EP) MoE on gloo, 2 and 3 CPU
+processes, reference and torch backends, every scheme.
+
+One torch.multiprocessing spawn per world size runs every case of that size in ONE process group;
+the workers only run the distributed functions and save their outputs. The checks run here, in
+the pytest process, against single-process computations (same seeds, same inputs).
+
+What is checked, and where the tolerances come from (u = 2^-8, the unit roundoff of bf16):
+
+1. EXACT (torch.equal) against the computation the distributed layer defines:
+   TP: round(sum_r float32(fused_moe(x, shard_r))), summed in r order. The all-reduce adds the
+       bf16 partials in float32, which is exact (so order-free: gloo's order cannot show) unless
+       the partials of an element span more than ~15 binades.
+   EP: for every destination rank d ONE fused_moe call (top-1) on the pairs routed to d's experts,
+       taken in global (token, j) order, which is the order d receives them (source ranks in rank
+       order, each in its own token order); then a float32 sum over j in j order. Same calls on
+       the same inputs give the same bits, whatever the dynamic scales.
+2. Against the SINGLE-PROCESS layer fused_moe(x, weights, ...) on the same backend:
+   a. Where distribution changes no quantization (every scheme on the torch backend, which does
+      not quantize activations; on the reference backend bf16, fp8-tensor-static and, under TP,
+      fp8-block128, whose 1x128 groups never straddle shards; under EP every scheme but
+      fp8-tensor-dynamic, all per-row) the results differ only by roundings to bf16:
+        TP: each rank's partial p_r is rounded (error <= u |p_r| elementwise); on the torch
+            backend also each (pair, shard) GEMM output q_jr (bf16 GEMM output), against the
+            single process's own rounded pair outputs (whose norms are <= sum_r ||q_jr||);
+        EP: each weighted pair output t_j is rounded once more (<= u |t_j|);
+        both: each result's final rounding (<= u |out|, twice).
+      So ||dist - single|| <= u (2 ||single|| + sum_i c_i ||t_i||) to first order, with t_i the
+      rounded pieces (c = 1 for partials and EP pairs, 2 for the torch backend's q_jr); the test
+      allows twice that (slack for float32 GEMM-order noise, ~2^-24 * H relative).
+      With float32 activations and top-2 the EP result must equal the single-process one
+      bitwise: each pair's expert output is the same (an expert's rows are the same rows, in the
+      same order, on the destination as in the single process), nothing is rounded to bf16, and
+      a + b = b + a in float32. (With top-k > 2 the order of the k-term sum could show.)
+   b. Where distribution changes a dynamic scale (reference backend: fp8-channel-token and
+      fp8-tensor-dynamic under TP: the intermediate's scale is taken over the shard's columns;
+      fp8-tensor-dynamic under EP: x's and the intermediate's scales over the rows a rank
+      received), each scale is the amax of a subset of the single-process values, so <= the
+      single-process scale: every element is quantized at least as finely, but not to the same
+      value. Both are compared with the exact float64 layer (dequantized weights, nothing
+      quantized): rel_l2(dist, exact) <= 1.25 rel_l2(single, exact) + 4u. 1.25 is a statistical
+      margin (FP8 errors average over N terms and many outputs); a wrong shard gives ~1.
+The mutation tests at the end feed the checks deliberately wrong results: the checks must fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import random_routing, random_weights, random_x, rel_l2
+
+import moekit
+import moekit.distributed as md
+
+REPO = Path(__file__).resolve().parents[1]
+U = 2.0**-8  # unit roundoff of bf16
+SCHEMES = ("bf16", "fp8-tensor-static", "fp8-tensor-dynamic", "fp8-channel-token", "fp8-block128")
+BACKENDS = ("reference", "torch")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    mode: str  # "tp" or "ep"
+    world: int
+    scheme: str
+    backend: str = "reference"
+    E: int = 5  # odd: 3 + 2 experts over 2 ranks, 2 + 2 + 1 over 3
+    H: int = 128
+    N: int = 256  # TP over 3 ranks uses 384: fp8-block128 needs N / world a multiple of 128
+    K: int = 2
+    M: int | tuple[int, ...] = 8  # TP: the batch (every rank); EP: tokens of each rank
+    dtype: torch.dtype = torch.bfloat16
+    pool: tuple[int, ...] | None = None  # route only to these experts
+    on_input: bool = False  # apply_router_weight_on_input (top-1)
+    seed: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.M if self.mode == "tp" else sum(self.M)
+
+
+def _cases(world: int) -> list[Case]:
+    if world == 2:
+        cases = [Case(f"tp2-{s}-{b}", "tp", 2, s, b) for s in SCHEMES for b in BACKENDS]
+        cases += [
+            Case("tp2-m1", "tp", 2, "fp8-channel-token", M=1, seed=1),
+            Case("tp2-m0", "tp", 2, "bf16", "torch", M=0),
+            Case("tp2-on-input", "tp", 2, "fp8-block128", K=1, M=4, on_input=True, seed=2),
+        ]
+        cases += [Case(f"ep2-{s}-{b}", "ep", 2, s, b, M=(6, 3)) for s in SCHEMES for b in BACKENDS]
+        cases += [
+            Case("ep2-rank1-no-tokens", "ep", 2, "fp8-channel-token", M=(7, 0), seed=3),
+            Case("ep2-rank1-experts-idle", "ep", 2, "fp8-block128", M=(3, 4), pool=(0, 1, 2), seed=4),
+            Case("ep2-m1", "ep", 2, "fp8-tensor-dynamic", M=(1, 1), seed=5),
+            Case("ep2-m0", "ep", 2, "bf16", "torch", M=(0, 0)),
+            Case("ep2-on-input", "ep", 2, "fp8-tensor-static", "torch", K=1, M=(3, 2), on_input=True, seed=6),
+            Case("ep2-f32", "ep", 2, "fp8-channel-token", M=(5, 4), dtype=torch.float32, seed=7),
+        ]
+        return cases
+    assert world == 3
+    tp = [("bf16", "reference"), ("fp8-tensor-static", "torch"), ("fp8-tensor-dynamic", "reference"),
+          ("fp8-channel-token", "reference"), ("fp8-block128", "reference")]
+    ep = [("bf16", "torch"), ("fp8-tensor-static", "reference"), ("fp8-tensor-dynamic", "reference"),
+          ("fp8-channel-token", "torch"), ("fp8-block128", "reference")]
+    cases = [Case(f"tp3-{s}-{b}", "tp", 3, s, b, N=384, M=6) for s, b in tp]
+    cases += [Case(f"ep3-{s}-{b}", "ep", 3, s, b, M=(4, 0, 3)) for s, b in ep]
+    cases += [
+        Case("ep3-e7-k3", "ep", 3, "fp8-channel-token", "torch", E=7, K=3, M=(2, 3, 1), seed=8),
+        Case("ep3-only-rank0-experts", "ep", 3, "fp8-tensor-dynamic", M=(2, 2, 2), pool=(0, 1), seed=9),
+    ]
+    return cases
+
+
+ALL_CASES = _cases(2) + _cases(3)
+
+
+def _inputs(c: Case):
+    W = random_weights(c.E, c.H, c.N, c.scheme, seed=c.seed)
+    x = random_x(c.total_tokens, c.H, dtype=c.dtype, seed=c.seed)
+    tw, ids = random_routing(c.total_tokens, c.E, c.K, seed=c.seed, experts=c.pool)
+    return W, x, tw, ids
+
+
+def _rows(c: Case, rank: int) -> slice:
+    start = sum(c.M[:rank])
+    return slice(start, start + c.M[rank])
+
+
+# ------------------------------------------------------------------------ the multi-process run
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)  # 2-3 processes share the cores; and see _one_thread
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        outs = {}
+        for c in _cases(world):  # one process group for every case
+            W, x, tw, ids = _inputs(c)
+            if c.mode == "tp":
+                local = md.shard_weights_tp(W, rank, world)
+                outs[c.name] = md.tp_fused_moe(
+                    x, local, tw, ids, backend=c.backend, apply_router_weight_on_input=c.on_input
+                )
+            else:
+                local = md.shard_weights_ep(W, rank, world)
+                r = _rows(c, rank)
+                outs[c.name] = md.ep_fused_moe(
+                    x[r], local, tw[r], ids[r], c.E, backend=c.backend,
+                    apply_router_weight_on_input=c.on_input,
+                )
+        # The full weights where a shard belongs: refused before any collective, on every rank.
+        c = next(c for c in _cases(world) if c.mode == "ep")
+        W, x, tw, ids = _inputs(c)
+        try:
+            md.ep_fused_moe(x[_rows(c, rank)], W, tw[_rows(c, rank)], ids[_rows(c, rank)], c.E)
+            outs["wrong-shard-refused"] = torch.tensor(False)
+        except ValueError as e:
+            outs["wrong-shard-refused"] = torch.tensor("shard_weights_ep" in str(e))
+        torch.save(outs, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+_RUNS: dict[int, object] = {}
+
+
+def _outputs(world: int) -> list[dict[str, torch.Tensor]]:
+    """Every rank's outputs of every case of this world size (one spawn per size, cached)."""
+    if world not in _RUNS:
+        try:
+            with tempfile.TemporaryDirectory() as d:
+                mp.spawn(_worker, args=(world, os.path.join(d, "pg"), d), nprocs=world, join=True)
+                _RUNS[world] = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
+        except Exception as e:  # noqa: BLE001 - reported by every test of this size
+            _RUNS[world] = e
+    if isinstance(_RUNS[world], Exception):
+        pytest.fail(f"the {world}-process gloo run failed: {_RUNS[world]}")
+    return _RUNS[world]
+
+
+# --------------------------------------------------------------------------------- expectations
+
+
+def _single(c: Case, W, x, tw, ids):
+    return moekit.fused_moe(x, W, tw, ids, c.backend, apply_router_weight_on_input=c.on_input)
+
+
+def _tp_defined(c: Case, W, x, tw, ids):
+    """(round(sum_r float32(partial_r)), [partial_r], [q_jr pieces: torch backend only])."""
+    parts, pieces = [], []
+    for r in range(c.world):
+        shard = md.shard_weights_tp(W, r, c.world)
+        parts.append(moekit.fused_moe(x, shard, tw, ids, c.backend, apply_router_weight_on_input=c.on_input))
+        if c.backend == "torch" and c.total_tokens:  # every (pair, shard) GEMM output, rounded
+            q = moekit.fused_moe(
+                x.repeat_interleave(c.K, 0), shard, tw.reshape(-1, 1), ids.reshape(-1, 1), c.backend,
+                apply_router_weight_on_input=c.on_input,
+            ).view(c.total_tokens, c.K, -1)
+            pieces += [q[:, j] for j in range(c.K)]
+    total = parts[0].float()
+    for p in parts[1:]:
+        total = total + p.float()
+    return total.to(x.dtype), parts, pieces
+
+
+def _ep_defined(c: Case, W, x, tw, ids):
+    """(the EP layer as defined, [weighted pair outputs t_j]) computed in one process: per
+    destination rank, one top-1 fused_moe over its pairs in global order; j-order float32 sum."""
+    M, K, E, ws = c.total_tokens, c.K, c.E, c.world
+    sizes = [E // ws + (r < E % ws) for r in range(ws)]
+    flat_ids, flat_w = ids.reshape(-1).long(), tw.reshape(-1, 1)
+    token = torch.arange(M * K) // K
+    pair_out = torch.zeros(M * K, c.H, dtype=x.dtype)
+    start = 0
+    for size in sizes:
+        sel = ((flat_ids >= start) & (flat_ids < start + size)).nonzero().squeeze(1)
+        local = moekit.MoEWeights(W.scheme, **{
+            k: v[start : start + size] if k in ("w13", "w2", "w13_scale", "w2_scale") else v
+            for k, v in W.tensors().items()
+        })
+        if len(sel):
+            pair_out[sel] = moekit.fused_moe(
+                x[token[sel]], local, flat_w[sel], (flat_ids[sel] - start).int()[:, None], c.backend,
+                apply_router_weight_on_input=c.on_input,
+            )
+        start += size
+    pairs = pair_out.view(M, K, c.H)
+    out = pairs[:, 0].float()
+    for j in range(1, K):
+        out = out + pairs[:, j].float()
+    return out.to(x.dtype), [pairs[:, j] for j in range(K)]
+
+
+def _exact(c: Case, W, x, tw, ids) -> torch.Tensor:
+    """The layer in float64 on the dequantized weights, nothing quantized or rounded."""
+    w13, w2 = (w.double() for w in W.dequantize())
+    xd, wd = x.double(), tw.double()
+    if c.on_input:
+        xd, wd = xd * wd, torch.ones_like(wd)
+    h = torch.einsum("mh,enh->men", xd, w13)
+    act = torch.nn.functional.silu(h[..., : W.n]) * h[..., W.n :]
+    y = torch.einsum("men,ehn->meh", act, w2)
+    chosen = y[torch.arange(len(x))[:, None], ids.long()]  # [M, K, H]
+    return (chosen * wd[..., None]).sum(dim=1)
+
+
+def _same_quantization(c: Case) -> bool:
+    """Does distribution leave every quantization of this case unchanged? (docstring, 2a/2b)"""
+    if c.backend == "torch" or c.scheme in ("bf16", "fp8-tensor-static"):
+        return True
+    if c.mode == "tp":
+        return c.scheme == "fp8-block128"
+    return c.scheme != "fp8-tensor-dynamic"
+
+
+# -------------------------------------------------------------------------------------- checks
+
+
+def _assert_equal(out, expected, what):
+    assert out.shape == expected.shape and out.dtype == expected.dtype, (
+        f"{what}: got {tuple(out.shape)} {out.dtype}, expected {tuple(expected.shape)} {expected.dtype}"
+    )
+    if not torch.equal(out, expected):
+        diff = (out.double() - expected.double()).abs()
+        raise AssertionError(
+            f"{what}: not bitwise equal: {int((diff > 0).sum())} of {diff.numel()} elements differ, "
+            f"max |diff| {float(diff.max()):.3g}, rel_l2 {rel_l2(out, expected):.3g}"
+        )
+
+
+def _assert_rounding_close(out, single, pieces, weights, what):
+    """2a: ||out - single|| <= 2 u (2 ||single|| + sum_i c_i ||t_i||)."""
+    ns = float(single.double().norm())
+    bound = 2 * U * (2 * ns + sum(c * float(t.double().norm()) for t, c in zip(pieces, weights)))
+    err = float((out.double() - single.double()).norm())
+    assert err <= bound, f"{what}: ||dist - single|| = {err:.4g} > bound {bound:.4g} (||single|| = {ns:.4g})"
+
+
+def _assert_no_worse(out, single, exact, what):
+    """2b: the distributed FP8 error is no worse than the single-process one (finer scales)."""
+    e_dist, e_single = rel_l2(out, exact), rel_l2(single, exact)
+    assert e_dist <= 1.25 * e_single + 4 * U, (
+        f"{what}: rel_l2 to the exact layer {e_dist:.4g}, single-process {e_single:.4g}"
+    )
+
+
+def _check_against_single(c: Case, out, single, pieces, weights, inputs):
+    if _same_quantization(c):
+        _assert_rounding_close(out, single, pieces, weights, f"{c.name} vs single-process")
+    else:
+        _assert_no_worse(out, single, _exact(c, *inputs), f"{c.name} vs single-process")
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """The workers' thread count: float32 GEMMs on the CPU give other last bits with another
+    number of threads, and the exact checks compare bits."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+@_one_thread()
+def _check_tp(c: Case, rank_outs: list[torch.Tensor]) -> None:
+    inputs = _inputs(c)
+    expected, parts, q = _tp_defined(c, *inputs)
+    for r, out in enumerate(rank_outs):  # every rank holds the whole, identical, output
+        _assert_equal(out, expected, f"{c.name} rank {r} vs round(sum of partials)")
+    if c.total_tokens:
+        pieces, weights = parts + q, [1] * len(parts) + [2] * len(q)
+        _check_against_single(c, rank_outs[0], _single(c, *inputs), pieces, weights, inputs)
+
+
+@_one_thread()
+def _check_ep(c: Case, rank_outs: list[torch.Tensor]) -> None:
+    inputs = _inputs(c)
+    expected, pair_pieces = _ep_defined(c, *inputs)
+    for r, out in enumerate(rank_outs):
+        _assert_equal(out, expected[_rows(c, r)], f"{c.name} rank {r} vs per-destination fused_moe")
+    if c.total_tokens:
+        out = torch.cat(rank_outs)
+        single = _single(c, *inputs)
+        if c.dtype == torch.float32 and c.K <= 2:
+            _assert_equal(out, single, f"{c.name} (float32, top-{c.K}) vs single-process")
+        _check_against_single(c, out, single, pair_pieces, [1] * len(pair_pieces), inputs)
+
+
+@pytest.mark.parametrize("case", [c for c in ALL_CASES if c.mode == "tp"], ids=lambda c: c.name)
+def test_tensor_parallel(case):
+    outs = _outputs(case.world)
+    _check_tp(case, [o[case.name] for o in outs])
+
+
+@pytest.mark.parametrize("case", [c for c in ALL_CASES if c.mode == "ep"], ids=lambda c: c.name)
+def test_expert_parallel(case):
+    outs = _outputs(case.world)
+    _check_ep(case, [o[case.name] for o in outs])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_expert_parallel_refuses_unsharded_weights(world):
+    assert all(bool(o["wrong-shard-refused"]) for o in _outputs(world))
+
+
+# --------------------------------------------------------------------- sharding (one process)
+
+
+def _gate_up(t, lo, hi, half):
+    return torch.cat([t[:, lo:hi], t[:, half + lo : half + hi]], dim=1)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_shard_tp_is_the_slice_of_the_dequantized_weights(scheme, world):
+    N = 768  # 384 or 256 columns per rank: whole 128-blocks over 2 and 3 ranks
+    W = random_weights(3, 160, N, scheme, seed=11)  # H = 160: a partial 128-block of H
+    w13, w2 = W.dequantize()
+    n = N // world
+    for r in range(world):
+        s = md.shard_weights_tp(W, r, world)
+        assert s.scheme == W.scheme and s.n == n and s.hidden == 160 and s.num_experts == 3
+        d13, d2 = s.dequantize()
+        assert torch.equal(d13, _gate_up(w13, r * n, (r + 1) * n, N)), "w13: gate rows then up rows"
+        assert torch.equal(d2, w2[:, :, r * n : (r + 1) * n])
+        if W.scheme.weight in ("tensor", "channel"):  # w2 per tensor / per output row: replicated
+            assert torch.equal(s.w2_scale, W.w2_scale)
+        for name in ("a13_scale", "a2_scale"):
+            assert (getattr(s, name) is None) == (getattr(W, name) is None)
+            if getattr(W, name) is not None:
+                assert torch.equal(getattr(s, name), getattr(W, name))
+
+
+def test_shard_tp_refuses_what_cannot_be_split():
+    W = random_weights(2, 128, 256, "fp8-block128")
+    with pytest.raises(ValueError, match="not a multiple of 128"):
+        md.shard_weights_tp(W, 0, 4)  # 256 / 4 = 64 columns: would split 128x128 blocks
+    with pytest.raises(ValueError, match="divisible by world_size=3"):
+        md.shard_weights_tp(random_weights(2, 64, 256, "bf16"), 0, 3)
+    with pytest.raises(ValueError, match="rank"):
+        md.shard_weights_tp(W, 2, 2)
+
+
+def test_expert_partition():
+    assert md.expert_partition(5, 2) == [(0, 3), (3, 5)]
+    assert md.expert_partition(5, 3) == [(0, 2), (2, 4), (4, 5)]
+    assert md.expert_partition(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert md.expert_range(7, 2, 3) == (5, 7)
+    with pytest.raises(ValueError, match="at least one expert per rank"):
+        md.expert_partition(2, 3)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_shard_ep_holds_whole_experts(scheme):
+    W = random_weights(5, 128, 256, scheme, seed=12)
+    w13, w2 = W.dequantize()
+    for r, (lo, hi) in enumerate(md.expert_partition(5, 3)):
+        s = md.shard_weights_ep(W, r, 3)
+        d13, d2 = s.dequantize()
+        assert torch.equal(d13, w13[lo:hi]) and torch.equal(d2, w2[lo:hi])
+        if W.a13_scale is not None:
+            assert torch.equal(s.a13_scale, W.a13_scale) and torch.equal(s.a2_scale, W.a2_scale)
+
+
+# ---------------------------------------------------------------- the checks can fail (mutations)
+
+
+def test_checks_reject_a_wrong_tp_shard():
+    """A TP 'implementation' whose shards pair rank r's gate rows with the other rank's up rows."""
+    c = Case("mutant-tp", "tp", 2, "fp8-tensor-static")
+    W, x, tw, ids = _inputs(c)
+    parts = []
+    for r in range(2):
+        s = md.shard_weights_tp(W, r, 2)
+        other = md.shard_weights_tp(W, 1 - r, 2)
+        n = s.n
+        bad = moekit.MoEWeights(s.scheme, torch.cat([s.w13[:, :n], other.w13[:, n:]], 1), s.w2,
+                                s.w13_scale, s.w2_scale, s.a13_scale, s.a2_scale)
+        parts.append(moekit.fused_moe(x, bad, tw, ids, "reference").float())
+    wrong = (parts[0] + parts[1]).to(x.dtype)
+    with pytest.raises(AssertionError, match="not bitwise equal"):
+        _check_tp(c, [wrong, wrong])
+    with pytest.raises(AssertionError, match="bound"):
+        _assert_rounding_close(wrong, _single(c, W, x, tw, ids), parts, [1, 1], "mutant")
+    c2 = dataclasses.replace(c, scheme="fp8-channel-token")
+    W2, x2, tw2, ids2 = _inputs(c2)
+    wrong_weights = moekit.fused_moe(x2, W2, torch.ones_like(tw2), ids2, "reference")  # weights dropped
+    with pytest.raises(AssertionError, match="rel_l2"):
+        _assert_no_worse(wrong_weights, _single(c2, W2, x2, tw2, ids2), _exact(c2, W2, x2, tw2, ids2), "mutant")
+
+
+def test_checks_reject_a_wrong_ep_combine():
+    """An EP 'implementation' that hands back the single-process result (bf16 rounding once,
+    not per pair), then one that swaps two tokens' outputs."""
+    c = Case("mutant-ep", "ep", 2, "fp8-channel-token", M=(6, 3))
+    W, x, tw, ids = _inputs(c)
+    single = _single(c, W, x, tw, ids)
+    with pytest.raises(AssertionError, match="not bitwise equal"):
+        _check_ep(c, [single[_rows(c, r)] for r in range(2)])
+    expected, pieces = _ep_defined(c, W, x, tw, ids)
+    swapped = expected.clone()
+    swapped[[0, 1]] = expected[[1, 0]]
+    with pytest.raises(AssertionError, match="bound"):
+        _assert_rounding_close(swapped, single, pieces, [1] * len(pieces), "mutant")
+
+
+# ---------------------------------------------------------------------------- the bench script
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("bench_distributed", REPO / "scripts" / "bench_distributed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_script_arguments():
+    b = _bench_module()
+    a = b.parse_args(["--model", "glm-4.5v-fp8", "--tp", "2"])
+    assert (a.mode, a.size, a.model) == ("tp", 2, "glm-4.5v-fp8")
+    a = b.parse_args(["--ep", "4", "--batch-sizes", "1,8", "--batch-sizes", "64", "--backend", "torch"])
+    assert (a.mode, a.size, a.batch_sizes, a.backend) == ("ep", 4, [1, 8, 64], "torch")
+    for bad in (["--tp", "2", "--ep", "2"], [], ["--tp", "0"], ["--ep", "2", "--batch-sizes", "0"]):
+        with pytest.raises(SystemExit):
+            b.parse_args(bad)
+
+
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_bench_script_under_torchrun(mode, tmp_path):
+    """The script end to end with 2 gloo processes at the scaled-down CPU shape, with --check."""
+    out = tmp_path / "rows.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(REPO / "scripts" / "bench_distributed.py"), "--model", "glm-4.5v-fp8", f"--{mode}", "2",
+        "--batch-sizes", "1,5", "--reps", "2", "--warmup", "1", "--check", "--out", str(out),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo, even on a GPU machine
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch_size"] for r in rows] == [1, 5]
+    for r in rows:
+        assert r["mode"] == mode and r["world_size"] == 2
+        assert r["layer_us"] > 0 and 0 <= r["comm_us"] and 0 <= r["comm_share"]
+        assert r["check_rel_l2"] < 0.05  # against single-process fused_moe on the full weights
+    assert "comm share" in p.stdout

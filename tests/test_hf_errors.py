@@ -1,0 +1,146 @@
+"""Bad input to moekit.hf: every error names the module and the tensor (or field) at fault."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5.0")
+pytest.importorskip("compressed_tensors")
+
+import moekit  # noqa: E402
+import moekit.hf as mh  # noqa: E402
+from moekit.hf import UnsupportedModelError  # noqa: E402
+
+from test_hf_tiny import fp8_checkpoint, tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE compressed-tensors fp8-channel-token checkpoint written by moekit."""
+    return fp8_checkpoint(tmp_path_factory, "qwen3_moe")
+
+
+def _copy(folder, tmp_path):
+    import shutil
+
+    dst = tmp_path / "ckpt"
+    shutil.copytree(folder, dst)
+    return dst
+
+
+def _edit_tensors(folder, fn):
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = fn(load_file(path))
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _edit_config(folder, fn):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    fn(config)
+    path.write_text(json.dumps(config))
+
+
+def test_missing_scale_names_module_and_tensor(fp8_dir, tmp_path):
+    ckpt = _copy(fp8_dir[0], tmp_path)
+    gone = "model.layers.1.mlp.experts.5.up_proj.weight_scale"
+    _edit_tensors(ckpt, lambda t: {k: v for k, v in t.items() if k != gone})
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp\.experts: checkpoint has no tensor "
+                                                    r"'model\.layers\.1\.mlp\.experts\.5\.up_proj\.weight_scale'"):
+        mh.from_pretrained(ckpt)
+
+
+def test_mismatched_shape_names_tensor(fp8_dir, tmp_path):
+    ckpt = _copy(fp8_dir[0], tmp_path)
+    key = "model.layers.0.mlp.experts.2.down_proj.weight"
+    _edit_tensors(ckpt, lambda t: {**t, key: t[key][:, :64].contiguous()})
+    with pytest.raises(UnsupportedModelError, match=r"'model\.layers\.0\.mlp\.experts\.2\.down_proj\.weight' has "
+                                                    r"shape \(64, 64\); the model expects \(64, 128\)"):
+        mh.from_pretrained(ckpt)
+
+
+def test_wrong_scale_shape(fp8_dir, tmp_path):
+    ckpt = _copy(fp8_dir[0], tmp_path)
+    key = "model.layers.0.mlp.experts.0.gate_proj.weight_scale"
+    _edit_tensors(ckpt, lambda t: {**t, key: t[key][:3].contiguous()})
+    with pytest.raises(UnsupportedModelError, match=r"gate_proj\.weight_scale' has shape \(3, 1\); a per-channel scale"):
+        mh.from_pretrained(ckpt)
+
+
+def test_unsupported_quantization_names_field(fp8_dir, tmp_path):
+    ckpt = _copy(fp8_dir[0], tmp_path)
+
+    def int4(config):
+        config["quantization_config"]["config_groups"]["group_0"]["weights"].update(type="int", num_bits=4)
+
+    _edit_config(ckpt, int4)
+    with pytest.raises(UnsupportedModelError, match=r"quantization_config\.config_groups\.group_0\.weights\.type"):
+        mh.from_pretrained(ckpt)
+
+
+def test_fp8_checkpoint_is_not_converted_to_another_scheme(fp8_dir):
+    with pytest.raises(UnsupportedModelError, match="does not convert them to fp8-block128"):
+        mh.from_pretrained(fp8_dir[0], scheme="fp8-block128")
+
+
+def test_static_scheme_needs_calibration(fp8_dir):
+    with pytest.raises(UnsupportedModelError, match="calibration="):
+        mh.from_pretrained(fp8_dir[1], scheme="fp8-tensor-static")
+
+
+def test_family_without_fused_experts(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    model = AutoModelForCausalLM.from_config(
+        LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                    num_attention_heads=2, num_key_value_heads=1), dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "llama")
+    with pytest.raises(UnsupportedModelError, match=r"model_type 'llama' has no fused experts moekit can run"):
+        mh.from_pretrained(tmp_path / "llama")
+    with pytest.raises(UnsupportedModelError, match=r"LlamaForCausalLM has no experts module"):
+        mh.patch_model(model)
+
+
+def test_experts_moekit_cannot_compute():
+    """A transformers experts module with biases is refused, naming the reason."""
+    from moekit.hf.experts import ExpertsError, moekit_experts_forward
+
+    experts = tiny_model("qwen3_moe").model.layers[0].mlp.experts
+    experts.has_bias = True
+    with pytest.raises(ExpertsError, match="Qwen3MoeExperts.*cannot run on moekit: its experts have biases"):
+        moekit_experts_forward(experts, torch.randn(3, 64).bfloat16(), torch.zeros(3, 2, dtype=torch.long),
+                               torch.ones(3, 2))
+
+
+def test_unquantized_experts_under_fp8_config_are_logged(fp8_dir, tmp_path, caplog):
+    """quantization_config says FP8 but the experts are stored in bf16: loaded as stored, and said."""
+    from safetensors.torch import load_file
+
+    ckpt = _copy(fp8_dir[0], tmp_path)
+    bf16 = load_file(fp8_dir[1] / "model.safetensors")
+    _edit_tensors(ckpt, lambda t: {**{k: v for k, v in t.items() if ".experts." not in k},
+                                   **{k: v for k, v in bf16.items() if ".experts." in k}})
+    with caplog.at_level(logging.WARNING, logger="moekit.hf"):
+        model = mh.from_pretrained(ckpt, backend="reference")
+    assert any("experts are stored as torch.bfloat16" in r.getMessage() for r in caplog.records)
+    assert {m.scheme.name for m in mh.experts_modules(model).values()} == {"bf16"}
+
+
+def test_backend_that_cannot_run_fails_at_load(fp8_dir):
+    with pytest.raises(moekit.BackendUnavailableError, match="cutlass"):
+        if torch.cuda.is_available():
+            pytest.skip("cutlass may run on this GPU")
+        mh.from_pretrained(fp8_dir[0], backend="cutlass")
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        mh.from_pretrained(fp8_dir[0], backend="nope")
+
+
+def test_save_needs_moekit_experts(tmp_path):
+    with pytest.raises(UnsupportedModelError, match="has no moekit experts"):
+        mh.save_pretrained(tiny_model("mixtral"), tmp_path / "out")

@@ -1,0 +1,248 @@
+"""`moekit.MoELayer`: forward against fused_moe + route, buffers / state_dict / .to(), memory
+accounting, no weight copies under auto, and a backend chosen per call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moekit
+from moekit import decisions, select, tables
+from moekit.backends import cutlass, get_backend
+from moekit.layer import weight_memory
+from moekit.models import ModelSpec
+from moekit.routing import RoutingConfig
+from moekit.spec import MoEShape, get_scheme
+
+from helpers import random_weights, random_x
+
+E, H, N = 8, 128, 128
+GLM_LIKE = RoutingConfig(top_k=2, scoring="sigmoid", renormalize=True, use_correction_bias=True, routed_scaling_factor=2.5)
+LLAMA4_LIKE = RoutingConfig(top_k=1, scoring="sigmoid", renormalize=False, apply_on_input=True)
+SOFTMAX = RoutingConfig(top_k=2)
+
+
+def spec(scheme="fp8-channel-token", routing=GLM_LIKE):
+    return ModelSpec("tiny", MoEShape(E, H, N, routing.top_k), get_scheme(scheme), routing, "test")
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setattr(tables, "SHIPPED_ROOT", tmp_path / "shipped")
+    monkeypatch.delenv(tables.CONFIG_DIR_ENV, raising=False)
+    monkeypatch.delenv(select.ENV_VAR, raising=False)
+    monkeypatch.setattr(select, "_supports_cache", {})
+    monkeypatch.setattr(decisions, "_warned", set())
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """The backends that ran, in order (each backend's run wrapped)."""
+    names = []
+    for name in moekit.backend_names():
+        backend = get_backend(name)
+
+        def spy(x, weights, tw, ids, _run=backend.run, _name=name):
+            names.append(_name)
+            return _run(x, weights, tw, ids)
+
+        monkeypatch.setattr(backend, "run", spy)
+    return names
+
+
+def inputs(M, routing=GLM_LIKE, seed=0):
+    g = torch.Generator().manual_seed(seed + 11)
+    return random_x(M, H, seed=seed), torch.randn(M, E, generator=g)
+
+
+# ------------------------------------------------------------------------------------ forward
+
+# Same backend, same inputs, same deterministic computation: MoELayer must equal fused_moe + route
+# bit for bit (tolerance 0); any difference means the layer routed or scaled differently.
+CASES = [
+    ("fp8-channel-token", "reference", GLM_LIKE),
+    ("fp8-channel-token", "torch", GLM_LIKE),
+    ("fp8-block128", "triton", SOFTMAX),
+    ("bf16", "torch", LLAMA4_LIKE),
+]
+
+
+@pytest.mark.parametrize("scheme,backend,routing", CASES)
+@pytest.mark.parametrize("M", [0, 1, 5])
+def test_forward_matches_fused_moe_and_route(scheme, backend, routing, M, device):
+    layer = moekit.MoELayer.random(spec(scheme, routing), backend=backend, device=device)
+    x, logits = (t.to(device) for t in inputs(M, routing))
+    bias = getattr(layer, "e_score_correction_bias", None)
+    tw, ids = moekit.route(logits, config=routing, correction_bias=bias)
+    want = moekit.fused_moe(x, layer.weights, tw, ids, backend, apply_router_weight_on_input=routing.apply_on_input)
+    got_logits = layer(x, logits)
+    got_routed = layer(x, tw, ids)
+    assert got_logits.shape == (M, H) and got_logits.dtype == x.dtype
+    assert torch.equal(got_logits, want) and torch.equal(got_routed, want)
+    if M:
+        assert want.abs().sum() > 0
+
+
+def test_router_weight_on_the_input_and_the_correction_bias_are_applied():
+    layer = moekit.MoELayer.random(spec("bf16", LLAMA4_LIKE), backend="torch")
+    x, logits = inputs(6)
+    tw, ids = moekit.route(logits, config=LLAMA4_LIKE)
+    on_output = moekit.fused_moe(x, layer.weights, tw, ids, "torch")
+    # SiLU is not linear, so weighting the input differs from weighting the output
+    assert not torch.allclose(layer(x, logits).float(), on_output.float(), rtol=1e-2, atol=1e-2)
+
+    layer = moekit.MoELayer.random(spec("bf16", GLM_LIKE), backend="torch")
+    with torch.no_grad():
+        layer.e_score_correction_bias.zero_()[3] = 100.0  # expert 3 wins every token's choice
+    _, ids = moekit.route(logits, config=GLM_LIKE, correction_bias=layer.e_score_correction_bias)
+    assert (ids == 3).any(dim=1).all()
+    tw, ids = moekit.route(logits, config=GLM_LIKE, correction_bias=layer.e_score_correction_bias)
+    assert torch.equal(layer(x, logits), moekit.fused_moe(x, layer.weights, tw, ids, "torch"))
+
+
+def test_leading_dimensions_and_bad_calls():
+    layer = moekit.MoELayer.random(spec("bf16", SOFTMAX), backend="torch")
+    x, logits = inputs(6)
+    out = layer(x.view(2, 3, H), logits.view(2, 3, E))
+    assert out.shape == (2, 3, H) and torch.equal(out.view(6, H), layer(x, logits))
+    with pytest.raises(TypeError, match=r"\(x, router_logits\) or \(x, topk_weights, topk_ids\)"):
+        layer(x)
+    no_routing = moekit.MoELayer(layer.weights, backend="torch")
+    with pytest.raises(ValueError, match="no RoutingConfig"):
+        no_routing(x, logits)
+    tw, ids = moekit.route(logits, 2)
+    assert torch.equal(no_routing(x, tw, ids), layer(x, tw, ids))
+    with pytest.raises(ValueError, match="hidden 4096 but the weights have 128"):
+        moekit.MoELayer.from_model("mixtral-8x7b", layer.weights)
+    with pytest.raises(ValueError, match="correction_bias was given"):
+        moekit.MoELayer(layer.weights, SOFTMAX, correction_bias=torch.zeros(E))
+
+
+# ----------------------------------------------------------------------- buffers, state dict, .to
+
+
+def test_state_dict_round_trip_and_stale_copies():
+    a = moekit.MoELayer.random(spec(), seed=0, backend="torch")
+    b = moekit.MoELayer.random(spec(), seed=1, backend="torch")
+    assert set(a.state_dict()) == {"w13", "w2", "w13_scale", "w2_scale", "e_score_correction_bias"}
+    assert a.state_dict(keep_vars=True)["w13"] is a.weights.w13  # the buffers are the weights: no copy
+    x, logits = inputs(5)
+    want = a(x, logits)
+    assert not torch.equal(b(x, logits), want)  # b now holds a dequantized copy of its own weights
+    b.load_state_dict(a.state_dict())
+    assert b.memory()["prepared"] == {}  # the stale copy is gone
+    assert torch.equal(b(x, logits), want)
+    c = moekit.MoELayer.random(spec(), seed=2, backend="torch")
+    c.load_state_dict(a.state_dict(), assign=True)
+    assert torch.equal(c(x, logits), want)
+
+
+def test_load_state_dict_refuses_another_dtype():
+    a = moekit.MoELayer.random(spec())
+    state = {k: v.float() if k == "w13" else v for k, v in a.state_dict().items()}
+    with pytest.raises(RuntimeError, match="w13 has dtype torch.float32 in the state dict but torch.float8_e4m3fn"):
+        moekit.MoELayer.random(spec(), seed=1).load_state_dict(state)
+
+
+def test_to_dtype_keeps_fp8_weights_and_float32_scales():
+    layer = moekit.MoELayer.random(spec(), backend="reference")
+    x, logits = inputs(3)
+    want = layer(x, logits)
+    dtypes = {k: v.dtype for k, v in layer.state_dict().items()}
+    assert layer.to(torch.bfloat16) is layer and layer.half() is layer
+    assert {k: v.dtype for k, v in layer.state_dict().items()} == dtypes
+    assert layer.w13.dtype == torch.float8_e4m3fn and layer.w13_scale.dtype == torch.float32
+    assert torch.equal(layer(x, logits), want)
+    layer.to("cpu")
+    assert torch.equal(layer(x, logits), want)
+
+
+# --------------------------------------------------------------------- memory and weight copies
+
+
+def test_memory_accounting():
+    layer = moekit.MoELayer.random(spec("fp8-channel-token"))
+    fp8 = E * 2 * N * H + E * H * N  # one byte per FP8 weight
+    scales = 4 * (E * 2 * N + E * H)  # float32 per output channel
+    assert layer.memory() == {"weights": fp8 + scales, "prepared": {}, "total": fp8 + scales}
+    x, logits = inputs(4)
+    layer(x, logits)  # auto
+    assert layer.memory()["prepared"] == {}
+    layer.backend = "torch"  # named: the dequantized bf16 copy is made, and counted
+    layer(x, logits)
+    assert layer.memory()["prepared"] == {"torch": 2 * fp8}
+    assert layer.memory()["total"] == fp8 + scales + 2 * fp8
+
+    # cutlass keeps views of the weights (0 bytes), plus expanded scales for per-tensor scales
+    channel = random_weights(E, H, N, "fp8-channel-token")
+    cutlass.prepare(channel)
+    assert weight_memory(channel)["prepared"] == {"cutlass": 0}
+    tensor = random_weights(E, H, N, "fp8-tensor-dynamic")
+    cutlass.prepare(tensor)
+    assert weight_memory(tensor)["prepared"] == {"cutlass": 4 * (E * 2 * N + E * H)}
+
+
+def test_auto_in_a_layer_never_copies_the_weights_unless_named(ran, monkeypatch):
+    layer = moekit.MoELayer.random(spec("fp8-channel-token"))
+    x, logits = inputs(3)
+    tw, ids = moekit.route(logits, config=GLM_LIKE, correction_bias=layer.e_score_correction_bias)
+    moekit.fused_moe(x, layer.weights, tw, ids)  # plain auto on the CPU: torch (its copy is allowed)
+    layer.weights.prepared.clear()
+    layer(x, logits)
+    assert ran == ["torch", "reference"]  # the layer's auto passed over torch
+    assert layer.memory()["prepared"] == {}
+    monkeypatch.setenv(select.ENV_VAR, "torch")  # named through the environment: it runs
+    layer(x, logits)
+    assert ran[-1] == "torch" and layer.memory()["prepared"]["torch"] > 0
+    bf16 = moekit.MoELayer.random(spec("bf16", SOFTMAX))  # unquantized: torch reads them as they are
+    monkeypatch.delenv(select.ENV_VAR)
+    bf16(*inputs(3))
+    assert ran[-1] == "torch" and bf16.memory()["prepared"] == {"torch": 0}
+
+
+def test_backend_chosen_per_call_from_a_table(tmp_path, monkeypatch, ran):
+    s = spec("bf16", SOFTMAX)
+    points = {"1": ("reference", {"reference": 3.0, "torch": 5.0}), "64": ("torch", {"reference": 900.0, "torch": 40.0})}
+    data = {
+        "format": "moekit-backend-table", "version": 1,
+        "meta": {"device_name": "cpu", "num_experts": E, "hidden": H, "intermediate": N, "top_k": 2,
+                 "scheme": "bf16", "dtype": "bfloat16", "routing": "uniform", "mode": "layer"},
+        "batch_sizes": {m: {"us": us, "winner": w, "errors": {}} for m, (w, us) in points.items()},
+    }
+    tables.write_json_atomically(tmp_path / "backends" / tables.table_name(s.shape, s.scheme, "cpu"), data)
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path))
+    layer = moekit.MoELayer.random(s)
+    for M in (1, 64, 2, 40):  # 2: nearest 1 in log space; 40: nearest 64 (40*40 > 1*64)
+        layer(*inputs(M))
+    assert ran == ["reference", "torch", "reference", "torch"]
+
+
+@pytest.mark.gpu
+def test_layer_on_the_gpu_chooses_per_call_and_captures_into_a_graph(ran):
+    """GLM-4.5V-FP8 at tp 2, real size: auto per call, no weight copy, and a CUDA graph replay
+    equal to the eager call (selection never synchronises the GPU)."""
+    layer = moekit.MoELayer.random("glm-4.5v-fp8", tp=2, device="cuda")
+    E, H = layer.weights.num_experts, layer.weights.hidden
+    for M in (1, 64, 4096):
+        g = torch.Generator(device="cuda").manual_seed(M)
+        x = torch.randn(M, H, device="cuda", generator=g).bfloat16()
+        logits = torch.randn(M, E, device="cuda", generator=g)
+        tw, ids = moekit.route(logits, config=layer.routing, correction_bias=layer.e_score_correction_bias)
+        want = moekit.fused_moe(x, layer.weights, tw, ids, moekit.select_backend(
+            layer.weights.shape(8), layer.weights.scheme, x.device, x.dtype, M, allow_weight_copies=False).backend)
+        assert torch.equal(layer(x, logits), want)
+    assert "torch" not in ran and layer.memory()["prepared"].get("torch", 0) == 0
+    x = torch.randn(16, H, device="cuda").bfloat16()
+    tw, ids = moekit.route(torch.randn(16, E, device="cuda"), config=layer.routing, correction_bias=layer.e_score_correction_bias)
+    eager = layer(x, tw, ids)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(x, tw, ids)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x, tw, ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

@@ -1,0 +1,375 @@
+"""Auto backend selection: decision tables (lookup, search order, validation), the heuristic,
+per-call cost, described devices, and `moekit select`."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+import moekit
+from moekit import decisions, select, tables
+from moekit.backends.base import device_capability
+from moekit.cli import main
+from moekit.select import ENV_VAR, DeviceSpec, select_backend
+from moekit.spec import SCHEMES, MoEShape, get_scheme
+
+H100 = "NVIDIA H100 80GB HBM3"
+SHAPE = MoEShape(8, 128, 128, 2)
+FP8 = get_scheme("fp8-channel-token")
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """No shipped tables but the test's own, no user folder, no MOEKIT_BACKEND, fresh caches."""
+    monkeypatch.setattr(tables, "SHIPPED_ROOT", tmp_path / "shipped")
+    monkeypatch.delenv(tables.CONFIG_DIR_ENV, raising=False)
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setattr(select, "_supports_cache", {})
+    monkeypatch.setattr(decisions, "_warned", set())
+
+
+def table_data(shape, scheme, device_name, points, **meta_changes):
+    """points: {M: {backend: us}} (winner: the fastest) or {M: ({backend: us}, winner, errors)}."""
+    sizes = {}
+    for m, p in points.items():
+        us, winner, errors = p if isinstance(p, tuple) else (p, min(p, key=p.get), {})
+        sizes[str(m)] = {"us": dict(us), "winner": winner, "errors": dict(errors)}
+    meta = {
+        "device_name": device_name, "num_experts": shape.num_experts, "hidden": shape.hidden,
+        "intermediate": shape.n, "top_k": shape.top_k, "scheme": scheme.name, "dtype": "bfloat16",
+        "routing": "uniform", "mode": "layer", "moekit": moekit.__version__, "torch": "x", "triton": "x",
+        "date": "2026-12-01",
+    }
+    meta.update(meta_changes)
+    return {"format": "moekit-backend-table", "version": 1, "meta": meta, "batch_sizes": sizes}
+
+
+def write_table(root, points, shape=SHAPE, scheme=FP8, device_name=H100, **meta_changes):
+    path = root / "backends" / tables.table_name(shape, scheme, device_name)
+    return tables.write_json_atomically(path, table_data(shape, scheme, device_name, points, **meta_changes))
+
+
+def h100(m, backend="auto", **kw):
+    return select_backend(SHAPE, FP8, DeviceSpec.from_name(H100), torch.bfloat16, m, backend, **kw)
+
+
+# --------------------------------------------------------------------------- resolution order
+
+
+def test_resolution_order_argument_environment_table_heuristic(tmp_path, monkeypatch):
+    assert (h100(4).backend, h100(4).source) == ("triton", "heuristic")  # no table anywhere
+    path = write_table(tmp_path / "user", {4: {"cutlass": 10.0, "triton": 12.0, "torch": 30.0}})
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path / "user"))
+    choice = h100(4)
+    assert (choice.backend, choice.source) == ("cutlass", "table") and str(path) in choice.detail
+    monkeypatch.setenv(ENV_VAR, "torch")
+    assert (h100(4).backend, h100(4).source) == ("torch", "environment")
+    assert (h100(4, "reference").backend, h100(4, "reference").source) == ("reference", "argument")
+    monkeypatch.setenv(ENV_VAR, "auto")
+    assert h100(4).source == "table"
+
+
+# ------------------------------------------------------------------------------- table lookup
+
+POINTS = {
+    1: {"cutlass": 5.0, "triton": 6.0, "torch": 20.0},
+    16: {"cutlass": 9.0, "triton": 7.0, "torch": 20.0},
+    256: {"cutlass": 50.0, "triton": 60.0, "torch": 40.0},
+}
+WINNER = {1: "cutlass", 16: "triton", 256: "torch"}
+
+
+@pytest.mark.parametrize(
+    "m,used,how",
+    [
+        (0, 1, "below"), (1, 1, "exact"), (3, 1, "between"),  # 3*3 = 9 <= 1*16
+        (4, 1, "between"),  # 4*4 = 16 = 1*16: a tie in log space takes the smaller size
+        (5, 16, "between"), (16, 16, "exact"), (63, 16, "between"), (64, 16, "between"),  # 64*64 = 16*256
+        (65, 256, "between"), (256, 256, "exact"), (10**6, 256, "above"),
+    ],
+)
+def test_table_lookup_at_between_and_beyond_measured_sizes(tmp_path, monkeypatch, m, used, how):
+    path = write_table(tmp_path / "user", POINTS)
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path / "user"))
+    choice = h100(m)
+    assert (choice.backend, choice.source) == (WINNER[used], "table"), choice
+    assert str(path) in choice.detail
+    loc = decisions.load_table(path).locate(m)
+    assert (loc.point.m, loc.how) == (used, how)
+    if how == "between":
+        assert f"between measured {loc.lower.m} and {loc.upper.m}" in choice.detail
+        assert {p.m for p in loc.neighbours()} == {loc.lower.m, loc.upper.m} and used in (loc.lower.m, loc.upper.m)
+    else:
+        assert f"M={used}" in choice.detail
+
+
+def test_user_tables_come_before_shipped_ones(tmp_path, monkeypatch):
+    shipped = write_table(tables.SHIPPED_ROOT, {8: {"cutlass": 1.0, "torch": 2.0}})
+    first = write_table(tmp_path / "a", {8: {"torch": 1.0, "cutlass": 2.0}})
+    second = write_table(tmp_path / "b", {8: {"reference": 1.0, "cutlass": 2.0}})
+    assert h100(8).detail.startswith(str(shipped)) and h100(8).backend == "cutlass"
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, os.pathsep.join([str(tmp_path / "empty"), str(tmp_path / "b")]))
+    assert (h100(8).backend, h100(8).detail.split(":")[0]) == ("reference", str(second))
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, os.pathsep.join([str(tmp_path / "a"), str(tmp_path / "b")]))
+    assert (h100(8).backend, h100(8).detail.split(":")[0]) == ("torch", str(first))
+
+
+def test_a_table_of_the_same_gpu_model_serves_another_name_of_it(tmp_path):
+    path = write_table(tables.SHIPPED_ROOT, {8: {"cutlass": 1.0, "triton": 2.0}})  # H100 SXM
+    choice = select_backend(SHAPE, FP8, DeviceSpec.from_name("NVIDIA H100 PCIe"), num_tokens=8)
+    assert (choice.backend, choice.source) == ("cutlass", "table") and str(path) in choice.detail
+    choice = select_backend(SHAPE, FP8, DeviceSpec.from_name("NVIDIA H200"), num_tokens=8)
+    assert choice.source == "heuristic"  # another GPU model: not used
+
+
+# ----------------------------------------------------------------------- bad tables: one warning
+
+GOOD = {4: {"cutlass": 1.0, "triton": 2.0}}
+
+
+def _set(path, value):
+    def change(d):
+        *keys, last = path
+        for k in keys:
+            d = d[k]
+        d[last] = value
+    return change
+
+
+BAD = {
+    "not JSON": ("{not json", "not valid JSON"),
+    "foreign version": (_set(["version"], 2), "version 2; this moekit reads version 1"),
+    "foreign format": (_set(["format"], "vllm-moe-config"), "'format'"),
+    "meta differs from the file name": (_set(["meta", "num_experts"], 16), "file name says 8"),
+    "other device in meta": (_set(["meta", "device_name"], "NVIDIA A100"), "device_name"),
+    "other top-k": (_set(["meta", "top_k"], 4), "top_k=4"),
+    "gemm mode": (_set(["meta", "mode"], "gemm"), "meta.mode"),
+    "batch size 0": (_set(["batch_sizes", "0"], {"us": {"triton": 1.0}, "winner": "triton"}), "'0' is not a positive"),
+    "batch size not a number": (_set(["batch_sizes", "many"], {"us": {"triton": 1.0}, "winner": "triton"}), "'many'"),
+    "negative time": (_set(["batch_sizes", "4", "us", "triton"], -3.0), "-3.0"),
+    "string time": (_set(["batch_sizes", "4", "us", "triton"], "fast"), "'fast'"),
+    "NaN time": (_set(["batch_sizes", "4", "us", "triton"], float("nan")), "nan"),
+    "winner not measured": (_set(["batch_sizes", "4", "winner"], "torch"), "winner 'torch'"),
+    "no batch sizes": (_set(["batch_sizes"], {}), "batch_sizes"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_table_gives_one_warning_and_falls_back(tmp_path, monkeypatch, case):
+    change, expected = BAD[case]
+    path = tmp_path / "user" / "backends" / tables.table_name(SHAPE, FP8, H100)
+    path.parent.mkdir(parents=True)
+    if isinstance(change, str):
+        path.write_text(change)
+    else:
+        data = table_data(SHAPE, FP8, H100, GOOD)
+        change(data)
+        path.write_text(json.dumps(data))
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path / "user"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert h100(4).source == "heuristic"  # no other table: the heuristic
+        shipped = write_table(tables.SHIPPED_ROOT, {4: {"torch": 1.0, "cutlass": 2.0}})
+        select.clear_cache()
+        choice = h100(4)  # the next source: the shipped table
+        assert (choice.backend, choice.source) == ("torch", "table") and str(shipped) in choice.detail
+    ours = [w for w in caught if issubclass(w.category, decisions.BackendTableWarning)]
+    assert len(ours) == 1, [str(w.message) for w in ours]  # once per file, though read twice
+    assert str(path) in str(ours[0].message) and expected in str(ours[0].message), str(ours[0].message)
+
+
+def test_a_bad_table_never_breaks_a_forward_pass(tmp_path, monkeypatch):
+    from helpers import random_routing, random_weights, random_x
+
+    w = random_weights(4, 128, 128, "bf16")
+    tw, ids = random_routing(3, 4, 2)
+    x = random_x(3, 128)
+    path = tmp_path / "backends" / tables.table_name(w.shape(2), w.scheme, "cpu")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"\xff\xfe garbage")
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path))
+    with pytest.warns(decisions.BackendTableWarning, match="cannot read it|not valid JSON"):
+        out = moekit.fused_moe(x, w, tw, ids)
+    assert torch.equal(out, moekit.fused_moe(x, w, tw, ids, backend="torch"))  # heuristic: torch on the CPU
+
+
+# --------------------------------------------------------------------------- runnable backends only
+
+
+def test_table_winner_that_cannot_run_is_skipped(tmp_path, monkeypatch):
+    a100 = DeviceSpec.from_name("NVIDIA A100-SXM4-80GB")  # sm_80: no FP8 triton, no cutlass
+    points = {
+        1: {"triton": 1.0, "cutlass": 2.0, "torch": 50.0, "reference": 90.0},
+        8: ({"warp-drive": 1.0, "reference": 70.0, "torch": 80.0}, "warp-drive", {}),
+        64: {"triton": 1.0, "cutlass": 2.0},
+    }
+    write_table(tmp_path, points, device_name=a100.name)
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path))
+    choice = select_backend(SHAPE, FP8, a100, num_tokens=1)
+    assert (choice.backend, choice.source) == ("torch", "table")
+    assert "winner triton" in choice.detail and "8.9+" in choice.detail
+    # a MoELayer's auto also passes over torch (it would copy the weights): the next measured
+    choice = select_backend(SHAPE, FP8, a100, num_tokens=1, allow_weight_copies=False)
+    assert (choice.backend, choice.source) == ("reference", "table") and "copy" in choice.detail
+    choice = select_backend(SHAPE, FP8, a100, num_tokens=8)
+    assert choice.backend == "reference" and "not a backend of this moekit" in choice.detail
+    choice = select_backend(SHAPE, FP8, a100, num_tokens=64)  # nothing measured there can run
+    assert (choice.backend, choice.source) == ("torch", "heuristic") and "measured no usable backend" in choice.detail
+
+
+DEVICES = ["cpu"] + [DeviceSpec.from_name(n) for n in select.KNOWN_CAPABILITIES]
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_heuristic_never_picks_a_backend_that_refuses(device):
+    for scheme in SCHEMES.values():
+        for shape in (MoEShape(8, 128, 256, 2), MoEShape(8, 100, 128, 2), MoEShape(2048, 128, 128, 2)):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                for allow in (True, False):
+                    for m in (1, 64, 8192):
+                        choice = select_backend(shape, scheme, device, dtype, m, allow_weight_copies=allow)
+                        assert choice.source == "heuristic"
+                        assert choice.backend not in choice.refused
+                        if not allow:
+                            assert not moekit.get_backend(choice.backend).copies_weights(scheme)
+
+
+def test_heuristic_rules_by_rows_per_expert_skip_refusing_backends(monkeypatch):
+    rules = ((1, ("cutlass", "torch")), (None, ("triton", "torch")))
+    monkeypatch.setitem(select.HEURISTIC_RULES, "cuda", rules)
+    # E=8, top-2: rows per expert = M / 4, so M <= 4 takes the first rule
+    assert [h100(m).backend for m in (1, 4, 5, 4096)] == ["cutlass", "cutlass", "triton", "triton"]
+    a100 = DeviceSpec.from_name("A100")
+    assert select_backend(SHAPE, FP8, a100, num_tokens=1).backend == "torch"  # cutlass refuses on sm_80
+    assert select_backend(SHAPE, FP8, a100, num_tokens=99).backend == "torch"  # triton: no FP8 on sm_80
+
+
+# ---------------------------------------------------------------------------------- per call
+
+
+def test_per_call_choice_is_memoised_without_file_io(tmp_path, monkeypatch):
+    write_table(tmp_path, POINTS)
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path))
+    first = {m: h100(m) for m in (1, 7, 300)}
+
+    def no_io(*args, **kwargs):
+        raise AssertionError("a table was read again")
+
+    monkeypatch.setattr(decisions, "load_table", no_io)
+    monkeypatch.setattr(tables, "find_tables", no_io)
+    for m, choice in first.items():
+        assert h100(m) is choice  # the same object: nothing recomputed
+    assert [c.backend for c in first.values()] == ["cutlass", "triton", "torch"]
+
+
+# ---------------------------------------------------------------------------- described devices
+
+
+@pytest.mark.parametrize(
+    "name,cap",
+    [(H100, (9, 0)), ("NVIDIA H200", (9, 0)), ("NVIDIA GH200 480GB", (9, 0)), ("NVIDIA H20", (9, 0)),
+     ("NVIDIA A100-SXM4-80GB", (8, 0)), ("NVIDIA L40S", (8, 9)), ("NVIDIA L4", (8, 9)), ("h100", (9, 0))],
+)
+def test_device_names_give_capabilities(name, cap):
+    assert DeviceSpec.from_name(name).capability == cap
+
+
+def test_unknown_device_name_lists_the_known_ones():
+    with pytest.raises(ValueError, match="unknown GPU 'NVIDIA B200'.*H100, H200, H20, GH200, A100, L40S, L4"):
+        DeviceSpec.from_name("NVIDIA B200")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_described_capability_does_not_leak_to_real_devices():
+    l4 = DeviceSpec.from_name("NVIDIA L4")
+    refused = select.refusals(SHAPE, get_scheme("fp8-block128"), l4, torch.bfloat16)
+    assert any("SM90" in r for r in refused["cutlass"]) and refused["triton"] == []
+    assert device_capability(torch.device("cuda")) is None
+    cpu = select.refusals(SHAPE, FP8, torch.device("cpu"), torch.bfloat16)
+    assert "needs a CUDA device, got cpu" in cpu["cutlass"]
+
+
+# ---------------------------------------------------------------------------------- the CLI
+
+GLM = dict(shape=MoEShape(128, 4096, 1408, 8, tp=2), scheme=FP8)  # glm-4.5v-fp8 at tp 2
+
+
+def run_select(capsys, *args):
+    code = main(["select", *args])
+    out, err = capsys.readouterr()
+    return code, out + err
+
+
+def test_select_cli_for_a_named_device_with_a_table(tmp_path, monkeypatch, capsys):
+    points = {
+        32: {"triton": 20.0, "cutlass": 25.0, "torch": 60.0},
+        64: ({"triton": 30.0, "cutlass": 27.5, "torch": 80.0}, "cutlass", {"reference": "timed out"}),
+    }
+    path = write_table(tmp_path, points, **GLM)
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path))
+    code, out = run_select(capsys, "--model", "glm-4.5v-fp8", "--tp", "2", "--batch-size", "48", "--device-name", H100)
+    assert code == 0, out
+    lines = out.splitlines()
+    assert "backend: cutlass" in lines  # 48*48 = 2304 > 32*64: the nearest measured size is 64
+    assert f"from: decision table {path}" in lines
+    assert "  M=48 between measured 32 and 64, nearest in log space: 64" in lines
+    header = next(line for line in lines if line.strip().startswith("backend ") and "M=32" in line)
+    assert "M=64 (used)" in header
+    rows = {line.split()[0]: line for line in lines if line.startswith("  ") and line.split()[0] in ("triton", "cutlass", "torch", "reference")}
+    assert rows["cutlass"].split()[1:] == ["25", "27.5", "winner"]
+    assert rows["triton"].split()[1:] == ["20", "winner", "30"]
+    assert "failed: timed out" in rows["reference"]
+    assert "refused: none" in lines and "device: NVIDIA H100 80GB HBM3 (compute capability 9.0, described)" in lines
+
+
+def test_select_cli_heuristic_refusals_environment(tmp_path, monkeypatch, capsys):
+    code, out = run_select(capsys, "--model", "deepseek-v3", "--tp", "8", "--batch-size", "4", "--device-name", "NVIDIA A100 80GB PCIe")
+    assert code == 0, out
+    assert "backend: torch" in out and "from: heuristic" in out and "no decision table" in out
+    assert "  cutlass: needs SM90 (Hopper), found sm_80" in out and "  triton: fp8-block128 needs compute capability 8.9+" in out
+    assert "a MoELayer (auto) runs reference instead" in out  # torch would copy the FP8 weights
+    monkeypatch.setenv(ENV_VAR, "reference")
+    code, out = run_select(capsys, "--model", "deepseek-v3", "--batch-size", "4", "--device-name", H100)
+    assert code == 0 and "backend: reference" in out and "from: environment (MOEKIT_BACKEND=reference)" in out
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--model", "glm-4.5v-fp8", "--batch-size", "4", "--device-name", "NVIDIA B200"], "unknown GPU 'NVIDIA B200'"),
+        (["--model", "glm-4.5v-fp8", "--batch-size", "0"], "--batch-size must be a positive integer, got '0'"),
+        (["--model", "glm-4.5v-fp8", "--batch-size", "many"], "--batch-size must be a positive integer"),
+        (["--model", "glm-4.5v-fp8"], "--batch-size must be a positive integer, got None"),
+        (["--batch-size", "4"], "give --model"),
+        (["--model", "gpt-5", "--batch-size", "4"], "unknown model 'gpt-5'"),
+        (["--model", "glm-4.5v-fp8", "--tp", "3", "--batch-size", "4"], "not divisible by tp (3)"),
+        (["--model", "glm-4.5v-fp8", "--scheme", "int4", "--batch-size", "4"], "unknown quantization scheme 'int4'"),
+        (["--model", "glm-4.5v-fp8", "--batch-size", "4", "--backend", "fast"], "unknown backend 'fast'"),
+        (["--model", "deepseek-v3", "--batch-size", "4", "--device-name", H100, "--backend", "cutlass"],
+         "backend 'cutlass' cannot run this problem: 128x128 block weights"),
+        (["--model", "glm-4.5v-fp8", "--batch-size", "4", "--dtype", "fp64"], "--dtype must be bf16 or fp16"),
+    ],
+)
+def test_select_cli_bad_input_is_one_line_and_exit_2(args, expected, capsys):
+    code, out = run_select(capsys, *args)
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), out
+    assert expected in lines[0], lines[0]
+
+
+def test_shipped_heuristic_puts_cutlass_first_only_for_wide_experts_with_many_rows():
+    """The measured rule (select.py's evidence): Mixtral-like experts (N = 14336) with 256+ rows
+    each go to cutlass; fewer rows, or narrow experts (GLM's N = 704), stay on triton."""
+    device = DeviceSpec.from_name(H100)
+    wide, narrow = MoEShape(8, 4096, 14336, 2), MoEShape(128, 4096, 1408, 8, tp=2)
+
+    def pick(shape, m):
+        return select_backend(shape, FP8, device, torch.bfloat16, m).backend
+
+    assert [pick(wide, m) for m in (1, 512, 1020)] == ["triton"] * 3  # <= 255 rows per expert
+    assert [pick(wide, m) for m in (1024, 8192)] == ["cutlass"] * 2
+    assert [pick(narrow, m) for m in (1, 4096, 8192)] == ["triton"] * 3

@@ -1,0 +1,523 @@
+"""`moekit tune`: the search space and its pruning, the tables it writes (both formats key by key,
+the vLLM export), resuming after a kill, failing configs, the budget, worker processes, bad input.
+
+On the CPU the Triton kernels run in the interpreter on a tiny layer (E=4, H=128, N=128, top-2)
+with a two-config space. Tests that need a known winner replace the timing function
+(`moekit.tune.runner.measure_time`) by `FakeTimer`: deterministic times, optionally still running
+the layer, optionally failing, killing the run, or advancing a fake clock.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+
+import pytest
+import torch
+from rich.console import Console
+
+from moekit.backends import backend_names
+from moekit.backends.triton import launch
+from moekit.backends.triton.config import KernelConfig, default_config, get_config
+from moekit.cli import main
+from moekit.spec import BF16, FP8_BLOCK128, FP8_CHANNEL_TOKEN, MoEShape, get_scheme
+from moekit.tables import CONFIG_DIR_ENV
+from moekit.timing import Timing
+from moekit.tune import TuneOptions, parse_budget, run_tune
+from moekit.tune import output, runner, space
+from moekit.tune.plan import TuneInputError
+from moekit.tune.space import NeighbourResult, config_key, interpreter_space
+
+CUDA = torch.cuda.is_available()
+SHAPE = MoEShape(4, 128, 128, 2)  # the tiny model's layer (the same on the CPU: no scaling needed)
+SIZES = ["1", "4"]
+BACKEND_META_KEYS = {
+    "device_name", "num_experts", "hidden", "intermediate", "top_k", "scheme", "dtype", "routing", "mode",
+    "moekit", "torch", "triton", "date",
+}
+CONFIG_FIELDS = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"]
+VLLM_FIELDS = ["BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages"]
+
+
+class Killed(BaseException):
+    """Stands for a kill: not an Exception, so nothing in the tuner records it as a failure."""
+
+
+@pytest.fixture
+def tiny_model(tmp_path):
+    folder = tmp_path / "tiny-moe"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "hidden_size": 128,
+        "intermediate_size": 128, "num_hidden_layers": 2,
+    }))
+    return folder
+
+
+def tune(tiny_model, out, scheme="fp8-channel-token", **kw):
+    """run_tune on the tiny model with the two-config space; returns (result, printed text)."""
+    buf = io.StringIO()
+    opts = TuneOptions(models=[str(tiny_model)], scheme=scheme, batch_sizes=kw.pop("batch_sizes", SIZES), reps=1,
+                       warmup=0, out=str(out), space=kw.pop("space", interpreter_space), argv=["tune"], **kw)
+    result = run_tune(opts, Console(file=buf, width=200, no_color=True))
+    return result, buf.getvalue()
+
+
+def read(path):
+    return json.loads(path.read_text())
+
+
+def only_file(folder):
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    assert len(files) == 1, files
+    return files[0]
+
+
+def journals(out):
+    folder = only_file_dir(out / ".progress")
+    return {int(p.stem.removeprefix("M=")): read(p) for p in folder.glob("M=*.json") if "stale" not in p.name}
+
+
+def only_file_dir(folder):
+    dirs = [p for p in folder.iterdir() if p.is_dir()]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+class FakeTimer:
+    """Replaces runner.measure_time: `us[what]` (else `default_us`) as the median; `run`: call the
+    layer once first; `fail[what]`: raise that message; `kill_after`: raise Killed once that many
+    measurements are done; `step`: seconds the fake clock advances per measurement."""
+
+    def __init__(self, us=None, default_us=100.0, run=False, fail=None, kill_after=None, step=0.0):
+        self.us, self.default_us, self.run = us or {}, default_us, run
+        self.fail, self.kill_after, self.step = fail or {}, kill_after, step
+        self.calls: list[str] = []
+        self.now = 1000.0
+
+    def __call__(self, fn, *, reps, warmup, device, what):
+        if self.kill_after is not None and len(self.calls) >= self.kill_after:
+            raise Killed(what)
+        self.calls.append(what)  # "triton <key> at M=4", "backend torch at M=1"
+        self.now += self.step
+        self.current = base = what.split(" at M=")[0]
+        if self.run:
+            fn()
+        if base in self.fail:
+            raise RuntimeError(self.fail[base])
+        return Timing.from_samples([self.us.get(base, self.default_us)], "fake")
+
+    def clock(self):
+        return self.now
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(runner, "measure_time", self)
+        monkeypatch.setattr(runner, "_clock", self.clock)
+        return self
+
+
+def triton(cfg: KernelConfig) -> str:
+    return f"triton {config_key(cfg)}"
+
+
+FAST_CFG = KernelConfig(16, 32, 128, 1, 4, 2)  # in interpreter_space for the FP8 schemes
+OTHER_CFG = KernelConfig(16, 64, 128, 8, 4, 3)
+
+
+# ------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.parametrize("scheme", [FP8_CHANNEL_TOKEN, FP8_BLOCK128, BF16], ids=lambda s: s.name)
+def test_tune_writes_valid_tables_and_vllm_export(tmp_path, tiny_model, scheme):
+    out, export = tmp_path / "out", tmp_path / "vllm"
+    result, text = tune(tiny_model, out, scheme.name, export_vllm=str(export))
+    assert result.exit_code == 0, text
+    assert result.not_covered == []
+
+    triton_file = only_file(out / "triton")
+    backend_file = only_file(out / "backends")
+    assert triton_file.name == backend_file.name
+    t, b = read(triton_file), read(backend_file)
+    device = b["meta"]["device_name"]
+    assert triton_file.name == f"E=4,N=128,H=128,device_name={device.replace(' ', '_')},scheme={scheme.name}.json"
+    js = journals(out)
+    assert sorted(js) == [1, 4]
+
+    # the backend decision table, key by key (moekit.decisions reads exactly this)
+    assert list(b) == ["format", "version", "meta", "batch_sizes"]
+    assert b["format"] == "moekit-backend-table" and b["version"] == 1
+    assert set(b["meta"]) == BACKEND_META_KEYS
+    meta = b["meta"]
+    assert (meta["num_experts"], meta["hidden"], meta["intermediate"], meta["top_k"]) == (4, 128, 128, 2)
+    assert (meta["scheme"], meta["dtype"], meta["routing"], meta["mode"]) == (scheme.name, "bfloat16", "uniform", "layer")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d.*", meta["date"])
+    assert device == ("cpu" if not CUDA else torch.cuda.get_device_name())
+    assert list(b["batch_sizes"]) == SIZES
+    for m, entry in b["batch_sizes"].items():
+        assert set(entry) <= {"us", "winner", "errors"}
+        assert "triton" in entry["us"] and set(entry["us"]) <= set(backend_names())
+        assert all(isinstance(v, float) and v > 0 for v in entry["us"].values())
+        assert entry["winner"] == min(entry["us"], key=entry["us"].get)
+        # triton's time is its fastest measured config's; the others as measured
+        j = js[int(m)]
+        assert entry["us"]["triton"] == min(v["us"] for v in j["configs"].values() if "us" in v)
+        assert {k: v for k, v in entry["us"].items() if k != "triton"} == {k: v["us"] for k, v in j["backends"].items()}
+
+    # the triton table: the fastest config and its µs per batch size, and metadata
+    assert list(t) == ["meta", "configs"] and list(t["configs"]) == SIZES
+    for key in ("device_name", "num_experts", "hidden", "intermediate", "top_k", "scheme", "routing", "moekit",
+                "torch", "triton", "date"):
+        assert t["meta"][key] == b["meta"][key] or key == "date"
+    for m, entry in t["configs"].items():
+        assert list(entry) == [*CONFIG_FIELDS, "us", "default_us"]
+        assert not KernelConfig.from_dict(entry).problems(scheme)
+        j = js[int(m)]
+        best = min((v["us"], k) for k, v in j["configs"].items() if "us" in v)
+        assert entry["us"] == best[0] and config_key(KernelConfig.from_dict(entry)) == best[1]
+        assert entry["default_us"] == j["configs"][config_key(default_config(SHAPE, scheme, int(m)))]["us"]
+
+    # the vLLM export: vLLM's file name and format exactly
+    vllm = only_file(export)
+    dtype = {"fp8-channel-token": ",dtype=fp8_w8a8", "fp8-block128": ",dtype=fp8_w8a8,block_shape=[128,128]",
+             "bf16": ""}[scheme.name]
+    assert vllm.name == f"E=4,N=128,device_name={output.vllm_device_name(device)}{dtype}.json"
+    exported = read(vllm)
+    assert list(exported) == [m for m in SIZES if m in exported] and exported
+    for m, cfg in exported.items():
+        assert list(cfg) == VLLM_FIELDS and all(type(v) is int for v in cfg.values())
+        ours = KernelConfig(cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"] // 2, cfg["BLOCK_SIZE_K"], cfg["GROUP_SIZE_M"],
+                            cfg["num_warps"], cfg["num_stages"])
+        assert "us" in js[int(m)]["configs"][config_key(ours)]  # a measured config, BLOCK_SIZE_N = 2 * BLOCK_N
+        if scheme.block:
+            assert cfg["BLOCK_SIZE_N"] % 128 == 0 and cfg["BLOCK_SIZE_K"] == 128
+
+
+def test_backend_table_loads_in_the_decisions_reader(tmp_path, tiny_model, monkeypatch):
+    decisions = pytest.importorskip("moekit.decisions")
+    FakeTimer().install(monkeypatch)
+    result, _ = tune(tiny_model, tmp_path / "out")
+    assert result.exit_code == 0
+    table = decisions.load_table(only_file(tmp_path / "out" / "backends"), SHAPE, FP8_CHANNEL_TOKEN)
+    assert table.sizes == (1, 4)
+
+
+@pytest.mark.skipif(CUDA, reason="the CLI searches the device's space: on a GPU the whole Hopper space")
+def test_cli_tune_end_to_end(tmp_path, tiny_model, monkeypatch, capsys):
+    FakeTimer().install(monkeypatch)
+    out = tmp_path / "out"
+    argv = ["tune", "--model", str(tiny_model), "--scheme", "bf16", "--batch-sizes", "1,4", "--reps", "1",
+            "--warmup", "0", "--out", str(out), "--budget", "1h", "--export-vllm", str(tmp_path / "v")]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "gain" in text and "winner" in text  # the summary table
+    assert only_file(out / "triton").name.endswith("scheme=bf16.json")
+    assert read(only_file(out / "triton"))["meta"]["command"] == "moekit " + " ".join(argv)
+
+
+# ------------------------------------------------------------------ tuned configs are used
+
+
+def test_tuned_configs_are_picked_up_through_MOEKIT_CONFIG_DIR(tmp_path, tiny_model, monkeypatch):
+    FakeTimer(us={triton(FAST_CFG): 10.0}).install(monkeypatch)  # a config other than the default wins
+    out = tmp_path / "out"
+    result, _ = tune(tiny_model, out)
+    assert result.exit_code == 0
+    device = read(only_file(out / "backends"))["meta"]["device_name"]
+    monkeypatch.delenv(CONFIG_DIR_ENV, raising=False)
+    for m in (1, 4):
+        assert default_config(SHAPE, FP8_CHANNEL_TOKEN, m) != FAST_CFG
+        assert get_config(SHAPE, FP8_CHANNEL_TOKEN, m, device) == default_config(SHAPE, FP8_CHANNEL_TOKEN, m)
+    monkeypatch.setenv(CONFIG_DIR_ENV, str(out))
+    for m in (1, 4, 3000):  # 3000: the nearest tuned size, 4
+        assert get_config(SHAPE, FP8_CHANNEL_TOKEN, m, device) == FAST_CFG
+
+
+def test_each_measurement_runs_the_config_it_is_filed_under(tmp_path, tiny_model, monkeypatch):
+    timer = FakeTimer(run=True).install(monkeypatch)
+    seen: list[tuple[str, str | None]] = []
+    real_run = launch.TritonBackend.run
+
+    def spy(self, x, weights, topk_weights, topk_ids, config=None):
+        seen.append((timer.current, config_key(config) if config else None))
+        return real_run(self, x, weights, topk_weights, topk_ids, config=config)
+
+    monkeypatch.setattr(launch.TritonBackend, "run", spy)
+    tune(tiny_model, tmp_path / "out", batch_sizes=["1"])
+    triton_calls = [(what, key) for what, key in seen if what.startswith("triton ")]
+    assert {what for what, _ in triton_calls} == {w.split(" at M=")[0] for w in timer.calls if w.startswith("triton ")}
+    # the first call of each measurement is the timed one: forced to its own config (a later call
+    # with the default config is the reference of the output check)
+    first = {}
+    for what, key in triton_calls:
+        first.setdefault(what, key)
+    assert all(what == f"triton {key}" for what, key in first.items())
+
+
+# ----------------------------------------------------------------------- resume after a kill
+
+
+def test_resume_after_a_kill_measures_only_what_is_missing(tmp_path, tiny_model, monkeypatch):
+    times = {triton(FAST_CFG): 50.0, triton(OTHER_CFG): 60.0}
+    # the same run uninterrupted: what a complete run measures
+    full = FakeTimer(us=times).install(monkeypatch)
+    tune(tiny_model, tmp_path / "reference")
+    everything = list(full.calls)
+    assert len(everything) == len(set(everything)) >= 6
+
+    first = FakeTimer(us=times, kill_after=3).install(monkeypatch)
+    out = tmp_path / "out"
+    with pytest.raises(Killed):
+        tune(tiny_model, out)
+    assert len(first.calls) == 3
+    on_disk = sum(len(j["configs"]) + len(j["backends"]) for j in journals(out).values())
+    assert on_disk == 3  # nothing measured was lost
+    assert all(j["in_flight"] == {} for j in journals(out).values())
+
+    second = FakeTimer(us=times).install(monkeypatch)
+    result, _ = tune(tiny_model, out)
+    assert result.exit_code == 0 and result.not_covered == []
+    assert set(second.calls).isdisjoint(first.calls)
+    assert sorted(first.calls + second.calls) == sorted(everything)
+    assert read(only_file(out / "triton"))["configs"] == read(only_file(tmp_path / "reference" / "triton"))["configs"]
+
+
+def test_a_config_that_killed_the_process_twice_is_recorded_as_failed(tmp_path, tiny_model, monkeypatch):
+    FakeTimer().install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out, batch_sizes=["1"])
+    path = next((out / ".progress").glob("*/M=1.json"))
+    data = read(path)
+    del data["configs"][config_key(FAST_CFG)]  # as if the process died while measuring it, twice
+    data["in_flight"] = {triton(FAST_CFG): 2}
+    path.write_text(json.dumps(data))
+    again = FakeTimer().install(monkeypatch)
+    result, _ = tune(tiny_model, out, batch_sizes=["1"])
+    assert result.exit_code == 0
+    assert triton(FAST_CFG) + " at M=1" not in again.calls
+    assert "died 2 times" in read(path)["configs"][config_key(FAST_CFG)]["error"]
+
+    data = read(path)  # one death only: measured again
+    del data["configs"][config_key(FAST_CFG)]
+    data["in_flight"] = {triton(FAST_CFG): 1}
+    path.write_text(json.dumps(data))
+    third = FakeTimer().install(monkeypatch)
+    tune(tiny_model, out, batch_sizes=["1"])
+    assert third.calls == [triton(FAST_CFG) + " at M=1"]
+    assert "us" in read(path)["configs"][config_key(FAST_CFG)]
+
+
+def test_journal_of_other_conditions_is_set_aside(tmp_path, tiny_model, monkeypatch):
+    FakeTimer().install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out, batch_sizes=["1"])
+    again = FakeTimer().install(monkeypatch)
+    result, text = tune(tiny_model, out, batch_sizes=["1"], seed=7)
+    assert result.exit_code == 0
+    assert "set aside" in text and "seed: 0 -> 7" in text
+    assert len(again.calls) >= 4  # everything measured again
+    assert len(list((out / ".progress").glob("*/M=1.stale.json"))) == 1
+
+
+# ---------------------------------------------------------------------- failing configs
+
+
+def test_failing_configs_are_recorded_and_skipped(tmp_path, tiny_model, monkeypatch):
+    oor = "out of resource: shared memory, Required: 262144, Hardware limit: 232448"
+    FakeTimer(fail={triton(FAST_CFG): oor}, run=True).install(monkeypatch)
+    real_run = launch.TritonBackend.run
+
+    def wrong_for_other(self, x, weights, topk_weights, topk_ids, config=None):
+        out = real_run(self, x, weights, topk_weights, topk_ids, config=config)
+        return out * 1.5 if config == OTHER_CFG else out  # fast but wrong
+
+    monkeypatch.setattr(launch.TritonBackend, "run", wrong_for_other)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out)
+    assert result.exit_code == 0
+    js = journals(out)
+    failed = js[1]["configs"][config_key(FAST_CFG)]
+    assert failed["error"] == f"RuntimeError: {oor}" and "us" not in failed
+    wrong = js[1]["configs"][config_key(OTHER_CFG)]
+    assert wrong["error"].startswith("wrong output:") and wrong["rejected_us"] > 0
+    assert "skipped: RuntimeError: out of resource" in text
+    # not tried again at the next batch size, and never in a table
+    assert js[4]["search"]["dropped"] == {config_key(FAST_CFG): "failed at M=1", config_key(OTHER_CFG): "failed at M=1"}
+    assert config_key(FAST_CFG) not in js[4]["configs"]
+    for entry in read(only_file(out / "triton"))["configs"].values():
+        assert KernelConfig.from_dict(entry) not in (FAST_CFG, OTHER_CFG)
+
+
+# ------------------------------------------------------------------------------- budget
+
+
+def test_budget_stops_cleanly_and_a_rerun_finishes(tmp_path, tiny_model, monkeypatch):
+    # 10 s per measurement; the baseline (default config + 2 backends at 2 sizes) takes 60 s; the
+    # search of M=1 gets half of the 15 s left, M=4 the rest: one config of two each
+    times = {triton(FAST_CFG): 50.0}
+    first = FakeTimer(us=times, step=10.0).install(monkeypatch)
+    out = tmp_path / "out"
+    others = ["torch", "reference"]
+    result, text = tune(tiny_model, out, budget="75s", backends=others)
+    assert result.exit_code == 0
+    assert len(first.calls) == 8
+    assert result.not_covered and all("part of the search" in line for line in result.not_covered)
+    assert "not covered" in text
+    b = read(only_file(out / "backends"))
+    assert list(b["batch_sizes"]) == SIZES  # the decision table is complete: the baseline came first
+    assert read(only_file(out / "triton"))["meta"]["incomplete_batch_sizes"]
+
+    second = FakeTimer(us=times, step=10.0).install(monkeypatch)
+    result, _ = tune(tiny_model, out, backends=others)
+    assert result.not_covered == []
+    assert second.calls and set(second.calls).isdisjoint(first.calls)
+
+
+# ------------------------------------------------------------------------ worker processes
+
+
+def test_batch_sizes_spread_over_worker_processes(tmp_path, tiny_model):
+    devices = ["cuda:0", "cuda:0"] if CUDA else ["cpu", "cpu"]
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out, scheme="bf16", devices=devices, backends=["torch"])
+    assert result.exit_code == 0, text
+    assert "2 worker processes" in text
+    assert list(read(only_file(out / "triton"))["configs"]) == SIZES
+    assert list(read(only_file(out / "backends"))["batch_sizes"]) == SIZES
+
+
+def test_split_batch_sizes_into_contiguous_runs():
+    assert runner.split_batch_sizes([8, 1, 2, 4, 16], 2) == [[1, 2, 4], [8, 16]]
+    assert runner.split_batch_sizes([1, 2], 8) == [[1], [2]]
+    assert runner.split_batch_sizes([1, 2, 3], 1) == [[1, 2, 3]]
+
+
+# ------------------------------------------------------------------------ the search space
+
+
+def test_hopper_space_holds_only_runnable_configs():
+    for scheme, full in ((FP8_CHANNEL_TOKEN, False), (FP8_BLOCK128, True), (BF16, False)):
+        configs = space.hopper_space(scheme, full=full)
+        assert configs and all(not c.problems(scheme) for c in configs)
+        assert {c.GROUP_M for c in configs} == ({1, 8, 16, 32} if full else {1, 8, 16})
+    assert max(c.BLOCK_N for c in space.hopper_space(FP8_BLOCK128)) == 128
+    assert {c.BLOCK_K for c in space.hopper_space(FP8_CHANNEL_TOKEN)} == {128}
+    assert {c.BLOCK_K for c in space.hopper_space(BF16)} == {64, 128, 256}
+
+
+def test_static_prune_reasons():
+    big = MoEShape(128, 4096, 1408, 8, tp=2)
+    limit = space.HOPPER_SHARED_MEMORY
+    configs = [
+        KernelConfig(128, 256, 128, 8, 8, 5),  # 4 x 80 KiB of FP8 tiles in flight: cannot fit
+        KernelConfig(128, 256, 128, 8, 8, 3),  # 2 x 80 KiB: fits, but 256 accumulator registers a thread
+        KernelConfig(64, 128, 128, 8, 4, 3),  # fine at M=64, dominated at M=1
+        KernelConfig(16, 128, 128, 8, 4, 3),
+        KernelConfig(16, 128, 128, 16, 4, 3),  # at M=1 every GROUP_M >= 8 gives the same tile order
+        KernelConfig(16, 256, 128, 1, 4, 3),  # block weights need BLOCK_N <= 128
+    ]
+    kept, dropped = space.static_prune(configs, big, FP8_CHANNEL_TOKEN, 1, limit)
+    assert kept == [configs[3], configs[5]]
+    why = {k: v.split(":")[0] for k, v in dropped.items()}
+    assert why == {config_key(configs[0]): "shared memory", config_key(configs[1]): "registers",
+                   config_key(configs[2]): "dominated", config_key(configs[4]): "equivalent"}
+    assert dropped[config_key(configs[0])].startswith("shared memory: needs at least 320 KiB")
+    kept, dropped = space.static_prune(configs, big, FP8_BLOCK128, 1, limit)
+    assert kept == [configs[3]] and dropped[config_key(configs[5])].startswith("cannot run: BLOCK_N=256")
+    kept, _ = space.static_prune(configs, big, FP8_CHANNEL_TOKEN, 64, limit)
+    assert configs[2] in kept and configs[4] in kept
+    # the exhaustive search drops only what cannot run
+    kept, dropped = space.static_prune(configs, big, FP8_CHANNEL_TOKEN, 1, limit, "full")
+    assert kept == [c for c in configs if c is not configs[0]]
+    tiny = MoEShape(4, 128, 128, 2)
+    _, dropped = space.static_prune([KernelConfig(16, 256, 64, 1, 4, 2)], tiny, BF16, 4, limit)
+    assert list(dropped.values())[0].startswith("dominated: tile wider")
+
+
+def test_shared_memory_estimate_is_a_lower_bound_of_the_pipeline():
+    cfg = KernelConfig(64, 128, 128, 8, 4, 4)
+    per_stage = 64 * 128 + 2 * 128 * 128
+    assert space.shared_memory_bytes(cfg, FP8_CHANNEL_TOKEN) == 3 * per_stage
+    assert space.shared_memory_bytes(cfg, BF16) == 3 * per_stage * 2
+    assert space.shared_memory_limit(torch.device("cpu"))[0] == 227 * 1024
+
+
+def test_neighbour_prune_margin():
+    a, b, c, d, e = (KernelConfig(16, n, 128, 1, 4, 3) for n in (16, 32, 64, 128, 256))
+    neighbour = NeighbourResult(8, {config_key(a): 10.0, config_key(b): 15.0, config_key(c): 15.1},
+                                {config_key(d): "RuntimeError: boom"}, {config_key(e)})
+    f = KernelConfig(32, 64, 128, 1, 4, 3)  # not a candidate at M=8: no evidence against it
+    kept, dropped = space.neighbour_prune([a, b, c, d, e, f], neighbour)
+    assert kept == [a, b, f]
+    assert dropped[config_key(c)].startswith("lost at M=8: 1.51x")
+    assert dropped[config_key(d)] == "failed at M=8" and dropped[config_key(e)] == "dropped at M=8"
+    assert space.neighbour_prune([a, c], None) == ([a, c], {})
+
+
+def test_candidates_ordered_by_evidence():
+    default = KernelConfig(16, 64, 128, 1, 4, 4)
+    a, b = KernelConfig(16, 32, 128, 1, 4, 2), KernelConfig(16, 128, 128, 1, 4, 2)
+    new = KernelConfig(32, 128, 128, 1, 4, 2)  # its half-height sibling is b
+    unknown_near, unknown_far = KernelConfig(16, 64, 128, 1, 4, 3), KernelConfig(64, 256, 128, 16, 8, 5)
+    neighbour = NeighbourResult(8, {config_key(a): 20.0, config_key(b): 10.0}, {}, set())
+    ordered = runner.order_candidates([unknown_far, a, unknown_near, new, b], neighbour, default)
+    assert ordered == [new, b, a, unknown_near, unknown_far]  # new and b tie at 10 µs: input order
+
+
+# --------------------------------------------------------------------------- vLLM export
+
+
+def test_vllm_file_names():
+    assert output.vllm_file_name(128, 704, "NVIDIA H100 80GB HBM3", FP8_CHANNEL_TOKEN) == (
+        "E=128,N=704,device_name=NVIDIA_H100_80GB_HBM3,dtype=fp8_w8a8.json")
+    assert output.vllm_file_name(256, 256, "NVIDIA H200", FP8_BLOCK128) == (
+        "E=256,N=256,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json")
+    assert output.vllm_file_name(8, 14336, "NVIDIA H200 NVL", get_scheme("bf16")) == "E=8,N=14336,device_name=NVIDIA_H200.json"
+
+
+def test_vllm_config_mapping():
+    cfg, why = output.vllm_config(KernelConfig(64, 64, 128, 8, 4, 3), FP8_BLOCK128)
+    assert why is None and cfg == {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 8,
+                                   "num_warps": 4, "num_stages": 3}
+    assert output.vllm_config(KernelConfig(64, 32, 128, 8, 4, 3), FP8_BLOCK128)[0] is None  # 64 % 128
+    assert output.vllm_config(KernelConfig(64, 32, 128, 8, 4, 3), FP8_CHANNEL_TOKEN)[0]["BLOCK_SIZE_N"] == 64
+    assert output.vllm_config(KernelConfig(64, 256, 64, 8, 4, 3), BF16)[0] is None  # 512 wide
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def test_parse_budget():
+    assert parse_budget("90s") == 90 and parse_budget("10m") == 600 and parse_budget("1h") == 3600
+    assert parse_budget("1h30m") == 5400 and parse_budget("45") == 45 and parse_budget(None) is None
+    for bad in ("10 minutes", "0s", "-5m", "m", ""):
+        with pytest.raises(TuneInputError):
+            parse_budget(bad)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "no-such-model"], "--model no-such-model"),
+    (["--budget", "ten minutes"], "--budget"),
+    (["--budget", "0s"], "--budget"),
+    (["--batch-sizes", "0"], "--batch-sizes: 0 is not a positive integer"),
+    (["--batch-sizes", "4", "-2"], "--batch-sizes: -2 is not a positive integer"),
+    (["--scheme", "fp7"], "--scheme"),
+    (["--backends", "auto"], "--backends"),
+    (["--reps", "0"], "--reps"),
+    (["--out", "{file}/sub"], "--out"),
+    (["--export-vllm", "{file}/sub"], "--export-vllm"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_model, capsys, args, message):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    args = [a.replace("{file}", str(blocker)) for a in args]
+    out = tmp_path / "out"
+    argv = ["tune", "--model", str(tiny_model), "--out", str(out), *args]
+    if args[0] == "--model":
+        argv = ["tune", *args, "--out", str(out)]
+    assert main(argv) == 2
+    text = capsys.readouterr()
+    lines = [line for line in (text.out + text.err).splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), lines
+    assert message in lines[0]
+    assert not out.exists()  # nothing left behind
