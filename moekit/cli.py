@@ -65,7 +65,12 @@ def cmd_models(args) -> int:
     return 0
 
 
-def _add_model_args(p: argparse.ArgumentParser, batch_help: str, backends_help: str) -> None:
+def _add_model_args(
+    p: argparse.ArgumentParser,
+    batch_help: str,
+    backends_help: str,
+    out_help: str = "output folder (default: a timestamped one under moekit-results/)",
+) -> None:
     p.add_argument("--model", action="append", required=True, metavar="NAME|PATH",
                    help="a preset name (see `moekit models`) or a config.json / model folder; repeatable")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
@@ -73,7 +78,7 @@ def _add_model_args(p: argparse.ArgumentParser, batch_help: str, backends_help: 
     p.add_argument("--scheme", default=None, help="quantization scheme (default: the model's own)")
     p.add_argument("--batch-sizes", nargs="+", metavar="M", default=None, help=batch_help)
     p.add_argument("--backends", nargs="+", metavar="NAME", default=None, help=backends_help)
-    p.add_argument("--out", default=None, help="output folder (default: a timestamped one under moekit-results/)")
+    p.add_argument("--out", default=None, help=out_help)
     p.add_argument("--seed", type=int, default=0, help="random seed of weights, inputs and routing")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="activation dtype")
 
@@ -230,9 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
         tune,
         "batch sizes in tokens (default: 1 2 4 ... 8192 on a GPU; 1 4 on the CPU)",
         "backends to time besides triton (default: every one that can run here; reference only when named)",
+        "output folder: tables, and the journal a rerun resumes from (default: moekit-results/tune)",
     )
-    next(a for a in tune._actions if a.dest == "out").help = (
-        "output folder: tables, and the journal a rerun resumes from (default: moekit-results/tune)")
     tune.add_argument("--budget", default=None, metavar="TIME",
                       help="stop cleanly after this long (90s, 10m, 1h), keeping the best found so far")
     tune.add_argument("--routing", default="uniform", metavar="uniform|skewed|FILE",

@@ -89,21 +89,37 @@ class MoELayer(torch.nn.Module):
         backend: str | None = "auto",
         *,
         correction_bias: torch.Tensor | None = None,
+        parallel: str | None = None,
+        process_group=None,
+        num_experts: int | None = None,
     ):
         super().__init__()
         if not isinstance(weights, MoEWeights):
             raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
         if routing is not None and not isinstance(routing, RoutingConfig):
             raise TypeError(f"routing must be a moekit.RoutingConfig or None, got {type(routing).__name__}")
-        if routing is not None and not 1 <= routing.top_k <= weights.num_experts:
-            raise ValueError(f"routing top_k {routing.top_k} does not fit {weights.num_experts} experts")
+        if parallel not in (None, "tp", "ep"):
+            raise ValueError(f"parallel must be None, 'tp' or 'ep', got {parallel!r}")
+        if parallel == "ep":
+            if not isinstance(num_experts, int) or num_experts < weights.num_experts:
+                raise ValueError(
+                    f"an expert-parallel layer needs num_experts, the model's number of experts "
+                    f"(>= this rank's {weights.num_experts}), got {num_experts!r}"
+                )
+        elif num_experts not in (None, weights.num_experts):
+            raise ValueError(f"num_experts={num_experts} is only for parallel='ep' (weights hold {weights.num_experts})")
+        # parallel: None, or "tp" / "ep" with `weights` this rank's shard (see `MoELayer.sharded`)
+        self.parallel, self.process_group = parallel, process_group
+        self.num_experts = num_experts if parallel == "ep" else weights.num_experts
+        if routing is not None and not 1 <= routing.top_k <= self.num_experts:
+            raise ValueError(f"routing top_k {routing.top_k} does not fit {self.num_experts} experts")
         self.routing = routing
         self.backend = backend
         for name, t in weights.tensors().items():
             self.register_buffer(name, t)
         if routing is not None and routing.use_correction_bias:
             if correction_bias is None:
-                correction_bias = torch.zeros(weights.num_experts, device=weights.device)
+                correction_bias = torch.zeros(self.num_experts, device=weights.device)
             self.register_buffer(BIAS, correction_bias.to(device=weights.device, dtype=torch.float32))
         elif correction_bias is not None:
             raise ValueError("correction_bias was given but the routing does not use one (use_correction_bias)")
@@ -111,6 +127,31 @@ class MoELayer(torch.nn.Module):
         self._weights: MoEWeights | None = weights
 
     # ------------------------------------------------------------------------- constructors
+    @classmethod
+    def sharded(
+        cls, weights: MoEWeights, parallel: str, routing: RoutingConfig | None = None,
+        backend: str | None = "auto", *, process_group=None, correction_bias: torch.Tensor | None = None,
+    ) -> "MoELayer":
+        """This rank's layer of a tensor- ("tp") or expert-parallel ("ep") MoE over
+        `process_group` (None: the default group), sliced from the whole layer's `weights`
+        (moekit.distributed.shard_weights_tp / shard_weights_ep). Under "tp" every rank passes the
+        whole batch and gets the whole output; under "ep" each rank passes its own tokens."""
+        import torch.distributed as dist
+
+        from . import distributed as md
+
+        rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+        if parallel == "tp":
+            local = md.shard_weights_tp(weights, rank, world)
+        elif parallel == "ep":
+            local = md.shard_weights_ep(weights, rank, world)
+        else:
+            raise ValueError(f"parallel must be 'tp' or 'ep', got {parallel!r}")
+        return cls(
+            local, routing, backend, correction_bias=correction_bias, parallel=parallel,
+            process_group=process_group, num_experts=weights.num_experts if parallel == "ep" else None,
+        )
+
     @classmethod
     def from_model(
         cls, model: str | ModelSpec, weights: MoEWeights, *, tp: int = 1, backend: str | None = "auto",
@@ -219,13 +260,28 @@ class MoELayer(torch.nn.Module):
                 f"MoELayer takes (x, router_logits) or (x, topk_weights, topk_ids), got {1 + len(routing)} tensors"
             )
         on_input = self.routing is not None and self.routing.apply_on_input
-        out = fused_moe(
-            x2, self.weights, topk_weights, topk_ids, self.backend,
-            apply_router_weight_on_input=on_input, allow_weight_copies=False,
-        )
+        if self.parallel is None:
+            out = fused_moe(
+                x2, self.weights, topk_weights, topk_ids, self.backend,
+                apply_router_weight_on_input=on_input, allow_weight_copies=False,
+            )
+        else:
+            from . import distributed as md
+
+            if self.parallel == "tp":
+                out = md.tp_fused_moe(
+                    x2, self.weights, topk_weights, topk_ids, self.process_group, self.backend,
+                    apply_router_weight_on_input=on_input,
+                )
+            else:
+                out = md.ep_fused_moe(
+                    x2, self.weights, topk_weights, topk_ids, self.num_experts, self.process_group,
+                    self.backend, apply_router_weight_on_input=on_input,
+                )
         return out if x.dim() == 2 else out.reshape(*lead, out.shape[-1])
 
     def extra_repr(self) -> str:
         w = self.weights
         top_k = f", top_k={self.routing.top_k}" if self.routing is not None else ""
-        return f"E={w.num_experts}, H={w.hidden}, N={w.n}{top_k}, scheme={w.scheme.name}, backend={self.backend!r}"
+        par = "" if self.parallel is None else f", parallel={self.parallel} ({w.num_experts} of {self.num_experts} experts here)"
+        return f"E={w.num_experts}, H={w.hidden}, N={w.n}{top_k}, scheme={w.scheme.name}, backend={self.backend!r}{par}"

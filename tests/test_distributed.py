@@ -165,6 +165,14 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                     x[r], local, tw[r], ids[r], c.E, backend=c.backend,
                     apply_router_weight_on_input=c.on_input,
                 )
+        # moekit.MoELayer over the same process group runs the same computation
+        for mode in ("tp", "ep"):
+            c = next(c for c in _cases(world) if c.mode == mode and c.total_tokens and not c.on_input)
+            W, x, tw, ids = _inputs(c)
+            layer = moekit.MoELayer.sharded(W, mode, backend=c.backend)
+            r = slice(None) if mode == "tp" else _rows(c, rank)
+            outs[f"layer-{mode}"] = layer(x[r], tw[r], ids[r])
+            outs[f"layer-{mode}-case"] = c.name
         # The full weights where a shard belongs: refused before any collective, on every rank.
         c = next(c for c in _cases(world) if c.mode == "ep")
         W, x, tw, ids = _inputs(c)
@@ -355,6 +363,16 @@ def test_tensor_parallel(case):
 def test_expert_parallel(case):
     outs = _outputs(case.world)
     _check_ep(case, [o[case.name] for o in outs])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_moe_layer_runs_the_distributed_layer(world, mode):
+    """MoELayer.sharded(weights, mode) computes what tp_fused_moe / ep_fused_moe compute, bitwise
+    (the same calls on the same shards)."""
+    for rank_out in _outputs(world):
+        case = rank_out[f"layer-{mode}-case"]
+        assert torch.equal(rank_out[f"layer-{mode}"], rank_out[case])
 
 
 @pytest.mark.parametrize("world", [2, 3])
