@@ -251,17 +251,20 @@ def float64_moe(
     topk_ids: torch.Tensor,
     intermediate_granularity: str | None = None,
     round_gemm1_output: bool = False,
+    input_granularity: str | None = None,
 ) -> torch.Tensor:
     """The layer's quantized problem computed in float64 between its rounding points: [M, H] float64.
 
     Rounding points (the problem's definition, as `reference_moe`): x quantized by the scheme's
     activation rule; the intermediate stored in x's dtype, then quantized by the activation rule
     (or `intermediate_granularity`); with `round_gemm1_output`, GEMM1's output too is stored in
-    x's dtype before SiLU (a backend's own rounding point). Everything else is float64."""
+    x's dtype before SiLU (a backend's own rounding point). `input_granularity` quantizes x by
+    another rule than the scheme's (a diagnostic: which rule does a kernel really apply?).
+    Everything else is float64."""
     scheme = weights.scheme
     M, K = topk_ids.shape
     N, H = weights.n, weights.hidden
-    xq = _quantized64(x, scheme.activation, weights.a13_scale) if scheme.is_fp8 else x.double()
+    xq = _quantized64(x, input_granularity or scheme.activation, weights.a13_scale) if scheme.is_fp8 else x.double()
     act = torch.zeros(M * K, N, dtype=torch.float64, device=x.device)
     experts = list(_groups(topk_ids, weights.num_experts))
     for e, pairs in experts:

@@ -27,6 +27,11 @@ for name, (E, H, N, K, scheme), M in cases:
     out = tb.run(x, w, tw.float(), ids.int())
     f64 = float64_moe(x, w, tw, ids, intermediate_granularity=g)
     print(name, M, "vs float64: triton", round(rel_l2(out, f64), 5), "reference", round(rel_l2(ref, f64), 5), "bf16(f64)", round(rel_l2(f64.bfloat16(), f64), 5))
+    if scheme != "bf16":  # which quantization rules does the kernel really apply? (the smallest error wins)
+        for xg in ("token", "group"):
+            for ig in ("token", "group"):
+                alt = float64_moe(x, w, tw, ids, intermediate_granularity=ig, input_granularity=xg)
+                print(f"    x per {xg}, intermediate per {ig}: triton {rel_l2(out, alt):.5f}")
     print(name, M, "default", tb.config_for(w, K, M, x.device), "rel", round(rel_l2(out, ref), 5), "max", round(max_rel(out, ref), 5), "vs token-ref", round(rel_l2(out, ref_tok), 5))
     for cfg in [KernelConfig(16, 64, 128, 1, 4, 4), KernelConfig(64, 128, 128, 8, 8, 4)]:
         try:

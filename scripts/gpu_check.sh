@@ -1,49 +1,77 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU, in one call of the device tool. Results go under $OUT
-# (or ./gpu-results): logs, and the CSV / JSON / PNG files of `moekit bench` and `moekit check`.
+# Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|bench|check|all] [extra pytest args for `tests`]
+#   bash scripts/gpu_check.sh [tests|bench|check|tune|hf|all ...] [-- extra pytest args]
 #
-# tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass).
+# tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points of shared/anchors/README.md: the expert GEMMs alone
 #        (--mode gemm) and the whole layer, for GLM-4.5V-FP8 TP2, Mixtral-8x7B FP8 and
 #        DeepSeek-V3 TP8, every backend plus auto.
 # check: `moekit check` on the same models.
+# tune:  `moekit tune` on the shipped-table models (TUNE_BUDGET each, default 5m); the tables
+#        land in tuned/ of the archive, ready to copy into moekit/configs/.
+# hf:    one GLM-4.5V-size layer through moekit against transformers' grouped_mm.
+#
+# The device tool brings back at most 8 files, named without '=' or ',' (tables have both), so
+# every result goes into one archive: $OUT/results.tgz (+ $OUT/gpu_check.log, the whole output).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
-what=${1:-all}; shift || true
+WORK=$(mktemp -d /tmp/moekit-gpu.XXXX)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 moekit() { python3 -m moekit.cli "$@"; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
-status=0
+steps=(); pytest_args=()
+while (($#)); do
+  if [[ $1 == -- ]]; then shift; pytest_args=("$@"); break; fi
+  steps+=("$1"); shift
+done
+((${#steps[@]})) || steps=(all)
+want() { [[ " ${steps[*]} " == *" $1 "* || " ${steps[*]} " == *" all "* ]]; }
 
 ANCHOR_M="1 8 64 192 1024 4096 8192"
 LAYER_M="1 8 32 64 192 512 1024 2048 4096 8192"
-# model, tp, scheme of each anchor
 MODELS=("glm-4.5v-fp8 2 fp8-channel-token" "mixtral-8x7b 1 fp8-channel-token" "deepseek-v3 8 fp8-block128")
+run_all() {
+local status=0
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+git log -1 --format='commit %h %s' 2>/dev/null || true
 
-if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+if want tests; then
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests "${pytest_args[@]}" 2>&1 | tee "$WORK/gpu_tests.log"
   status=${PIPESTATUS[0]}
 fi
-if [[ $what == bench || $what == all ]]; then
-  moekit info 2>&1 | tee "$OUT/info.log"
+if want bench; then
+  moekit info
   for m in "${MODELS[@]}"; do
     read -r model tp scheme <<<"$m"
     gemm_backends="triton cutlass"; [[ $scheme == fp8-block128 ]] && gemm_backends=triton  # no block cutlass
     moekit bench --model "$model" --tp "$tp" --scheme "$scheme" --mode gemm --backends $gemm_backends \
-      --batch-sizes $ANCHOR_M --no-check --out "$OUT/bench-gemm-$model" 2>&1 | tee "$OUT/bench-gemm-$model.log"
+      --batch-sizes $ANCHOR_M --no-check --out "$WORK/bench-gemm-$model"
     moekit bench --model "$model" --tp "$tp" --scheme "$scheme" --mode layer --model-estimate \
-      --batch-sizes $LAYER_M --out "$OUT/bench-layer-$model" 2>&1 | tee "$OUT/bench-layer-$model.log"
+      --batch-sizes $LAYER_M --out "$WORK/bench-layer-$model"
   done
 fi
-if [[ $what == check || $what == all ]]; then
+if want check; then
   for m in "${MODELS[@]}"; do
     read -r model tp scheme <<<"$m"
-    moekit check --model "$model" --tp "$tp" --scheme "$scheme" --out "$OUT/check-$model" 2>&1 | tee "$OUT/check-$model.log"
-    status=$(( status || PIPESTATUS[0] ))
+    moekit check --model "$model" --tp "$tp" --scheme "$scheme" --out "$WORK/check-$model" || status=1
   done
 fi
-exit $status
+if want tune; then
+  for m in "glm-4.5v-fp8 2" "mixtral-8x7b 1" "deepseek-v3 8" "qwen3-30b-a3b-fp8 1"; do
+    read -r model tp <<<"$m"
+    scheme=(); [[ $model == mixtral-8x7b ]] && scheme=(--scheme fp8-channel-token)
+    moekit tune --model "$model" --tp "$tp" "${scheme[@]}" --budget "${TUNE_BUDGET:-5m}" \
+      --out "$WORK/tuned" --export-vllm "$WORK/tuned/vllm"
+  done
+fi
+if want hf; then
+  python3 scripts/bench_hf_layer.py --tp 2 --scheme fp8-channel-token --backends auto triton cutlass \
+    --out "$WORK/hf_layer_tp2.json"
+fi
+echo "$status" > "$WORK/status"
+}
+run_all 2>&1 | tee "$OUT/gpu_check.log"
+tar czf "$OUT/results.tgz" -C "$WORK" .
+exit "$(cat "$WORK/status")"
