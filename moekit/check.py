@@ -27,6 +27,7 @@ import torch
 from . import quant
 from .api import fused_moe
 from .backends import get_backend
+from .backends.reference import expert_groups
 from .bench import (
     CPU_MAX_EXPERTS,
     BenchInputError,
@@ -233,16 +234,6 @@ def _expert_weights64(weights: MoEWeights, e: int) -> tuple[torch.Tensor, torch.
     return out[0], out[1]
 
 
-def _groups(topk_ids: torch.Tensor, num_experts: int):
-    flat = topk_ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
-    start = 0
-    for e, count in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
-        if count:
-            yield e, order[start : start + count]
-            start += count
-
-
 @torch.no_grad()
 def float64_moe(
     x: torch.Tensor,
@@ -266,7 +257,7 @@ def float64_moe(
     N, H = weights.n, weights.hidden
     xq = _quantized64(x, input_granularity or scheme.activation, weights.a13_scale) if scheme.is_fp8 else x.double()
     act = torch.zeros(M * K, N, dtype=torch.float64, device=x.device)
-    experts = list(_groups(topk_ids, weights.num_experts))
+    experts = list(expert_groups(topk_ids, weights.num_experts))
     for e, pairs in experts:
         w13, _ = _expert_weights64(weights, e)
         h = xq[pairs // K] @ w13.T  # [pairs, 2N]

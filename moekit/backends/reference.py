@@ -43,7 +43,7 @@ class ReferenceBackend(Backend):
         return reference_moe(x, weights, topk_weights, topk_ids)
 
 
-def _expert_groups(topk_ids: torch.Tensor, num_experts: int):
+def expert_groups(topk_ids: torch.Tensor, num_experts: int):
     """Yield (expert, pair indices) for every expert that received tokens; pair p = token p // K."""
     flat_ids = topk_ids.reshape(-1).long()
     order = torch.argsort(flat_ids, stable=True)
@@ -66,7 +66,7 @@ def reference_moe(x, weights: MoEWeights, topk_weights, topk_ids, intermediate_g
         if scheme.is_fp8:
             xq = quant.fake_quantize_activation(x, scheme.activation, weights.a13_scale)
         act = xq.new_empty(M * K, N)  # SiLU(gate) * up of every (token, expert) pair
-        for e, pairs in _expert_groups(topk_ids, weights.num_experts):
+        for e, pairs in expert_groups(topk_ids, weights.num_experts):
             w13, _ = weights.dequantize_expert(e)
             h = xq[pairs // K] @ w13[0].T  # [pairs, 2N]
             act[pairs] = torch.nn.functional.silu(h[:, :N]) * h[:, N:]
@@ -76,7 +76,7 @@ def reference_moe(x, weights: MoEWeights, topk_weights, topk_ids, intermediate_g
                 act, intermediate_granularity or scheme.activation, weights.a2_scale
             )
         out_pairs = xq.new_empty(M * K, weights.hidden)
-        for e, pairs in _expert_groups(topk_ids, weights.num_experts):
+        for e, pairs in expert_groups(topk_ids, weights.num_experts):
             _, w2 = weights.dequantize_expert(e)
             out_pairs[pairs] = act[pairs] @ w2[0].T  # [pairs, H]
         out = (out_pairs.view(M, K, -1) * topk_weights.float()[:, :, None]).sum(dim=1)
