@@ -48,3 +48,19 @@ def random_routing(M, E, K, *, device="cpu", seed=0, experts=None):
 def random_x(M, H, *, dtype=torch.bfloat16, device="cpu", seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed + 2)
     return torch.randn(M, H, generator=g).to(dtype).to(device)
+
+
+def capture_graph(fn, warmup: int = 2):
+    """Warm `fn` up on a side stream (torch requires it before a capture: compilation, allocator),
+    then capture one call into a CUDA graph. Returns (graph, the captured call's output), the
+    output being the buffer every replay writes."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

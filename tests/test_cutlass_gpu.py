@@ -21,7 +21,7 @@ from moekit.backends import cutlass
 from moekit.backends.glue import ops
 from moekit.backends.reference import _exact_fp32_matmul, reference_moe
 
-from helpers import max_rel, random_routing, random_x, rel_l2
+from helpers import capture_graph, max_rel, random_routing, random_x, rel_l2
 from test_glue import CUTLASS_TOL_L2, CUTLASS_TOL_MAX, bits, check_layout, emulated_scaled_grouped_mm
 from test_torch_backend import gpu_weights
 
@@ -111,15 +111,8 @@ def test_cuda_graph_replay_matches_eager(weights, scheme):
     M = 48
     sx = random_x(M, H, device="cuda")
     stw, sids = random_routing(M, E, K, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: preparation, GEMM choice, Triton compilation
-        for _ in range(2):
-            moekit.fused_moe(sx, w, stw, sids, backend="cutlass")
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sout = moekit.fused_moe(sx, w, stw, sids, backend="cutlass")
+    # the warm-up covers preparation, the GEMM choice and Triton compilation
+    graph, sout = capture_graph(lambda: moekit.fused_moe(sx, w, stw, sids, backend="cutlass"))
     for seed in (1, 2, 3):  # fresh routing and activations, same M; seed 3: a few experts only
         experts = list(range(0, E, 16)) if seed == 3 else None
         tw, ids = random_routing(M, E, K, device="cuda", seed=seed, experts=experts)

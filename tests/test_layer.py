@@ -14,7 +14,7 @@ from moekit.models import ModelSpec
 from moekit.routing import RoutingConfig
 from moekit.spec import MoEShape, get_scheme
 
-from helpers import random_weights, random_x
+from helpers import capture_graph, random_weights, random_x
 
 E, H, N = 8, 128, 128
 GLM_LIKE = RoutingConfig(top_k=2, scoring="sigmoid", renormalize=True, use_correction_bias=True, routed_scaling_factor=2.5)
@@ -235,14 +235,7 @@ def test_layer_on_the_gpu_chooses_per_call_and_captures_into_a_graph(ran):
     x = torch.randn(16, H, device="cuda").bfloat16()
     tw, ids = moekit.route(torch.randn(16, E, device="cuda"), config=layer.routing, correction_bias=layer.e_score_correction_bias)
     eager = layer(x, tw, ids)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer(x, tw, ids)  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer(x, tw, ids)
+    graph, out = capture_graph(lambda: layer(x, tw, ids), warmup=1)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)

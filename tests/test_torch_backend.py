@@ -20,7 +20,7 @@ from moekit.backends import torch_backend
 from moekit.backends.glue import ops
 from moekit.backends.reference import reference_moe
 
-from helpers import max_rel, random_routing, random_weights, random_x, rel_l2
+from helpers import capture_graph, max_rel, random_routing, random_weights, random_x, rel_l2
 
 SCHEMES = ["bf16", "fp8-tensor-static", "fp8-tensor-dynamic", "fp8-channel-token", "fp8-block128"]
 UNQUANTIZED_TOL, UNQUANTIZED_TOL_MAX = 1e-2, 2e-2  # measured <= 5.1e-3 (L2), <= 7.8e-3 (max)
@@ -210,15 +210,7 @@ def test_gpu_cuda_graph_replay_matches_eager():
     if not torch_backend._use_grouped_mm(x, w):
         pytest.skip("grouped_mm path not available on this GPU (the loop path syncs, no graphs)")
     sx, stw, sids = x.clone(), tw.clone(), ids.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: preparation, Triton compilation
-        for _ in range(2):
-            moekit.fused_moe(sx, w, stw, sids, backend="torch")
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sout = moekit.fused_moe(sx, w, stw, sids, backend="torch")
+    graph, sout = capture_graph(lambda: moekit.fused_moe(sx, w, stw, sids, backend="torch"))
     for seed in (1, 2):  # fresh routing and activations, same M
         tw2, ids2 = random_routing(M, E, K, device="cuda", seed=seed)
         x2 = random_x(M, H, device="cuda", seed=seed)

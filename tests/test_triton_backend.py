@@ -9,7 +9,7 @@ from moekit.backends.reference import reference_moe
 from moekit.backends.triton import KernelConfig
 from moekit.backends.triton.launch import align_pairs
 
-from helpers import max_rel, random_routing, random_weights, random_x, rel_l2
+from helpers import capture_graph, max_rel, random_routing, random_weights, random_x, rel_l2
 
 SCHEMES = ["bf16", "fp8-tensor-static", "fp8-tensor-dynamic", "fp8-channel-token", "fp8-block128"]
 
@@ -182,14 +182,7 @@ def test_gpu_cuda_graph_replay_with_fresh_routing(M):
     x = random_x(M, H, device="cuda")
     tw, ids = random_routing(M, E, K, device="cuda", seed=1)
     moekit.fused_moe(x, w, tw, ids, backend="triton")  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        moekit.fused_moe(x, w, tw, ids, backend="triton")
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moekit.fused_moe(x, w, tw, ids, backend="triton")
+    graph, out = capture_graph(lambda: moekit.fused_moe(x, w, tw, ids, backend="triton"), warmup=1)
     for seed in (2, 3):  # new routing, new inputs, same buffers
         tw2, ids2 = random_routing(M, E, K, device="cuda", seed=seed)
         x2 = random_x(M, H, device="cuda", seed=seed)
