@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|bench|check|tune|hf|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|bench|auto|check|tune|hf|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points of shared/anchors/README.md: the expert GEMMs alone
 #        (--mode gemm) and the whole layer, for GLM-4.5V-FP8 TP2, Mixtral-8x7B FP8 and
 #        DeepSeek-V3 TP8, every backend plus auto.
+# auto:  the whole layer on every backend plus auto, at the sizes the shipped decision tables
+#        measured and at sizes between them (is auto within 3% of the fastest everywhere?).
 # check: `moekit check` on the same models.
 # tune:  `moekit tune` on the shipped-table models (TUNE_BUDGET each, default 5m); the tables
 #        land in tuned/ of the archive, ready to copy into moekit/configs/.
 # hf:    one GLM-4.5V-size layer through moekit against transformers' grouped_mm.
+#
+# Wheels in device-wheels/ (git-ignored; carry it with the device tool) are installed first, for
+# what the device image lacks: compressed-tensors and pydantic, without which transformers cannot
+# even read a compressed-tensors config. Fetch them here with
+#   pip download compressed-tensors pydantic pydantic-core loguru annotated-types typing-inspection \
+#     --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 -d device-wheels
 #
 # The device tool brings back at most 8 files, named without '=' or ',' (tables have both), so
 # every result goes into one archive: $OUT/results.tgz (+ $OUT/gpu_check.log, the whole output).
@@ -19,6 +27,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/moekit-gpu.XXXX)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if compgen -G "device-wheels/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target "$WORK/site" device-wheels/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:$WORK/site  # only packages the image lacks (--no-deps)
+fi
 moekit() { python3 -m moekit.cli "$@"; }
 steps=(); pytest_args=()
 while (($#)); do
@@ -50,6 +62,14 @@ if want bench; then
       --batch-sizes $ANCHOR_M --no-check --out "$WORK/bench-gemm-$model"
     moekit bench --model "$model" --tp "$tp" --scheme "$scheme" --mode layer --model-estimate \
       --batch-sizes $LAYER_M --out "$WORK/bench-layer-$model"
+  done
+fi
+if want auto; then
+  for m in "${MODELS[@]}"; do
+    read -r model tp scheme <<<"$m"
+    moekit bench --model "$model" --tp "$tp" --scheme "$scheme" --mode layer --no-check \
+      --batch-sizes 1 4 8 16 32 48 64 128 192 320 512 768 1024 1536 2048 3072 4096 6144 8192 \
+      --out "$WORK/bench-auto-$model"
   done
 fi
 if want check; then

@@ -157,9 +157,12 @@ def test_fp8_rounding_ties_subnormals_saturation(device):
     grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
     grid = grid[torch.isfinite(grid)].unique()  # all finite e4m3 values, sorted
     mids = (grid[1:] + grid[:-1]) / 2  # exact in float32; in bf16 when 4 significant bits suffice
-    vals = torch.cat([grid, mids, torch.tensor([-0.0, 449.0, -464.0, 500.0, -1e4, 2.0**-10, 3 * 2.0**-10])])
-    vals = vals.to(torch.float32)
-    x = vals[: vals.numel() // 16 * 16].view(-1, 16).to(device)  # float32 activations, exact
+    # specials: -0, saturation, ties and non-ties below the smallest subnormal (2**-9), on both
+    # sides: a negative value rounding to zero must give -0 (byte 0x80) as torch does
+    specials = torch.tensor([-0.0, 449.0, -464.0, 500.0, -1e4, 2.0**-10, 3 * 2.0**-10, -(2.0**-11), -(2.0**-10)])
+    vals = torch.cat([specials, grid, mids]).to(torch.float32)
+    vals = torch.cat([vals, vals[: -vals.numel() % 16]])  # whole rows of 16
+    x = vals.view(-1, 16).to(device)  # float32 activations, exact
     ids = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=device)
     one = torch.ones(1, device=device)
     a, _, layout = ops.permute(x, ids, 1, quant="tensor", static_scale=one, impl="triton")

@@ -42,7 +42,9 @@ def _round_e4m3(v):
 
     Adding then subtracting c = 2**(e - 3 + 23) rounds |v| in [2**e, 2**(e+1)) to a multiple of
     2**(e - 3), the e4m3 spacing there (3 mantissa bits); below 2**-6 e4m3 is subnormal with
-    spacing 2**-9, hence e >= -6. The sign is taken from the bits so that -0.0 stays -0.0.
+    spacing 2**-9, hence e >= -6. The sign bit is copied over (not `-r`: Triton negates as
+    0 - r, which turns a value rounded to zero into +0.0 where torch keeps -0.0: found on an
+    H200, 2026-12-03, as 80 of 16.8 million FP8 bytes differing from torch's).
     """
     bits = v.to(tl.int32, bitcast=True)
     a = tl.abs(v)
@@ -50,7 +52,8 @@ def _round_e4m3(v):
     e = tl.maximum(e, -6)
     c = ((e + (20 + 127)) << 23).to(tl.float32, bitcast=True)
     r = (a + c) - c
-    return tl.where(bits < 0, -r, r)
+    sign = bits & -2147483648  # 0x80000000
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

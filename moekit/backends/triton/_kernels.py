@@ -30,6 +30,14 @@ def _to_fp8(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _scale_from_amax(amax):
+    """moekit.quant.scale_from_amax. Triton's `/` on float32 is an approximate division on the GPU
+    (div.full.f32, off by up to 2 ulp), which would move FP8 values across rounding boundaries
+    away from the reference's; div_rn is IEEE division, so both quantize to the same bits."""
+    return tl.div_rn(tl.maximum(amax, 1e-10), 448.0)
+
+
+@triton.jit
 def _to_dtype(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     """float32 -> the activations' dtype, rounding to nearest even."""
     if INTERPRET and dtype == tl.bfloat16:
@@ -160,9 +168,9 @@ def _quantize_row(
         g_idx = tl.arange(0, BLOCK_H // GROUP)
         cols2 = g_idx[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         x2 = tl.load(x_ptr + row * stride_x + cols2, mask=cols2 < H, other=0.0).to(tl.float32)
-        g_scale = tl.maximum(tl.max(tl.abs(x2), axis=1), 1e-10) / 448.0  # [BLOCK_H // GROUP]
+        g_scale = _scale_from_amax(tl.max(tl.abs(x2), axis=1))  # [BLOCK_H // GROUP]
         tl.store(scale_ptr + row * stride_s + g_idx, g_scale, mask=g_idx * GROUP < H)
-        q2 = tl.clamp(x2 / g_scale[:, None], -448.0, 448.0)
+        q2 = tl.clamp(tl.div_rn(x2, g_scale[:, None]), -448.0, 448.0)
         tl.store(q_ptr + row * stride_q + cols2, _to_fp8(q2, INTERPRET), mask=cols2 < H)
     else:
         cols = tl.arange(0, BLOCK_H)
@@ -171,15 +179,15 @@ def _quantize_row(
             tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
         else:
             if MODE == 0:
-                scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / 448.0
+                scale = _scale_from_amax(tl.max(tl.abs(x), axis=0))
                 tl.store(scale_ptr + row, scale)
             elif FROM_AMAX:
-                scale = tl.maximum(tl.load(amax_ptr), 1e-10) / 448.0
+                scale = _scale_from_amax(tl.load(amax_ptr))
                 if row == 0:
                     tl.store(scale_ptr, scale)
             else:
                 scale = tl.load(scale_ptr)
-            q = tl.clamp(x / scale, -448.0, 448.0)
+            q = tl.clamp(tl.div_rn(x, scale), -448.0, 448.0)
             tl.store(q_ptr + row * stride_q + cols, _to_fp8(q, INTERPRET), mask=cols < H)
 
 
@@ -253,7 +261,7 @@ def _tile_ids(num_rows_ptr, num_n_blocks, GROUP_M: tl.constexpr, BLOCK_M: tl.con
 @triton.jit
 def _quantize_tile(a, scale_of_row, INTERPRET: tl.constexpr):
     """float32 tile -> FP8 with per-row scales [BLOCK_M] (the 1x128 group or per-tensor rule)."""
-    return _to_fp8(tl.clamp(a / scale_of_row[:, None], -448.0, 448.0), INTERPRET)
+    return _to_fp8(tl.clamp(tl.div_rn(a, scale_of_row[:, None]), -448.0, 448.0), INTERPRET)
 
 
 @triton.jit
@@ -346,13 +354,13 @@ def gemm1_kernel(
     if OUT_MODE == 1:
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(out_mask, tl.abs(act.to(tl.float32)), 0.0), axis=1), axis=0))
     if OUT_MODE == 2:
-        q = tl.clamp(act.to(tl.float32) / tl.load(out_scale_ptr), -448.0, 448.0)
+        q = tl.clamp(tl.div_rn(act.to(tl.float32), tl.load(out_scale_ptr)), -448.0, 448.0)
         tl.store(out_ptrs, _to_fp8(q, INTERPRET), mask=out_mask)
     elif OUT_MODE == 3:
         # BLOCK_N == 128: each tile row is one 1x128 group of the intermediate. (Reductions over
         # a tl.reshape'd 3-D view were wrong on an H200 with triton 3.6, 2026-12-03, so no reshape.)
         a32 = tl.where(out_mask, act.to(tl.float32), 0.0)
-        g_scale = tl.maximum(tl.max(tl.abs(a32), axis=1), 1e-10) / 448.0  # [BLOCK_M]
+        g_scale = _scale_from_amax(tl.max(tl.abs(a32), axis=1))  # [BLOCK_M]
         tl.store(out_ptrs, _quantize_tile(a32, g_scale, INTERPRET), mask=out_mask)
         tl.store(out_scale_ptr + rows.to(tl.int64) * stride_os + pid_n, g_scale, mask=row_ok)
     else:
@@ -395,7 +403,7 @@ def gemm2_kernel(
     if A_MODE == 1:
         tensor_scale = tl.load(a_scale_ptr)
     elif A_MODE == 3:
-        tensor_scale = tl.maximum(tl.load(a_scale_ptr), 1e-10) / 448.0
+        tensor_scale = _scale_from_amax(tl.load(a_scale_ptr))
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, N, BLOCK_K):
         k_ok = ks < N - k0
@@ -404,7 +412,7 @@ def gemm2_kernel(
         if A_MODE == 2 or A_MODE == 4:
             if A_MODE == 2:
                 a32 = a.to(tl.float32)
-                step_a = tl.maximum(tl.max(tl.abs(a32), axis=1), 1e-10) / 448.0  # [BLOCK_M]
+                step_a = _scale_from_amax(tl.max(tl.abs(a32), axis=1))  # [BLOCK_M]
                 a = _quantize_tile(a32, step_a, INTERPRET)
             else:
                 step_a = tl.load(a_scale_ptr + rows.to(tl.int64) * stride_as + k0 // BLOCK_K, mask=row_ok, other=0.0)
