@@ -124,7 +124,7 @@ def cmd_tune(args) -> int:
         models=args.model, tp=args.tp, scheme=args.scheme, batch_sizes=args.batch_sizes, backends=args.backends,
         budget=args.budget, out=args.out, routing=args.routing, search_space=args.search_space, reps=args.reps,
         warmup=args.warmup, seed=args.seed, dtype=args.dtype, export_vllm=args.export_vllm,
-        argv=getattr(args, "argv", None),
+        compile_workers=args.compile_workers, argv=getattr(args, "argv", None),
     )
     try:
         return run_tune(opts, console).exit_code
@@ -246,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "full: every config that can run (exhaustive)")
     tune.add_argument("--reps", type=int, default=20, help="timed replays per config")
     tune.add_argument("--warmup", type=int, default=3, help="warm-up calls per config (the first compiles)")
+    tune.add_argument("--compile-workers", type=int, default=None, metavar="N",
+                      help="helper processes compiling configs ahead of their measurement "
+                           "(default: half the CPU cores, at most 8, on a GPU; 0 on the CPU)")
     tune.add_argument("--export-vllm", default=None, metavar="DIR",
                       help="also write the configs as vLLM fused_moe config files into DIR")
     tune.set_defaults(func=cmd_tune)

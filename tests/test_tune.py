@@ -25,7 +25,8 @@ from moekit.spec import BF16, FP8_BLOCK128, FP8_CHANNEL_TOKEN, MoEShape, get_sch
 from moekit.tables import CONFIG_DIR_ENV
 from moekit.timing import Timing
 from moekit.tune import TuneOptions, parse_budget, run_tune
-from moekit.tune import output, runner, space
+from moekit.bench import make_weights
+from moekit.tune import output, precompile, runner, space
 from moekit.tune.plan import TuneInputError
 from moekit.tune.space import NeighbourResult, config_key, interpreter_space
 
@@ -386,6 +387,67 @@ def test_batch_sizes_spread_over_worker_processes(tmp_path, tiny_model):
     assert list(read(only_file(out / "backends"))["batch_sizes"]) == SIZES
 
 
+@pytest.mark.parametrize("scheme", ["bf16", "fp8-tensor-static", "fp8-tensor-dynamic", "fp8-channel-token", "fp8-block128"])
+def test_helpers_compile_with_the_workers_shapes_and_dtypes(scheme):
+    """The helpers' empty weights have exactly the shapes and dtypes of the weights the worker
+    measures with (Triton specializes on them, so anything else compiles other kernels)."""
+    s = get_scheme(scheme)
+    real = make_weights(SHAPE, s, torch.device("cpu"))
+    empty = precompile.empty_weights(SHAPE, s, torch.device("cpu"), torch.bfloat16)
+    want = {k: (v.shape, v.dtype, v.stride()) for k, v in real.tensors().items()}
+    assert {k: (v.shape, v.dtype, v.stride()) for k, v in empty.tensors().items()} == want
+
+
+def test_compile_only_compiles_and_launches_nothing(monkeypatch):
+    """Inside compile_only a kernel is compiled (warmup) but never launched; under the interpreter,
+    which compiles nothing, nothing happens at all; outside it, kernels launch as usual."""
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append(("launch", grid, a, k))
+
+        def warmup(self, *a, grid, **k):
+            calls.append(("warmup", grid, a, k))
+
+    monkeypatch.setattr(launch, "_interpreting", lambda: False)
+    launch._launch(Kernel(), (2,), 1, BLOCK=3)
+    with launch.compile_only():
+        launch._launch(Kernel(), (4,), 5, BLOCK=6)
+        monkeypatch.setattr(launch, "_interpreting", lambda: True)
+        launch._launch(Kernel(), (7,), 8)
+    launch._launch(Kernel(), (9,))
+    assert calls == [("launch", (2,), (1,), {"BLOCK": 3}), ("warmup", (4,), (5,), {"BLOCK": 6}), ("launch", (9,), (), {})]
+
+
+def test_precompiler_reports_errors_and_runs_the_space(tmp_path):
+    """The helper pool runs every config it is given and returns the error of one that cannot run."""
+    pool = precompile.Precompiler(torch.device("cpu"), torch.bfloat16, helpers=1)
+    try:
+        assert pool.active
+        good = interpreter_space(FP8_CHANNEL_TOKEN)
+        bad = KernelConfig(16, 48, 128, 1, 4, 2)  # BLOCK_N not a power of two
+        results = [f.result(timeout=120) for f in pool.submit(SHAPE, FP8_CHANNEL_TOKEN, 4, [*good, bad])]
+    finally:
+        pool.close()
+    assert results[:-1] == [None] * len(good)
+    assert "BLOCK_N=48" in results[-1]
+    assert not pool.active and pool.submit(SHAPE, FP8_CHANNEL_TOKEN, 4, good) == []
+
+
+def test_tune_with_compile_helpers_writes_the_same_tables(tmp_path, tiny_model, monkeypatch):
+    """Helpers change only where compilation happens, never what is measured or written."""
+    winner = interpreter_space(FP8_CHANNEL_TOKEN)[1]
+    FakeTimer(us={triton(winner): 50.0}).install(monkeypatch)
+    tables = []
+    for helpers in (0, 1):
+        out = tmp_path / f"out{helpers}"
+        result, text = tune(tiny_model, out, compile_workers=helpers)
+        assert result.exit_code == 0, text
+        tables.append({m: KernelConfig.from_dict(c) for m, c in read(only_file(out / "triton"))["configs"].items()})
+    assert tables[0] == tables[1] == {m: winner for m in SIZES}
+
+
 def test_split_batch_sizes_into_contiguous_runs():
     assert runner.split_batch_sizes([8, 1, 2, 4, 16], 2) == [[1, 2, 4], [8, 16]]
     assert runner.split_batch_sizes([1, 2], 8) == [[1], [2]]
@@ -504,6 +566,7 @@ def test_parse_budget():
     (["--scheme", "fp7"], "--scheme"),
     (["--backends", "auto"], "--backends"),
     (["--reps", "0"], "--reps"),
+    (["--compile-workers", "-1"], "--compile-workers"),
     (["--out", "{file}/sub"], "--out"),
     (["--export-vllm", "{file}/sub"], "--export-vllm"),
 ])

@@ -16,6 +16,7 @@ from ..bench import (
     prepare_out_dir, resolve_problems,
 )
 from ..spec import MoEShape, QuantScheme
+from .precompile import default_helpers
 from .space import NEIGHBOUR_MARGIN, SEARCH_SPACES, SpaceFn, default_space
 
 GPU_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -44,6 +45,7 @@ class TuneOptions:
     seed: int = 0
     dtype: str = "bf16"
     export_vllm: str | None = None
+    compile_workers: int | None = None  # helper processes compiling ahead (None: precompile.default_helpers)
     argv: list[str] | None = None
     space: SpaceFn | None = None  # tests: the configs to search instead of the device's space
     devices: list[str] | None = None  # tests: worker devices instead of every visible GPU
@@ -80,6 +82,7 @@ class TunePlan:
     out_dir: Path
     export_dir: Path | None
     budget_s: float | None
+    compile_workers: int  # helper processes compiling configs ahead of the measurements (0: none)
     run_meta: dict  # extra metadata of the triton tables (command, search settings)
     created: list[Path]  # output folders this run created (removed again if it fails at once)
 
@@ -122,7 +125,8 @@ def build_plan(opts: TuneOptions, device: torch.device) -> TunePlan:
     folder(s) last, so that bad input leaves nothing behind."""
     if opts.search_space not in SEARCH_SPACES:
         raise TuneInputError(f"--search-space: {opts.search_space!r} is not one of {', '.join(SEARCH_SPACES)}")
-    for name, value, least in (("--reps", opts.reps, 1), ("--warmup", opts.warmup, 0)):
+    helpers = default_helpers(device) if opts.compile_workers is None else opts.compile_workers
+    for name, value, least in (("--reps", opts.reps, 1), ("--warmup", opts.warmup, 0), ("--compile-workers", helpers, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise TuneInputError(f"{name} must be an integer >= {least}, got {value!r}")
     budget = parse_budget(opts.budget)
@@ -185,6 +189,7 @@ def build_plan(opts: TuneOptions, device: torch.device) -> TunePlan:
         out_dir=out_dir,
         export_dir=export_dir,
         budget_s=budget,
+        compile_workers=helpers,
         run_meta={
             "tool": "moekit tune",
             "search_space": opts.search_space,

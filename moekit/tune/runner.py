@@ -40,6 +40,7 @@ from ..timing import Timing, time_graph
 from .journal import MAX_DEATHS, Journal, journal_path, load_journals
 from .output import write_tables
 from .plan import TunePlan, TuneProblem
+from .precompile import Precompiler
 from .space import NeighbourResult, config_key, neighbour_prune, shared_memory_limit, static_prune
 
 # A config whose output differs from the default config's by more than this (relative L2) is
@@ -181,6 +182,7 @@ class Worker:
         self.triton = get_backend("triton")
         self._target: tuple[int, torch.Tensor | None] | None = None  # (M, default config's output)
         self._weights = None
+        self.precompiler = Precompiler(device, plan.dtype, 0)  # run() starts the helpers
 
     def run(self) -> None:
         self.name = device_name(self.device)
@@ -188,10 +190,14 @@ class Worker:
         self.shared_memory, source = shared_memory_limit(self.device)
         self.reporter.log(f"{self.name}: {self.shared_memory // 1024} KiB of shared memory per block ({source})")
         self.slots_left = len(self.plan.problems) * len(self.sizes)
-        for problem in self.plan.problems:
-            if self.deadline.passed():
-                break
-            self._problem(problem)
+        self.precompiler = Precompiler(self.device, self.plan.dtype, self.plan.compile_workers, self.reporter.log)
+        try:
+            for problem in self.plan.problems:
+                if self.deadline.passed():
+                    break
+                self._problem(problem)
+        finally:
+            self.precompiler.close()
 
     # ------------------------------------------------------------------------------ phases
 
@@ -281,6 +287,7 @@ class Worker:
         if not todo:
             return
         share_end = self.deadline.share(self.slots_left)
+        self.precompiler.submit(p.shape, p.scheme, M, todo)
         inputs = self._inputs(p, M)
         done = 0
         for cfg in todo:

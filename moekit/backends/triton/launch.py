@@ -14,6 +14,8 @@ a per-row scale would (the group's max is at most the row's), and it fuses into 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -36,6 +38,28 @@ FP8_PROMOTE_EVERY = int(os.environ.get("MOEKIT_FP8_PROMOTE", "0"))
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+_COMPILE_ONLY = contextvars.ContextVar("moekit_triton_compile_only", default=False)
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Within it, the backend's kernels are compiled (into Triton's on-disk cache, where any other
+    process finds them) but not launched: what `moekit tune` runs in helper processes ahead of
+    the measurements. Inputs may then be meta tensors; outputs hold nothing."""
+    token = _COMPILE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _COMPILE_ONLY.reset(token)
+
+
+def _launch(kernel, grid, *args, **kwargs):
+    if not _COMPILE_ONLY.get():
+        kernel[grid](*args, **kwargs)
+    elif not _interpreting():  # the interpreter compiles nothing
+        kernel.warmup(*args, grid=grid, **kwargs)
 
 
 @functools.lru_cache(maxsize=16)
@@ -126,7 +150,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     P, E, ids, dev = align.num_pairs, num_experts, topk_ids.reshape(-1), topk_ids.device
     sorted_pairs, count, start = align.sorted_pairs, align.count, align.start
     if P <= SINGLE_ALIGN_MAX_PAIRS:
-        k.align_single_kernel[(1,)](
+        _launch(k.align_single_kernel, (1,),
             ids, sorted_pairs, count, start, P, E,
             BLOCK_M=block_m, CHUNK=SINGLE_ALIGN_MAX_PAIRS, E_BLOCK=E_BLOCK,
         )
@@ -134,12 +158,12 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
         chunks = triton.cdiv(P, CHUNK)
         chunk_counts = torch.empty(chunks, E, dtype=torch.int32, device=dev)
         total = torch.empty(E, dtype=torch.int32, device=dev)
-        k.align_count_kernel[(chunks,)](ids, chunk_counts, P, E, CHUNK=CHUNK, E_BLOCK=E_BLOCK)
-        k.align_scan_kernel[(1,)](
+        _launch(k.align_count_kernel, (chunks,), ids, chunk_counts, P, E, CHUNK=CHUNK, E_BLOCK=E_BLOCK)
+        _launch(k.align_scan_kernel, (1,),
             chunk_counts, total, count, start, chunks, E,
             BLOCK_M=block_m, C_POW2=triton.next_power_of_2(chunks), E_BLOCK=16,
         )
-        k.align_scatter_kernel[(chunks,)](ids, sorted_pairs, chunk_counts, start, P, E, CHUNK=CHUNK)
+        _launch(k.align_scatter_kernel, (chunks,), ids, sorted_pairs, chunk_counts, start, P, E, CHUNK=CHUNK)
     return align
 
 
@@ -189,7 +213,7 @@ def quantize_input(x: torch.Tensor, weights: MoEWeights) -> tuple[torch.Tensor, 
     q = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=x.device)
     scale = _input_scale(x, weights)
     launch = functools.partial(
-        k.quantize_rows_kernel[(M,)], x, q, scale, H=H, stride_x=x.stride(0), stride_q=q.stride(0),
+        _launch, k.quantize_rows_kernel, (M,), x, q, scale, H=H, stride_x=x.stride(0), stride_q=q.stride(0),
         stride_s=scale.stride(0) if scale.dim() == 2 else 0, BLOCK_H=_block_h(H), GROUP=128,
         INTERPRET=_interpreting(),
     )
@@ -210,7 +234,7 @@ def align_and_quantize(x, weights: MoEWeights, topk_ids, block_m: int):
     align = _empty_alignment(topk_ids, weights.num_experts, block_m)
     q = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=x.device)
     scale = _input_scale(x, weights)
-    k.decode_prologue_kernel[(1 + M,)](
+    _launch(k.decode_prologue_kernel, (1 + M,),
         topk_ids.reshape(-1), align.sorted_pairs, align.count, align.start, align.num_pairs,
         weights.num_experts, x, q, scale, H, x.stride(0), q.stride(0),
         scale.stride(0) if scale.dim() == 2 else 0,
@@ -264,7 +288,7 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
     w_scale = weights.w13_scale
     unused = a  # pointer arguments a variant never reads
     stride_wse, stride_wsn = _scale_strides(w_scale)
-    k.gemm1_kernel[_tiles(align, cfg, N)](
+    _launch(k.gemm1_kernel, _tiles(align, cfg, N),
         a, a_scale if a_scale is not None else unused, weights.w13,
         w_scale if w_scale is not None else unused, out,
         scale if scale is not None else unused, scale if scale is not None else unused,
@@ -291,7 +315,7 @@ def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights
     out = torch.empty(align.num_pairs, H, dtype=out_dtype, device=values.device)
     w_scale = weights.w2_scale
     stride_wse, stride_wsn = _scale_strides(w_scale)
-    k.gemm2_kernel[_tiles(align, cfg, H)](
+    _launch(k.gemm2_kernel, _tiles(align, cfg, H),
         values, act.scale if act.scale is not None else values, weights.w2,
         w_scale if w_scale is not None else values, topk_weights.reshape(-1).contiguous(), out,
         align.sorted_pairs, align.count, align.start,
@@ -309,5 +333,5 @@ def combine(pairs: torch.Tensor, M: int, K: int) -> torch.Tensor:
     H = pairs.shape[1]
     out = torch.empty(M, H, dtype=pairs.dtype, device=pairs.device)
     block_h = min(triton.next_power_of_2(H), 1024)
-    k.combine_kernel[(M, triton.cdiv(H, block_h))](pairs, out, H, K_TOP=K, BLOCK_H=block_h, INTERPRET=_interpreting())
+    _launch(k.combine_kernel, (M, triton.cdiv(H, block_h)), pairs, out, H, K_TOP=K, BLOCK_H=block_h, INTERPRET=_interpreting())
     return out
