@@ -10,8 +10,9 @@
 # auto:  the whole layer on every backend plus auto, at the sizes the shipped decision tables
 #        measured and at sizes between them (is auto within 3% of the fastest everywhere?).
 # check: `moekit check` on the same models.
-# tune:  `moekit tune` on the shipped-table models (TUNE_BUDGET each, default 5m); the tables
-#        land in tuned/ of the archive, ready to copy into moekit/configs/.
+# tune:  `moekit tune` on the shipped-table models (TUNE_BUDGET each, default 5m; TUNE_MODELS
+#        "model:tp[:scheme] ..." to choose); the tables land in tuned/ of the archive, ready to
+#        copy into moekit/configs/.
 # hf:    one GLM-4.5V-size layer through moekit against transformers' grouped_mm.
 #
 # Wheels in device-wheels/ (git-ignored; carry it with the device tool) are installed first, for
@@ -79,10 +80,9 @@ if want check; then
   done
 fi
 if want tune; then
-  for m in "glm-4.5v-fp8 2" "mixtral-8x7b 1" "deepseek-v3 8" "qwen3-30b-a3b-fp8 1"; do
-    read -r model tp <<<"$m"
-    scheme=(); [[ $model == mixtral-8x7b ]] && scheme=(--scheme fp8-channel-token)
-    moekit tune --model "$model" --tp "$tp" "${scheme[@]}" --budget "${TUNE_BUDGET:-5m}" \
+  for m in ${TUNE_MODELS:-glm-4.5v-fp8:2 mixtral-8x7b:1:fp8-channel-token deepseek-v3:8 qwen3-30b-a3b-fp8:1}; do
+    IFS=: read -r model tp scheme <<<"$m"
+    moekit tune --model "$model" --tp "$tp" ${scheme:+--scheme "$scheme"} --budget "${TUNE_BUDGET:-5m}" \
       --out "$WORK/tuned" --export-vllm "$WORK/tuned/vllm"
   done
 fi
