@@ -48,7 +48,7 @@ from .backends import backend_names, get_backend
 from .models import ModelSpec, get_model
 from .select import select_backend
 from .spec import MoEShape, QuantScheme, get_scheme
-from .timing import DEFAULT_REPS, DEFAULT_WARMUP, Timing, time_graph
+from .timing import DEFAULT_REPS, DEFAULT_WARMUP, DEFAULT_ROUNDS, Timing, time_graphs
 from .weights import MoEWeights, quantize_weights
 
 
@@ -677,41 +677,52 @@ def _round(value: float | None, digits: int) -> float | None:
     return round(value, digits)
 
 
-def _point(
-    p: Problem, name: str, mode: str, M: int, x, weights, tw, ids, opts: BenchOptions, device, ceilings, reference_out
-) -> dict:
-    """Time one (model, backend, batch size) and fill its row (speedup is added afterwards)."""
+def _layer_fn(p: Problem, name: str, mode: str, M: int, x, weights, tw, ids, device) -> tuple[dict, Callable | None]:
+    """The row of one (model, backend, batch size) and the closure to time (None: nothing to time,
+    the row says why)."""
     row: dict[str, Any] = {
         "model": p.name, "scheme": p.scheme.name, "backend": name, "chosen": name, "mode": mode, "batch_size": M,
     }
-    notes = []
     try:
         if name == "auto":
             row["chosen"] = select_backend(p.shape, p.scheme, device, x.dtype, M, "auto").backend
         if mode == "layer":
             def fn():
                 return fused_moe(x, weights, tw, ids, backend=name)
-        else:
-            backend = get_backend(row["chosen"])
-            hook = getattr(backend, GEMM_ONLY_HOOK, None)
-            if hook is None:
-                row["note"] = NO_GEMM_ONLY
-                return row
-            vtw, vids = validate_inputs(x, weights, tw, ids)
-            fn = hook(x, weights, vtw, vids)
-        with torch.no_grad():
-            timing: Timing = time_graph(fn, reps=opts.reps, warmup=opts.warmup, device=device)
-            if opts.check and reference_out is not None:
-                out = fused_moe(x, weights, tw, ids, backend=name)
-                err = rel_l2(out, reference_out(row["chosen"]))
-                if math.isfinite(err):
-                    row["rel_err"] = float(f"{err:.4e}")
-                else:
-                    notes.append("output has NaN or inf values")
+
+            return row, fn
+        hook = getattr(get_backend(row["chosen"]), GEMM_ONLY_HOOK, None)
+        if hook is None:
+            row["note"] = NO_GEMM_ONLY
+            return row, None
+        vtw, vids = validate_inputs(x, weights, tw, ids)
+        return row, hook(x, weights, vtw, vids)
     except Exception as e:  # noqa: BLE001 - one failing point is reported, the run goes on
-        row["note"] = f"error: {type(e).__name__}: {_one_line(e)[:200]}"
-        row["_error"] = True
-        return row
+        return _failed(row, e), None
+
+
+def _failed(row: dict, e: BaseException) -> dict:
+    row["note"] = f"error: {type(e).__name__}: {_one_line(e)[:200]}"
+    row["_error"] = True
+    return row
+
+
+def _finish_row(
+    row: dict, timing: Timing, p: Problem, M: int, x, weights, tw, ids, opts: BenchOptions, ceilings, reference_out
+) -> dict:
+    """Fill a timed row: times, rates, floor and efficiency, and the accuracy check."""
+    notes = []
+    if opts.check and reference_out is not None:
+        try:
+            with torch.no_grad():
+                out = fused_moe(x, weights, tw, ids, backend=row["backend"])
+            err = rel_l2(out, reference_out(row["chosen"]))
+        except Exception as e:  # noqa: BLE001
+            return _failed(row, e)
+        if math.isfinite(err):
+            row["rel_err"] = float(f"{err:.4e}")
+        else:
+            notes.append("output has NaN or inf values")
     if timing.note:
         notes.append(timing.note)
     counts = roofline.count(p.shape, p.scheme, M, ids, x.dtype)
@@ -804,9 +815,19 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
                         )
                     return cache[granularity]
 
-                for name in names:
-                    progress.update(task, description=f"{p.name} M={M} {name}")
-                    rows.append(_point(p, name, opts.mode, M, x, weights, tw, ids, opts, device, ceilings, reference_out))
+                # every backend at this M is timed in the same interleaved rounds (time_graphs)
+                progress.update(task, description=f"{p.name} M={M}: {', '.join(names)}")
+                prepared = [_layer_fn(p, name, opts.mode, M, x, weights, tw, ids, device) for name in names]
+                fns = {row["backend"]: fn for row, fn in prepared if fn is not None}
+                with torch.no_grad():
+                    timings = time_graphs(fns, reps=opts.reps, warmup=opts.warmup, device=device) if fns else {}
+                for row, fn in prepared:
+                    timing = timings.get(row["backend"])
+                    if isinstance(timing, Exception):
+                        row = _failed(row, timing)
+                    elif timing is not None:
+                        row = _finish_row(row, timing, p, M, x, weights, tw, ids, opts, ceilings, reference_out)
+                    rows.append(row)
                     progress.advance(task)
                 del x, tw, ids, cache
             del weights
@@ -831,7 +852,8 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
         batch_sizes=plan.batch_sizes,
         timing=(
             f"CUDA graph replays; L2 flushed by zeroing a 512 MiB buffer before each, the flush's median "
-            f"time subtracted; median of {opts.reps} after {opts.warmup} warm-up calls"
+            f"time subtracted; median of {opts.reps} after {opts.warmup} warm-up calls; the backends of one "
+            f"batch size interleaved in {DEFAULT_ROUNDS} rounds"
             if device.type == "cuda"
             else f"CPU wall clock (time.perf_counter) around each call; median of {opts.reps} after {opts.warmup} warm-up calls"
         ),

@@ -27,6 +27,7 @@ import torch
 FLUSH_BYTES = 512 * 1024**2
 DEFAULT_REPS = 30
 DEFAULT_WARMUP = 5
+DEFAULT_ROUNDS = 5  # time_graphs: replays of several closures interleaved in this many rounds
 
 _flush_buffers: dict[int, torch.Tensor] = {}  # CUDA device index -> its flush buffer
 
@@ -62,31 +63,87 @@ def time_graph(
     use_graph: bool = True,
 ) -> Timing:
     """Time `fn()` (a closure over inputs prepared beforehand). See the module docstring."""
+    result = time_graphs({"fn": fn}, reps=reps, warmup=warmup, flush_l2=flush_l2, device=device,
+                         use_graph=use_graph, rounds=1)["fn"]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def time_graphs(
+    fns: dict[str, Callable[[], object]],
+    *,
+    reps: int = DEFAULT_REPS,
+    warmup: int = DEFAULT_WARMUP,
+    flush_l2: bool = True,
+    device: torch.device | str | None = None,
+    use_graph: bool = True,
+    rounds: int = DEFAULT_ROUNDS,
+) -> dict[str, Timing | Exception]:
+    """Time several closures fairly against each other: each is warmed up and captured first,
+    then their replays are interleaved in `rounds` rounds (the order rotating each round), so that
+    every one of them sees the same GPU clocks. A GPU running a long compute-bound layer heats up
+    and slows down by several percent within a second (p20-p80 spreads of ~10% at prefill sizes
+    on an H200, 2026-12-03); timed one after the other, the last closure would pay for it.
+
+    Returns each name's Timing, or the exception its warm-up raised."""
     if not isinstance(reps, int) or reps < 1:
         raise ValueError(f"reps must be a positive integer, got {reps!r}")
     if not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
     if device.type == "cuda":
         with torch.cuda.device(device):
-            return _time_cuda(fn, reps, warmup, flush_l2, use_graph)
-    return _time_cpu(fn, reps, warmup)
+            return _time_cuda(fns, reps, warmup, flush_l2, use_graph, rounds)
+    return _time_cpu(fns, reps, warmup, rounds)
+
+
+def _round_sizes(reps: int, rounds: int) -> list[int]:
+    """`reps` split over at most `rounds` rounds, as evenly as possible (no empty round)."""
+    rounds = min(rounds, reps)
+    base, extra = divmod(reps, rounds)
+    return [base + (1 if i < extra else 0) for i in range(rounds)]
+
+
+def _interleave(names: list[str], reps: int, rounds: int, measure: Callable[[str, int], list[float]]) -> dict[str, list[float]]:
+    """measure(name, n) -> n samples; called round by round, the order rotating each round."""
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r, n in enumerate(_round_sizes(reps, rounds)):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            samples[name] += measure(name, n)
+    return samples
 
 
 # ------------------------------------------------------------------------------------- CPU
 
 
-def _time_cpu(fn, reps: int, warmup: int) -> Timing:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e6)
-    return Timing.from_samples(samples, "cpu")
+def _time_cpu(fns, reps: int, warmup: int, rounds: int) -> dict[str, Timing | Exception]:
+    results: dict[str, Timing | Exception] = {}
+    ready = []
+    for name, fn in fns.items():
+        try:
+            for _ in range(warmup):
+                fn()
+            ready.append(name)
+        except Exception as e:  # noqa: BLE001 - reported for this name, the others are timed
+            results[name] = e
+
+    def measure(name: str, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            start = time.perf_counter()
+            fns[name]()
+            out.append((time.perf_counter() - start) * 1e6)
+        return out
+
+    for name, samples in _interleave(ready, reps, rounds, measure).items():
+        results[name] = Timing.from_samples(samples, "cpu")
+    return {name: results[name] for name in fns}
 
 
 # ------------------------------------------------------------------------------------ CUDA
@@ -122,7 +179,8 @@ def _capture(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _time_cuda(fn, reps: int, warmup: int, flush_l2: bool, use_graph: bool) -> Timing:
+def _prepare_cuda(fn, warmup: int, use_graph: bool):
+    """Warm `fn` up and capture it: (what to replay, method, note, the graph to keep alive)."""
     # Eager warm-up on a side stream, as torch requires before a capture.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -147,25 +205,47 @@ def _time_cuda(fn, reps: int, warmup: int, flush_l2: bool, use_graph: bool) -> T
             except Exception:  # noqa: BLE001
                 pass
     run = graph.replay if graph is not None else fn
-    method = "cuda-graph" if graph is not None else "cuda-eager"
+    return run, ("cuda-graph" if graph is not None else "cuda-eager"), note, graph
 
-    flush_us = None
-    if flush_l2:
-        buf = flush_buffer()
-        flush = buf.zero_
+
+def _time_cuda(fns, reps: int, warmup: int, flush_l2: bool, use_graph: bool, rounds: int) -> dict[str, Timing | Exception]:
+    results: dict[str, Timing | Exception] = {}
+    prepared = {}
+    for name, fn in fns.items():
+        try:
+            prepared[name] = _prepare_cuda(fn, warmup, use_graph)
+        except Exception as e:  # noqa: BLE001 - reported for this name, the others are timed
+            results[name] = e
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001 - a broken context shows up in the next call
+                pass
+    flush = flush_buffer().zero_ if flush_l2 else None
+    FLUSH = "\0flush"  # the flush alone, interleaved like the others
+
+    def measure(name: str, n: int) -> list[float]:
+        if name == FLUSH:
+            return _event_times(flush, n)
+        run = prepared[name][0]
+        if flush is None:
+            return _event_times(run, n)
 
         def body():
             flush()
             run()
 
-        total = _event_times(body, reps)
-        flush_only = _event_times(flush, reps)
-        flush_us = float(np.median(flush_only))
-        samples = [max(t - flush_us, 0.0) for t in total]
-    else:
-        samples = _event_times(run, reps)
-    del graph
-    return Timing.from_samples(samples, method, flush_us, note)
+        return _event_times(body, n)
+
+    names = list(prepared) + ([FLUSH] if flush is not None and prepared else [])
+    samples = _interleave(names, reps, rounds, measure)
+    flush_us = float(np.median(samples.pop(FLUSH))) if FLUSH in samples else None
+    for name, times in samples.items():
+        _, method, note, _ = prepared[name]
+        if flush_us is not None:
+            times = [max(t - flush_us, 0.0) for t in times]
+        results[name] = Timing.from_samples(times, method, flush_us, note)
+    prepared.clear()  # frees the graphs
+    return {name: results[name] for name in fns}
 
 
-__all__ = ["Timing", "time_graph", "flush_buffer", "FLUSH_BYTES", "DEFAULT_REPS", "DEFAULT_WARMUP"]
+__all__ = ["Timing", "time_graph", "time_graphs", "flush_buffer", "FLUSH_BYTES", "DEFAULT_REPS", "DEFAULT_WARMUP"]

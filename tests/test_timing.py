@@ -8,7 +8,7 @@ import torch
 
 from moekit import roofline
 from moekit.spec import BF16, FP8_BLOCK128, FP8_CHANNEL_TOKEN, FP8_TENSOR_STATIC, MoEShape
-from moekit.timing import Timing, time_graph
+from moekit.timing import Timing, time_graph, time_graphs
 
 
 # ------------------------------------------------------------------------------------ timing
@@ -52,6 +52,17 @@ def test_cuda_graph_timing_subtracts_the_flush():
     assert t.method == "cuda-graph" and t.note is None
     assert t.flush_us is not None and t.flush_us > 20  # 512 MiB cannot be zeroed faster
     assert 0 < t.p20_us <= t.median_us <= t.p80_us < 10_000
+
+
+@pytest.mark.gpu
+def test_cuda_time_graphs_keeps_each_closures_own_time():
+    """Interleaved replays of two graphs: each keeps its own time (8x the work takes longer)."""
+    small = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    big = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    t = time_graphs({"small": lambda: small @ small, "big": lambda: big @ big}, reps=10, warmup=2)
+    assert t["small"].method == t["big"].method == "cuda-graph"
+    assert t["small"].flush_us == t["big"].flush_us > 20
+    assert 0 < t["small"].median_us < t["big"].median_us
 
 
 @pytest.mark.gpu
@@ -146,3 +157,34 @@ def test_ceilings_are_cached_per_device_and_versions(monkeypatch, tmp_path):
     assert "Fake GPU" in key and torch.__version__ in key and "triton" in key
     roofline.get_ceilings("cuda", refresh=True)
     assert len(measured) == 2
+
+
+def test_time_graphs_interleaves_rounds_with_rotating_order():
+    """Several closures are timed in rounds, the order rotating, so that none is always last
+    (on a GPU: none always meets the hottest, slowest clocks)."""
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    result = time_graphs(fns, reps=5, warmup=1, rounds=3, device="cpu")
+    warm, timed = calls[:3], calls[3:]
+    assert warm == ["a", "b", "c"]
+    # 5 reps in 3 rounds: 2, 2, 1 per closure; round r starts at closure r
+    assert timed == ["a"] * 2 + ["b"] * 2 + ["c"] * 2 + ["b"] * 2 + ["c"] * 2 + ["a"] * 2 + ["c", "a", "b"]
+    assert all(len(t.samples) == 5 and t.method == "cpu" for t in result.values())
+
+
+def test_time_graphs_reports_a_failing_closure_and_times_the_others():
+    def broken():
+        raise RuntimeError("out of resources")
+
+    result = time_graphs({"ok": lambda: None, "broken": broken}, reps=3, warmup=1, device="cpu")
+    assert list(result) == ["ok", "broken"]
+    assert isinstance(result["broken"], RuntimeError) and "out of resources" in str(result["broken"])
+    assert len(result["ok"].samples) == 3
+    with pytest.raises(RuntimeError, match="out of resources"):
+        time_graph(broken, reps=2, warmup=1, device="cpu")
+
+
+@pytest.mark.parametrize("bad", [{"rounds": 0}, {"reps": 0}, {"warmup": -1}])
+def test_time_graphs_rejects_bad_counts(bad):
+    with pytest.raises(ValueError):
+        time_graphs({"a": lambda: None}, device="cpu", **{"reps": 2, "warmup": 0, "rounds": 1, **bad})
