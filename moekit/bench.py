@@ -532,16 +532,24 @@ def json_safe(obj):
 
 
 def git_commit() -> str:
-    """HEAD of the git checkout holding the moekit package, else "unknown"."""
+    """HEAD of the git checkout holding the moekit package, with "-dirty" when tracked files under
+    the package differ from it (then HEAD alone does not say what ran); else "unknown"."""
     here = Path(__file__).resolve().parent
-    try:
-        result = subprocess.run(
-            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
+
+    def git(*args: str) -> subprocess.CompletedProcess | None:
+        try:
+            return subprocess.run(["git", "-C", str(here), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    head = git("rev-parse", "HEAD")
+    commit = head.stdout.strip() if head is not None and head.returncode == 0 else ""
+    if not commit:
         return "unknown"
-    commit = result.stdout.strip()
-    return commit if result.returncode == 0 and commit else "unknown"
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".")
+    if status is not None and status.returncode == 0 and status.stdout.strip():
+        commit += "-dirty"
+    return commit
 
 
 def environment(device: torch.device, argv: Sequence[str] | None) -> dict:

@@ -300,3 +300,21 @@ def test_argparse_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench"])  # --model is required
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("head, status, want", [
+    ((0, "abc123\n"), (0, ""), "abc123"),
+    ((0, "abc123\n"), (0, " M moekit/spec.py\n"), "abc123-dirty"),  # what ran is not HEAD
+    ((128, ""), (0, ""), "unknown"),  # not a git checkout
+])
+def test_git_commit_says_when_the_code_differs_from_head(monkeypatch, head, status, want):
+    import subprocess
+
+    import moekit.bench as bench
+
+    def fake_run(cmd, **kw):
+        rc, out = head if "rev-parse" in cmd else status
+        return subprocess.CompletedProcess(cmd, rc, out, "")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    assert bench.git_commit() == want
