@@ -56,6 +56,8 @@ def run_tune(opts: TuneOptions, console=None) -> TuneResult:
     plan.run_meta["command"] = shlex.join(["moekit", *map(str, argv)])
     devices = _devices(opts, device)
     workers = min(len(devices), len(plan.batch_sizes))
+    if workers > 1:  # the compile helpers are shared out among the worker processes (CPU cores)
+        plan.compile_workers //= workers
     deadline_end = runner._clock() + plan.budget_s if plan.budget_s is not None else None
 
     if device.type != "cuda":

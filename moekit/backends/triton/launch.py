@@ -47,7 +47,8 @@ _COMPILE_ONLY = contextvars.ContextVar("moekit_triton_compile_only", default=Fal
 def compile_only():
     """Within it, the backend's kernels are compiled (into Triton's on-disk cache, where any other
     process finds them) but not launched: what `moekit tune` runs in helper processes ahead of
-    the measurements. Inputs may then be meta tensors; outputs hold nothing."""
+    the measurements. Inputs may then be empty tensors of the right shapes (nothing reads them);
+    outputs hold nothing."""
     token = _COMPILE_ONLY.set(True)
     try:
         yield
