@@ -584,3 +584,13 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_model, capsys, args, me
     assert len(lines) == 1 and lines[0].startswith("error:"), lines
     assert message in lines[0]
     assert not out.exists()  # nothing left behind
+
+
+def test_compile_helpers_are_shared_out_among_gpu_workers(tmp_path, tiny_model, monkeypatch):
+    """Two worker processes with 4 helpers asked for: 2 each, not 4 each (they share the cores)."""
+    import moekit.tune as tune_module
+
+    seen = []
+    monkeypatch.setattr(tune_module, "run_workers", lambda plan, devices, *a: seen.append(plan.compile_workers) or [])
+    tune(tiny_model, tmp_path / "out", devices=["cpu", "cpu"], compile_workers=4)
+    assert seen == [2]
