@@ -63,6 +63,19 @@ def _scale_from_amax(amax):
 
 
 @triton.jit
+def _row_scale(running_amax, scale_ptr, QUANT: tl.constexpr):
+    """A row's dequantization scale: from the row's own |max| (QUANT 1, `running_amax` a block of
+    running maxima), the static scale (2), or the whole tensor's amax (3) at scale_ptr."""
+    if QUANT == 1:
+        scale = _scale_from_amax(tl.max(running_amax, axis=0))
+    elif QUANT == 2:
+        scale = tl.load(scale_ptr)
+    else:
+        scale = _scale_from_amax(tl.load(scale_ptr))
+    return scale
+
+
+@triton.jit
 def _to_e4m3(v, scale):
     """moekit.quant.to_fp8 in float32: clamp(v / scale, -448, 448) rounded to e4m3 (as float32)."""
     q = tl.div_rn(v, scale)
@@ -189,18 +202,14 @@ def _permute_kernel(
     rows = rows.to(tl.int64)
     x_row = x_ptr + t.to(tl.int64) * stride_xm
 
+    m = tl.zeros([BLOCK_H], dtype=tl.float32)  # running |max| of the row (QUANT 1)
     if QUANT == 1:
-        m = tl.zeros([BLOCK_H], dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             v = tl.load(x_row + cols, mask=cols < H, other=0.0).to(tl.float32)
             m = tl.maximum(m, tl.abs(v))
-        scale = _scale_from_amax(tl.max(m, axis=0))
-    elif QUANT == 2:
-        scale = tl.load(scale_ptr)
-    elif QUANT == 3:
-        scale = _scale_from_amax(tl.load(scale_ptr))
     if QUANT != 0:
+        scale = _row_scale(m, scale_ptr, QUANT)
         tl.store(a_scale_ptr + rows, tl.zeros([BLOCK_K], dtype=tl.float32) + scale, mask=mask_k)
 
     for h0 in range(0, H, BLOCK_H):
@@ -268,18 +277,14 @@ def _silu_mul_kernel(
     row = tl.load(row_of_pair_ptr + p).to(tl.int64)
     h_row = h_ptr + row * stride_hm
     act_row = act_ptr + row * stride_am
+    m = tl.zeros([BLOCK_N], dtype=tl.float32)  # running |max| of the row (QUANT 1)
     if QUANT == 1:
-        m = tl.zeros([BLOCK_N], dtype=tl.float32)
         for n0 in range(0, N, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             act = _silu_mul_block(h_row, cols, cols < N, N, ACT_DTYPE)
             m = tl.maximum(m, tl.abs(act))
-        scale = _scale_from_amax(tl.max(m, axis=0))
-    elif QUANT == 2:
-        scale = tl.load(scale_ptr)
-    elif QUANT == 3:
-        scale = _scale_from_amax(tl.load(scale_ptr))
     if QUANT != 0:
+        scale = _row_scale(m, scale_ptr, QUANT)
         tl.store(act_scale_ptr + row, scale)
     for n0 in range(0, N, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)

@@ -8,6 +8,10 @@ expert e owns rows [start[e], start[e+1]) of which the first count[e] are real p
 import triton
 import triton.language as tl
 
+# IEEE division, as moekit.quant: Triton's `/` on float32 is an approximate division on the GPU,
+# which moved FP8 values away from the reference's (BENCHMARKS.md, 2026-12-03)
+from ..glue._kernels import _scale_from_amax
+
 
 # --------------------------------------------------------------------------- CPU-interpreter fixes
 # INTERPRET (constexpr) is True only under TRITON_INTERPRET=1. The interpreter of triton 3.9 gets three
@@ -27,14 +31,6 @@ def _to_fp8(x, INTERPRET: tl.constexpr):
         kept = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
         x = tl.where(tl.abs(x) < 0.015625, (x + 24576.0) - 24576.0, kept)
     return x.to(tl.float8e4nv)
-
-
-@triton.jit
-def _scale_from_amax(amax):
-    """moekit.quant.scale_from_amax. Triton's `/` on float32 is an approximate division on the GPU
-    (div.full.f32, off by up to 2 ulp), which would move FP8 values across rounding boundaries
-    away from the reference's; div_rn is IEEE division, so both quantize to the same bits."""
-    return tl.div_rn(tl.maximum(amax, 1e-10), 448.0)
 
 
 @triton.jit
