@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|bench|auto|check|tune|hf|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|bench|auto|check|full|hf|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points of shared/anchors/README.md: the expert GEMMs alone
@@ -13,7 +13,12 @@
 # tune:  `moekit tune` on the shipped-table models (TUNE_BUDGET each, default 5m; TUNE_MODELS
 #        "model:tp[:scheme] ..." to choose); the tables land in tuned/ of the archive, ready to
 #        copy into moekit/configs/.
+# full:  the exhaustive search (`--search-space full`) of GLM-4.5V TP2 at FULL_SIZES (default
+#        "64 1024"), to compare with the pruned search of the tune step at the same sizes.
 # hf:    one GLM-4.5V-size layer through moekit against transformers' grouped_mm.
+#
+# A step after `tune` in the same call (auto, bench, check) uses the tables just tuned
+# (MOEKIT_CONFIG_DIR), before the shipped ones.
 #
 # Wheels in device-wheels/ (git-ignored; carry it with the device tool) are installed first, for
 # what the device image lacks: compressed-tensors and pydantic, without which transformers cannot
@@ -54,6 +59,14 @@ if want tests; then
   python3 -m pytest -q -m gpu -p no:cacheprovider tests "${pytest_args[@]}" 2>&1 | tee "$WORK/gpu_tests.log"
   status=${PIPESTATUS[0]}
 fi
+if want tune; then
+  for m in ${TUNE_MODELS:-glm-4.5v-fp8:2 mixtral-8x7b:1:fp8-channel-token deepseek-v3:8 qwen3-30b-a3b-fp8:1}; do
+    IFS=: read -r model tp scheme <<<"$m"
+    moekit tune --model "$model" --tp "$tp" ${scheme:+--scheme "$scheme"} --budget "${TUNE_BUDGET:-5m}" \
+      --out "$WORK/tuned" --export-vllm "$WORK/tuned/vllm"
+  done
+  export MOEKIT_CONFIG_DIR=$WORK/tuned  # the steps below run with these tables
+fi
 if want bench; then
   moekit info
   for m in "${MODELS[@]}"; do
@@ -79,12 +92,9 @@ if want check; then
     moekit check --model "$model" --tp "$tp" --scheme "$scheme" --out "$WORK/check-$model" || status=1
   done
 fi
-if want tune; then
-  for m in ${TUNE_MODELS:-glm-4.5v-fp8:2 mixtral-8x7b:1:fp8-channel-token deepseek-v3:8 qwen3-30b-a3b-fp8:1}; do
-    IFS=: read -r model tp scheme <<<"$m"
-    moekit tune --model "$model" --tp "$tp" ${scheme:+--scheme "$scheme"} --budget "${TUNE_BUDGET:-5m}" \
-      --out "$WORK/tuned" --export-vllm "$WORK/tuned/vllm"
-  done
+if want full; then
+  moekit tune --model glm-4.5v-fp8 --tp 2 --search-space full --batch-sizes ${FULL_SIZES:-64 1024} \
+    --out "$WORK/search-full"
 fi
 if want hf; then
   python3 scripts/bench_hf_layer.py --tp 2 --scheme fp8-channel-token --backends auto triton cutlass \
@@ -92,6 +102,10 @@ if want hf; then
 fi
 echo "$status" > "$WORK/status"
 }
+# Killed by `timeout` (a call's time limit), still archive what was measured so far.
+finish() { tar czf "$OUT/results.tgz" -C "$WORK" .; }
+trap finish EXIT
+trap 'exit 143' TERM
+echo 1 > "$WORK/status"
 run_all 2>&1 | tee "$OUT/gpu_check.log"
-tar czf "$OUT/results.tgz" -C "$WORK" .
 exit "$(cat "$WORK/status")"
