@@ -124,7 +124,7 @@ def cmd_tune(args) -> int:
         models=args.model, tp=args.tp, scheme=args.scheme, batch_sizes=args.batch_sizes, backends=args.backends,
         budget=args.budget, out=args.out, routing=args.routing, search_space=args.search_space, reps=args.reps,
         warmup=args.warmup, seed=args.seed, dtype=args.dtype, export_vllm=args.export_vllm,
-        compile_workers=args.compile_workers, argv=getattr(args, "argv", None),
+        compile_workers=args.compile_workers, between=args.between, argv=getattr(args, "argv", None),
     )
     try:
         return run_tune(opts, console).exit_code
@@ -241,9 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="stop cleanly after this long (90s, 10m, 1h), keeping the best found so far")
     tune.add_argument("--routing", default="uniform", metavar="uniform|skewed|FILE",
                       help="routing of the tuning inputs: random top-k, Zipf-like skew, or recorded topk_ids (.pt/.npy)")
-    tune.add_argument("--search-space", choices=("pruned", "full"), default="pruned",
+    tune.add_argument("--search-space", choices=("pruned", "full", "none"), default="pruned",
                       help="pruned: skip dominated configs and those >1.5x slower at the next smaller batch size; "
-                           "full: every config that can run (exhaustive)")
+                           "full: every config that can run (exhaustive); none: search nothing, time the "
+                           "backends only (with the configs already found in --out)")
+    tune.add_argument("--between", action=argparse.BooleanOptionalAction, default=True,
+                      help="also time every backend at a size between each two tuned sizes, for the "
+                           "decision table (default: on)")
     tune.add_argument("--reps", type=int, default=20, help="timed replays per config")
     tune.add_argument("--warmup", type=int, default=3, help="warm-up calls per config (the first compiles)")
     tune.add_argument("--compile-workers", type=int, default=None, metavar="N",

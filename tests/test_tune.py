@@ -27,7 +27,7 @@ from moekit.timing import Timing
 from moekit.tune import TuneOptions, parse_budget, run_tune
 from moekit.bench import make_weights
 from moekit.tune import output, precompile, runner, space
-from moekit.tune.plan import TuneInputError
+from moekit.tune.plan import TuneInputError, between_sizes
 from moekit.tune.space import NeighbourResult, config_key, interpreter_space
 
 CUDA = torch.cuda.is_available()
@@ -143,7 +143,7 @@ def test_tune_writes_valid_tables_and_vllm_export(tmp_path, tiny_model, scheme):
     device = b["meta"]["device_name"]
     assert triton_file.name == f"E=4,N=128,H=128,device_name={device.replace(' ', '_')},scheme={scheme.name}.json"
     js = journals(out)
-    assert sorted(js) == [1, 4]
+    assert sorted(js) == [1, 2, 4]  # 2: between the tuned sizes (backends only)
 
     # the backend decision table, key by key (moekit.decisions reads exactly this)
     assert list(b) == ["format", "version", "meta", "batch_sizes"]
@@ -154,14 +154,18 @@ def test_tune_writes_valid_tables_and_vllm_export(tmp_path, tiny_model, scheme):
     assert (meta["scheme"], meta["dtype"], meta["routing"], meta["mode"]) == (scheme.name, "bfloat16", "uniform", "layer")
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d.*", meta["date"])
     assert device == ("cpu" if not CUDA else torch.cuda.get_device_name())
-    assert list(b["batch_sizes"]) == SIZES
+    assert list(b["batch_sizes"]) == ["1", "2", "4"]
     for m, entry in b["batch_sizes"].items():
         assert set(entry) <= {"us", "winner", "errors"}
         assert "triton" in entry["us"] and set(entry["us"]) <= set(backend_names())
         assert all(isinstance(v, float) and v > 0 for v in entry["us"].values())
         assert entry["winner"] == min(entry["us"], key=entry["us"].get)
-        # triton's time is its fastest measured config's; the others as measured
         j = js[int(m)]
+        if m == "2":  # between: triton timed as a backend, with the nearest tuned size's config
+            assert j["configs"] == {} and j["between_config"] == config_key(KernelConfig.from_dict(t["configs"]["1"]))
+            assert entry["us"] == {k: v["us"] for k, v in j["backends"].items()}
+            continue
+        # triton's time is its fastest measured config's; the others as measured
         assert entry["us"]["triton"] == min(v["us"] for v in j["configs"].values() if "us" in v)
         assert {k: v for k, v in entry["us"].items() if k != "triton"} == {k: v["us"] for k, v in j["backends"].items()}
 
@@ -200,7 +204,7 @@ def test_backend_table_loads_in_the_decisions_reader(tmp_path, tiny_model, monke
     result, _ = tune(tiny_model, tmp_path / "out")
     assert result.exit_code == 0
     table = decisions.load_table(only_file(tmp_path / "out" / "backends"), SHAPE, FP8_CHANNEL_TOKEN)
-    assert table.sizes == (1, 4)
+    assert table.sizes == (1, 2, 4)  # 2: between the tuned sizes
 
 
 @pytest.mark.skipif(CUDA, reason="the CLI searches the device's space: on a GPU the whole Hopper space")
@@ -362,7 +366,10 @@ def test_budget_stops_cleanly_and_a_rerun_finishes(tmp_path, tiny_model, monkeyp
     result, text = tune(tiny_model, out, budget="75s", backends=others)
     assert result.exit_code == 0
     assert len(first.calls) == 8
-    assert result.not_covered and all("part of the search" in line for line in result.not_covered)
+    searches, between = result.not_covered[:2], result.not_covered[2:]
+    assert all("part of the search" in line for line in searches)
+    # the sizes between come after every search: none left for them
+    assert between == ["tiny-moe (fp8-channel-token): M=2 (between): not measured: triton, torch, reference"]
     assert "not covered" in text
     b = read(only_file(out / "backends"))
     assert list(b["batch_sizes"]) == SIZES  # the decision table is complete: the baseline came first
@@ -372,6 +379,73 @@ def test_budget_stops_cleanly_and_a_rerun_finishes(tmp_path, tiny_model, monkeyp
     result, _ = tune(tiny_model, out, backends=others)
     assert result.not_covered == []
     assert second.calls and set(second.calls).isdisjoint(first.calls)
+
+
+# -------------------------------------------------------------- sizes between the tuned ones
+
+
+def test_between_sizes_are_geometric_midpoints():
+    assert between_sizes([1, 2, 4, 8, 16]) == [3, 6, 11]  # none strictly between 1 and 2
+    # from 64 tokens up, multiples of 8 (the sizes engines capture CUDA graphs for)
+    assert between_sizes([512, 1024, 2048, 8192]) == [728, 1448, 4096]
+    assert between_sizes([4]) == [] and between_sizes([4, 4, 1]) == [2]
+
+
+def test_between_size_can_change_the_winner(tmp_path, tiny_model, monkeypatch):
+    # triton wins at 1 and 4, torch only at the size between: the decision table holds all three
+    # and auto's nearest-size rule runs torch there
+    timer = FakeTimer(us={triton(FAST_CFG): 50.0, "backend torch": 80.0}).install(monkeypatch)
+    original = timer.__call__
+
+    def timing(fn, *, reps, warmup, device, what):
+        if what == "backend torch at M=2":
+            return Timing.from_samples([10.0], "fake")
+        return original(fn, reps=reps, warmup=warmup, device=device, what=what)
+
+    monkeypatch.setattr(runner, "measure_time", timing)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out, backends=["torch"])
+    assert result.exit_code == 0 and result.not_covered == [], text
+    decisions = read(only_file(out / "backends"))["batch_sizes"]
+    assert [decisions[m]["winner"] for m in ("1", "2", "4")] == ["triton", "torch", "triton"]
+    assert decisions["2"]["us"] == {"triton": 100.0, "torch": 10.0}  # triton with the nearest size's config
+    assert "between: M=2 torch 10.0" in text
+    assert list(read(only_file(out / "triton"))["configs"]) == SIZES  # configs only where searched
+    # triton ran at 2 with the config tuned at 1 (nearest in log space; ties: the smaller size)
+    assert journals(out)[2]["between_config"] == config_key(FAST_CFG)
+
+
+def test_between_triton_is_timed_again_when_a_search_finds_a_better_config(tmp_path, tiny_model, monkeypatch):
+    out = tmp_path / "out"
+    FakeTimer(us={triton(OTHER_CFG): 50.0}).install(monkeypatch)
+    tune(tiny_model, out, backends=["torch"])
+    assert journals(out)[2]["between_config"] == config_key(OTHER_CFG)
+    # a new run (here: no search, only the baseline) leaves the tuned configs as they are: nothing new
+    rerun = FakeTimer().install(monkeypatch)
+    tune(tiny_model, out, backends=["torch"], search_space="none")
+    assert rerun.calls == []
+    # now the M=1 journal holds a faster config: the between size times triton again, with it
+    path = only_file_dir(out / ".progress") / "M=1.json"
+    data = read(path)
+    data["configs"][config_key(FAST_CFG)]["us"] = 1.0
+    path.write_text(json.dumps(data))
+    again = FakeTimer().install(monkeypatch)
+    tune(tiny_model, out, backends=["torch"], search_space="none")
+    assert again.calls == ["backend triton at M=2"]
+    assert journals(out)[2]["between_config"] == config_key(FAST_CFG)
+
+
+def test_search_space_none_times_only_the_baseline_and_no_between_turns_it_off(tmp_path, tiny_model, monkeypatch):
+    timer = FakeTimer().install(monkeypatch)
+    out = tmp_path / "out"
+    result, _ = tune(tiny_model, out, backends=["torch"], search_space="none", between=False)
+    assert result.exit_code == 0
+    default = {M: triton(default_config(SHAPE, FP8_CHANNEL_TOKEN, M)) for M in (1, 4)}
+    assert sorted(timer.calls) == sorted([f"{default[1]} at M=1", "backend torch at M=1",
+                                          f"{default[4]} at M=4", "backend torch at M=4"])
+    assert sorted(journals(out)) == [1, 4]
+    # nothing searched: said so, and the journals keep no search record
+    assert all("the search" in line for line in result.not_covered) and len(result.not_covered) == 2
 
 
 # ------------------------------------------------------------------------ worker processes
@@ -384,7 +458,7 @@ def test_batch_sizes_spread_over_worker_processes(tmp_path, tiny_model):
     assert result.exit_code == 0, text
     assert "2 worker processes" in text
     assert list(read(only_file(out / "triton"))["configs"]) == SIZES
-    assert list(read(only_file(out / "backends"))["batch_sizes"]) == SIZES
+    assert list(read(only_file(out / "backends"))["batch_sizes"]) == ["1", "2", "4"]  # 2: between, after the workers
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8-tensor-static", "fp8-tensor-dynamic", "fp8-channel-token", "fp8-block128"])

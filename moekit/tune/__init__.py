@@ -23,7 +23,7 @@ from ..bench import _print_wide, default_device
 from ..tables import table_name
 from .journal import load_journals
 from .plan import TuneInputError, TuneOptions, TunePlan, build_plan, parse_budget, remove_if_empty
-from .progress import ProgressView, summary_table, uncovered
+from .progress import ProgressView, between_summary, summary_table, uncovered, uncovered_between
 from . import runner
 from .runner import DeviceBroken, Worker, run_workers, write_problem_tables
 from .space import hopper_space, interpreter_space
@@ -73,6 +73,8 @@ def run_tune(opts: TuneOptions, console=None) -> TuneResult:
         f"batch sizes {' '.join(map(str, plan.batch_sizes))} on {where}; search {opts.search_space}; "
         f"budget {opts.budget or 'none'}; journal and tables under {plan.out_dir}", highlight=False,
     )
+    if plan.between:
+        console.print(f"then every backend between them, at {' '.join(map(str, plan.between))}", highlight=False)
 
     exit_code, failure = 0, None
     labels = [f"[{d}]" for d in devices[:workers]] if workers > 1 else [""]
@@ -85,6 +87,8 @@ def run_tune(opts: TuneOptions, console=None) -> TuneResult:
                     exit_code = 1
             else:
                 Worker(plan, torch.device(devices[0]), plan.batch_sizes, view.reporter(0), deadline_end).run()
+            if plan.between:  # after every search: it times triton with the configs they found
+                Worker(plan, torch.device(devices[0]), [], view.reporter(0), deadline_end).run_between()
     except DeviceBroken as e:
         failure, exit_code = str(e), 1
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:  # a worker's own traceback
@@ -119,6 +123,10 @@ def _finish(plan: TunePlan, console, device_names: list[str]) -> tuple[list[Path
             for note in notes:
                 console.print(f"  {note}", highlight=False, soft_wrap=True)
             missing = uncovered(by_size, plan.batch_sizes, p.backends)
+            between = {j["batch_size"]: j for j in journals if j["batch_size"] in plan.between}
+            if between:
+                console.print(f"  between: {between_summary(between, backend_doc)}", highlight=False, soft_wrap=True)
+            missing += uncovered_between(between, plan.between, ["triton", *p.backends])
             not_covered += [f"{p.label}: {line}" for line in missing]
     if not_covered:
         console.print("[yellow]not covered[/] (rerun the same command, or with a larger --budget, to continue):")

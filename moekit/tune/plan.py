@@ -46,6 +46,7 @@ class TuneOptions:
     dtype: str = "bf16"
     export_vllm: str | None = None
     compile_workers: int | None = None  # helper processes compiling ahead (None: precompile.default_helpers)
+    between: bool = True  # also time every backend at the sizes between the tuned ones (between_sizes)
     argv: list[str] | None = None
     space: SpaceFn | None = None  # tests: the configs to search instead of the device's space
     devices: list[str] | None = None  # tests: worker devices instead of every visible GPU
@@ -77,12 +78,13 @@ class TunePlan:
     seed: int
     reps: int
     warmup: int
-    search_space: str  # "pruned" or "full": which pruning applies (space.static_prune, neighbour_prune)
+    search_space: str  # "pruned", "full" (which pruning applies: space.static_prune, neighbour_prune) or "none"
     space: SpaceFn  # the configs to search
     out_dir: Path
     export_dir: Path | None
     budget_s: float | None
     compile_workers: int  # helper processes compiling configs ahead of the measurements (0: none)
+    between: list[int]  # sizes between the tuned ones where only the backends are timed (between_sizes)
     run_meta: dict  # extra metadata of the triton tables (command, search settings)
     created: list[Path]  # output folders this run created (removed again if it fails at once)
 
@@ -102,6 +104,26 @@ def parse_budget(text: str | None) -> float | None:
     if seconds <= 0:
         raise TuneInputError(f"--budget: {text!r} is not a positive duration")
     return seconds
+
+
+def between_sizes(batch_sizes: Sequence[int]) -> list[int]:
+    """One size between each two adjacent tuned sizes, where every backend is timed again (triton
+    with the config it would run there: the nearest tuned size's) for the decision table only.
+
+    Why: a backend's time is not smooth in M. CUTLASS's grouped GEMM moves in steps as its tiles
+    fill waves of SMs, so the winner can change between two tuned sizes although the same backend
+    won at both: on an H200, Mixtral-8x7B FP8 at M = 768 ran cutlass 12% faster than triton while
+    triton won at 512 and 1024 (BENCHMARKS.md, 2026-12-03). The size taken is the geometric
+    midpoint (where the nearest-size rule of the tables switches), rounded to a multiple of 8 from
+    64 tokens up (the sizes serving engines capture CUDA graphs for)."""
+    sizes = sorted(set(batch_sizes))
+    out = []
+    for low, high in zip(sizes, sizes[1:]):
+        mid = (low * high) ** 0.5
+        mid = round(mid / 8) * 8 if mid >= 64 else round(mid)
+        if low < mid < high:
+            out.append(mid)
+    return out
 
 
 def _schemes(value: str | None) -> list[str | None]:
@@ -190,6 +212,7 @@ def build_plan(opts: TuneOptions, device: torch.device) -> TunePlan:
         export_dir=export_dir,
         budget_s=budget,
         compile_workers=helpers,
+        between=between_sizes(batch_sizes) if opts.between else [],
         run_meta={
             "tool": "moekit tune",
             "search_space": opts.search_space,
@@ -211,4 +234,4 @@ def remove_if_empty(folders: Sequence[Path]) -> None:
             pass
 
 
-__all__ = ["TuneOptions", "TuneProblem", "TunePlan", "TuneInputError", "build_plan", "parse_budget"]
+__all__ = ["TuneOptions", "TuneProblem", "TunePlan", "TuneInputError", "build_plan", "parse_budget", "between_sizes"]

@@ -152,4 +152,26 @@ def uncovered(journals_by_size: dict[int, dict], batch_sizes: list[int], backend
     return lines
 
 
-__all__ = ["ProgressView", "LocalReporter", "summary_table", "uncovered"]
+def between_summary(journals_by_size: dict[int, dict], backend_doc: dict | None) -> str:
+    """One line: each between size's winner and its µs, e.g. 'M=728 cutlass 801.2'."""
+    decisions = (backend_doc or {}).get("batch_sizes", {})
+    parts = []
+    for M in sorted(journals_by_size):
+        decision = decisions.get(str(M), {})
+        winner = decision.get("winner")
+        parts.append(f"M={M} {winner} {_us(decision['us'][winner])}" if winner else f"M={M} -")
+    return ", ".join(parts)
+
+
+def uncovered_between(journals_by_size: dict[int, dict], sizes: list[int], backends: list[str]) -> list[str]:
+    """Between sizes (moekit.tune.plan.between_sizes) where a backend was not timed."""
+    lines = []
+    for M in sizes:
+        j = journals_by_size.get(M)
+        missing = [n for n in backends if j is None or n not in j["backends"]]
+        if missing:
+            lines.append(f"M={M} (between): not measured: {', '.join(missing)}")
+    return lines
+
+
+__all__ = ["ProgressView", "LocalReporter", "summary_table", "uncovered", "between_summary", "uncovered_between"]

@@ -11,6 +11,10 @@ output far from the default config's) is recorded with its reason and skipped. A
 a GPU the device is synchronised: an error that broke the CUDA context stops the run
 (`DeviceBroken`), the config recorded as failed, so a rerun continues past it.
 
+Between the tuned sizes (plan.between, after every search of the run): every backend is timed
+again, triton with the config it would run there (the nearest tuned size's best), and the results
+go into the decision table only.
+
 Budget: a deadline for the whole run; each remaining (problem, batch size) search gets an equal
 share of the time left, its most promising configs first, so a short budget still searches every
 batch size a little instead of the first ones fully.
@@ -33,12 +37,12 @@ import torch
 from .. import __version__ as moekit_version
 from ..api import validate_inputs
 from ..backends import get_backend
-from ..backends.triton.config import KernelConfig, default_config
+from ..backends.triton.config import KernelConfig, default_config, nearest
 from ..bench import make_routing, make_weights, make_x, rel_l2
 from ..tables import table_name
 from ..timing import Timing, time_graph
 from .journal import MAX_DEATHS, Journal, journal_path, load_journals
-from .output import write_tables
+from .output import best_config, write_tables
 from .plan import TunePlan, TuneProblem
 from .precompile import Precompiler
 from .space import NeighbourResult, config_key, neighbour_prune, shared_memory_limit, static_prune
@@ -209,7 +213,8 @@ class Worker:
             journals[M], note = Journal.open(journal_path(self.plan.out_dir, table_file, M), fp, problem_fields(p), M)
             if note:
                 self.reporter.log(note)
-        estimate = {M: self._static_candidates(p, M, journals[M]) for M in self.sizes}
+        searching = self.plan.search_space != "none"
+        estimate = {M: self._static_candidates(p, M, journals[M]) if searching else 0 for M in self.sizes}
         self.reporter.add_total(sum(estimate.values()) + sum(len(self._baseline_todo(p, j)) for j in journals.values()))
         self._weights = None  # made at the first measurement: a finished journal needs none
         try:
@@ -219,7 +224,7 @@ class Worker:
                 self._baseline(p, journals[M])
             write_problem_tables(self.plan, table_file)
             previous = None
-            for M in self.sizes:
+            for M in self.sizes if searching else []:
                 if self.deadline.passed():
                     break
                 self._search(p, journals[M], previous, estimate[M])
@@ -230,6 +235,55 @@ class Worker:
             self._weights = self._target = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+    def run_between(self) -> None:
+        """Every problem's between sizes (see the module docstring), after all searches."""
+        self.name = device_name(self.device)
+        for problem in self.plan.problems:
+            if self.deadline.passed():
+                break
+            try:
+                self._between(problem)
+            finally:
+                self._weights = self._target = None
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+    def _between(self, p: TuneProblem) -> None:
+        table_file = table_name(p.shape, p.scheme, self.name)
+        tuned: dict[int, KernelConfig] = {}
+        for data in load_journals(self.plan.out_dir, table_file):
+            best = best_config(data)
+            if best is not None and data["batch_size"] in self.plan.batch_sizes:
+                tuned[data["batch_size"]] = KernelConfig.from_dict(best[1]["config"])
+        if not tuned:
+            return
+        fp = fingerprint(self.plan, self.name)
+        todo: list[tuple[Journal, list[str], KernelConfig]] = []
+        for M in self.plan.between:
+            j, note = Journal.open(journal_path(self.plan.out_dir, table_file, M), fp, problem_fields(p), M)
+            if note:
+                self.reporter.log(note)
+            cfg = nearest(tuned, M)
+            if j.data.get("between_config") != config_key(cfg):  # a later search found a better one
+                j.data["between_config"] = config_key(cfg)
+                j.data["backends"].pop("triton", None)
+                j.save()
+            names = [n for n in ("triton", *p.backends) if j.backend(n) is None]
+            if names:
+                todo.append((j, names, cfg))
+        self.reporter.add_total(sum(len(names) for _, names, _ in todo))
+        for j, names, cfg in todo:
+            inputs = None
+            for name in names:
+                if self.deadline.passed():
+                    self.reporter.add_total(-1)
+                    continue
+                inputs = inputs or self._inputs(p, j.batch_size)
+                self.reporter.describe(f"{p.label} M={j.batch_size} (between): {name}")
+                self._measure_backend(p, j, name, inputs, config=cfg if name == "triton" else None)
+                self.reporter.advance()
+        write_problem_tables(self.plan, table_file)
 
     def _baseline_todo(self, p: TuneProblem, j: Journal) -> list[tuple[str, object]]:
         default = default_config(p.shape, p.scheme, j.batch_size)
@@ -362,14 +416,15 @@ class Worker:
             self.reporter.log(f"{p.label} M={j.batch_size}: config {key} skipped: {result['error']}")
             self._check_device(what)
 
-    def _measure_backend(self, p: TuneProblem, j: Journal, name: str, inputs: Inputs) -> None:
+    def _measure_backend(self, p: TuneProblem, j: Journal, name: str, inputs: Inputs,
+                         config: KernelConfig | None = None) -> None:
         what = f"backend {name}"
         if j.deaths(what) >= MAX_DEATHS:
             j.record_backend(name, {"error": f"the process died {MAX_DEATHS} times while measuring it"})
             return
         j.begin(what)
         try:
-            result, out = self._time(inputs, get_backend(name), None, what)
+            result, out = self._time(inputs, get_backend(name), config, what)
             wrong = self._wrong_output(out, None)
             if wrong:
                 result = {"error": wrong}

@@ -19,7 +19,9 @@ Two kinds of pruning:
   is not timed again; a config dropped at the neighbour stays dropped.
 
 `full` (`--search-space full`) keeps only the first rule (configs that cannot run would only fail):
-it is the exhaustive search the pruned one is compared against.
+it is the exhaustive search the pruned one is compared against. `none` searches nothing: only the
+default config and the other backends are timed (and the sizes between, see moekit.tune.plan),
+with the configs an earlier search left in the same output folder.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 from ..backends.triton.config import KernelConfig
 from ..spec import MoEShape, QuantScheme
 
-SEARCH_SPACES = ("pruned", "full")
+SEARCH_SPACES = ("pruned", "full", "none")
 
 # Between adjacent batch sizes (2x apart) the rows per tile change by at most 2x, and so does how
 # well a tile shape fits the work; a config 50% slower than the best has, in our measurements, not
