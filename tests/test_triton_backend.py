@@ -206,6 +206,32 @@ def test_group_quantization_fused_into_gemm1(scheme, device):
     assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < MAX_REL_TOL
 
 
+def test_gemm2_reads_an_fp8_intermediate_with_one_scale_per_row(device):
+    """A_MODE 5 (scripts/diag_prefill.py times it: a per-token intermediate, as vLLM hands it
+    to its second GEMM): each row's scale applied once, after the K loop, against float64."""
+    from moekit.backends.triton import launch
+    from moekit.check import _expert_weights64
+
+    E, H, N, M, K = 3, 256, 256, 5, 2
+    w = random_weights(E, H, N, "fp8-channel-token", device=device)
+    tw, ids = random_routing(M, E, K, device=device)
+    cfg = KernelConfig(16, 128, 128, 1, 4, 2)
+    align = align_pairs(ids, E, cfg.BLOCK_M)
+    values = (random_x(align.max_rows, N, device=device).float() * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(align.max_rows, 1, device=device) + 0.5
+    out = launch.gemm2(launch.Intermediate(values, scale, 5), w, align, tw.float(), torch.bfloat16, cfg)
+    start, count = align.start.tolist(), align.count.tolist()
+    for e in range(E):
+        rows = torch.arange(start[e], start[e] + count[e], device=device)
+        if not len(rows):
+            continue
+        pairs = align.sorted_pairs.long()[rows]
+        _, w2 = _expert_weights64(w, e)
+        want = (values[rows].double() * scale[rows].double()) @ w2.T * tw.reshape(-1)[pairs].double()[:, None]
+        # float32 accumulation, then one bf16 rounding (2**-9 relative): far below a wrong scale
+        assert rel_l2(out[pairs].double(), want) < 4e-3
+
+
 @pytest.mark.parametrize("scheme", ["fp8-channel-token", "fp8-block128"])
 def test_grouped_tile_order_with_a_short_last_group(device, scheme):
     """20 tokens x top-8 over 9 experts, BLOCK_M 32, GROUP_M 8: the last group of row blocks is

@@ -392,7 +392,8 @@ def gemm2_kernel(
     GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """A_MODE: 0 unquantized, 1 FP8 with a static scale, 2 quantize per 1x128 group while loading,
-    3 quantize per tensor while loading (scale from the shared amax), 4 FP8 with 1x128 group scales."""
+    3 quantize per tensor while loading (scale from the shared amax), 4 FP8 with 1x128 group scales,
+    5 FP8 with one scale per row (a_scale_ptr: (rows,))."""
     num_n_blocks = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n, num_m_blocks = _tile_ids(start_ptr + E, num_n_blocks, GROUP_M, BLOCK_M)
     if pid_m >= num_m_blocks or pid_n >= num_n_blocks:
@@ -439,6 +440,8 @@ def gemm2_kernel(
 
     if A_MODE == 1 or A_MODE == 3:
         acc *= tensor_scale
+    elif A_MODE == 5:
+        acc *= tl.load(a_scale_ptr + rows.to(tl.int64) * stride_as, mask=row_ok, other=0.0)[:, None]
     if B_SCALE == 1:
         acc *= tl.load(w_scale_ptr + e64 * stride_wse)
     elif B_SCALE == 2:
