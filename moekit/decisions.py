@@ -12,10 +12,14 @@ GPU model). The format (version 1):
      "batch_sizes": {"<M>": {"us": {"<backend>": <us>, ...}, "winner": "<backend>",
                              "errors": {"<backend>": "<reason>"}}, ...}}
 
-A batch size M that was not measured takes the measured size nearest to it in log space (M between
-measured sizes a < b uses a when M*M <= a*b, else b); below the smallest or above the largest
-measured size, the end point. What runs at that size is `moekit.select`'s business: the winner if
-it can run here, else the fastest backend measured there that can.
+A batch size M between two measured sizes a < b gets each backend's time interpolated linearly in M
+between its times at a and b (backends measured at both), and the fastest of those wins; below the
+smallest or above the largest measured size, the end point. Why not simply the winner of the
+nearest size: the margins matter. On an H200, Mixtral-8x7B FP8 (BENCHMARKS.md, 2026-12-03) had
+cutlass 11% ahead at 728 and triton 5% ahead at 1024; at 896, nearer 1024, cutlass was 11% faster,
+which the interpolation picks and the nearest-size rule did not (replayed on every measured point:
+never worse, one miss fewer). What runs at that size is `moekit.select`'s business: the winner if
+it can run here, else the fastest backend measured (or interpolated) there that can.
 
 A table that does not load or does not validate is skipped with ONE `BackendTableWarning` per file
 (naming the file and the problem); the caller falls back to the next table or the heuristic.
@@ -63,15 +67,31 @@ class Point:
         return sorted(self.us, key=lambda b: (self.us[b], b))
 
 
+def interpolate(lower: Point, upper: Point, m: int) -> Point | None:
+    """Each backend measured at both sizes, its time linear in M between them; a backend measured
+    at one only is left out (with the other's error, if it failed there). None when no backend
+    was measured at both."""
+    t = (m - lower.m) / (upper.m - lower.m)
+    us = {b: lower.us[b] + (upper.us[b] - lower.us[b]) * t for b in lower.us if b in upper.us}
+    if not us:
+        return None
+    errors = {}
+    for b in dict.fromkeys([*lower.us, *upper.us, *lower.errors, *upper.errors]):
+        if b not in us:
+            errors[b] = lower.errors.get(b) or upper.errors.get(b) or "measured at only one of the two sizes"
+    return Point(m, us, min(us, key=lambda b: (us[b], b)), errors)
+
+
 @dataclasses.dataclass(frozen=True)
 class Location:
-    """Where a batch size M falls in a table: the measured size used and the two bracketing it."""
+    """Where a batch size M falls in a table: the point used (measured, or interpolated between
+    the two measured sizes bracketing M) and those two."""
 
     m: int
-    point: Point  # the measured size whose result is used
+    point: Point  # the measured point used, or the interpolated one (point.m == m)
     lower: Point | None  # the largest measured size <= M (None below the smallest)
     upper: Point | None  # the smallest measured size >= M (None above the largest)
-    how: Literal["exact", "between", "below", "above"]
+    how: Literal["exact", "between", "nearest", "below", "above"]
 
     def neighbours(self) -> list[Point]:
         """The measured sizes looked at (one when exact or beyond the ends, else two)."""
@@ -83,9 +103,11 @@ class Location:
         if self.how == "exact":
             return f"measured at M={self.m}"
         if self.how == "between":
+            return f"M={self.m} between measured {self.lower.m} and {self.upper.m}: times interpolated linearly in M"
+        if self.how == "nearest":
             return (
-                f"M={self.m} between measured {self.lower.m} and {self.upper.m}, "
-                f"nearest in log space: {self.point.m}"
+                f"M={self.m} between measured {self.lower.m} and {self.upper.m}, no backend measured at both: "
+                f"nearest in log space, {self.point.m}"
             )
         end = "smallest" if self.how == "below" else "largest"
         return f"M={self.m} {self.how} the {end} measured size, using M={self.point.m}"
@@ -112,8 +134,11 @@ class BackendTable:
         if i == len(sizes):
             return Location(m, self.points[-1], self.points[-1], None, "above")
         lo, hi = self.points[i - 1], self.points[i]
+        point = interpolate(lo, hi, m)
+        if point is not None:
+            return Location(m, point, lo, hi, "between")
         # nearest in log space: log M - log lo <= log hi - log M  <=>  M*M <= lo*hi (ties: lo)
-        return Location(m, lo if m * m <= lo.m * hi.m else hi, lo, hi, "between")
+        return Location(m, lo if m * m <= lo.m * hi.m else hi, lo, hi, "nearest")
 
 
 # ------------------------------------------------------------------------------- validation

@@ -4,9 +4,9 @@ A backend asked for by name (argument or environment) that cannot run raises
 `BackendUnavailableError` with every reason; only `auto` chooses among backends:
 
   1. the backend decision table of (device, shape, scheme), if one loads (`moekit.decisions`:
-     the user's MOEKIT_CONFIG_DIR before the shipped tables): at the measured batch size nearest
-     to M in log space (the end point below the smallest / above the largest), its winner; if the
-     winner cannot run here, the fastest backend measured there that can;
+     the user's MOEKIT_CONFIG_DIR before the shipped tables): the winner at M, measured there or
+     interpolated between the two measured sizes around it (the end point below the smallest /
+     above the largest); if the winner cannot run here, the fastest backend there that can;
   2. otherwise `HEURISTIC_RULES`: the first backend of a preference list that can run.
 Auto never picks a backend whose supports() refuses. With `allow_weight_copies=False` (what
 `moekit.MoELayer` passes) it also passes over backends that would keep a converted copy of the
@@ -268,8 +268,13 @@ def explain(
     else:
         loc = r.table.locate(num_tokens)
         points = loc.neighbours()
+        if loc.how == "between":
+            points = [*points, loc.point]
         lines.append(f"measured (us) in {r.table.path.name}:")
-        header = ["backend"] + [f"M={p.m}" + (" (used)" if p is loc.point else "") for p in points]
+        header = ["backend"] + [
+            f"M={p.m}" + (" (interpolated, used)" if loc.how == "between" else " (used)") * (p is loc.point)
+            for p in points
+        ]
         rows = [header]
         names = list(dict.fromkeys(n for p in points for n in [*p.fastest(), *p.errors]))
         for n in names:
@@ -351,7 +356,8 @@ class _Resolver:
             passed = [f"winner {point.winner} cannot be used ({self.why_not(point.winner)})"]
             for name in point.fastest():
                 if name in self.eligible:
-                    detail = "; ".join([where, *passed, f"fastest usable measured there: {name} ({point.us[name]:g} us)"])
+                    there = "interpolated" if loc.how == "between" else "measured"
+                    detail = "; ".join([where, *passed, f"fastest usable {there} there: {name} ({point.us[name]:.4g} us)"])
                     return Choice(name, "table", detail, self.refused, self.avoided)
                 if name != point.winner:
                     passed.append(f"{name} cannot be used ({self.why_not(name)})")

@@ -202,7 +202,7 @@ def test_auto_in_a_layer_never_copies_the_weights_unless_named(ran, monkeypatch)
 
 def test_backend_chosen_per_call_from_a_table(tmp_path, monkeypatch, ran):
     s = spec("bf16", SOFTMAX)
-    points = {"1": ("reference", {"reference": 3.0, "torch": 5.0}), "64": ("torch", {"reference": 900.0, "torch": 40.0})}
+    points = {"1": ("reference", {"reference": 3.0, "torch": 5.0}), "64": ("torch", {"reference": 90.0, "torch": 40.0})}
     data = {
         "format": "moekit-backend-table", "version": 1,
         "meta": {"device_name": "cpu", "num_experts": E, "hidden": H, "intermediate": N, "top_k": 2,
@@ -212,7 +212,8 @@ def test_backend_chosen_per_call_from_a_table(tmp_path, monkeypatch, ran):
     tables.write_json_atomically(tmp_path / "backends" / tables.table_name(s.shape, s.scheme, "cpu"), data)
     monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path))
     layer = moekit.MoELayer.random(s)
-    for M in (1, 64, 2, 40):  # 2: nearest 1 in log space; 40: nearest 64 (40*40 > 1*64)
+    # between 1 and 64, t = (M-1)/63: reference 3 + 87t, torch 5 + 35t: reference while t < 2/52 (M <= 3)
+    for M in (1, 64, 3, 40):
         layer(*inputs(M))
     assert ran == ["reference", "torch", "reference", "torch"]
 

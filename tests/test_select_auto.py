@@ -84,27 +84,50 @@ WINNER = {1: "cutlass", 16: "triton", 256: "torch"}
 
 
 @pytest.mark.parametrize(
-    "m,used,how",
+    "m,used,how,winner",
     [
-        (0, 1, "below"), (1, 1, "exact"), (3, 1, "between"),  # 3*3 = 9 <= 1*16
-        (4, 1, "between"),  # 4*4 = 16 = 1*16: a tie in log space takes the smaller size
-        (5, 16, "between"), (16, 16, "exact"), (63, 16, "between"), (64, 16, "between"),  # 64*64 = 16*256
-        (65, 256, "between"), (256, 256, "exact"), (10**6, 256, "above"),
+        (0, 1, "below", "cutlass"), (1, 1, "exact", "cutlass"), (16, 16, "exact", "triton"),
+        (256, 256, "exact", "torch"), (10**6, 256, "above", "torch"),
+        # between 1 and 16, cutlass 5 + 4t, triton 6 + t (t = (M-1)/15): equal at t = 1/3, M = 6
+        (3, 3, "between", "cutlass"), (6, 6, "between", "cutlass"),  # a tie: the first by name
+        (7, 7, "between", "triton"), (15, 15, "between", "triton"),
+        # between 16 and 256 (t = (M-16)/240): triton 7 + 53t, cutlass 9 + 41t, torch 20 + 20t:
+        # triton up to t = 1/6 (M = 56), cutlass up to t = 11/21 (M = 141.7), then torch
+        (40, 40, "between", "triton"), (100, 100, "between", "cutlass"), (141, 141, "between", "cutlass"),
+        (142, 142, "between", "torch"), (255, 255, "between", "torch"),
     ],
 )
-def test_table_lookup_at_between_and_beyond_measured_sizes(tmp_path, monkeypatch, m, used, how):
+def test_table_lookup_at_between_and_beyond_measured_sizes(tmp_path, monkeypatch, m, used, how, winner):
     path = write_table(tmp_path / "user", POINTS)
     monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path / "user"))
     choice = h100(m)
-    assert (choice.backend, choice.source) == (WINNER[used], "table"), choice
+    assert (choice.backend, choice.source) == (winner, "table"), choice
     assert str(path) in choice.detail
     loc = decisions.load_table(path).locate(m)
     assert (loc.point.m, loc.how) == (used, how)
     if how == "between":
-        assert f"between measured {loc.lower.m} and {loc.upper.m}" in choice.detail
-        assert {p.m for p in loc.neighbours()} == {loc.lower.m, loc.upper.m} and used in (loc.lower.m, loc.upper.m)
+        assert f"between measured {loc.lower.m} and {loc.upper.m}: times interpolated" in choice.detail
+        assert {p.m for p in loc.neighbours()} == {loc.lower.m, loc.upper.m}
+        t = (m - loc.lower.m) / (loc.upper.m - loc.lower.m)
+        for name, us in loc.point.us.items():
+            assert us == pytest.approx(POINTS[loc.lower.m][name] * (1 - t) + POINTS[loc.upper.m][name] * t)
     else:
         assert f"M={used}" in choice.detail
+
+
+def test_interpolation_leaves_out_a_backend_measured_on_one_side_only(tmp_path):
+    points = {
+        8: ({"triton": 10.0, "cutlass": 12.0}, "triton", {"torch": "out of memory"}),
+        16: {"triton": 20.0, "cutlass": 18.0, "torch": 1.0},
+    }
+    table = decisions.load_table(write_table(tmp_path, points))
+    loc = table.locate(12)
+    assert loc.how == "between" and loc.point.us == {"triton": 15.0, "cutlass": 15.0}
+    assert loc.point.winner == "cutlass"  # a tie: the first by name
+    assert loc.point.errors == {"torch": "out of memory"}
+    # nothing measured at both sizes: the nearest in log space (ties: the smaller)
+    table = decisions.load_table(write_table(tmp_path / "b", {8: {"triton": 1.0}, 32: {"cutlass": 1.0}}))
+    assert (table.locate(16).how, table.locate(16).point.m, table.locate(17).point.m) == ("nearest", 8, 32)
 
 
 def test_user_tables_come_before_shipped_ones(tmp_path, monkeypatch):
@@ -314,14 +337,14 @@ def test_select_cli_for_a_named_device_with_a_table(tmp_path, monkeypatch, capsy
     code, out = run_select(capsys, "--model", "glm-4.5v-fp8", "--tp", "2", "--batch-size", "48", "--device-name", H100)
     assert code == 0, out
     lines = out.splitlines()
-    assert "backend: cutlass" in lines  # 48*48 = 2304 > 32*64: the nearest measured size is 64
+    assert "backend: triton" in lines  # at 48, halfway: triton 25, cutlass 26.25
     assert f"from: decision table {path}" in lines
-    assert "  M=48 between measured 32 and 64, nearest in log space: 64" in lines
+    assert "  M=48 between measured 32 and 64: times interpolated linearly in M" in lines
     header = next(line for line in lines if line.strip().startswith("backend ") and "M=32" in line)
-    assert "M=64 (used)" in header
+    assert "M=48 (interpolated, used)" in header
     rows = {line.split()[0]: line for line in lines if line.startswith("  ") and line.split()[0] in ("triton", "cutlass", "torch", "reference")}
-    assert rows["cutlass"].split()[1:] == ["25", "27.5", "winner"]
-    assert rows["triton"].split()[1:] == ["20", "winner", "30"]
+    assert rows["cutlass"].split()[1:] == ["25", "27.5", "winner", "26.25"]
+    assert rows["triton"].split()[1:] == ["20", "winner", "30", "25", "winner"]
     assert "failed: timed out" in rows["reference"]
     assert "refused: none" in lines and "device: NVIDIA H100 80GB HBM3 (compute capability 9.0, described)" in lines
 

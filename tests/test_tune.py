@@ -424,6 +424,9 @@ def test_between_triton_is_timed_again_when_a_search_finds_a_better_config(tmp_p
     rerun = FakeTimer().install(monkeypatch)
     tune(tiny_model, out, backends=["torch"], search_space="none")
     assert rerun.calls == []
+    # the table still says which search its configs came from
+    meta = read(only_file(out / "triton"))["meta"]
+    assert (meta["search_space"], meta["neighbour_margin"]) == ("pruned", space.NEIGHBOUR_MARGIN)
     # now the M=1 journal holds a faster config: the between size times triton again, with it
     path = only_file_dir(out / ".progress") / "M=1.json"
     data = read(path)

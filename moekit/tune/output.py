@@ -91,6 +91,13 @@ def triton_table(journals: list[dict], run_meta: dict | None = None) -> dict | N
     if not configs:
         return None
     meta = {"format": TRITON_TABLE_FORMAT, **_common_meta(journals), **(run_meta or {})}
+    # the searches the configs came from, as the journals recorded them (a run with
+    # --search-space none only reuses what earlier runs found)
+    spaces = sorted({j["search"]["space"] for j in journals if j.get("search")})
+    if spaces:
+        meta["search_space"] = "+".join(spaces)
+    if "pruned" not in spaces:
+        meta.pop("neighbour_margin", None)
     meta["incomplete_batch_sizes"] = incomplete  # best so far: the search stopped early there
     return {"meta": meta, "configs": configs}
 

@@ -216,7 +216,7 @@ def build_plan(opts: TuneOptions, device: torch.device) -> TunePlan:
         run_meta={
             "tool": "moekit tune",
             "search_space": opts.search_space,
-            "neighbour_margin": NEIGHBOUR_MARGIN if opts.search_space == "pruned" else None,
+            "neighbour_margin": NEIGHBOUR_MARGIN,  # kept in a table only if a pruned search made it
             "reps": opts.reps,
             "warmup": opts.warmup,
             "seed": opts.seed,
