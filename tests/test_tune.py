@@ -438,6 +438,17 @@ def test_between_triton_is_timed_again_when_a_search_finds_a_better_config(tmp_p
     assert journals(out)[2]["between_config"] == config_key(FAST_CFG)
 
 
+def test_a_size_between_is_measured_as_soon_as_both_neighbours_are_searched(tmp_path, tiny_model, monkeypatch):
+    # so that a budget cut later still leaves the earlier ones measured
+    timer = FakeTimer().install(monkeypatch)
+    result, _ = tune(tiny_model, tmp_path / "out", backends=["torch"], batch_sizes=["1", "4", "16"])
+    assert result.exit_code == 0 and result.not_covered == []
+    first_at_16 = min(i for i, c in enumerate(timer.calls) if c.startswith("triton ") and c.endswith(" at M=16")
+                      and c != f"{triton(default_config(SHAPE, FP8_CHANNEL_TOKEN, 16))} at M=16")
+    assert timer.calls.index("backend triton at M=2") < first_at_16 < timer.calls.index("backend triton at M=8")
+    assert timer.calls.count("backend triton at M=2") == 1  # not again in the last pass
+
+
 def test_search_space_none_times_only_the_baseline_and_no_between_turns_it_off(tmp_path, tiny_model, monkeypatch):
     timer = FakeTimer().install(monkeypatch)
     out = tmp_path / "out"

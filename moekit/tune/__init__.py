@@ -74,7 +74,7 @@ def run_tune(opts: TuneOptions, console=None) -> TuneResult:
         f"budget {opts.budget or 'none'}; journal and tables under {plan.out_dir}", highlight=False,
     )
     if plan.between:
-        console.print(f"then every backend between them, at {' '.join(map(str, plan.between))}", highlight=False)
+        console.print(f"and every backend between them, at {' '.join(map(str, plan.between))}", highlight=False)
 
     exit_code, failure = 0, None
     labels = [f"[{d}]" for d in devices[:workers]] if workers > 1 else [""]
@@ -87,7 +87,7 @@ def run_tune(opts: TuneOptions, console=None) -> TuneResult:
                     exit_code = 1
             else:
                 Worker(plan, torch.device(devices[0]), plan.batch_sizes, view.reporter(0), deadline_end).run()
-            if plan.between:  # after every search: it times triton with the configs they found
+            if plan.between:  # the sizes between not measured yet (or measured with an older config)
                 Worker(plan, torch.device(devices[0]), [], view.reporter(0), deadline_end).run_between()
     except DeviceBroken as e:
         failure, exit_code = str(e), 1

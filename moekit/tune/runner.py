@@ -11,9 +11,12 @@ output far from the default config's) is recorded with its reason and skipped. A
 a GPU the device is synchronised: an error that broke the CUDA context stops the run
 (`DeviceBroken`), the config recorded as failed, so a rerun continues past it.
 
-Between the tuned sizes (plan.between, after every search of the run): every backend is timed
-again, triton with the config it would run there (the nearest tuned size's best), and the results
-go into the decision table only.
+Between the tuned sizes (plan.between): every backend is timed again, triton with the config it
+would run there (the nearest tuned size's best), and the results go into the decision table only.
+A size between two others is measured as soon as both are searched (so a budget cut leaves the
+ones before it done); a last pass after all workers covers the rest (sizes between two workers'
+runs, and every one with --search-space none). A later search that finds a better config for a
+neighbour makes the next pass time triton there again.
 
 Budget: a deadline for the whole run; each remaining (problem, batch size) search gets an equal
 share of the time left, its most promising configs first, so a short budget still searches every
@@ -229,6 +232,8 @@ class Worker:
                     break
                 self._search(p, journals[M], previous, estimate[M])
                 self.slots_left -= 1
+                if previous is not None:
+                    self._between(p, [b for b in self.plan.between if previous.batch_size < b < M])
                 previous = journals[M]
                 write_problem_tables(self.plan, table_file)
         finally:
@@ -237,30 +242,31 @@ class Worker:
                 torch.cuda.empty_cache()
 
     def run_between(self) -> None:
-        """Every problem's between sizes (see the module docstring), after all searches."""
+        """Every problem's between sizes not yet measured with the current configs (see the
+        module docstring), after all searches."""
         self.name = device_name(self.device)
         for problem in self.plan.problems:
             if self.deadline.passed():
                 break
             try:
-                self._between(problem)
+                self._between(problem, self.plan.between)
             finally:
                 self._weights = self._target = None
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
 
-    def _between(self, p: TuneProblem) -> None:
+    def _between(self, p: TuneProblem, sizes: list[int]) -> None:
         table_file = table_name(p.shape, p.scheme, self.name)
-        tuned: dict[int, KernelConfig] = {}
+        tuned: dict[int, KernelConfig] = {}  # what the triton table holds (output.triton_table)
         for data in load_journals(self.plan.out_dir, table_file):
             best = best_config(data)
-            if best is not None and data["batch_size"] in self.plan.batch_sizes:
+            if best is not None:
                 tuned[data["batch_size"]] = KernelConfig.from_dict(best[1]["config"])
-        if not tuned:
+        if not tuned or not sizes:
             return
         fp = fingerprint(self.plan, self.name)
         todo: list[tuple[Journal, list[str], KernelConfig]] = []
-        for M in self.plan.between:
+        for M in sizes:
             j, note = Journal.open(journal_path(self.plan.out_dir, table_file, M), fp, problem_fields(p), M)
             if note:
                 self.reporter.log(note)
