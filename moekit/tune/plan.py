@@ -114,7 +114,8 @@ def between_sizes(batch_sizes: Sequence[int]) -> list[int]:
     fill waves of SMs, so the winner can change between two tuned sizes although the same backend
     won at both: on an H200, Mixtral-8x7B FP8 at M = 768 ran cutlass 12% faster than triton while
     triton won at 512 and 1024 (BENCHMARKS.md, 2026-12-03). The size taken is the geometric
-    midpoint (where the nearest-size rule of the tables switches), rounded to a multiple of 8 from
+    midpoint (the middle of the gap in log space, where the triton backend's nearest-size config
+    lookup switches), rounded to a multiple of 8 from
     64 tokens up (the sizes serving engines capture CUDA graphs for)."""
     sizes = sorted(set(batch_sizes))
     out = []
