@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 import moekit
@@ -64,3 +67,14 @@ def capture_graph(fn, warmup: int = 2):
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+def tiny_mixtral(tmp_path, *, experts: int, hidden: int, intermediate: int, layers: int) -> Path:
+    """A model folder holding only a Mixtral-style config.json of these sizes (top-2), for the CLIs."""
+    folder = Path(tmp_path) / "tiny-moe"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "num_local_experts": experts, "num_experts_per_tok": 2, "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_hidden_layers": layers,
+    }))
+    return folder

@@ -13,6 +13,8 @@ from moekit import bench, plots
 from moekit.backends.reference import ReferenceBackend
 from moekit.cli import main
 
+from helpers import tiny_mixtral
+
 CPU = not torch.cuda.is_available()
 FAST = ["--reps", "2", "--warmup", "1"]
 PRESET = "qwen3-30b-a3b-fp8"  # fp8-block128; on the CPU scaled down to E=16 H=256 N=128 top-8
@@ -27,13 +29,7 @@ META_KEYS = set(PROVENANCE)
 @pytest.fixture
 def tiny_config(tmp_path):
     """A tiny bf16 Mixtral-style model: 4 experts, top-2, hidden 64, intermediate 128, 3 layers."""
-    folder = tmp_path / "tiny-moe"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 3,
-    }))
-    return folder
+    return tiny_mixtral(tmp_path, experts=4, hidden=64, intermediate=128, layers=3)
 
 
 def read_csv(path):

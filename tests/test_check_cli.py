@@ -13,7 +13,7 @@ from moekit.api import validate_inputs
 from moekit.backends.reference import ReferenceBackend, reference_moe
 from moekit.cli import main
 
-from helpers import random_routing, random_weights, random_x, rel_l2
+from helpers import random_routing, random_weights, random_x, rel_l2, tiny_mixtral
 
 CPU = not torch.cuda.is_available()
 PRESET = "qwen3-30b-a3b-fp8"  # fp8-block128; on the CPU scaled down to E=16 H=256 N=128 top-8
@@ -31,13 +31,7 @@ def torch_backend(registry):
 
 @pytest.fixture
 def tiny_config(tmp_path):
-    folder = tmp_path / "tiny-moe"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "mixtral", "num_local_experts": 6, "num_experts_per_tok": 2, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2,
-    }))
-    return folder
+    return tiny_mixtral(tmp_path, experts=6, hidden=64, intermediate=128, layers=2)
 
 
 def one_line_error(capsys) -> str:

@@ -30,6 +30,8 @@ from moekit.tune import output, precompile, runner, space
 from moekit.tune.plan import TuneInputError, between_sizes
 from moekit.tune.space import NeighbourResult, config_key, interpreter_space
 
+from helpers import tiny_mixtral
+
 CUDA = torch.cuda.is_available()
 SHAPE = MoEShape(4, 128, 128, 2)  # the tiny model's layer (the same on the CPU: no scaling needed)
 SIZES = ["1", "4"]
@@ -47,13 +49,7 @@ class Killed(BaseException):
 
 @pytest.fixture
 def tiny_model(tmp_path):
-    folder = tmp_path / "tiny-moe"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "hidden_size": 128,
-        "intermediate_size": 128, "num_hidden_layers": 2,
-    }))
-    return folder
+    return tiny_mixtral(tmp_path, experts=4, hidden=128, intermediate=128, layers=2)
 
 
 def tune(tiny_model, out, scheme="fp8-channel-token", **kw):
