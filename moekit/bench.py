@@ -98,7 +98,14 @@ UNITS = {
     "speedup": "baseline median / this median",
     "rel_err": "||out - ref||_2 / ||ref||_2 against the reference backend, same inputs",
     "model_moe_us": "µs per decode step for the whole model: MoE layers x median_us",
+    "auto_vs_fastest": "auto rows: median of the backend auto chose / the fastest backend's median - 1, "
+    "both timed in the same interleaved rounds",
 }
+# What auto's choice costs against the fastest backend. It is read from the chosen backend's own
+# row, not from auto's: under a CUDA graph auto replays exactly the chosen backend's kernels (the
+# choice is made on the host at capture), so the two rows differ only by timing spread, which at
+# prefill sizes reached 5% between two closures of one kernel (BENCHMARKS.md, 2026-12-03).
+AUTO_COLUMN = "auto_vs_fastest"
 
 
 # ------------------------------------------------------------------------------ input parsing
@@ -669,6 +676,8 @@ def _validate(opts: BenchOptions, device: torch.device) -> _Plan:
     if opts.plots:
         require_plotting()
     columns = [*BASE_COLUMNS, f"speedup_vs_{baseline}", "rel_err"]
+    if any("auto" in names for names in plan.per_problem.values()):
+        columns.append(AUTO_COLUMN)
     if opts.model_estimate:
         columns.append("model_moe_us")
     columns += ["note", *PROVENANCE_COLUMNS]
@@ -843,6 +852,7 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
                 torch.cuda.empty_cache()
 
     _add_speedups(rows, plan.baseline)
+    _add_auto_choice_cost(rows)
     for r in rows:
         r.update({k: meta[k] for k in PROVENANCE_COLUMNS})
     errors = sum(1 for r in rows if r.pop("_error", False))
@@ -871,6 +881,8 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
     )
     files = _write(plan, rows, meta, opts)
     print_table(console, rows, plan.columns, opts.model_estimate)
+    for line in auto_summary(rows):
+        console.print(line, highlight=False)
     console.print(f"wrote {', '.join(str(f) for f in files)}", highlight=False)
     return BenchResult(plan.out_dir, files, plan.columns, rows, meta, errors)
 
@@ -886,6 +898,34 @@ def _add_speedups(rows: list[dict], baseline: str) -> None:
         b = base.get((r["model"], r["batch_size"]))
         if b and r.get("median_us"):
             r[key] = round(b / r["median_us"], 4)
+
+
+def _add_auto_choice_cost(rows: list[dict]) -> None:
+    """AUTO_COLUMN on each auto row whose chosen backend was timed beside it."""
+    for r in rows:
+        if r["backend"] != "auto":
+            continue
+        same = {o["backend"]: o.get("median_us") for o in rows
+                if (o["model"], o["batch_size"]) == (r["model"], r["batch_size"]) and o["backend"] != "auto"}
+        timed = [us for us in same.values() if us]
+        if same.get(r["chosen"]) and timed:
+            r[AUTO_COLUMN] = round(same[r["chosen"]] / min(timed) - 1, 4)
+
+
+def auto_summary(rows: list[dict]) -> list[str]:
+    """One line per model: how often auto chose the fastest timed backend, and its worst choice."""
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        scored = [r for r in rows if r["model"] == model and r.get(AUTO_COLUMN) is not None]
+        if not scored:
+            continue
+        fastest = sum(1 for r in scored if r[AUTO_COLUMN] <= 0)
+        worst = max(scored, key=lambda r: r[AUTO_COLUMN])
+        line = f"auto on {model}: chose the fastest backend at {fastest} of {len(scored)} batch sizes"
+        if worst[AUTO_COLUMN] > 0:
+            line += f"; worst choice {worst['chosen']} at M={worst['batch_size']}, {100 * worst[AUTO_COLUMN]:+.1f}%"
+        lines.append(line)
+    return lines
 
 
 def _write(plan: _Plan, rows: list[dict], meta: dict, opts: BenchOptions) -> list[Path]:

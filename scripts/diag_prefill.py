@@ -36,7 +36,7 @@ def gemm1_joined_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, sorted_ptr, count_ptr, start_ptr,
     E, N, H, K_TOP, stride_am, stride_we, stride_wn, stride_wse, stride_om, stride_os,
     QUANT_OUT: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """fp8-channel-token GEMM1 (per-token x, per-channel w13): tile column j is gate column
     j // 2 when j is even, up column j // 2 when odd, so that the accumulator splits into gate and
@@ -64,7 +64,7 @@ def gemm1_joined_kernel(
         k_ok = ks < H - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = k._dot(a, b, acc, BLOCK_K, INTERPRET)
+        acc = k._dot(a, b, acc, PROMOTE, INTERPRET)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     acc *= tl.load(a_scale_ptr + token, mask=row_ok, other=0.0)[:, None]
@@ -97,7 +97,7 @@ def gemm1_joined(a, a_scale, w, align, K, cfg, quant_out):
         a.stride(0), w.w13.stride(0), w.w13.stride(1), w.w13_scale.stride(0), out.stride(0),
         scale.stride(0) if scale is not None else 0,
         QUANT_OUT=quant_out, E_POW2=triton.next_power_of_2(E), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-        BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, INTERPRET=launch._interpreting(),
+        BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=launch.fp8_promote(cfg), INTERPRET=launch._interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, scale
@@ -122,7 +122,7 @@ def gemm1_bf16(a, a_scale, w, align, K, cfg):
         align.num_pairs, E, N, H, K, a.stride(0), 1, w.w13.stride(0), w.w13.stride(1), ws.stride(0), 0,
         out.stride(0), 0,
         A_SCALE=2, B_SCALE=2, OUT_MODE=0, ACT_DTYPE=triton.language.bfloat16, E_POW2=triton.next_power_of_2(E),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=cfg.BLOCK_K,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=launch.fp8_promote(cfg),
         INTERPRET=launch._interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -63,7 +63,8 @@ def test_bench_end_to_end_writes_every_file(tmp_path, tiny_config, capsys):
 
     # CSV: the columns with their units in the names, one row per model x batch size x backend
     columns, rows = read_csv(out / "bench.csv")
-    assert columns == COLUMNS + ["speedup_vs_reference", "rel_err", "model_moe_us", "note", *PROVENANCE]
+    assert columns == COLUMNS + ["speedup_vs_reference", "rel_err", "auto_vs_fastest", "model_moe_us", "note",
+                                 *PROVENANCE]
     assert len(rows) == 2 * 2 * 2
     assert {r["model"] for r in rows} == {PRESET, "tiny-moe"}
     assert {r["backend"] for r in rows} == {"reference", "auto"}
@@ -84,6 +85,8 @@ def test_bench_end_to_end_writes_every_file(tmp_path, tiny_config, capsys):
     schemes = {r["model"]: r["scheme"] for r in rows}
     assert schemes == {PRESET: "fp8-block128", "tiny-moe": "bf16"}
     assert all(r["chosen"] and r["chosen"] != "auto" for r in rows)
+    # auto chose torch on the CPU, which this run did not time: no figure for its choice
+    assert all(r["auto_vs_fastest"] == "" for r in rows)
 
     # JSON: the same rows, units, and what reproduces them
     doc = json.loads((out / "bench.json").read_text())
@@ -172,6 +175,24 @@ class GemmOnlyBackend(ReferenceBackend):
             return h[:, : weights.n] @ w2[e].T
 
         return gemms
+
+
+def test_auto_choice_cost_is_read_from_the_chosen_backends_row():
+    def row(backend, us, chosen=None, M=8, model="m"):
+        return {"model": model, "batch_size": M, "backend": backend, "chosen": chosen or backend, "median_us": us}
+
+    rows = [
+        row("triton", 100.0), row("cutlass", 90.0), row("auto", 80.0, chosen="triton"),  # auto's own 80 ignored
+        row("triton", 50.0, M=16), row("cutlass", 60.0, M=16), row("auto", 70.0, chosen="triton", M=16),
+        row("triton", 10.0, M=32), row("auto", 10.0, chosen="torch", M=32),  # torch not timed
+        row("triton", None, M=64), row("auto", 9.0, chosen="triton", M=64),  # triton failed there
+    ]
+    bench._add_auto_choice_cost(rows)
+    cost = {r["batch_size"]: r.get("auto_vs_fastest") for r in rows if r["backend"] == "auto"}
+    assert cost == {8: pytest.approx(100 / 90 - 1, abs=1e-4), 16: 0.0, 32: None, 64: None}
+    assert all("auto_vs_fastest" not in r for r in rows if r["backend"] != "auto")
+    assert bench.auto_summary(rows) == ["auto on m: chose the fastest backend at 1 of 2 batch sizes; "
+                                        "worst choice triton at M=8, +11.1%"]
 
 
 def test_bench_gemm_mode_uses_the_hook_and_reports_na(tmp_path, tiny_config, registry):

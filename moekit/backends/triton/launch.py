@@ -32,8 +32,14 @@ from .config import KernelConfig, get_config
 SINGLE_ALIGN_MAX_PAIRS = 128  # up to this many pairs, one program aligns them all
 CHUNK = 128  # pairs per program of the multi-program alignment
 E_BLOCK = 64  # experts handled at once when counting
-# FP8 products are added into the float32 accumulator every this many K (0: every BLOCK_K).
-FP8_PROMOTE_EVERY = int(os.environ.get("MOEKIT_FP8_PROMOTE", "0"))
+# FP8 products are added into the float32 accumulator every this many K: unset, every BLOCK_K;
+# 0, never (the tensor cores' own accumulation, as vLLM's kernel runs).
+_PROMOTE_ENV = os.environ.get("MOEKIT_FP8_PROMOTE")
+
+
+def fp8_promote(cfg: KernelConfig) -> int:
+    """The PROMOTE argument of the kernels (see _kernels._dot) for this config."""
+    return cfg.BLOCK_K if _PROMOTE_ENV is None else int(_PROMOTE_ENV)
 
 
 def _interpreting() -> bool:
@@ -301,7 +307,7 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
         A_SCALE=A_SCALE_KIND[scheme.activation] if scheme.is_fp8 else 0,
         B_SCALE=B_SCALE_KIND[scheme.weight],
         OUT_MODE=out_mode, ACT_DTYPE=_TL_DTYPE[out_dtype], E_POW2=triton.next_power_of_2(E),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=FP8_PROMOTE_EVERY or cfg.BLOCK_K, INTERPRET=_interpreting(),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=fp8_promote(cfg), INTERPRET=_interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return Intermediate(out, scale, a_mode)
@@ -324,7 +330,7 @@ def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights
         values.stride(0), act.scale.stride(0) if act.scale is not None and act.scale.dim() == 2 else 0,
         weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
         A_MODE=act.a_mode, B_SCALE=B_SCALE_KIND[scheme.weight], E_POW2=triton.next_power_of_2(E),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=FP8_PROMOTE_EVERY or cfg.BLOCK_K, INTERPRET=_interpreting(),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=fp8_promote(cfg), INTERPRET=_interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
