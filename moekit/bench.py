@@ -846,8 +846,8 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
                         row = _finish_row(row, timing, p, M, x, weights, tw, ids, opts, ceilings, reference_out)
                     rows.append(row)
                     progress.advance(task)
-                del x, tw, ids, cache
-            del weights
+                x = tw = ids = cache = None  # freed before the next size (reference_out names them)
+            weights = None  # freed before the next model (reference_out names it)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 

@@ -81,7 +81,7 @@ def main() -> int:
                                tflops=round(counts.flops / t.median_us / 1e6, 1), method=t.method)
                     rows.append(row)
                     print(f"{model:22s} M={M:5d} {name:8s} {mode:5s} {t.median_us:9.1f} us  floor {floor:7.1f}  eff {floor / t.median_us:.2f}  [{t.method}]", flush=True)
-        del weights
+        weights = None  # freed (the lambdas above name it)
         torch.cuda.empty_cache()
     text = json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                            ceilings=ceilings.describe(), rows=rows), indent=1)

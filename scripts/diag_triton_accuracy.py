@@ -3,7 +3,7 @@ preset shapes, for several tile configs. MOEKIT_FP8_PROMOTE=32 promotes FP8 prod
 
     PYTHONPATH=. python3 scripts/diag_triton_accuracy.py
 """
-import sys, torch
+import sys
 sys.path.insert(0, "tests")
 from helpers import random_routing, random_x, random_weights, rel_l2, max_rel
 import moekit
@@ -11,7 +11,6 @@ from moekit.backends.triton import launch
 from moekit.backends.triton.config import KernelConfig
 from moekit.backends.reference import reference_moe
 from moekit.check import float64_moe
-import inspect
 import os; print('PROMOTE', os.environ.get('MOEKIT_FP8_PROMOTE'))
 cases = [("deepseek", (256, 7168, 256, 8, "fp8-block128"), 7), ("deepseek", (256, 7168, 256, 8, "fp8-block128"), 300),
          ("qwen3", (128, 2048, 768, 8, "fp8-block128"), 1), ("mixtral", (8, 4096, 14336, 2, "fp8-channel-token"), 300),

@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, "tests")
-from helpers import random_routing, random_weights, random_x, rel_l2  # noqa: E402
+from helpers import random_routing, random_weights, random_x  # noqa: E402
 
 import moekit  # noqa: E402
 from moekit import quant  # noqa: E402
@@ -23,7 +23,7 @@ from moekit.check import _expert_weights64  # noqa: E402
 
 def stages(x, w, tw, ids, cfg):
     M, K = ids.shape
-    N, H, E = w.n, w.hidden, w.num_experts
+    N, E = w.n, w.num_experts
     gran = w.scheme.activation
     align = launch.align_pairs(ids, E, cfg.BLOCK_M)
     a, a_scale = launch.quantize_input(x, w)

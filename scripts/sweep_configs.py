@@ -47,5 +47,5 @@ for M in args.batch_sizes:
     print(f"{args.model} M={M} default {d:.1f} us {default}")
     for t, c in results[: args.top]:
         print(f"   {t:9.1f} us  {c}")
-    del w
+    w = None  # freed (the lambdas above name it)
     torch.cuda.empty_cache()
