@@ -559,6 +559,10 @@ def git_commit() -> str:
     return commit
 
 
+# environment variables that change what runs or how, recorded with every result
+ENV_RECORDED = ("MOEKIT_BACKEND", "MOEKIT_FP8_ACCUMULATION", "MOEKIT_CONFIG_DIR", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")
+
+
 def environment(device: torch.device, argv: Sequence[str] | None) -> dict:
     """Device, versions, commit, date and the command line that reproduces the run."""
     import moekit
@@ -588,7 +592,7 @@ def environment(device: torch.device, argv: Sequence[str] | None) -> dict:
         "git_commit": git_commit(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": shlex.join(["moekit", *map(str, args)]),
-        "env": {k: os.environ[k] for k in ("MOEKIT_BACKEND", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES") if k in os.environ},
+        "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
     }
 
 

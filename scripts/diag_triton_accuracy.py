@@ -1,5 +1,5 @@
 """Diagnose triton accuracy on a GPU: error against the reference and a float64 computation at
-preset shapes, for several tile configs. MOEKIT_FP8_PROMOTE=32 promotes FP8 products every 32 of K.
+preset shapes, for several tile configs (MOEKIT_FP8_ACCUMULATION=fast: the tensor cores' own accumulation).
 
     PYTHONPATH=. python3 scripts/diag_triton_accuracy.py
 """
@@ -11,7 +11,7 @@ from moekit.backends.triton import launch
 from moekit.backends.triton.config import KernelConfig
 from moekit.backends.reference import reference_moe
 from moekit.check import float64_moe
-import os; print('PROMOTE', os.environ.get('MOEKIT_FP8_PROMOTE'))
+print('FP8 accumulation:', launch.fp8_accumulation())
 cases = [("deepseek", (256, 7168, 256, 8, "fp8-block128"), 7), ("deepseek", (256, 7168, 256, 8, "fp8-block128"), 300),
          ("qwen3", (128, 2048, 768, 8, "fp8-block128"), 1), ("mixtral", (8, 4096, 14336, 2, "fp8-channel-token"), 300),
          ("glm", (128, 4096, 704, 8, "fp8-channel-token"), 7), ("qwen3-bf16", (128, 2048, 768, 8, "bf16"), 7)]

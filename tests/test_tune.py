@@ -320,6 +320,20 @@ def test_journal_of_other_conditions_is_set_aside(tmp_path, tiny_model, monkeypa
     assert len(list((out / ".progress").glob("*/M=1.stale.json"))) == 1
 
 
+def test_fast_fp8_accumulation_is_a_condition_of_the_measurements(tmp_path, tiny_model, monkeypatch):
+    FakeTimer().install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out, batch_sizes=["1"])  # precise (the default): no key, so older journals match
+    assert "fp8_accumulation" not in json.loads(next((out / "triton").glob("*.json")).read_text())["meta"]
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
+    again = FakeTimer().install(monkeypatch)
+    result, text = tune(tiny_model, out, batch_sizes=["1"])
+    assert result.exit_code == 0 and "set aside" in text and "fp8_accumulation" in text
+    assert len(again.calls) >= 4  # measured again, the precise journal kept beside
+    assert len(list((out / ".progress").glob("*/M=1.stale.json"))) == 1
+    assert json.loads(next((out / "triton").glob("*.json")).read_text())["meta"]["fp8_accumulation"] == "fast"
+
+
 # ---------------------------------------------------------------------- failing configs
 
 

@@ -41,6 +41,7 @@ from .. import __version__ as moekit_version
 from ..api import validate_inputs
 from ..backends import get_backend
 from ..backends.triton.config import KernelConfig, default_config, nearest
+from ..backends.triton.launch import fp8_accumulation
 from ..bench import make_routing, make_weights, make_x, rel_l2
 from ..tables import table_name
 from ..timing import Timing, time_graph
@@ -100,6 +101,8 @@ def fingerprint(plan: TunePlan, name: str) -> dict:
         "moekit": moekit_version,
         "torch": torch.__version__,
         "triton": triton.__version__,
+        # only when not the default, so that journals measured before the option existed still match
+        **({"fp8_accumulation": "fast"} if fp8_accumulation() == "fast" else {}),
     }
 
 

@@ -32,14 +32,30 @@ from .config import KernelConfig, get_config
 SINGLE_ALIGN_MAX_PAIRS = 128  # up to this many pairs, one program aligns them all
 CHUNK = 128  # pairs per program of the multi-program alignment
 E_BLOCK = 64  # experts handled at once when counting
-# FP8 products are added into the float32 accumulator every this many K: unset, every BLOCK_K;
-# 0, never (the tensor cores' own accumulation, as vLLM's kernel runs).
-_PROMOTE_ENV = os.environ.get("MOEKIT_FP8_PROMOTE")
+# How FP8 products are summed (MOEKIT_FP8_ACCUMULATION). "precise" (default): each BLOCK_K-long
+# partial product is added into the float32 accumulator, as DeepGEMM does. "fast": the tensor
+# cores' own narrower accumulator over the whole K, as vLLM's Triton kernel and torch's CUTLASS
+# grouped GEMM run. Measured on an H200 (BENCHMARKS.md, 2026-12-03, fourth session): fast is 17%
+# faster at Mixtral-8x7B M = 4096 (whole layer) and 8% at GLM-4.5V, the same at decode sizes, but
+# its error against float64 rose from 2.5e-3 to 1.4e-2 on Mixtral (more intermediate values cross
+# an FP8 rounding boundary), above `moekit check`'s 1e-2 limit; so precise is the default.
+FP8_ACCUMULATION_ENV = "MOEKIT_FP8_ACCUMULATION"
+FP8_ACCUMULATIONS = ("precise", "fast")
+
+
+def fp8_accumulation() -> str:
+    """The FP8 accumulation mode asked for in the environment (ValueError for another value)."""
+    mode = os.environ.get(FP8_ACCUMULATION_ENV, "precise").strip().lower() or "precise"
+    if mode not in FP8_ACCUMULATIONS:
+        raise ValueError(
+            f"{FP8_ACCUMULATION_ENV}={os.environ[FP8_ACCUMULATION_ENV]!r}: expected one of {', '.join(FP8_ACCUMULATIONS)}"
+        )
+    return mode
 
 
 def fp8_promote(cfg: KernelConfig) -> int:
-    """The PROMOTE argument of the kernels (see _kernels._dot) for this config."""
-    return cfg.BLOCK_K if _PROMOTE_ENV is None else int(_PROMOTE_ENV)
+    """The kernels' PROMOTE argument (see _kernels._dot): K elements between promotions, 0 for none."""
+    return 0 if fp8_accumulation() == "fast" else cfg.BLOCK_K
 
 
 def _interpreting() -> bool:
