@@ -157,16 +157,17 @@ def test_tune_writes_valid_tables_and_vllm_export(tmp_path, tiny_model, scheme):
         assert all(isinstance(v, float) and v > 0 for v in entry["us"].values())
         assert entry["winner"] == min(entry["us"], key=entry["us"].get)
         j = js[int(m)]
-        if m == "2":  # between: triton timed as a backend, with the nearest tuned size's config
-            assert j["configs"] == {} and j["between_config"] == config_key(KernelConfig.from_dict(t["configs"]["1"]))
-            assert entry["us"] == {k: v["us"] for k, v in j["backends"].items()}
-            continue
+        if m == "2":  # between: triton timed with the best config of each tuned size around it
+            around = list(dict.fromkeys(config_key(KernelConfig.from_dict(t["configs"][n])) for n in ("1", "4")))
+            assert j["between_configs"] == around and sorted(j["configs"]) == sorted(around)
+            assert "triton" not in j["backends"] and not j.get("search")
         # triton's time is its fastest measured config's; the others as measured
         assert entry["us"]["triton"] == min(v["us"] for v in j["configs"].values() if "us" in v)
         assert {k: v for k, v in entry["us"].items() if k != "triton"} == {k: v["us"] for k, v in j["backends"].items()}
 
     # the triton table: the fastest config and its µs per batch size, and metadata
-    assert list(t) == ["meta", "configs"] and list(t["configs"]) == SIZES
+    assert list(t) == ["meta", "configs"] and list(t["configs"]) == ["1", "2", "4"]  # 2: the faster neighbour config
+    assert t["meta"]["incomplete_batch_sizes"] == []  # a size between is not a search cut short
     for key in ("device_name", "num_experts", "hidden", "intermediate", "top_k", "scheme", "routing", "moekit",
                 "torch", "triton", "date"):
         assert t["meta"][key] == b["meta"][key] or key == "date"
@@ -176,7 +177,10 @@ def test_tune_writes_valid_tables_and_vllm_export(tmp_path, tiny_model, scheme):
         j = js[int(m)]
         best = min((v["us"], k) for k, v in j["configs"].items() if "us" in v)
         assert entry["us"] == best[0] and config_key(KernelConfig.from_dict(entry)) == best[1]
-        assert entry["default_us"] == j["configs"][config_key(default_config(SHAPE, scheme, int(m)))]["us"]
+        if m == "2":
+            assert entry["default_us"] is None  # the default config is not timed between
+        else:
+            assert entry["default_us"] == j["configs"][config_key(default_config(SHAPE, scheme, int(m)))]["us"]
 
     # the vLLM export: vLLM's file name and format exactly
     vllm = only_file(export)
@@ -184,7 +188,7 @@ def test_tune_writes_valid_tables_and_vllm_export(tmp_path, tiny_model, scheme):
              "bf16": ""}[scheme.name]
     assert vllm.name == f"E=4,N=128,device_name={output.vllm_device_name(device)}{dtype}.json"
     exported = read(vllm)
-    assert list(exported) == [m for m in SIZES if m in exported] and exported
+    assert list(exported) == [m for m in ("1", "2", "4") if m in exported] and exported
     for m, cfg in exported.items():
         assert list(cfg) == VLLM_FIELDS and all(type(v) is int for v in cfg.values())
         ours = KernelConfig(cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"] // 2, cfg["BLOCK_SIZE_K"], cfg["GROUP_SIZE_M"],
@@ -418,18 +422,19 @@ def test_between_size_can_change_the_winner(tmp_path, tiny_model, monkeypatch):
     assert result.exit_code == 0 and result.not_covered == [], text
     decisions = read(only_file(out / "backends"))["batch_sizes"]
     assert [decisions[m]["winner"] for m in ("1", "2", "4")] == ["triton", "torch", "triton"]
-    assert decisions["2"]["us"] == {"triton": 100.0, "torch": 10.0}  # triton with the nearest size's config
+    assert decisions["2"]["us"] == {"triton": 50.0, "torch": 10.0}  # triton with the neighbours' best config
     assert "between: M=2 torch 10.0" in text
-    assert list(read(only_file(out / "triton"))["configs"]) == SIZES  # configs only where searched
-    # triton ran at 2 with the config tuned at 1 (nearest in log space; ties: the smaller size)
-    assert journals(out)[2]["between_config"] == config_key(FAST_CFG)
+    configs = read(only_file(out / "triton"))["configs"]
+    assert list(configs) == ["1", "2", "4"] and config_key(KernelConfig.from_dict(configs["2"])) == config_key(FAST_CFG)
+    # FAST_CFG won the search at 1 and at 4: the one config timed at 2
+    assert journals(out)[2]["between_configs"] == [config_key(FAST_CFG)]
 
 
 def test_between_triton_is_timed_again_when_a_search_finds_a_better_config(tmp_path, tiny_model, monkeypatch):
     out = tmp_path / "out"
     FakeTimer(us={triton(OTHER_CFG): 50.0}).install(monkeypatch)
     tune(tiny_model, out, backends=["torch"])
-    assert journals(out)[2]["between_config"] == config_key(OTHER_CFG)
+    assert journals(out)[2]["between_configs"] == [config_key(OTHER_CFG)]
     # a new run (here: no search, only the baseline) leaves the tuned configs as they are: nothing new
     rerun = FakeTimer().install(monkeypatch)
     tune(tiny_model, out, backends=["torch"], search_space="none")
@@ -437,15 +442,39 @@ def test_between_triton_is_timed_again_when_a_search_finds_a_better_config(tmp_p
     # the table still says which search its configs came from
     meta = read(only_file(out / "triton"))["meta"]
     assert (meta["search_space"], meta["neighbour_margin"]) == ("pruned", space.NEIGHBOUR_MARGIN)
-    # now the M=1 journal holds a faster config: the between size times triton again, with it
+    # now the M=1 journal holds a faster config: the between size times that one too (OTHER_CFG,
+    # still the best at 4, keeps its time there), and the faster of the two is its config
     path = only_file_dir(out / ".progress") / "M=1.json"
     data = read(path)
     data["configs"][config_key(FAST_CFG)]["us"] = 1.0
     path.write_text(json.dumps(data))
-    again = FakeTimer().install(monkeypatch)
+    again = FakeTimer(us={triton(FAST_CFG): 40.0}).install(monkeypatch)
     tune(tiny_model, out, backends=["torch"], search_space="none")
-    assert again.calls == ["backend triton at M=2"]
-    assert journals(out)[2]["between_config"] == config_key(FAST_CFG)
+    assert again.calls == [f"{triton(FAST_CFG)} at M=2"]
+    assert journals(out)[2]["between_configs"] == [config_key(FAST_CFG), config_key(OTHER_CFG)]
+    configs = read(only_file(out / "triton"))["configs"]
+    assert config_key(KernelConfig.from_dict(configs["2"])) == config_key(FAST_CFG) and configs["2"]["us"] == 40.0
+    assert read(only_file(out / "backends"))["batch_sizes"]["2"]["us"]["triton"] == 40.0
+
+
+def test_a_journal_of_the_single_config_rule_is_brought_up_to_date(tmp_path, tiny_model, monkeypatch):
+    # journals written before both neighbours' configs were timed hold triton as a backend
+    out = tmp_path / "out"
+    FakeTimer(us={triton(OTHER_CFG): 50.0}).install(monkeypatch)
+    tune(tiny_model, out, backends=["torch"])
+    path = only_file_dir(out / ".progress") / "M=2.json"
+    data = read(path)
+    data.pop("between_configs")
+    data["configs"] = {}
+    data["between_config"] = config_key(OTHER_CFG)
+    data["backends"]["triton"] = {"us": 77.0}
+    path.write_text(json.dumps(data))
+    again = FakeTimer(us={triton(OTHER_CFG): 60.0}).install(monkeypatch)
+    tune(tiny_model, out, backends=["torch"], search_space="none")
+    assert again.calls == [f"{triton(OTHER_CFG)} at M=2"]  # torch's time kept
+    j = journals(out)[2]
+    assert "between_config" not in j and "triton" not in j["backends"] and "torch" in j["backends"]
+    assert read(only_file(out / "backends"))["batch_sizes"]["2"]["us"]["triton"] == 60.0
 
 
 def test_a_size_between_is_measured_as_soon_as_both_neighbours_are_searched(tmp_path, tiny_model, monkeypatch):
@@ -455,8 +484,12 @@ def test_a_size_between_is_measured_as_soon_as_both_neighbours_are_searched(tmp_
     assert result.exit_code == 0 and result.not_covered == []
     first_at_16 = min(i for i, c in enumerate(timer.calls) if c.startswith("triton ") and c.endswith(" at M=16")
                       and c != f"{triton(default_config(SHAPE, FP8_CHANNEL_TOKEN, 16))} at M=16")
-    assert timer.calls.index("backend triton at M=2") < first_at_16 < timer.calls.index("backend triton at M=8")
-    assert timer.calls.count("backend triton at M=2") == 1  # not again in the last pass
+    def triton_calls(M):
+        return [i for i, c in enumerate(timer.calls) if c.startswith("triton ") and c.endswith(f" at M={M}")]
+
+    assert max(triton_calls(2)) < first_at_16 < min(triton_calls(8))
+    at_2 = [timer.calls[i] for i in triton_calls(2)]
+    assert len(at_2) == len(set(at_2))  # not again in the last pass
 
 
 def test_search_space_none_times_only_the_baseline_and_no_between_turns_it_off(tmp_path, tiny_model, monkeypatch):
@@ -481,7 +514,7 @@ def test_batch_sizes_spread_over_worker_processes(tmp_path, tiny_model):
     result, text = tune(tiny_model, out, scheme="bf16", devices=devices, backends=["torch"])
     assert result.exit_code == 0, text
     assert "2 worker processes" in text
-    assert list(read(only_file(out / "triton"))["configs"]) == SIZES
+    assert list(read(only_file(out / "triton"))["configs"]) == ["1", "2", "4"]
     assert list(read(only_file(out / "backends"))["batch_sizes"]) == ["1", "2", "4"]  # 2: between, after the workers
 
 
@@ -543,7 +576,7 @@ def test_tune_with_compile_helpers_writes_the_same_tables(tmp_path, tiny_model, 
         result, text = tune(tiny_model, out, compile_workers=helpers)
         assert result.exit_code == 0, text
         tables.append({m: KernelConfig.from_dict(c) for m, c in read(only_file(out / "triton"))["configs"].items()})
-    assert tables[0] == tables[1] == {m: winner for m in SIZES}
+    assert tables[0] == tables[1] == {m: winner for m in ("1", "2", "4")}  # 2: between, the same winner
 
 
 def test_split_batch_sizes_into_contiguous_runs():

@@ -48,6 +48,22 @@ def search_complete(journal: dict) -> bool:
     return bool(journal.get("search") and journal["search"].get("complete"))
 
 
+def is_between(journal: dict) -> bool:
+    """A journal of a size between the tuned ones (only the neighbours' configs timed, no search)."""
+    return "between_configs" in journal or "between_config" in journal
+
+
+def neighbour_configs(tuned: dict[int, KernelConfig], M: int) -> list[KernelConfig]:
+    """The best configs of the tuned sizes just below and above M (one when they agree or M lies
+    beyond the tuned sizes)."""
+    below = [s for s in tuned if s < M]
+    above = [s for s in tuned if s > M]
+    picks = [tuned[max(below)]] if below else []
+    if above and tuned[min(above)] not in picks:
+        picks.append(tuned[min(above)])
+    return picks
+
+
 def _common_meta(journals: list[dict]) -> dict:
     fp, problem = journals[-1]["fingerprint"], journals[-1]["problem"]
     return {
@@ -87,7 +103,7 @@ def triton_table(journals: list[dict], run_meta: dict | None = None) -> dict | N
             "us": entry["us"],
             "default_us": default.get("us"),
         }
-        if not search_complete(j):
+        if not search_complete(j) and not is_between(j):
             incomplete.append(j["batch_size"])
     if not configs:
         return None

@@ -11,8 +11,9 @@ output far from the default config's) is recorded with its reason and skipped. A
 a GPU the device is synchronised: an error that broke the CUDA context stops the run
 (`DeviceBroken`), the config recorded as failed, so a rerun continues past it.
 
-Between the tuned sizes (plan.between): every backend is timed again, triton with the config it
-would run there (the nearest tuned size's best), and the results go into the decision table only.
+Between the tuned sizes (plan.between): every backend is timed again, triton with the best config
+of each of the two searched sizes around it; the faster of those becomes the triton table's
+config there too, so that the config auto's table timed is the config the backend runs.
 A size between two others is measured as soon as both are searched (so a budget cut leaves the
 ones before it done); a last pass after all workers covers the rest (sizes between two workers'
 runs, and every one with --search-space none). A later search that finds a better config for a
@@ -40,13 +41,13 @@ import torch
 from .. import __version__ as moekit_version
 from ..api import validate_inputs
 from ..backends import get_backend
-from ..backends.triton.config import KernelConfig, default_config, nearest
+from ..backends.triton.config import KernelConfig, default_config
 from ..backends.triton.launch import fp8_accumulation
 from ..bench import make_routing, make_weights, make_x, rel_l2
 from ..tables import table_name
 from ..timing import Timing, time_graph
 from .journal import MAX_DEATHS, Journal, journal_path, load_journals
-from .output import best_config, write_tables
+from .output import best_config, is_between, neighbour_configs, write_tables
 from .plan import TunePlan, TuneProblem
 from .precompile import Precompiler
 from .space import NeighbourResult, config_key, neighbour_prune, shared_memory_limit, static_prune
@@ -260,37 +261,46 @@ class Worker:
 
     def _between(self, p: TuneProblem, sizes: list[int]) -> None:
         table_file = table_name(p.shape, p.scheme, self.name)
-        tuned: dict[int, KernelConfig] = {}  # what the triton table holds (output.triton_table)
+        tuned: dict[int, KernelConfig] = {}  # the best config of every searched size
         for data in load_journals(self.plan.out_dir, table_file):
             best = best_config(data)
-            if best is not None:
+            if best is not None and not is_between(data):
                 tuned[data["batch_size"]] = KernelConfig.from_dict(best[1]["config"])
         if not tuned or not sizes:
             return
         fp = fingerprint(self.plan, self.name)
-        todo: list[tuple[Journal, list[str], KernelConfig]] = []
+        todo: list[tuple[Journal, list[KernelConfig], list[str]]] = []
         for M in sizes:
             j, note = Journal.open(journal_path(self.plan.out_dir, table_file, M), fp, problem_fields(p), M)
             if note:
                 self.reporter.log(note)
-            cfg = nearest(tuned, M)
-            if j.data.get("between_config") != config_key(cfg):  # a later search found a better one
-                j.data["between_config"] = config_key(cfg)
+            cfgs = neighbour_configs(tuned, M)
+            keys = [config_key(c) for c in cfgs]
+            if j.data.get("between_configs") != keys or "between_config" in j.data:
+                # a search found a better neighbour config (or a journal of the older, single-config
+                # rule): the new ones are timed, earlier timings of other configs stay as measured
+                j.data.pop("between_config", None)
                 j.data["backends"].pop("triton", None)
+                j.data["between_configs"] = keys
                 j.save()
-            names = [n for n in ("triton", *p.backends) if j.backend(n) is None]
-            if names:
-                todo.append((j, names, cfg))
-        self.reporter.add_total(sum(len(names) for _, names, _ in todo))
-        for j, names, cfg in todo:
+            cfgs = [c for c in cfgs if j.config(config_key(c)) is None]
+            names = [n for n in p.backends if j.backend(n) is None]
+            if cfgs or names:
+                todo.append((j, cfgs, names))
+        self.reporter.add_total(sum(len(cfgs) + len(names) for _, cfgs, names in todo))
+        for j, cfgs, names in todo:
             inputs = None
-            for name in names:
+            for item in [*cfgs, *names]:
                 if self.deadline.passed():
                     self.reporter.add_total(-1)
                     continue
                 inputs = inputs or self._inputs(p, j.batch_size)
-                self.reporter.describe(f"{p.label} M={j.batch_size} (between): {name}")
-                self._measure_backend(p, j, name, inputs, config=cfg if name == "triton" else None)
+                what = f"triton {config_key(item)}" if isinstance(item, KernelConfig) else item
+                self.reporter.describe(f"{p.label} M={j.batch_size} (between): {what}")
+                if isinstance(item, KernelConfig):
+                    self._measure_config(p, j, item, inputs)
+                else:
+                    self._measure_backend(p, j, item, inputs)
                 self.reporter.advance()
         write_problem_tables(self.plan, table_file)
 
