@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|bench|auto|check|full|hf|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points of shared/anchors/README.md: the expert GEMMs alone
@@ -13,6 +13,10 @@
 # tune:  `moekit tune` on the shipped-table models (TUNE_BUDGET each, default 5m; TUNE_MODELS
 #        "model:tp[:scheme] ..." to choose); the tables land in tuned/ of the archive, ready to
 #        copy into moekit/configs/.
+# retime: `moekit tune --search-space none` on the TUNE_MODELS with the journals in TUNE_DIR
+#        (default tune-journal/, git-ignored: carry it): no search, only what is missing with the
+#        configs found before (the sizes between after a change of their rule, say); the tables
+#        land in tuned/ of the archive and the steps after it use them, as after `tune`.
 # full:  the exhaustive search (`--search-space full`) of GLM-4.5V TP2 at FULL_SIZES (default
 #        "64 1024"), to compare with the pruned search of the tune step at the same sizes.
 # hf:    one GLM-4.5V-size layer through moekit against transformers' grouped_mm.
@@ -66,6 +70,16 @@ if want tune; then
       --out "$WORK/tuned" --export-vllm "$WORK/tuned/vllm"
   done
   export MOEKIT_CONFIG_DIR=$WORK/tuned  # the steps below run with these tables
+fi
+if [[ " ${steps[*]} " == *" retime "* ]]; then  # not part of `all`: it needs carried journals
+  for m in ${TUNE_MODELS:-glm-4.5v-fp8:2 mixtral-8x7b:1:fp8-channel-token deepseek-v3:8 qwen3-30b-a3b-fp8:1}; do
+    IFS=: read -r model tp scheme <<<"$m"
+    moekit tune --model "$model" --tp "$tp" ${scheme:+--scheme "$scheme"} --search-space none \
+      --out "${TUNE_DIR:-tune-journal}" || status=1
+  done
+  mkdir -p "$WORK/tuned" && cp -r "${TUNE_DIR:-tune-journal}/triton" "${TUNE_DIR:-tune-journal}/backends" "$WORK/tuned/" \
+    || status=1
+  export MOEKIT_CONFIG_DIR=$WORK/tuned
 fi
 if want bench; then
   moekit info
