@@ -658,6 +658,12 @@ class _Plan:
 def _validate(opts: BenchOptions, device: torch.device) -> _Plan:
     if opts.mode not in ("layer", "gemm"):
         raise BenchInputError(f"--mode: {opts.mode!r} is not 'layer' or 'gemm'")
+    from .backends.triton.launch import fp8_accumulation
+
+    try:
+        fp8_accumulation()  # refused here, once, rather than at every triton point of the run
+    except ValueError as e:
+        raise BenchInputError(str(e)) from None
     if not isinstance(opts.reps, int) or opts.reps < 1:
         raise BenchInputError(f"--reps must be a positive integer, got {opts.reps!r}")
     if not isinstance(opts.warmup, int) or opts.warmup < 0:

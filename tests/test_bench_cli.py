@@ -310,6 +310,14 @@ def test_bench_failure_while_writing_leaves_nothing_half_written(tmp_path, tiny_
     assert list(out.iterdir()) == []
 
 
+def test_a_bad_fp8_accumulation_mode_is_refused_before_anything_runs(tmp_path, tiny_config, monkeypatch, capsys):
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "sloppy")
+    out = tmp_path / "o"
+    assert main(["bench", "--model", str(tiny_config), "--out", str(out), *FAST]) == 2
+    assert "MOEKIT_FP8_ACCUMULATION='sloppy': expected one of precise, fast" in one_line_error(capsys)
+    assert not out.exists()
+
+
 def test_argparse_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--model", PRESET, "--mode", "fast"])

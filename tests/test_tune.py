@@ -700,14 +700,18 @@ def test_parse_budget():
     (["--compile-workers", "-1"], "--compile-workers"),
     (["--out", "{file}/sub"], "--out"),
     (["--export-vllm", "{file}/sub"], "--export-vllm"),
+    (["--env"], "MOEKIT_FP8_ACCUMULATION='sloppy': expected one of precise, fast"),
 ])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_model, capsys, args, message):
+def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_model, capsys, args, message, monkeypatch):
+    if args == ["--env"]:  # a bad MOEKIT_FP8_ACCUMULATION: a condition of every measurement
+        monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "sloppy")
+        args = []
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     args = [a.replace("{file}", str(blocker)) for a in args]
     out = tmp_path / "out"
     argv = ["tune", "--model", str(tiny_model), "--out", str(out), *args]
-    if args[0] == "--model":
+    if args and args[0] == "--model":
         argv = ["tune", *args, "--out", str(out)]
     assert main(argv) == 2
     text = capsys.readouterr()

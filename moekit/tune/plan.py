@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 
 from ..backends import get_backend
+from ..backends.triton.launch import fp8_accumulation
 from ..bench import (
     BenchInputError, ROUTINGS, load_routing_file, parse_batch_sizes, parse_dtype, parse_names, plan_backends,
     prepare_out_dir, resolve_problems,
@@ -148,6 +149,10 @@ def build_plan(opts: TuneOptions, device: torch.device) -> TunePlan:
     folder(s) last, so that bad input leaves nothing behind."""
     if opts.search_space not in SEARCH_SPACES:
         raise TuneInputError(f"--search-space: {opts.search_space!r} is not one of {', '.join(SEARCH_SPACES)}")
+    try:
+        fp8_accumulation()  # a condition of every measurement (runner.fingerprint)
+    except ValueError as e:
+        raise TuneInputError(str(e)) from None
     helpers = default_helpers(device) if opts.compile_workers is None else opts.compile_workers
     for name, value, least in (("--reps", opts.reps, 1), ("--warmup", opts.warmup, 0), ("--compile-workers", helpers, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:

@@ -44,12 +44,16 @@ FP8_ACCUMULATIONS = ("precise", "fast")
 
 
 def fp8_accumulation() -> str:
-    """The FP8 accumulation mode asked for in the environment (ValueError for another value)."""
-    mode = os.environ.get(FP8_ACCUMULATION_ENV, "precise").strip().lower() or "precise"
+    """The FP8 accumulation mode asked for in the environment (ValueError for another value).
+    Read at every launch (a test or a user may change it); parsed once per value."""
+    return _parse_accumulation(os.environ.get(FP8_ACCUMULATION_ENV))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_accumulation(raw: str | None) -> str:
+    mode = (raw or "").strip().lower() or "precise"
     if mode not in FP8_ACCUMULATIONS:
-        raise ValueError(
-            f"{FP8_ACCUMULATION_ENV}={os.environ[FP8_ACCUMULATION_ENV]!r}: expected one of {', '.join(FP8_ACCUMULATIONS)}"
-        )
+        raise ValueError(f"{FP8_ACCUMULATION_ENV}={raw!r}: expected one of {', '.join(FP8_ACCUMULATIONS)}")
     return mode
 
 
