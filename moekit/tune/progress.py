@@ -168,7 +168,7 @@ def uncovered_between(journals_by_size: dict[int, dict], sizes: list[int], backe
     lines = []
     for M in sizes:
         j = journals_by_size.get(M)
-        triton_timed = j is not None and any("us" in c for c in j["configs"].values())
+        triton_timed = j is not None and best_config(j) is not None
         missing = [n for n in backends if j is None or (not triton_timed if n == "triton" else n not in j["backends"])]
         if missing:
             lines.append(f"M={M} (between): not measured: {', '.join(missing)}")
