@@ -85,7 +85,7 @@ class TunePlan:
     export_dir: Path | None
     budget_s: float | None
     compile_workers: int  # helper processes compiling configs ahead of the measurements (0: none)
-    between: list[int]  # sizes between the tuned ones where only the backends are timed (between_sizes)
+    between: list[int]  # sizes between the tuned ones: no search, the backends and the neighbours' configs (between_sizes)
     run_meta: dict  # extra metadata of the triton tables (command, search settings)
     created: list[Path]  # output folders this run created (removed again if it fails at once)
 
@@ -109,7 +109,7 @@ def parse_budget(text: str | None) -> float | None:
 
 def between_sizes(batch_sizes: Sequence[int]) -> list[int]:
     """One size between each two adjacent tuned sizes, where every backend is timed again (triton
-    with the config it would run there: the nearest tuned size's) for the decision table only.
+    with the best config of each neighbour, the faster becoming the config there: runner._between).
 
     Why: a backend's time is not smooth in M. CUTLASS's grouped GEMM moves in steps as its tiles
     fill waves of SMs, so the winner can change between two tuned sizes although the same backend

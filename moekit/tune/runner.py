@@ -17,7 +17,7 @@ config there too, so that the config auto's table timed is the config the backen
 A size between two others is measured as soon as both are searched (so a budget cut leaves the
 ones before it done); a last pass after all workers covers the rest (sizes between two workers'
 runs, and every one with --search-space none). A later search that finds a better config for a
-neighbour makes the next pass time triton there again.
+neighbour makes the next pass time that config there too.
 
 Budget: a deadline for the whole run; each remaining (problem, batch size) search gets an equal
 share of the time left, its most promising configs first, so a short budget still searches every
@@ -435,15 +435,14 @@ class Worker:
             self.reporter.log(f"{p.label} M={j.batch_size}: config {key} skipped: {result['error']}")
             self._check_device(what)
 
-    def _measure_backend(self, p: TuneProblem, j: Journal, name: str, inputs: Inputs,
-                         config: KernelConfig | None = None) -> None:
+    def _measure_backend(self, p: TuneProblem, j: Journal, name: str, inputs: Inputs) -> None:
         what = f"backend {name}"
         if j.deaths(what) >= MAX_DEATHS:
             j.record_backend(name, {"error": f"the process died {MAX_DEATHS} times while measuring it"})
             return
         j.begin(what)
         try:
-            result, out = self._time(inputs, get_backend(name), config, what)
+            result, out = self._time(inputs, get_backend(name), None, what)
             wrong = self._wrong_output(out, None)
             if wrong:
                 result = {"error": wrong}
