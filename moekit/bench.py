@@ -467,6 +467,51 @@ def make_routing(kind: str, M: int, shape: MoEShape, *, seed: int = 0, recorded:
     return uniform_routing(M, shape.num_experts, shape.top_k, seed=seed)
 
 
+# Each layer point is timed over this many routings of the same batch size (replays cycle through
+# them): with few experts a batch size lies near a multiple of a kernel's row tile, and whether a
+# random routing pushes an expert over it moved one triton point by 12% (Mixtral-8x7B M = 728,
+# tune and bench on two routings, H200, BENCHMARKS.md fifth session). auto chooses per batch
+# size, not per routing, so it is judged, and its tables measured, over several.
+DEFAULT_ROUTINGS = 4
+ROUTING_SEED_STEP = 7919  # routing r of a point uses seed + r * this (r = 0: the point's own seed)
+
+
+class RoutingRotation:
+    """Several routings of one batch size behind one pair of input buffers: closures read
+    `topk_weights` and `topk_ids`; calling the rotation copies the next routing into them (what
+    moekit.timing's before_each runs between replays); `reset` puts the first back."""
+
+    def __init__(self, routings: list[tuple[torch.Tensor, torch.Tensor]]):
+        if not routings:
+            raise ValueError("a rotation needs at least one routing")
+        self.routings = routings
+        self.topk_weights, self.topk_ids = routings[0][0].clone(), routings[0][1].clone()
+        self.index = 0
+
+    def __len__(self) -> int:
+        return len(self.routings)
+
+    def __call__(self) -> None:
+        self.index = (self.index + 1) % len(self.routings)
+        tw, ids = self.routings[self.index]
+        self.topk_weights.copy_(tw)
+        self.topk_ids.copy_(ids)
+
+    def reset(self) -> None:
+        self.index = len(self.routings) - 1
+        self()
+
+
+def make_routings(kind: str, M: int, shape: MoEShape, count: int, *, seed: int = 0,
+                  recorded: torch.Tensor | None = None, device=None) -> RoutingRotation:
+    """`count` routings of batch size M (the first is make_routing's with `seed`) in a rotation."""
+    routings = []
+    for r in range(count):
+        tw, ids = make_routing(kind, M, shape, seed=seed + r * ROUTING_SEED_STEP, recorded=recorded)
+        routings.append((tw.to(device), ids.to(device)))
+    return RoutingRotation(routings)
+
+
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
@@ -624,6 +669,7 @@ class BenchOptions:
     dtype: str = "bf16"
     reps: int = DEFAULT_REPS
     warmup: int = DEFAULT_WARMUP
+    routings: int = DEFAULT_ROUTINGS  # layer mode: routings each point's replays cycle through
     model_estimate: bool = False
     plots: bool = True
     refresh_ceilings: bool = False
@@ -668,6 +714,8 @@ def _validate(opts: BenchOptions, device: torch.device) -> _Plan:
         raise BenchInputError(f"--reps must be a positive integer, got {opts.reps!r}")
     if not isinstance(opts.warmup, int) or opts.warmup < 0:
         raise BenchInputError(f"--warmup must be a non-negative integer, got {opts.warmup!r}")
+    if not isinstance(opts.routings, int) or opts.routings < 1:
+        raise BenchInputError(f"--routings must be a positive integer, got {opts.routings!r}")
     dtype = parse_dtype(opts.dtype)
     batch_sizes = parse_batch_sizes(opts.batch_sizes, DEFAULT_BATCH_SIZES if device.type == "cuda" else CPU_BATCH_SIZES)
     problems = resolve_problems(opts.models, opts.tp, opts.scheme, device)
@@ -815,6 +863,7 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=console, transient=True,
     )
+    routings = opts.routings if opts.mode == "layer" else 1
     with progress:
         task = progress.add_task("bench", total=total)
         for pi, p in enumerate(plan.problems):
@@ -825,8 +874,10 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
             for M in plan.batch_sizes:
                 seed = opts.seed * 1_000_003 + M
                 x = make_x(M, p.shape.hidden, device, seed=seed, dtype=dtype)
-                tw, ids = make_routing(plan.routing_kind, M, p.shape, seed=seed, recorded=plan.recorded.get(p.name))
-                tw, ids = tw.to(device), ids.to(device)
+                # gemm mode aligns the routing before timing: one routing there
+                rotation = make_routings(plan.routing_kind, M, p.shape, routings, seed=seed,
+                                         recorded=plan.recorded.get(p.name), device=device)
+                tw, ids = rotation.topk_weights, rotation.topk_ids
                 cache: dict[str | None, torch.Tensor] = {}
 
                 def reference_out(backend_name: str):
@@ -847,7 +898,9 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
                 prepared = [_layer_fn(p, name, opts.mode, M, x, weights, tw, ids, device) for name in names]
                 fns = {row["backend"]: fn for row, fn in prepared if fn is not None}
                 with torch.no_grad():
-                    timings = time_graphs(fns, reps=opts.reps, warmup=opts.warmup, device=device) if fns else {}
+                    timings = time_graphs(fns, reps=opts.reps, warmup=opts.warmup, device=device,
+                                          before_each=rotation if len(rotation) > 1 else None) if fns else {}
+                rotation.reset()  # the accuracy check and the counts below use the first routing
                 for row, fn in prepared:
                     timing = timings.get(row["backend"])
                     if isinstance(timing, Exception):
@@ -874,6 +927,7 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
         seed=opts.seed,
         reps=opts.reps,
         warmup=opts.warmup,
+        routings=routings,
         baseline=plan.baseline,
         accuracy_check=opts.check,
         cpu_scaled_down=device.type != "cuda",
@@ -882,6 +936,7 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
             f"CUDA graph replays; L2 flushed by zeroing a 512 MiB buffer before each, the flush's median "
             f"time subtracted; median of {opts.reps} after {opts.warmup} warm-up calls; the backends of one "
             f"batch size interleaved in {DEFAULT_ROUNDS} rounds"
+            + (f"; the replays cycle through {routings} routings of each batch size" if routings > 1 else "")
             if device.type == "cuda"
             else f"CPU wall clock (time.perf_counter) around each call; median of {opts.reps} after {opts.warmup} warm-up calls"
         ),

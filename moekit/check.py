@@ -148,14 +148,14 @@ BACKEND_CLASS = {"reference": "reference", "torch": "dequantized"}
 # with the float64 computation of the problem WITH its own rounding points, so that its threshold
 # stays tight enough to catch real bugs:
 #   intermediate_granularity  how the GEMM2 input is quantized when not by the scheme's rule: the
-#       triton backend uses 1x128 groups for the token and group rules (backends/triton/launch.py).
+#       triton backend declares its own (1x128 groups for the token and group rules, per row in
+#       its fast accumulation mode: backends/triton/launch.py).
 #   gemm1_output_rounded      GEMM1's output h is stored in the activations' dtype before SiLU: the
 #       cutlass backend (its grouped GEMM writes bf16, backends/cutlass.py). Compared with the
 #       problem WITHOUT that rounding, it moves the intermediate by ~2^-9 and flips ~1-2 % of its
 #       FP8 roundings by one step: rel L2 ~2e-2 (1.8e-2 to 2.6e-2 measured on random layers; what
 #       shared/anchors/README.md reports for the vLLM and CUTLASS paths), above a kernel's budget.
 BACKEND_NUMERICS: dict[str, dict[str, Any]] = {
-    "triton": {"intermediate_granularity": {"token": "group", "group": "group"}},
     "cutlass": {"gemm1_output_rounded": True},
 }
 

@@ -90,7 +90,7 @@ def cmd_bench(args) -> int:
         models=args.model, tp=args.tp, scheme=args.scheme, batch_sizes=args.batch_sizes,
         backends=args.backends, baseline=args.baseline, mode=args.mode, routing=args.routing,
         check=not args.no_check, out=args.out, seed=args.seed, dtype=args.dtype, reps=args.reps,
-        warmup=args.warmup, model_estimate=args.model_estimate, plots=not args.no_plots,
+        warmup=args.warmup, routings=args.routings, model_estimate=args.model_estimate, plots=not args.no_plots,
         refresh_ceilings=args.refresh_ceilings, argv=getattr(args, "argv", None),
     )
     try:
@@ -124,7 +124,8 @@ def cmd_tune(args) -> int:
         models=args.model, tp=args.tp, scheme=args.scheme, batch_sizes=args.batch_sizes, backends=args.backends,
         budget=args.budget, out=args.out, routing=args.routing, search_space=args.search_space, reps=args.reps,
         warmup=args.warmup, seed=args.seed, dtype=args.dtype, export_vllm=args.export_vllm,
-        compile_workers=args.compile_workers, between=args.between, argv=getattr(args, "argv", None),
+        compile_workers=args.compile_workers, between=args.between, routings=args.routings,
+        argv=getattr(args, "argv", None),
     )
     try:
         return run_tune(opts, console).exit_code
@@ -216,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="add the MoE time per decode step of the whole model (MoE layers x layer time)")
     bench.add_argument("--reps", type=int, default=30, help="timed replays per point")
     bench.add_argument("--warmup", type=int, default=5, help="warm-up calls per point")
+    bench.add_argument("--routings", type=int, default=4, metavar="N",
+                       help="layer mode: the replays of each point cycle through N routings of its batch size "
+                            "(default: 4)")
     bench.add_argument("--no-plots", action="store_true", help="write no PNG plots (no matplotlib needed)")
     bench.add_argument("--refresh-ceilings", action="store_true",
                        help="measure the device's copy bandwidth and matmul rates again")
@@ -250,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "decision table (default: on)")
     tune.add_argument("--reps", type=int, default=20, help="timed replays per config")
     tune.add_argument("--warmup", type=int, default=3, help="warm-up calls per config (the first compiles)")
+    tune.add_argument("--routings", type=int, default=4, metavar="N",
+                      help="the decision timing (every backend and triton's best config, interleaved) "
+                           "cycles through N routings of each batch size (default: 4)")
     tune.add_argument("--compile-workers", type=int, default=None, metavar="N",
                       help="helper processes compiling configs ahead of their measurement "
                            "(default: half the CPU cores, at most 8, on a GPU; 0 on the CPU)")

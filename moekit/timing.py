@@ -79,12 +79,17 @@ def time_graphs(
     device: torch.device | str | None = None,
     use_graph: bool = True,
     rounds: int = DEFAULT_ROUNDS,
+    before_each: Callable[[], object] | None = None,
 ) -> dict[str, Timing | Exception]:
     """Time several closures fairly against each other: each is warmed up and captured first,
     then their replays are interleaved in `rounds` rounds (the order rotating each round), so that
     every one of them sees the same GPU clocks. A GPU running a long compute-bound layer heats up
     and slows down by several percent within a second (p20-p80 spreads of ~10% at prefill sizes
     on an H200, 2026-12-03); timed one after the other, the last closure would pay for it.
+
+    `before_each`, when given, runs before every timed call, outside the timed span (after the
+    warm-up and the capture): it may change the contents of the closures' input buffers, e.g.
+    rotate through several routings (a captured graph reads its buffers anew at each replay).
 
     Returns each name's Timing, or the exception its warm-up raised."""
     if not isinstance(reps, int) or reps < 1:
@@ -98,8 +103,8 @@ def time_graphs(
     device = torch.device(device)
     if device.type == "cuda":
         with torch.cuda.device(device):
-            return _time_cuda(fns, reps, warmup, flush_l2, use_graph, rounds)
-    return _time_cpu(fns, reps, warmup, rounds)
+            return _time_cuda(fns, reps, warmup, flush_l2, use_graph, rounds, before_each)
+    return _time_cpu(fns, reps, warmup, rounds, before_each)
 
 
 def _round_sizes(reps: int, rounds: int) -> list[int]:
@@ -122,7 +127,7 @@ def _interleave(names: list[str], reps: int, rounds: int, measure: Callable[[str
 # ------------------------------------------------------------------------------------- CPU
 
 
-def _time_cpu(fns, reps: int, warmup: int, rounds: int) -> dict[str, Timing | Exception]:
+def _time_cpu(fns, reps: int, warmup: int, rounds: int, before_each=None) -> dict[str, Timing | Exception]:
     results: dict[str, Timing | Exception] = {}
     ready = []
     for name, fn in fns.items():
@@ -136,6 +141,8 @@ def _time_cpu(fns, reps: int, warmup: int, rounds: int) -> dict[str, Timing | Ex
     def measure(name: str, n: int) -> list[float]:
         out = []
         for _ in range(n):
+            if before_each is not None:
+                before_each()
             start = time.perf_counter()
             fns[name]()
             out.append((time.perf_counter() - start) * 1e6)
@@ -159,12 +166,15 @@ def flush_buffer() -> torch.Tensor:
     return buf
 
 
-def _event_times(body: Callable[[], None], reps: int) -> list[float]:
-    """GPU time of `body` in µs, `reps` times: one pair of events around each call."""
+def _event_times(body: Callable[[], None], reps: int, before_each=None) -> list[float]:
+    """GPU time of `body` in µs, `reps` times: one pair of events around each call
+    (`before_each` runs before each, outside the events)."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     torch.cuda.synchronize()
     for start, end in zip(starts, ends):
+        if before_each is not None:
+            before_each()
         start.record()
         body()
         end.record()
@@ -208,7 +218,8 @@ def _prepare_cuda(fn, warmup: int, use_graph: bool):
     return run, ("cuda-graph" if graph is not None else "cuda-eager"), note, graph
 
 
-def _time_cuda(fns, reps: int, warmup: int, flush_l2: bool, use_graph: bool, rounds: int) -> dict[str, Timing | Exception]:
+def _time_cuda(fns, reps: int, warmup: int, flush_l2: bool, use_graph: bool, rounds: int,
+               before_each=None) -> dict[str, Timing | Exception]:
     results: dict[str, Timing | Exception] = {}
     prepared = {}
     for name, fn in fns.items():
@@ -228,13 +239,13 @@ def _time_cuda(fns, reps: int, warmup: int, flush_l2: bool, use_graph: bool, rou
             return _event_times(flush, n)
         run = prepared[name][0]
         if flush is None:
-            return _event_times(run, n)
+            return _event_times(run, n, before_each)
 
         def body():
             flush()
             run()
 
-        return _event_times(body, n)
+        return _event_times(body, n, before_each)
 
     names = list(prepared) + ([FLUSH] if flush is not None and prepared else [])
     samples = _interleave(names, reps, rounds, measure)

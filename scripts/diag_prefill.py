@@ -3,18 +3,21 @@ intermediate from GEMM1 to GEMM2, against cuBLAS's FP8 GEMM on the same rows (on
 per expert: a ceiling for a grouped GEMM of this shape). Times only: the numbers of the variants
 that do not match the scheme's rule are meaningless.
 
-Also a prototype GEMM1 ("joined"): gate and up columns interleaved in one 2*BLOCK_N-wide tile and
-one tl.dot per K step (vLLM's tile shape: one wide wgmma instead of two that read A twice), split
-apart in the epilogue. Its output is checked against the backend's GEMM1 before it is timed.
+Also GEMM1 with the joined tile (KernelConfig.JOIN: gate and up columns interleaved in one
+2*BLOCK_N-wide tile, one tl.dot per K step), checked against the unjoined GEMM1 before it is timed.
+The backend's GEMM1 ("backend gemm1") follows MOEKIT_FP8_ACCUMULATION: FP8 1x128-group output
+when precise, bf16 output plus the per-row quantization pass when fast.
 
     PYTHONPATH=. python3 scripts/diag_prefill.py [--batch-sizes 1024 4096] [--json FILE]
 """
 import argparse
+import contextlib
+import dataclasses
 import json
+import os
 
 import torch
 import triton
-import triton.language as tl
 
 from moekit.backends.triton import _kernels as k
 from moekit.backends.triton import launch
@@ -34,85 +37,25 @@ CONFIGS = [
 ]
 
 
-@triton.jit
-def gemm1_joined_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, sorted_ptr, count_ptr, start_ptr,
-    E, N, H, K_TOP, stride_am, stride_we, stride_wn, stride_wse, stride_om, stride_os,
-    QUANT_OUT: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """fp8-channel-token GEMM1 (per-token x, per-channel w13): tile column j is gate column
-    j // 2 when j is even, up column j // 2 when odd, so that the accumulator splits into gate and
-    up along a last axis of 2. QUANT_OUT: the 1x128 group quantization of gemm1_kernel's OUT_MODE 3."""
-    num_n_blocks = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n, num_m_blocks = k._tile_ids(start_ptr + E, num_n_blocks, GROUP_M, BLOCK_M)
-    if pid_m >= num_m_blocks or pid_n >= num_n_blocks:
-        return
-    row0 = pid_m * BLOCK_M
-    e = k._expert_of_block(start_ptr, row0, E, E_POW2)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows - tl.load(start_ptr + e) < tl.load(count_ptr + e)
-    pair = tl.load(sorted_ptr + rows, mask=row_ok, other=0)
-    token = (pair // K_TOP).to(tl.int64)
-    j = tl.arange(0, 2 * BLOCK_N)
-    col = pid_n * BLOCK_N + j // 2
-    w_row = col + (j % 2) * N
-    col_ok = col < N
-    ks = tl.arange(0, BLOCK_K)
-    e64 = e.to(tl.int64)
-    a_ptrs = a_ptr + token[:, None] * stride_am + ks[None, :]
-    b_ptrs = w_ptr + e64 * stride_we + w_row[None, :] * stride_wn + ks[:, None]
-    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k_ok = ks < H - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = k._dot(a, b, acc, PROMOTE, INTERPRET)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    acc *= tl.load(a_scale_ptr + token, mask=row_ok, other=0.0)[:, None]
-    acc *= tl.load(w_scale_ptr + e64 * stride_wse + w_row, mask=col_ok, other=0.0)[None, :]
-    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-    act = k._to_dtype(gate / (1.0 + tl.exp(-gate)) * up, tl.bfloat16, INTERPRET)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-    out_mask = row_ok[:, None] & (cols < N)[None, :]
-    if QUANT_OUT:
-        a32 = tl.where(out_mask, act.to(tl.float32), 0.0)
-        g_scale = k._scale_from_amax(tl.max(tl.abs(a32), axis=1))
-        tl.store(out_ptrs, k._quantize_tile(a32, g_scale, INTERPRET), mask=out_mask)
-        tl.store(out_scale_ptr + rows.to(tl.int64) * stride_os + pid_n, g_scale, mask=row_ok)
-    else:
-        tl.store(out_ptrs, act, mask=out_mask)
-
-
-def gemm1_joined(a, a_scale, w, align, K, cfg, quant_out):
-    N, H, E = w.n, w.hidden, w.num_experts
-    dev = a.device
-    if quant_out:
-        out = torch.empty(align.max_rows, N, dtype=torch.float8_e4m3fn, device=dev)
-        scale = torch.empty(align.max_rows, triton.cdiv(N, 128), dtype=torch.float32, device=dev)
-    else:
-        out, scale = torch.empty(align.max_rows, N, dtype=torch.bfloat16, device=dev), None
-    gemm1_joined_kernel[launch._tiles(align, cfg, N)](
-        a, a_scale, w.w13, w.w13_scale, out, scale if scale is not None else out,
-        align.sorted_pairs, align.count, align.start, E, N, H, K,
-        a.stride(0), w.w13.stride(0), w.w13.stride(1), w.w13_scale.stride(0), out.stride(0),
-        scale.stride(0) if scale is not None else 0,
-        QUANT_OUT=quant_out, E_POW2=triton.next_power_of_2(E), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-        BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=launch.fp8_promote(cfg), INTERPRET=launch._interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return out, scale
+@contextlib.contextmanager
+def precise_mode():
+    old = os.environ.get(launch.FP8_ACCUMULATION_ENV)
+    os.environ[launch.FP8_ACCUMULATION_ENV] = "precise"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[launch.FP8_ACCUMULATION_ENV]
+        else:
+            os.environ[launch.FP8_ACCUMULATION_ENV] = old
 
 
 def joined_matches(a, a_scale, w, align, K, cfg) -> float:
-    """Relative L2 between the joined GEMM1's bf16 output and the backend's, on the real rows."""
-    mine, _ = gemm1_joined(a, a_scale, w, align, K, cfg, quant_out=False)
+    """Relative L2 between the joined GEMM1's bf16 output and the unjoined one, on the real rows."""
+    mine = gemm1_bf16(a, a_scale, w, align, K, dataclasses.replace(cfg, JOIN=1))
     theirs = gemm1_bf16(a, a_scale, w, align, K, cfg)
     real = torch.cat([torch.arange(s, s + c) for s, c in zip(align.start.tolist(), align.count.tolist())]).to(a.device)
-    diff = (mine[real].float() - theirs[real].float()).norm() / theirs[real].float().norm()
-    return float(diff)
+    return float((mine[real].float() - theirs[real].float()).norm() / theirs[real].float().norm())
 
 
 def gemm1_bf16(a, a_scale, w, align, K, cfg):
@@ -126,7 +69,7 @@ def gemm1_bf16(a, a_scale, w, align, K, cfg):
         out.stride(0), 0,
         A_SCALE=2, B_SCALE=2, OUT_MODE=0, ACT_DTYPE=triton.language.bfloat16, E_POW2=triton.next_power_of_2(E),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=launch.fp8_promote(cfg),
-        INTERPRET=launch._interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        JOIN=cfg.JOIN, INTERPRET=launch._interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
@@ -181,16 +124,18 @@ def main():
             for cfg in CONFIGS:
                 tag = f"M{cfg.BLOCK_M} N{cfg.BLOCK_N} K{cfg.BLOCK_K} G{cfg.GROUP_M} w{cfg.num_warps} s{cfg.num_stages}"
                 align = launch.align_pairs(ids, E, cfg.BLOCK_M)
-                act = launch.gemm1(a, a_scale, w, align, K, x.dtype, cfg)  # fp8 + 1x128 group scales
+                with precise_mode():  # fp8 + 1x128 group scales, whatever MOEKIT_FP8_ACCUMULATION says
+                    act = launch.gemm1(a, a_scale, w, align, K, x.dtype, cfg)
                 bf16 = gemm1_bf16(a, a_scale, w, align, K, cfg)
                 row_scale = act.scale[:, :1].contiguous()
                 per_row = launch.Intermediate(act.values, row_scale, 5)
                 on_load = launch.Intermediate(bf16, None, 2)
-                fns[f"{tag} | gemm1 fp8-group out"] = (lambda a=a, s=a_scale, al=align, c=cfg: launch.gemm1(a, s, w, al, K, x.dtype, c), flops1)
+                joined = dataclasses.replace(cfg, JOIN=1)
+                fns[f"{tag} | backend gemm1"] = (lambda a=a, s=a_scale, al=align, c=cfg: launch.gemm1(a, s, w, al, K, x.dtype, c), flops1)
                 fns[f"{tag} | gemm1 bf16 out"] = (lambda a=a, s=a_scale, al=align, c=cfg: gemm1_bf16(a, s, w, al, K, c), flops1)
                 print(f"{name} M={M} {tag}: joined GEMM1 vs the backend's, rel L2 {joined_matches(a, a_scale, w, align, K, cfg):.2e}")
-                fns[f"{tag} | gemm1 JOINED fp8-group out"] = (lambda a=a, s=a_scale, al=align, c=cfg: gemm1_joined(a, s, w, al, K, c, True), flops1)
-                fns[f"{tag} | gemm1 JOINED bf16 out"] = (lambda a=a, s=a_scale, al=align, c=cfg: gemm1_joined(a, s, w, al, K, c, False), flops1)
+                fns[f"{tag} | backend gemm1 JOINED"] = (lambda a=a, s=a_scale, al=align, c=joined: launch.gemm1(a, s, w, al, K, x.dtype, c), flops1)
+                fns[f"{tag} | gemm1 JOINED bf16 out"] = (lambda a=a, s=a_scale, al=align, c=joined: gemm1_bf16(a, s, w, al, K, c), flops1)
                 if args.gemm1_only:
                     continue
                 fns[f"{tag} | gemm2 row scale (A_MODE 5)"] = (lambda i=per_row, al=align, c=cfg: launch.gemm2(i, w, al, tw, x.dtype, c), flops2)

@@ -158,6 +158,45 @@ def test_bench_routings(tmp_path, tiny_config, routing):
     assert doc["rows"][0]["median_us"] > 0
 
 
+def test_routing_rotation_cycles_through_distinct_routings():
+    from moekit.models import get_model
+
+    shape = get_model("mixtral-8x7b").shape
+    rotation = bench.make_routings("uniform", 64, shape, 3, seed=5)
+    first = bench.make_routing("uniform", 64, shape, seed=5)  # routing 0 is the point's own
+    assert torch.equal(rotation.topk_ids, first[1]) and torch.equal(rotation.topk_weights, first[0])
+    seen = [rotation.topk_ids.clone()]
+    for _ in range(3):
+        rotation()
+        seen.append(rotation.topk_ids.clone())
+    assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
+    assert torch.equal(seen[3], seen[0])  # back to the first after three
+    rotation()
+    rotation.reset()
+    assert torch.equal(rotation.topk_ids, seen[0]) and torch.equal(rotation.topk_weights, first[0])
+
+
+def test_bench_cycles_through_routings_in_layer_mode_only(tmp_path, tiny_config, monkeypatch):
+    calls = []
+    original = bench.time_graphs
+
+    def spy(fns, **kw):
+        calls.append(kw.get("before_each"))
+        return original(fns, **kw)
+
+    monkeypatch.setattr(bench, "time_graphs", spy)
+    out = tmp_path / "o"
+    assert main(["bench", "--model", str(tiny_config), "--routings", "3", "--batch-sizes", "5",
+                 "--backends", "reference", "--no-plots", "--out", str(out), *FAST]) == 0
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["metadata"]["routings"] == 3
+    assert CPU or "3 routings" in doc["metadata"]["timing"]  # the CPU timing text names no graphs
+    assert isinstance(calls[-1], bench.RoutingRotation) and len(calls[-1]) == 3
+    assert main(["bench", "--model", str(tiny_config), "--routings", "1", "--batch-sizes", "5",
+                 "--backends", "reference", "--no-plots", "--out", str(tmp_path / "p"), *FAST]) == 0
+    assert calls[-1] is None
+
+
 class GemmOnlyBackend(ReferenceBackend):
     """A backend with the optional gemm-only hook: only the two GEMMs on pre-sorted rows."""
 
@@ -258,6 +297,7 @@ def _bad_cases(tmp_path, tiny_config):
         "routing top-k mismatch": (m + ["--routing", str(wrong_k)], "has top-k 3"),
         "routing ids out of range": (m + ["--routing", str(out_of_range)], "[0, 4)"),
         "routing of floats": (m + ["--routing", str(floats)], "must be integers"),
+        "no routings": (m + ["--routings", "0"], "--routings must be a positive integer"),
     }
 
 
@@ -266,6 +306,7 @@ CASES = [
     "baseline that cannot run", "zero batch size", "negative batch size", "text batch size",
     "fractional batch size", "unwritable out", "out is a file", "bad scheme", "bad tp", "tp not dividing",
     "routing file missing", "routing top-k mismatch", "routing ids out of range", "routing of floats",
+    "no routings",
 ]
 
 

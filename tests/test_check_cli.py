@@ -198,6 +198,10 @@ def test_intermediate_granularity_of_triton_follows_its_kernels():
     assert check.intermediate_granularity("triton", schemes["fp8-block128"]) is None
     assert check.intermediate_granularity("triton", schemes["fp8-tensor-dynamic"]) is None
     assert check.intermediate_granularity("reference", schemes["fp8-channel-token"]) is None
+    with pytest.MonkeyPatch.context() as mp:  # fast accumulation: per row, the scheme's own rule
+        mp.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
+        assert check.intermediate_granularity("triton", schemes["fp8-channel-token"]) is None
+        assert check.intermediate_granularity("triton", schemes["fp8-block128"]) is None
     assert not check.gemm1_output_rounded("triton", schemes["fp8-channel-token"])
     if "cutlass" in moekit.backend_names():
         assert check.gemm1_output_rounded("cutlass", schemes["fp8-channel-token"])

@@ -26,9 +26,11 @@ MAX_REL_TOL = 2e-2
 
 
 def reference_for(x, w, tw, ids):
-    # fp8-channel-token's intermediate is quantized per 1x128 group by this backend (documented)
-    group = "group" if w.scheme.name == "fp8-channel-token" else None
-    return reference_moe(x, w, tw, ids, intermediate_granularity=group)
+    # the intermediate quantized by the backend's declared rule: fp8-channel-token's per 1x128
+    # group, or per row in fast accumulation mode (launch.py's docstring, the README)
+    from moekit.check import intermediate_granularity
+
+    return reference_moe(x, w, tw, ids, intermediate_granularity=intermediate_granularity("triton", w.scheme))
 
 
 def check(x, w, tw, ids, **kw):
@@ -221,6 +223,67 @@ def test_fast_accumulation_runs_and_a_bad_mode_is_refused(scheme, device, monkey
     monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "sloppy")
     with pytest.raises(ValueError, match="MOEKIT_FP8_ACCUMULATION"):
         moekit.fused_moe(x, w, tw, ids, backend="triton")
+
+
+@pytest.mark.parametrize("M,K,experts", [(0, 2, None), (1, 1, None), (9, 2, [0, 2, 4]), (6, 5, None)])
+def test_fast_mode_quantizes_the_intermediate_per_row(M, K, experts, device, monkeypatch):
+    """Fast mode hands GEMM2 a per-row FP8 intermediate (A_MODE 5, quantized in its own pass,
+    real rows only): the reference's own rule, so the check is the standard one. N = 208 leaves
+    a partial 64-wide tile; experts 1 and 3 receive no tokens in one case; M = 0 and 1."""
+    from moekit.backends.triton import launch
+
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
+    E, H, N = 5, 160, 208
+    w = random_weights(E, H, N, "fp8-channel-token", device=device, seed=M)
+    tw, ids = random_routing(M, E, K, device=device, seed=K, experts=experts)
+    x = random_x(M, H, device=device, seed=M + 1)
+    assert moekit.get_backend("triton").intermediate_granularity(w.scheme) == "token"
+    cfg = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=2)
+    align = align_pairs(ids, E, cfg.BLOCK_M)
+    a, a_scale = launch.quantize_input(x, w)
+    act = launch.gemm1(a, a_scale, w, align, K, x.dtype, cfg)
+    assert act.a_mode == 5 and act.values.dtype == torch.float8_e4m3fn and act.scale.shape == (align.max_rows,)
+    out = moekit.get_backend("triton").run(x, w, tw.float(), ids, config=cfg)
+    assert out.shape == (M, H)
+    if M:
+        ref = reference_moe(x, w, tw, ids)  # per-token intermediate: the scheme's own rule
+        assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < MAX_REL_TOL
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8-tensor-static", "fp8-tensor-dynamic", "fp8-channel-token"])
+@pytest.mark.parametrize("accumulation", ["precise", "fast"])
+def test_joined_gemm1_tile(scheme, accumulation, device, monkeypatch):
+    """JOIN=1 (gate and up interleaved in one wide tile) against the reference, every scheme that
+    allows it and both accumulation modes. N = 208: the last tile is partial (BLOCK_N 64 and 128,
+    the latter fusing the 1x128 group quantization); experts 1 and 3 receive no tokens."""
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", accumulation)
+    w = random_weights(5, 160, 208, scheme, device=device)
+    tw, ids = random_routing(9, 5, 2, device=device, experts=[0, 2, 4])
+    x = random_x(9, 160, device=device)
+    ref = reference_for(x, w, tw, ids)
+    for block_n in (64, 128):
+        cfg = KernelConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=64 if scheme == "bf16" else 128, GROUP_M=2, JOIN=1)
+        out = moekit.get_backend("triton").run(x, w, tw.float(), ids, config=cfg)
+        assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < MAX_REL_TOL, (block_n, rel_l2(out, ref))
+
+
+def test_fast_mode_joins_wide_fp8_tiles(monkeypatch):
+    from moekit.backends.triton import launch
+
+    token, block = moekit.get_scheme("fp8-channel-token"), moekit.get_scheme("fp8-block128")
+    wide, narrow = KernelConfig(BLOCK_M=64, BLOCK_N=128), KernelConfig(BLOCK_M=16, BLOCK_N=128)
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
+    assert launch._joined(token, wide) == 1 and launch._joined(token, narrow) == 0
+    assert launch._joined(block, wide) == 0 and launch._joined(moekit.get_scheme("bf16"), wide) == 0
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "precise")
+    assert launch._joined(token, wide) == 0 and launch._joined(token, KernelConfig(JOIN=1)) == 1
+
+
+def test_joined_tile_refuses_per_k_step_scales():
+    block = moekit.get_scheme("fp8-block128")
+    assert "JOIN=1 cannot apply fp8-block128" in " ".join(KernelConfig(BLOCK_N=128, JOIN=1).problems(block))
+    assert "JOIN=2 must be 0 or 1" in " ".join(KernelConfig(JOIN=2).problems(moekit.get_scheme("bf16")))
+    assert not KernelConfig(BLOCK_N=128, JOIN=1).problems(moekit.get_scheme("fp8-channel-token"))
 
 
 @pytest.mark.gpu

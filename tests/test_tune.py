@@ -39,12 +39,27 @@ BACKEND_META_KEYS = {
     "device_name", "num_experts", "hidden", "intermediate", "top_k", "scheme", "dtype", "routing", "mode",
     "moekit", "torch", "triton", "date",
 }
-CONFIG_FIELDS = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"]
+CONFIG_FIELDS = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "JOIN"]
 VLLM_FIELDS = ["BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages"]
 
 
 class Killed(BaseException):
     """Stands for a kill: not an Exception, so nothing in the tuner records it as a failure."""
+
+
+DECIDE = runner.Worker._decide
+
+
+@pytest.fixture(autouse=True)
+def no_decision_timing(monkeypatch):
+    """The decision timing (runner.Worker._decide) is off in the tests of everything else, whose
+    expected calls and tables are those of the separate timings; the tests of the decision
+    timing turn it back on (`decisions_on`)."""
+    monkeypatch.setattr(runner.Worker, "_decide", lambda self, p, j: None)
+
+
+def decisions_on(monkeypatch):
+    monkeypatch.setattr(runner.Worker, "_decide", DECIDE)
 
 
 @pytest.fixture
@@ -108,7 +123,25 @@ class FakeTimer:
     def clock(self):
         return self.now
 
+    def many(self, fns, *, reps, warmup, device, what, before_each=None):
+        """Replaces runner.measure_times (the decision timing): each closure as `self` would time
+        it alone, its call recorded as "decision: <what>"; a failure is that closure's result."""
+        out = {}
+        for name, fn in fns.items():
+            if self.kill_after is not None and len(self.calls) >= self.kill_after:
+                raise Killed(what[name])
+            self.calls.append(f"decision: {what[name]}")
+            base = what[name].split(" at M=")[0]
+            if self.run:
+                if before_each is not None:
+                    before_each()
+                fn()
+            out[name] = RuntimeError(self.fail[base]) if base in self.fail else \
+                Timing.from_samples([self.us.get(base, self.default_us)], "fake")
+        return out
+
     def install(self, monkeypatch):
+        monkeypatch.setattr(runner, "measure_times", self.many)
         monkeypatch.setattr(runner, "measure_time", self)
         monkeypatch.setattr(runner, "_clock", self.clock)
         return self
@@ -393,6 +426,87 @@ def test_budget_stops_cleanly_and_a_rerun_finishes(tmp_path, tiny_model, monkeyp
     result, _ = tune(tiny_model, out, backends=others)
     assert result.not_covered == []
     assert second.calls and set(second.calls).isdisjoint(first.calls)
+
+
+# -------------------------------------------------------------- the decision timing
+
+
+def test_decision_timing_makes_the_decision_table(tmp_path, tiny_model, monkeypatch):
+    """After the search at each size: triton's best config and every other backend timed again
+    in the same rounds over several routings; the decision table holds those times."""
+    decisions_on(monkeypatch)
+    timer = FakeTimer(us={triton(FAST_CFG): 50.0, "backend torch": 80.0}, run=True).install(monkeypatch)
+    rotations = []
+
+    def many(fns, **kw):
+        rotations.append(kw["before_each"])
+        out = timer.many(fns, **kw)
+        out["torch"] = Timing.from_samples([30.0], "fake")  # faster over several routings than alone
+        return out
+
+    monkeypatch.setattr(runner, "measure_times", many)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out, backends=["torch"], between=False)
+    assert result.exit_code == 0, text
+    assert len(rotations) == 2 and all(len(r) == 4 for r in rotations)  # --routings default
+    table = read(only_file(out / "backends"))
+    assert table["meta"]["routings"] == 4
+    for m in ("1", "4"):
+        assert table["batch_sizes"][m] == {"us": {"triton": 50.0, "torch": 30.0}, "winner": "torch"}
+        assert journals(out)[int(m)]["decision"] == {"config": config_key(FAST_CFG), "routings": 4,
+                                                     "us": {"triton": 50.0, "torch": 30.0}}
+    # nothing changed: nothing timed again
+    again = FakeTimer().install(monkeypatch)
+    tune(tiny_model, out, backends=["torch"], search_space="none", between=False)
+    assert again.calls == []
+    # another number of routings: the decision timing alone is redone, at every size
+    third = FakeTimer(us={"backend torch": 20.0}).install(monkeypatch)
+    tune(tiny_model, out, backends=["torch"], search_space="none", between=False, routings=2)
+    assert sorted(third.calls) == sorted(f"decision: {w} at M={m}" for m in (1, 4)
+                                         for w in (triton(FAST_CFG), "backend torch"))
+    assert read(only_file(out / "backends"))["batch_sizes"]["4"]["us"]["torch"] == 20.0
+
+
+def test_decision_timing_follows_a_better_config_and_reports_failures(tmp_path, tiny_model, monkeypatch):
+    decisions_on(monkeypatch)
+    FakeTimer(us={triton(OTHER_CFG): 50.0}).install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out, backends=["torch"], between=False)
+    assert journals(out)[1]["decision"]["config"] == config_key(OTHER_CFG)
+    path = only_file_dir(out / ".progress") / "M=1.json"
+    data = read(path)
+    data["configs"][config_key(FAST_CFG)]["us"] = 1.0  # as if a later search had found it
+    path.write_text(json.dumps(data))
+    again = FakeTimer(fail={"backend torch": "out of memory"}).install(monkeypatch)
+    result, text = tune(tiny_model, out, backends=["torch"], search_space="none", between=False)
+    assert sorted(again.calls) == sorted([f"decision: {triton(FAST_CFG)} at M=1", "decision: backend torch at M=1"])
+    entry = read(only_file(out / "backends"))["batch_sizes"]["1"]
+    assert entry["winner"] == "triton" and entry["errors"] == {"torch": "RuntimeError: out of memory"}
+    assert "torch failed in the decision timing" in text
+
+
+def test_decision_timing_runs_the_real_backends_over_the_routings(tmp_path, tiny_model, monkeypatch):
+    decisions_on(monkeypatch)
+    runs = []
+    original = runner.make_routings
+
+    def spy(*args, **kw):
+        rotation = original(*args, **kw)
+        runs.append(rotation)
+        return rotation
+
+    monkeypatch.setattr(runner, "make_routings", spy)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out, backends=["torch"], batch_sizes=["3"], search_space="none", routings=2)
+    assert result.exit_code == 0, text
+    assert len(runs) == 1 and runs[0].index == 0  # reps=1 per closure: one rotation each, back at 0
+    entry = read(only_file(out / "backends"))["batch_sizes"]["3"]
+    assert set(entry["us"]) == {"triton", "torch"} and all(v > 0 for v in entry["us"].values())
+
+
+def test_bad_routings_are_refused(tmp_path, tiny_model):
+    with pytest.raises(TuneInputError, match="--routings must be an integer >= 1, got 0"):
+        tune(tiny_model, tmp_path / "out", routings=0)
 
 
 # -------------------------------------------------------------- sizes between the tuned ones

@@ -51,6 +51,8 @@ class Journal:
      "backends": {"<name>": {"us": .., ...} | {"error": "..."}},
      "search": {"space": .., "candidates": n, "dropped": {"<key>": why}, "static": {why: count},
                 "complete": bool},
+     "decision": {"config": "<triton key>", "routings": n, "us": {"<backend>": ..},
+                  "errors": {"<backend>": ".."}},  (runner._decide)
      "in_flight": {"<what>": deaths}}
     """
 

@@ -12,7 +12,10 @@ Decision table, version 1 (moekit.decisions reads exactly this):
               "dtype", "routing", "mode": "layer", "moekit", "torch", "triton", "date"},
      "batch_sizes": {"<M>": {"us": {"<backend>": µs}, "winner": "<backend>",
                              "errors": {"<backend>": "<one-line reason>"}}}}
-triton's µs there is its fastest measured config's.
+Each size's µs come from its decision timing when there is one for the current best config
+(every backend and triton's best config in the same interleaved rounds, the replays cycling
+through meta.routings routings: moekit.tune.runner); otherwise from the separate timings
+(triton's fastest measured config, each backend's own).
 """
 
 from __future__ import annotations
@@ -122,16 +125,24 @@ def triton_table(journals: list[dict], run_meta: dict | None = None) -> dict | N
 def backend_table(journals: list[dict]) -> dict | None:
     """The decision table (see the module docstring), or None when nothing ran."""
     sizes: dict[str, dict] = {}
+    routings: set[int] = set()
     for j in journals:
         us: dict[str, float] = {}
         errors: dict[str, str] = {}
         best = best_config(j)
-        if best is not None:
+        decision = j.get("decision") or {}
+        if best is not None and decision.get("config") == best[0] and decision.get("us"):
+            # every backend timed in the same rounds over several routings (runner._decide)
+            us, errors = dict(decision["us"]), dict(decision.get("errors", {}))
+            routings.add(decision["routings"])
+        elif best is not None:
             us["triton"] = best[1]["us"]
         elif j["configs"]:
             default = j["configs"].get(j.get("default") or "")
             errors["triton"] = (default or next(iter(j["configs"].values()))).get("error", "no config ran")
         for name, result in sorted(j["backends"].items()):
+            if name in us or name in errors:
+                continue  # in the decision timing
             if "us" in result:
                 us[name] = result["us"]
             else:
@@ -144,10 +155,13 @@ def backend_table(journals: list[dict]) -> dict | None:
         sizes[str(j["batch_size"])] = entry
     if not sizes:
         return None
+    meta = _common_meta(journals)
+    if routings:  # how many routings the decision timings cycled through
+        meta["routings"] = max(routings)
     return {
         "format": BACKEND_TABLE_FORMAT,
         "version": BACKEND_TABLE_VERSION,
-        "meta": _common_meta(journals),
+        "meta": meta,
         "batch_sizes": sizes,
     }
 

@@ -13,7 +13,7 @@ import torch
 from ..backends import get_backend
 from ..backends.triton.launch import fp8_accumulation
 from ..bench import (
-    BenchInputError, ROUTINGS, load_routing_file, parse_batch_sizes, parse_dtype, parse_names, plan_backends,
+    DEFAULT_ROUTINGS, BenchInputError, ROUTINGS, load_routing_file, parse_batch_sizes, parse_dtype, parse_names, plan_backends,
     prepare_out_dir, resolve_problems,
 )
 from ..spec import MoEShape, QuantScheme
@@ -48,6 +48,7 @@ class TuneOptions:
     export_vllm: str | None = None
     compile_workers: int | None = None  # helper processes compiling ahead (None: precompile.default_helpers)
     between: bool = True  # also time every backend at the sizes between the tuned ones (between_sizes)
+    routings: int = DEFAULT_ROUTINGS  # the decision timing cycles through this many routings per size
     argv: list[str] | None = None
     space: SpaceFn | None = None  # tests: the configs to search instead of the device's space
     devices: list[str] | None = None  # tests: worker devices instead of every visible GPU
@@ -86,6 +87,7 @@ class TunePlan:
     budget_s: float | None
     compile_workers: int  # helper processes compiling configs ahead of the measurements (0: none)
     between: list[int]  # sizes between the tuned ones: no search, the backends and the neighbours' configs (between_sizes)
+    routings: int  # routings of each size the decision timing cycles through (runner._decide)
     run_meta: dict  # extra metadata of the triton tables (command, search settings)
     created: list[Path]  # output folders this run created (removed again if it fails at once)
 
@@ -154,7 +156,8 @@ def build_plan(opts: TuneOptions, device: torch.device) -> TunePlan:
     except ValueError as e:
         raise TuneInputError(str(e)) from None
     helpers = default_helpers(device) if opts.compile_workers is None else opts.compile_workers
-    for name, value, least in (("--reps", opts.reps, 1), ("--warmup", opts.warmup, 0), ("--compile-workers", helpers, 0)):
+    for name, value, least in (("--reps", opts.reps, 1), ("--warmup", opts.warmup, 0), ("--compile-workers", helpers, 0),
+                               ("--routings", opts.routings, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise TuneInputError(f"{name} must be an integer >= {least}, got {value!r}")
     budget = parse_budget(opts.budget)
@@ -219,6 +222,7 @@ def build_plan(opts: TuneOptions, device: torch.device) -> TunePlan:
         budget_s=budget,
         compile_workers=helpers,
         between=between_sizes(batch_sizes) if opts.between else [],
+        routings=opts.routings,
         run_meta={
             "tool": "moekit tune",
             "search_space": opts.search_space,

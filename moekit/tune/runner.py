@@ -19,6 +19,14 @@ ones before it done); a last pass after all workers covers the rest (sizes betwe
 runs, and every one with --search-space none). A later search that finds a better config for a
 neighbour makes the next pass time that config there too.
 
+Decision timing (`_decide`), after the search at each size and after the neighbours' configs at
+each size between: triton with its best config and every other backend again, in the same
+interleaved rounds (one GPU clock state for all), the replays cycling through plan.routings
+routings of the size. The decision table is built from it: with few experts a size lies near a
+multiple of a kernel's row tile, and one routing can push an expert over it or not (a 12% swing
+of one triton point, Mixtral-8x7B, H200); auto chooses per size, so it is judged on several.
+Redone when a later search finds a better config, or with another --routings.
+
 Budget: a deadline for the whole run; each remaining (problem, batch size) search gets an equal
 share of the time left, its most promising configs first, so a short budget still searches every
 batch size a little instead of the first ones fully.
@@ -43,9 +51,9 @@ from ..api import validate_inputs
 from ..backends import get_backend
 from ..backends.triton.config import KernelConfig, default_config
 from ..backends.triton.launch import fp8_accumulation
-from ..bench import make_routing, make_weights, make_x, rel_l2
+from ..bench import make_routing, make_routings, make_weights, make_x, rel_l2
 from ..tables import table_name
-from ..timing import Timing, time_graph
+from ..timing import Timing, time_graph, time_graphs
 from .journal import MAX_DEATHS, Journal, journal_path, load_journals
 from .output import best_config, is_between, neighbour_configs, write_tables
 from .plan import TunePlan, TuneProblem
@@ -66,6 +74,13 @@ def _clock() -> float:
 def measure_time(fn: Callable[[], object], *, reps: int, warmup: int, device: torch.device, what: str) -> Timing:
     """The tuner's one timing call (`what` names the measurement; tests replace this function)."""
     return time_graph(fn, reps=reps, warmup=warmup, device=device)
+
+
+def measure_times(fns: dict[str, Callable[[], object]], *, reps: int, warmup: int, device: torch.device,
+                  what: dict[str, str], before_each: Callable[[], object] | None = None) -> dict[str, Timing | Exception]:
+    """The tuner's timing of several closures in the same interleaved rounds (`what` names each
+    closure's measurement; tests replace this function)."""
+    return time_graphs(fns, reps=reps, warmup=warmup, device=device, before_each=before_each)
 
 
 class DeviceBroken(RuntimeError):
@@ -236,10 +251,16 @@ class Worker:
                     break
                 self._search(p, journals[M], previous, estimate[M])
                 self.slots_left -= 1
+                self._decide(p, journals[M])
                 if previous is not None:
                     self._between(p, [b for b in self.plan.between if previous.batch_size < b < M])
                 previous = journals[M]
                 write_problem_tables(self.plan, table_file)
+            for M in self.sizes:  # what is left: --search-space none, or decisions of an older run
+                if self.deadline.passed():
+                    break
+                self._decide(p, journals[M])
+            write_problem_tables(self.plan, table_file)
         finally:
             self._weights = self._target = None
             if self.device.type == "cuda":
@@ -270,8 +291,10 @@ class Worker:
             return
         fp = fingerprint(self.plan, self.name)
         todo: list[tuple[Journal, list[KernelConfig], list[str]]] = []
+        opened: list[Journal] = []
         for M in sizes:
             j, note = Journal.open(journal_path(self.plan.out_dir, table_file, M), fp, problem_fields(p), M)
+            opened.append(j)
             if note:
                 self.reporter.log(note)
             cfgs = neighbour_configs(tuned, M)
@@ -302,6 +325,10 @@ class Worker:
                 else:
                     self._measure_backend(p, j, item, inputs)
                 self.reporter.advance()
+        for j in opened:
+            if self.deadline.passed():
+                break
+            self._decide(p, j)
         write_problem_tables(self.plan, table_file)
 
     def _baseline_todo(self, p: TuneProblem, j: Journal) -> list[tuple[str, object]]:
@@ -453,6 +480,45 @@ class Worker:
         if "error" in result:
             self.reporter.log(f"{p.label} M={j.batch_size}: backend {name} failed: {result['error']}")
             self._check_device(what)
+
+    def _decide(self, p: TuneProblem, j: Journal) -> None:
+        """The decision timing at this size (module docstring): triton with its best config and
+        every other backend, in the same interleaved rounds, the replays cycling through
+        plan.routings routings. Redone when the best config or the number of routings changes."""
+        best = best_config(j.data)
+        if best is None:
+            return  # no triton config ran: the table keeps the separate timings
+        key, names, routings = best[0], ["triton", *p.backends], self.plan.routings
+        done = j.data.get("decision") or {}
+        if (done.get("config") == key and done.get("routings") == routings
+                and set(names) <= set(done.get("us", {})) | set(done.get("errors", {}))):
+            return
+        what, M = "decision", j.batch_size
+        if j.deaths(what) >= MAX_DEATHS:
+            return  # the separate timings stay; the journal says why in in_flight
+        self.reporter.describe(f"{p.label} M={M}: every backend over {routings} routings")
+        inputs = self._inputs(p, M)
+        rotation = make_routings(self.plan.routing_kind, M, p.shape, routings, seed=self.plan.seed * 1_000_003 + M,
+                                 recorded=p.recorded, device=self.device)
+        x, w, tw, ids = inputs.x, inputs.weights, rotation.topk_weights, rotation.topk_ids
+        config = KernelConfig.from_dict(best[1]["config"])
+        fns = {name: (lambda b=get_backend(name), kw={"config": config} if name == "triton" else {}:
+                      b.run(x, w, tw, ids, **kw)) for name in names}
+        whats = {name: f"{'triton ' + key if name == 'triton' else 'backend ' + name} at M={M}" for name in names}
+        j.begin(what)
+        try:
+            with torch.no_grad():
+                timings = measure_times(fns, reps=self.plan.reps, warmup=self.plan.warmup, device=self.device,
+                                        what=whats, before_each=rotation if routings > 1 else None)
+        except BaseException:
+            j.end(what)
+            raise
+        us = {n: round(t.median_us, 3) for n, t in timings.items() if not isinstance(t, BaseException)}
+        errors = {n: one_line(t) for n, t in timings.items() if isinstance(t, BaseException)}
+        j.data["decision"] = {"config": key, "routings": routings, "us": us, **({"errors": errors} if errors else {})}
+        j.end(what)
+        for name, error in errors.items():
+            self.reporter.log(f"{p.label} M={M}: {name} failed in the decision timing: {error}")
 
     def _default_output(self, p: TuneProblem, inputs: Inputs, M: int) -> torch.Tensor | None:
         """The default config's output at M: the reference of the output check. Kept from its

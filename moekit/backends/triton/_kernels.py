@@ -273,6 +273,32 @@ def _quantize_tile(a, scale_of_row, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _gemm1_joined(a_ptrs, row_ok, w_ptr, pid_n, N, H, stride_wn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PROMOTE: tl.constexpr, INTERPRET: tl.constexpr):
+    """GEMM1's main loop as vLLM's tile: column j of one 2*BLOCK_N-wide tile is gate column j // 2
+    when j is even and up column j // 2 when odd, so one wide tl.dot per K step reads A once (two
+    narrower dots each read it), and the accumulator splits into gate and up along a last axis of
+    2. Without FP8 promotion this was GEMM1's fastest tile on an H200 (BENCHMARKS.md, fourth
+    session: 1635 against 1731 µs, Mixtral-8x7B M = 4096); with promotion 2.4x slower. Scales
+    that change with each K step are not supported (KernelConfig.problems)."""
+    j = tl.arange(0, 2 * BLOCK_N)
+    col = pid_n * BLOCK_N + j // 2
+    col_ok = col < N
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + (col + (j % 2) * N)[None, :] * stride_wn + ks[:, None]
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = ks < H - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = _dot(a, b, acc, PROMOTE, INTERPRET)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+
+
+@triton.jit
 def gemm1_kernel(
     a_ptr,  # (M, H) fp8 or bf16/fp16 activations (rows read through the sorted pair ids)
     a_scale_ptr,  # (1,) | (M,) | (M, ceil(H/128)) float32
@@ -287,10 +313,11 @@ def gemm1_kernel(
     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, OUT_MODE: tl.constexpr, ACT_DTYPE: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr,
+    GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, JOIN: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """OUT_MODE: 0 store in the output dtype, 1 also record amax, 2 quantize with a static scale,
-    3 quantize per 1x128 group (BLOCK_N a multiple of 128, so a tile holds whole groups)."""
+    3 quantize per 1x128 group (BLOCK_N a multiple of 128, so a tile holds whole groups).
+    JOIN: gate and up columns in one 2*BLOCK_N-wide tile, one tl.dot per K step (_gemm1_joined)."""
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n, num_m_blocks = _tile_ids(start_ptr + E, num_n_blocks, GROUP_M, BLOCK_M)
     if pid_m >= num_m_blocks or pid_n >= num_n_blocks:
@@ -313,31 +340,35 @@ def gemm1_kernel(
     up_ptrs = gate_ptrs + N * stride_wn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k_ok = ks < H - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b_gate = tl.load(gate_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        b_up = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if A_SCALE == 3 or B_SCALE == 3:
-            step_a = tl.full((BLOCK_M,), 1.0, tl.float32)
-            if A_SCALE == 3:
-                step_a = tl.load(a_scale_ptr + token * stride_as + k0 // BLOCK_K, mask=row_ok, other=0.0)
-            step_gate = 1.0
-            step_up = 1.0
-            if B_SCALE == 3:
-                ws = w_scale_ptr + e64 * stride_wse + k0 // BLOCK_K
-                step_gate = tl.load(ws + (pid_n * BLOCK_N // 128) * stride_wsn)
-                step_up = tl.load(ws + ((N + pid_n * BLOCK_N) // 128) * stride_wsn)
-            # each BLOCK_K-long product is scaled and added into float32 here, which is already
-            # the promotion _dot asks the compiler for (and asking again slowed the loop down)
-            acc_gate += _dot(a, b_gate, None, 0, INTERPRET) * (step_a[:, None] * step_gate)
-            acc_up += _dot(a, b_up, None, 0, INTERPRET) * (step_a[:, None] * step_up)
-        else:
-            acc_gate = _dot(a, b_gate, acc_gate, PROMOTE, INTERPRET)
-            acc_up = _dot(a, b_up, acc_up, PROMOTE, INTERPRET)
-        a_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
+    if JOIN:
+        acc_gate, acc_up = _gemm1_joined(a_ptrs, row_ok, w_ptr + e64 * stride_we, pid_n, N, H, stride_wn,
+                                         BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET)
+    else:
+        for k0 in range(0, H, BLOCK_K):
+            k_ok = ks < H - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b_gate = tl.load(gate_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            b_up = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if A_SCALE == 3 or B_SCALE == 3:
+                step_a = tl.full((BLOCK_M,), 1.0, tl.float32)
+                if A_SCALE == 3:
+                    step_a = tl.load(a_scale_ptr + token * stride_as + k0 // BLOCK_K, mask=row_ok, other=0.0)
+                step_gate = 1.0
+                step_up = 1.0
+                if B_SCALE == 3:
+                    ws = w_scale_ptr + e64 * stride_wse + k0 // BLOCK_K
+                    step_gate = tl.load(ws + (pid_n * BLOCK_N // 128) * stride_wsn)
+                    step_up = tl.load(ws + ((N + pid_n * BLOCK_N) // 128) * stride_wsn)
+                # each BLOCK_K-long product is scaled and added into float32 here, which is already
+                # the promotion _dot asks the compiler for (and asking again slowed the loop down)
+                acc_gate += _dot(a, b_gate, None, 0, INTERPRET) * (step_a[:, None] * step_gate)
+                acc_up += _dot(a, b_up, None, 0, INTERPRET) * (step_a[:, None] * step_up)
+            else:
+                acc_gate = _dot(a, b_gate, acc_gate, PROMOTE, INTERPRET)
+                acc_up = _dot(a, b_up, acc_up, PROMOTE, INTERPRET)
+            a_ptrs += BLOCK_K
+            gate_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
 
     if A_SCALE == 1:
         a_s = tl.load(a_scale_ptr)
@@ -451,6 +482,27 @@ def gemm2_kernel(
     acc *= tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
     out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out_ptrs, _to_dtype(acc, out_ptr.dtype.element_ty, INTERPRET), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def quantize_sorted_rows_kernel(
+    x_ptr,  # (rows, N) bf16/fp16 GEMM1 output in sorted-row order
+    q_ptr,  # (rows, N) fp8 out
+    scale_ptr,  # (rows,) float32 out: one scale per row
+    count_ptr, start_ptr, E, N, stride_x, stride_q,
+    E_POW2: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """The intermediate quantized with one scale per row (the per-token rule), one program per
+    row, real rows only: padding rows and rows past the last expert's are never read by GEMM2
+    (its loads mask them), so they are skipped rather than quantized from uninitialised memory."""
+    row = tl.program_id(0)
+    if row >= tl.load(start_ptr + E):
+        return
+    e = _expert_of_block(start_ptr, row, E, E_POW2)
+    if row - tl.load(start_ptr + e) >= tl.load(count_ptr + e):
+        return
+    _quantize_row(row.to(tl.int64), x_ptr, q_ptr, scale_ptr, scale_ptr, N, stride_x, stride_q, 0,
+                  0, False, BLOCK_H, 128, INTERPRET)
 
 
 # --------------------------------------------------------------------------- combine

@@ -32,6 +32,7 @@ class KernelConfig:
     GROUP_M: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    JOIN: int = 0  # 1: GEMM1's gate and up columns in one wide tile (_kernels._gemm1_joined)
 
     def problems(self, scheme: QuantScheme) -> list[str]:
         """Why this config cannot run `scheme` (empty when it can)."""
@@ -49,6 +50,11 @@ class KernelConfig:
             out.append(f"num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
         if not 1 <= self.num_stages <= 8:
             out.append(f"num_stages={self.num_stages} must be between 1 and 8")
+        if self.JOIN not in (0, 1):
+            out.append(f"JOIN={self.JOIN} must be 0 or 1")
+        elif self.JOIN and scheme.is_fp8 and (scheme.activation == "group" or scheme.weight == "block"):
+            # the joined tile sums the whole K in one accumulator: no room for per-K-step scales
+            out.append(f"JOIN=1 cannot apply {scheme.name}'s per-128-of-K scales (use JOIN=0)")
         return out
 
     def to_dict(self) -> dict:

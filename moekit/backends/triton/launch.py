@@ -10,6 +10,10 @@ One layer call is, on the GPU and without a host synchronisation (so it captures
 The GEMM2 input of fp8-channel-token is quantized per 1x128 group of the intermediate rather than
 per row: each 128-column group gets its own scale, so no element is quantized more coarsely than
 a per-row scale would (the group's max is at most the row's), and it fuses into GEMM2's loads.
+With MOEKIT_FP8_ACCUMULATION=fast it is quantized per row instead (vLLM's numerics, the
+reference's rule), in a pass of its own between the GEMMs: group scales change with each K step,
+so GEMM2 must scale and add every step's product into float32 itself, which is exactly the
+promotion `fast` gives up; one scale per row is applied once, after GEMM2's loop.
 """
 
 from __future__ import annotations
@@ -60,6 +64,24 @@ def _parse_accumulation(raw: str | None) -> str:
 def fp8_promote(cfg: KernelConfig) -> int:
     """The kernels' PROMOTE argument (see _kernels._dot): K elements between promotions, 0 for none."""
     return 0 if fp8_accumulation() == "fast" else cfg.BLOCK_K
+
+
+def _row_intermediate(scheme: QuantScheme) -> bool:
+    """Whether the intermediate gets one scale per row (module docstring): per-token schemes in
+    fast accumulation mode."""
+    return scheme.is_fp8 and scheme.activation == "token" and not scheme.static_activation \
+        and fp8_accumulation() == "fast"
+
+
+def _joined(scheme: QuantScheme, cfg: KernelConfig) -> int:
+    """GEMM1's JOIN argument: the config's, and 1 in fast mode for FP8 tiles of 64+ rows where
+    the scheme allows it. Measured on an H200 (BENCHMARKS.md, fifth session), fast mode: never
+    slower and up to 5% faster per layer (Mixtral-8x7B M = 4096: 2815 against 2955 µs); with the
+    FP8 promotion of precise mode the same tile was 2.4x slower (fourth session)."""
+    if cfg.JOIN:
+        return 1
+    per_step_scales = scheme.activation == "group" or scheme.weight == "block"
+    return int(scheme.is_fp8 and not per_step_scales and cfg.BLOCK_M >= 64 and fp8_accumulation() == "fast")
 
 
 def _interpreting() -> bool:
@@ -124,6 +146,14 @@ class TritonBackend(Backend):
             # 16-byte aligned rows for the loads; every real model satisfies this
             reasons.append(f"hidden ({shape.hidden}) and intermediate per GPU ({shape.n}) must be multiples of 16")
         return reasons
+
+    @staticmethod
+    def intermediate_granularity(scheme: QuantScheme) -> str | None:
+        """How GEMM2's input is quantized (moekit.check compares this backend with the float64
+        problem of this rule): see the module docstring."""
+        if not scheme.is_fp8 or scheme.static_activation or scheme.activation not in ("token", "group"):
+            return None
+        return "token" if _row_intermediate(scheme) else "group"
 
     def config_for(self, weights: MoEWeights, top_k: int, num_tokens: int, device: torch.device) -> KernelConfig:
         name = _device_name(device.index or 0) if device.type == "cuda" else None
@@ -305,6 +335,9 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
     elif scheme.activation == "tensor":  # one dynamic scale: GEMM1 records the max, GEMM2 quantizes
         out_mode, a_mode, scale = 1, 3, torch.zeros(1, dtype=torch.float32, device=dev)
         out = torch.empty(align.max_rows, N, dtype=out_dtype, device=dev)
+    elif _row_intermediate(scheme):  # bf16 here, one scale per row in its own pass (docstring)
+        out_mode, a_mode, scale = 0, 5, None
+        out = torch.empty(align.max_rows, N, dtype=out_dtype, device=dev)
     elif cfg.BLOCK_N == 128:  # token and group rules: a tile row is one 1x128 group (module docstring)
         out_mode, a_mode = 3, 4
         out = torch.empty(align.max_rows, N, dtype=fp8, device=dev)
@@ -327,10 +360,26 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
         A_SCALE=A_SCALE_KIND[scheme.activation] if scheme.is_fp8 else 0,
         B_SCALE=B_SCALE_KIND[scheme.weight],
         OUT_MODE=out_mode, ACT_DTYPE=_TL_DTYPE[out_dtype], E_POW2=triton.next_power_of_2(E),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=fp8_promote(cfg), INTERPRET=_interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=fp8_promote(cfg), JOIN=_joined(scheme, cfg),
+        INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if a_mode == 5:
+        return quantize_intermediate_rows(out, align, E)
     return Intermediate(out, scale, a_mode)
+
+
+def quantize_intermediate_rows(values: torch.Tensor, align: Alignment, num_experts: int) -> Intermediate:
+    """GEMM1's bf16/fp16 output -> FP8 with one scale per row (GEMM2's A_MODE 5), real rows only."""
+    rows, N = values.shape
+    q = torch.empty(rows, N, dtype=torch.float8_e4m3fn, device=values.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=values.device)
+    block = _block_h(N)
+    _launch(k.quantize_sorted_rows_kernel, (rows,),
+        values, q, scale, align.count, align.start, num_experts, N, values.stride(0), q.stride(0),
+        E_POW2=triton.next_power_of_2(num_experts), BLOCK_H=block, INTERPRET=_interpreting(),
+        num_warps=8 if block >= 8192 else 4,  # a whole row per program: 16K values at Mixtral's N
+    )
+    return Intermediate(q, scale, 5)
 
 
 def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights, out_dtype, cfg: KernelConfig):
@@ -347,7 +396,7 @@ def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights
         w_scale if w_scale is not None else values, topk_weights.reshape(-1).contiguous(), out,
         align.sorted_pairs, align.count, align.start,
         align.num_pairs, E, N, H,
-        values.stride(0), act.scale.stride(0) if act.scale is not None and act.scale.dim() == 2 else 0,
+        values.stride(0), act.scale.stride(0) if act.scale is not None else 0,  # (rows,) or (rows, groups)
         weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
         A_MODE=act.a_mode, B_SCALE=B_SCALE_KIND[scheme.weight], E_POW2=triton.next_power_of_2(E),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=fp8_promote(cfg), INTERPRET=_interpreting(),

@@ -1,0 +1,102 @@
+"""The whole layer of the triton backend in its numerics variants, against cutlass, in the same
+interleaved rounds: precise (default), fast (MOEKIT_FP8_ACCUMULATION=fast: no FP8 promotion and
+a per-row intermediate quantized in its own pass), and fast with GEMM1's joined tile
+(KernelConfig.JOIN) where the config has 64+ row tiles. Each variant's relative L2 error against
+the reference (with the intermediate rule that variant declares) is printed beside its time.
+
+    PYTHONPATH=. python3 scripts/diag_fast.py [--models glm-4.5v-fp8:2 mixtral-8x7b:1]
+        [--batch-sizes 1 64 1024 4096 8192] [--json FILE]
+"""
+import argparse
+import dataclasses
+import json
+import os
+
+import torch
+
+import moekit
+from moekit.backends.reference import reference_moe
+from moekit.backends.triton import launch
+from moekit.bench import make_weights, make_x, uniform_routing
+from moekit.check import intermediate_granularity
+from moekit.models import get_model
+from moekit.spec import get_scheme
+from moekit.timing import time_graphs
+
+
+def in_mode(mode: str, fn):
+    """fn run with MOEKIT_FP8_ACCUMULATION=mode (read at launch, so also while a graph is captured)."""
+
+    def run():
+        old = os.environ.get(launch.FP8_ACCUMULATION_ENV)
+        os.environ[launch.FP8_ACCUMULATION_ENV] = mode
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop(launch.FP8_ACCUMULATION_ENV, None)
+            else:
+                os.environ[launch.FP8_ACCUMULATION_ENV] = old
+
+    return run
+
+
+def rel_l2(out, ref):
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["glm-4.5v-fp8:2", "mixtral-8x7b:1"])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 1024, 4096, 8192])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    scheme = get_scheme("fp8-channel-token")
+    triton_backend = moekit.get_backend("triton")
+    results = []
+    for spec in args.models:
+        name, tp = spec.split(":")
+        shape = get_model(name, int(tp)).shape
+        w = make_weights(shape, scheme, dev)
+        E, K, H = shape.num_experts, shape.top_k, shape.hidden
+        for M in args.batch_sizes:
+            x = make_x(M, H, dev)
+            tw, ids = (t.to(dev) for t in uniform_routing(M, E, K))
+            tw = tw.float()
+            cfg = triton_backend.config_for(w, K, M, dev)
+            variants = {
+                "precise": ("precise", cfg),
+                "fast": ("fast", cfg),
+            }
+            if cfg.BLOCK_M >= 64:
+                variants["fast JOIN"] = ("fast", dataclasses.replace(cfg, JOIN=1))
+            fns, errors = {}, {}
+            for label, (mode, c) in variants.items():
+                run = in_mode(mode, lambda c=c: triton_backend.run(x, w, tw, ids, config=c))
+                fns[label] = run
+                granularity = in_mode(mode, lambda: intermediate_granularity("triton", scheme))()
+                errors[label] = rel_l2(run(), reference_moe(x, w, tw, ids, intermediate_granularity=granularity))
+            fns["cutlass"] = lambda: moekit.fused_moe(x, w, tw, ids, backend="cutlass")
+            times = time_graphs(fns, reps=20, warmup=2, rounds=4)
+            print(f"\n{name} tp{tp} M={M} config {cfg}", flush=True)
+            for label in fns:
+                t = times[label]
+                if isinstance(t, BaseException):
+                    print(f"  {label:12s} FAILED {str(t)[:100]}")
+                    continue
+                err = f"rel L2 {errors[label]:.2e}" if label in errors else ""
+                print(f"  {label:12s} {t.median_us:9.1f} us  (p20 {t.p20_us:.1f} p80 {t.p80_us:.1f})  {err}")
+                results.append({"model": name, "tp": int(tp), "M": M, "variant": label, "us": t.median_us,
+                                "rel_l2": errors.get(label), "config": dataclasses.asdict(cfg)})
+            del fns, times
+            torch.cuda.empty_cache()
+        w = None
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
