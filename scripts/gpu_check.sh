@@ -8,7 +8,8 @@
 #        (--mode gemm) and the whole layer, for GLM-4.5V-FP8 TP2, Mixtral-8x7B FP8 and
 #        DeepSeek-V3 TP8, every backend plus auto.
 # auto:  the whole layer on every backend plus auto, at the sizes the shipped decision tables
-#        measured and at sizes between them (is auto within 3% of the fastest everywhere?).
+#        measured, the sizes between, and others off both grids, 4 routings per point (is auto
+#        within 3% of the fastest everywhere?).
 # check: `moekit check` on the same models.
 # tune:  `moekit tune` on the shipped-table models (TUNE_BUDGET each, default 5m; TUNE_MODELS
 #        "model:tp[:scheme] ..." to choose); the tables land in tuned/ of the archive, ready to
@@ -96,7 +97,7 @@ if want auto; then
   for m in "${MODELS[@]}"; do
     read -r model tp scheme <<<"$m"
     moekit bench --model "$model" --tp "$tp" --scheme "$scheme" --mode layer --no-check \
-      --batch-sizes 1 4 8 16 32 48 64 128 192 320 512 768 1024 1536 2048 3072 4096 6144 8192 \
+      --batch-sizes 1 4 8 16 32 48 64 128 192 320 512 728 768 1024 1280 1448 1536 1792 2048 2896 3072 4096 5792 6144 8192 \
       --out "$WORK/bench-auto-$model"
   done
 fi
