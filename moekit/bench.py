@@ -478,35 +478,44 @@ ROUTING_SEED_STEP = 7919  # routing r of a point uses seed + r * this (r = 0: th
 
 class RoutingRotation:
     """Several routings of one batch size behind one pair of input buffers: closures read
-    `topk_weights` and `topk_ids`; calling the rotation copies the next routing into them (what
-    moekit.timing's before_each runs between replays); `reset` puts the first back."""
+    `topk_weights` and `topk_ids`; `rotation(name)` (moekit.timing's before_each) copies the next
+    routing of closure `name` into them, each closure cycling through the routings from the first,
+    so that every closure is timed on the same mix; `reset` puts the first back."""
 
     def __init__(self, routings: list[tuple[torch.Tensor, torch.Tensor]]):
         if not routings:
             raise ValueError("a rotation needs at least one routing")
         self.routings = routings
         self.topk_weights, self.topk_ids = routings[0][0].clone(), routings[0][1].clone()
-        self.index = 0
+        self.calls: dict[str, int] = {}  # timed calls so far, per closure
+        self.current = 0
 
     def __len__(self) -> int:
         return len(self.routings)
 
-    def __call__(self) -> None:
-        self.index = (self.index + 1) % len(self.routings)
-        tw, ids = self.routings[self.index]
-        self.topk_weights.copy_(tw)
-        self.topk_ids.copy_(ids)
+    def __call__(self, name: str = "") -> None:
+        index = self.calls.get(name, 0) % len(self.routings)
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self._load(index)
+
+    def _load(self, index: int) -> None:
+        if index != self.current:
+            tw, ids = self.routings[index]
+            self.topk_weights.copy_(tw)
+            self.topk_ids.copy_(ids)
+            self.current = index
 
     def reset(self) -> None:
-        self.index = len(self.routings) - 1
-        self()
+        self._load(0)
+        self.calls.clear()
 
 
 def make_routings(kind: str, M: int, shape: MoEShape, count: int, *, seed: int = 0,
                   recorded: torch.Tensor | None = None, device=None) -> RoutingRotation:
-    """`count` routings of batch size M (the first is make_routing's with `seed`) in a rotation."""
+    """`count` routings of batch size M (the first is make_routing's with `seed`) in a rotation.
+    Recorded routing (a file) gives one: its rows are the file's, whatever the seed."""
     routings = []
-    for r in range(count):
+    for r in range(1 if recorded is not None else count):
         tw, ids = make_routing(kind, M, shape, seed=seed + r * ROUTING_SEED_STEP, recorded=recorded)
         routings.append((tw.to(device), ids.to(device)))
     return RoutingRotation(routings)
@@ -863,7 +872,8 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=console, transient=True,
     )
-    routings = opts.routings if opts.mode == "layer" else 1
+    # gemm mode aligns its routing before timing, and a recorded routing is the file's: one routing
+    routings = opts.routings if opts.mode == "layer" and plan.routing_kind != "file" else 1
     with progress:
         task = progress.add_task("bench", total=total)
         for pi, p in enumerate(plan.problems):
@@ -874,7 +884,6 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
             for M in plan.batch_sizes:
                 seed = opts.seed * 1_000_003 + M
                 x = make_x(M, p.shape.hidden, device, seed=seed, dtype=dtype)
-                # gemm mode aligns the routing before timing: one routing there
                 rotation = make_routings(plan.routing_kind, M, p.shape, routings, seed=seed,
                                          recorded=plan.recorded.get(p.name), device=device)
                 tw, ids = rotation.topk_weights, rotation.topk_ids

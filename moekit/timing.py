@@ -79,7 +79,7 @@ def time_graphs(
     device: torch.device | str | None = None,
     use_graph: bool = True,
     rounds: int = DEFAULT_ROUNDS,
-    before_each: Callable[[], object] | None = None,
+    before_each: Callable[[str], object] | None = None,
 ) -> dict[str, Timing | Exception]:
     """Time several closures fairly against each other: each is warmed up and captured first,
     then their replays are interleaved in `rounds` rounds (the order rotating each round), so that
@@ -87,9 +87,10 @@ def time_graphs(
     and slows down by several percent within a second (p20-p80 spreads of ~10% at prefill sizes
     on an H200, 2026-12-03); timed one after the other, the last closure would pay for it.
 
-    `before_each`, when given, runs before every timed call, outside the timed span (after the
-    warm-up and the capture): it may change the contents of the closures' input buffers, e.g.
-    rotate through several routings (a captured graph reads its buffers anew at each replay).
+    `before_each(name)`, when given, runs before every timed call of closure `name`, outside the
+    timed span (after the warm-up and the capture): it may change the contents of the closures'
+    input buffers, e.g. rotate through several routings (a captured graph reads its buffers anew
+    at each replay). Given the name, it can give every closure the same sequence of inputs.
 
     Returns each name's Timing, or the exception its warm-up raised."""
     if not isinstance(reps, int) or reps < 1:
@@ -142,7 +143,7 @@ def _time_cpu(fns, reps: int, warmup: int, rounds: int, before_each=None) -> dic
         out = []
         for _ in range(n):
             if before_each is not None:
-                before_each()
+                before_each(name)
             start = time.perf_counter()
             fns[name]()
             out.append((time.perf_counter() - start) * 1e6)
@@ -166,7 +167,7 @@ def flush_buffer() -> torch.Tensor:
     return buf
 
 
-def _event_times(body: Callable[[], None], reps: int, before_each=None) -> list[float]:
+def _event_times(body: Callable[[], None], reps: int, before_each: Callable[[], object] | None = None) -> list[float]:
     """GPU time of `body` in µs, `reps` times: one pair of events around each call
     (`before_each` runs before each, outside the events)."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -238,14 +239,15 @@ def _time_cuda(fns, reps: int, warmup: int, flush_l2: bool, use_graph: bool, rou
         if name == FLUSH:
             return _event_times(flush, n)
         run = prepared[name][0]
+        hook = None if before_each is None else (lambda: before_each(name))
         if flush is None:
-            return _event_times(run, n, before_each)
+            return _event_times(run, n, hook)
 
         def body():
             flush()
             run()
 
-        return _event_times(body, n, before_each)
+        return _event_times(body, n, hook)
 
     names = list(prepared) + ([FLUSH] if flush is not None and prepared else [])
     samples = _interleave(names, reps, rounds, measure)

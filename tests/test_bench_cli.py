@@ -158,25 +158,32 @@ def test_bench_routings(tmp_path, tiny_config, routing):
     assert doc["rows"][0]["median_us"] > 0
 
 
-def test_routing_rotation_cycles_through_distinct_routings():
+def test_routing_rotation_gives_every_closure_the_same_sequence():
     from moekit.models import get_model
 
     shape = get_model("mixtral-8x7b").shape
     rotation = bench.make_routings("uniform", 64, shape, 3, seed=5)
     first = bench.make_routing("uniform", 64, shape, seed=5)  # routing 0 is the point's own
     assert torch.equal(rotation.topk_ids, first[1]) and torch.equal(rotation.topk_weights, first[0])
-    seen = [rotation.topk_ids.clone()]
-    for _ in range(3):
-        rotation()
-        seen.append(rotation.topk_ids.clone())
-    assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
-    assert torch.equal(seen[3], seen[0])  # back to the first after three
-    rotation()
+    routings = [ids for _, ids in rotation.routings]
+    assert not torch.equal(routings[0], routings[1]) and not torch.equal(routings[1], routings[2])
+
+    def seen(name):
+        rotation(name)
+        return next(i for i, ids in enumerate(routings) if torch.equal(ids, rotation.topk_ids))
+
+    # interleaved in blocks, as time_graphs runs them: each closure still gets 0, 1, 2, 0, ...
+    order = [seen("a"), seen("a"), seen("b"), seen("a"), seen("b"), seen("b"), seen("a"), seen("b")]
+    assert order == [0, 1, 0, 2, 1, 2, 0, 0]
     rotation.reset()
-    assert torch.equal(rotation.topk_ids, seen[0]) and torch.equal(rotation.topk_weights, first[0])
+    assert torch.equal(rotation.topk_ids, first[1]) and torch.equal(rotation.topk_weights, first[0])
+    assert seen("a") == 0  # reset also restarts the sequences
+    # a recorded routing is the file's rows whatever the seed: one routing
+    recorded = torch.tensor([[0, 1], [2, 3]])
+    assert len(bench.make_routings("file", 4, shape, 4, recorded=recorded)) == 1
 
 
-def test_bench_cycles_through_routings_in_layer_mode_only(tmp_path, tiny_config, monkeypatch):
+def test_bench_cycles_through_routings_in_layer_mode_only(tmp_path, tiny_config, monkeypatch, registry):
     calls = []
     original = bench.time_graphs
 
@@ -195,6 +202,14 @@ def test_bench_cycles_through_routings_in_layer_mode_only(tmp_path, tiny_config,
     assert main(["bench", "--model", str(tiny_config), "--routings", "1", "--batch-sizes", "5",
                  "--backends", "reference", "--no-plots", "--out", str(tmp_path / "p"), *FAST]) == 0
     assert calls[-1] is None
+    # gemm mode times inputs aligned beforehand: one routing whatever --routings says
+    monkeypatch.setattr(GemmOnlyBackend, "prepared", 0)  # a class-wide count another test reads
+    registry(GemmOnlyBackend())
+    assert main(["bench", "--model", str(tiny_config), "--mode", "gemm", "--routings", "3", "--batch-sizes", "5",
+                 "--backends", "gemmonly", "--baseline", "gemmonly", "--no-plots", "--out", str(tmp_path / "g"),
+                 *FAST]) == 0
+    assert calls[-1] is None
+    assert json.loads((tmp_path / "g" / "bench.json").read_text())["metadata"]["routings"] == 1
 
 
 class GemmOnlyBackend(ReferenceBackend):

@@ -193,8 +193,8 @@ def test_time_graphs_rejects_bad_counts(bad):
 def test_before_each_runs_before_every_timed_call_and_never_inside_the_warm_up():
     events = []
     fns = {"a": lambda: events.append("a"), "b": lambda: events.append("b")}
-    time_graphs(fns, reps=4, warmup=2, device="cpu", rounds=2, before_each=lambda: events.append("+"))
+    time_graphs(fns, reps=4, warmup=2, device="cpu", rounds=2, before_each=lambda name: events.append("+" + name))
     assert events[:4] == ["a", "a", "b", "b"]  # the warm-ups, without the hook
     timed = events[4:]
-    assert timed.count("+") == 8 and all(timed[i] == "+" and timed[i + 1] in "ab" for i in range(0, 16, 2))
-
+    assert len(timed) == 16 and all(timed[i] == "+" + timed[i + 1] for i in range(0, 16, 2))
+    assert timed.count("+a") == timed.count("+b") == 4  # told which closure runs next

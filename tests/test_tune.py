@@ -499,9 +499,67 @@ def test_decision_timing_runs_the_real_backends_over_the_routings(tmp_path, tiny
     out = tmp_path / "out"
     result, text = tune(tiny_model, out, backends=["torch"], batch_sizes=["3"], search_space="none", routings=2)
     assert result.exit_code == 0, text
-    assert len(runs) == 1 and runs[0].index == 0  # reps=1 per closure: one rotation each, back at 0
+    assert len(runs) == 1 and runs[0].calls == {"triton": 1, "torch": 1}  # reps=1: one timed call each
     entry = read(only_file(out / "backends"))["batch_sizes"]["3"]
     assert set(entry["us"]) == {"triton", "torch"} and all(v > 0 for v in entry["us"].values())
+
+
+def test_decision_timing_keeps_separate_failures_and_records_its_own(tmp_path, tiny_model, monkeypatch):
+    decisions_on(monkeypatch)
+    # torch gave a wrong output in its separate timing: the decision does not run it again
+    timer = FakeTimer(us={triton(FAST_CFG): 50.0}, fail={"backend torch": "wrong output"}).install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out, backends=["torch"], between=False)
+    assert not [c for c in timer.calls if c.startswith("decision: backend torch")]
+    entry = read(only_file(out / "backends"))["batch_sizes"]["1"]
+    assert entry["errors"]["torch"] == "RuntimeError: wrong output" and "torch" not in entry["us"]
+    # a decision that still names a backend the separate timing refused (an older journal): refused
+    path = only_file_dir(out / ".progress") / "M=4.json"
+    data = read(path)
+    data["decision"]["us"]["torch"] = 1.0
+    path.write_text(json.dumps(data))
+    FakeTimer().install(monkeypatch)
+    tune(tiny_model, out, backends=["torch"], search_space="none", between=False)
+    assert read(only_file(out / "backends"))["batch_sizes"]["4"]["winner"] == "triton"
+
+    # the whole timing fails (a CUDA error mid-way, say): recorded, the separate timings stand
+    out2 = tmp_path / "out2"
+    FakeTimer(us={triton(FAST_CFG): 50.0, "backend torch": 80.0}).install(monkeypatch)
+
+    def broken(fns, **kw):
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    monkeypatch.setattr(runner, "measure_times", broken)
+    result, text = tune(tiny_model, out2, backends=["torch"], between=False)
+    assert result.exit_code == 0 and "the decision timing failed" in text
+    assert journals(out2)[1]["decision"]["error"].startswith("RuntimeError: CUDA error")
+    assert read(only_file(out2 / "backends"))["batch_sizes"]["1"]["us"] == {"triton": 50.0, "torch": 80.0}
+    calls = []
+    monkeypatch.setattr(runner, "measure_times", lambda fns, **kw: calls.append(1))
+    tune(tiny_model, out2, backends=["torch"], search_space="none", between=False)
+    assert calls == []  # a failed decision is not retried for the same config and routings
+
+
+def test_a_decision_for_an_older_config_is_not_used(tmp_path, tiny_model, monkeypatch):
+    decisions_on(monkeypatch)
+    FakeTimer(us={triton(FAST_CFG): 50.0, "backend torch": 80.0}).install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out, backends=["torch"], between=False)
+    path = only_file_dir(out / ".progress") / "M=1.json"
+    data = read(path)
+    data["decision"] = {"config": config_key(OTHER_CFG), "routings": 4, "us": {"triton": 5.0, "torch": 1.0}}
+    path.write_text(json.dumps(data))
+    assert output.backend_table([read(path)])["batch_sizes"]["1"]["us"] == {"triton": 50.0, "torch": 80.0}
+
+
+def test_decision_timing_at_the_sizes_between(tmp_path, tiny_model, monkeypatch):
+    decisions_on(monkeypatch)
+    timer = FakeTimer(us={triton(FAST_CFG): 50.0, "backend torch": 80.0}).install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out, backends=["torch"])
+    assert f"decision: {triton(FAST_CFG)} at M=2" in timer.calls and "decision: backend torch at M=2" in timer.calls
+    assert journals(out)[2]["decision"]["config"] == config_key(FAST_CFG)
+    assert read(only_file(out / "backends"))["meta"]["routings"] == 4
 
 
 def test_bad_routings_are_refused(tmp_path, tiny_model):

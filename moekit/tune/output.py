@@ -141,12 +141,11 @@ def backend_table(journals: list[dict]) -> dict | None:
             default = j["configs"].get(j.get("default") or "")
             errors["triton"] = (default or next(iter(j["configs"].values()))).get("error", "no config ran")
         for name, result in sorted(j["backends"].items()):
-            if name in us or name in errors:
-                continue  # in the decision timing
-            if "us" in result:
-                us[name] = result["us"]
-            else:
+            if "error" in result:  # a failure or a wrong output of the separate timing always stands
+                us.pop(name, None)
                 errors[name] = result["error"]
+            elif name not in us and name not in errors:  # not in the decision timing
+                us[name] = result["us"]
         if not us:
             continue
         entry: dict = {"us": us, "winner": min(us, key=lambda b: (us[b], b))}
@@ -156,8 +155,8 @@ def backend_table(journals: list[dict]) -> dict | None:
     if not sizes:
         return None
     meta = _common_meta(journals)
-    if routings:  # how many routings the decision timings cycled through
-        meta["routings"] = max(routings)
+    if routings:  # how many routings the decision timings cycled through (a list if they differ)
+        meta["routings"] = routings.pop() if len(routings) == 1 else sorted(routings)
     return {
         "format": BACKEND_TABLE_FORMAT,
         "version": BACKEND_TABLE_VERSION,

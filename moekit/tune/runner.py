@@ -251,7 +251,8 @@ class Worker:
                     break
                 self._search(p, journals[M], previous, estimate[M])
                 self.slots_left -= 1
-                self._decide(p, journals[M])
+                if not self.deadline.passed():
+                    self._decide(p, journals[M])
                 if previous is not None:
                     self._between(p, [b for b in self.plan.between if previous.batch_size < b < M])
                 previous = journals[M]
@@ -484,18 +485,26 @@ class Worker:
     def _decide(self, p: TuneProblem, j: Journal) -> None:
         """The decision timing at this size (module docstring): triton with its best config and
         every other backend, in the same interleaved rounds, the replays cycling through
-        plan.routings routings. Redone when the best config or the number of routings changes."""
+        plan.routings routings. Redone when the best config or the number of routings changes.
+        A backend whose separate timing failed (an error, a wrong output, deaths) is not run
+        again: its error stands in the decision."""
         best = best_config(j.data)
         if best is None:
             return  # no triton config ran: the table keeps the separate timings
-        key, names, routings = best[0], ["triton", *p.backends], self.plan.routings
+        key, routings = best[0], self.plan.routings
+        failed = {n: r["error"] for n in p.backends if (r := j.backend(n)) is not None and "error" in r}
+        names = ["triton", *(n for n in p.backends if n not in failed)]
         done = j.data.get("decision") or {}
-        if (done.get("config") == key and done.get("routings") == routings
-                and set(names) <= set(done.get("us", {})) | set(done.get("errors", {}))):
+        timed = set(done.get("us", {})) | set(done.get("errors", {}))
+        if done.get("config") == key and done.get("routings") == routings and ("error" in done or set(names) <= timed):
             return
-        what, M = "decision", j.batch_size
+        M = j.batch_size
+        what = f"decision {key} x{routings}"
         if j.deaths(what) >= MAX_DEATHS:
-            return  # the separate timings stay; the journal says why in in_flight
+            j.data["decision"] = {"config": key, "routings": routings,
+                                  "error": f"the process died {MAX_DEATHS} times while measuring it"}
+            j.save()
+            return
         self.reporter.describe(f"{p.label} M={M}: every backend over {routings} routings")
         inputs = self._inputs(p, M)
         rotation = make_routings(self.plan.routing_kind, M, p.shape, routings, seed=self.plan.seed * 1_000_003 + M,
@@ -509,16 +518,31 @@ class Worker:
         try:
             with torch.no_grad():
                 timings = measure_times(fns, reps=self.plan.reps, warmup=self.plan.warmup, device=self.device,
-                                        what=whats, before_each=rotation if routings > 1 else None)
-        except BaseException:
+                                        what=whats, before_each=rotation if len(rotation) > 1 else None)
+        except Exception as e:  # noqa: BLE001 - a failure of the whole timing (a CUDA error, OOM): recorded
+            j.data["decision"] = {"config": key, "routings": routings, "error": one_line(e)}
             j.end(what)
+            self.reporter.log(f"{p.label} M={M}: the decision timing failed: {one_line(e)}")
+            self._check_device(what)
+            return
+        except BaseException:
+            j.end(what)  # stopped on purpose (Ctrl-C, a test): not a death
             raise
-        us = {n: round(t.median_us, 3) for n, t in timings.items() if not isinstance(t, BaseException)}
-        errors = {n: one_line(t) for n, t in timings.items() if isinstance(t, BaseException)}
+        us, errors = {}, dict(failed)
+        for name, t in timings.items():
+            if isinstance(t, BaseException):
+                errors[name] = one_line(t)
+            elif not (math.isfinite(t.median_us) and t.median_us > 0):
+                errors[name] = f"measured {t.median_us} µs, below the timer's resolution"
+            else:
+                us[name] = round(t.median_us, 3)
         j.data["decision"] = {"config": key, "routings": routings, "us": us, **({"errors": errors} if errors else {})}
         j.end(what)
         for name, error in errors.items():
-            self.reporter.log(f"{p.label} M={M}: {name} failed in the decision timing: {error}")
+            if name not in failed:
+                self.reporter.log(f"{p.label} M={M}: {name} failed in the decision timing: {error}")
+        if any(name not in failed for name in errors):
+            self._check_device(what)
 
     def _default_output(self, p: TuneProblem, inputs: Inputs, M: int) -> torch.Tensor | None:
         """The default config's output at M: the reference of the output check. Kept from its
