@@ -384,3 +384,24 @@ def test_cutlass_feeds_the_gemm_exactly(device, scheme):
     q2, scale2 = quant.quantize_activation(plain[rows], s.activation, w.a2_scale)
     assert torch.equal(bits(a2[rows]), bits(q2))
     assert torch.equal(sa2[rows], scale2 if s.activation == "token" else scale2.expand(M * K))
+
+
+# ------------------------------------------------------------------------------- input check
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_ids_in_range_is_one_device_side_flag(device, dtype):
+    """fused_moe's id check on a GPU (validate_inputs asserts on this flag): every id in [0, E)
+    gives 1; a single id below 0 or at E gives 0, wherever it sits, also past the first block of
+    ids the one program reads (2500 ids: three blocks of 1024)."""
+    E = 7
+    ids = torch.randint(0, E, (500, 5), generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+    assert ids.numel() > 2 * ops.IDS_CHECK_BLOCK
+    ok = ops.ids_in_range(ids, E)
+    assert ok.dtype == torch.int32 and ok.shape == (1,) and ok.device == ids.device and int(ok) == 1
+    for where, value in ((0, -1), (1234, E), (2499, E + 1000), (2047, -(2**31) if dtype == torch.int32 else -(2**40))):
+        bad = ids.clone()
+        bad.view(-1)[where] = value
+        assert int(ops.ids_in_range(bad, E)) == 0, (where, value)
+    assert int(ops.ids_in_range(ids[:, ::2], E)) == 1  # not contiguous: checked on a copy
+    assert int(ops.ids_in_range(torch.full((1, 1), E - 1, dtype=dtype, device=device), E)) == 1

@@ -321,3 +321,15 @@ def _combine_kernel(
         acc += w * tl.load(y_ptr + row * stride_ym + cols, mask=mask, other=0.0).to(tl.float32)
     out = _round_act(acc, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + cols, out, mask=mask)
+
+
+@triton.jit
+def _ids_in_range_kernel(ids_ptr, ok_ptr, P, E, BLOCK: tl.constexpr):
+    """ok[0] = 1 if every one of the P ids lies in [0, E), else 0: one program, so that the
+    check of fused_moe's inputs is one launch (plus the assertion) inside a CUDA graph."""
+    bad = tl.zeros((BLOCK,), dtype=tl.int32)
+    for start in range(0, P, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + offs, mask=offs < P, other=0)
+        bad += ((ids < 0) | (ids >= E)).to(tl.int32)
+    tl.store(ok_ptr, (tl.sum(bad, axis=0) == 0).to(tl.int32))

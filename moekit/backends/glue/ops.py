@@ -372,3 +372,20 @@ def combine(
         y, layout.row_of_pair, w, out, H, K, y.stride(0), out.stride(0), BLOCK_H=block_h
     )
     return out
+
+
+# ---------------------------------------------------------------------------------- input check
+
+IDS_CHECK_BLOCK = 1024  # ids per step of the one checking program
+
+
+def ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """A one-element int32 tensor on topk_ids' device: 1 if every id lies in [0, num_experts),
+    else 0, computed on the device in one launch (no host synchronisation; fused_moe asserts
+    on it with torch._assert_async). Needs CUDA or TRITON_INTERPRET=1, like the triton glue."""
+    from . import _kernels as k
+
+    ids = topk_ids.contiguous()
+    ok = torch.empty(1, dtype=torch.int32, device=ids.device)
+    k._ids_in_range_kernel[(1,)](ids, ok, ids.numel(), num_experts, BLOCK=IDS_CHECK_BLOCK)
+    return ok
