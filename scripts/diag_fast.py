@@ -1,7 +1,8 @@
 """The whole layer of the triton backend in its numerics variants, against cutlass, in the same
 interleaved rounds: precise (default), fast (MOEKIT_FP8_ACCUMULATION=fast: no FP8 promotion and
 a per-row intermediate quantized in its own pass), and fast with GEMM1's joined tile
-(KernelConfig.JOIN) where the config has 64+ row tiles. Each variant's relative L2 error against
+(KernelConfig.JOIN) where the config has 64+ row tiles; also the precise layer through
+`moekit.fused_moe` (its input checks included) rather than the backend directly. Each variant's relative L2 error against
 the reference (with the intermediate rule that variant declares) is printed beside its time.
 
     PYTHONPATH=. python3 scripts/diag_fast.py [--models glm-4.5v-fp8:2 mixtral-8x7b:1]
@@ -77,16 +78,18 @@ def main():
                 fns[label] = run
                 granularity = in_mode(mode, lambda: intermediate_granularity("triton", scheme))()
                 errors[label] = rel_l2(run(), reference_moe(x, w, tw, ids, intermediate_granularity=granularity))
+            # the same precise layer through fused_moe: what its input checks add inside a graph
+            fns["precise, fused_moe"] = lambda: moekit.fused_moe(x, w, tw, ids, backend="triton")
             fns["cutlass"] = lambda: moekit.fused_moe(x, w, tw, ids, backend="cutlass")
             times = time_graphs(fns, reps=20, warmup=2, rounds=4)
             print(f"\n{name} tp{tp} M={M} config {cfg}", flush=True)
             for label in fns:
                 t = times[label]
                 if isinstance(t, BaseException):
-                    print(f"  {label:12s} FAILED {str(t)[:100]}")
+                    print(f"  {label:20s} FAILED {str(t)[:100]}")
                     continue
                 err = f"rel L2 {errors[label]:.2e}" if label in errors else ""
-                print(f"  {label:12s} {t.median_us:9.1f} us  (p20 {t.p20_us:.1f} p80 {t.p80_us:.1f})  {err}")
+                print(f"  {label:20s} {t.median_us:9.1f} us  (p20 {t.p20_us:.1f} p80 {t.p80_us:.1f})  {err}")
                 results.append({"model": name, "tp": int(tp), "M": M, "variant": label, "us": t.median_us,
                                 "rel_l2": errors.get(label), "config": dataclasses.asdict(cfg)})
             del fns, times
