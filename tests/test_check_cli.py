@@ -185,9 +185,27 @@ def test_metrics_of_identical_and_opposite_outputs():
 
 def test_every_scheme_and_class_has_a_threshold():
     for scheme in moekit.SCHEMES.values():
-        for cls in ("reference", "kernel", "dequantized"):
+        for cls in check.ACCURACY_CLASSES:
             t = check.threshold_for(scheme.name, cls)
             assert 0 < t.rel_l2 < t.max_rel and 0 < t.min_cos < 1
+
+
+def test_triton_in_fast_mode_is_checked_as_a_fast_accumulation_kernel(tmp_path, tiny_config, monkeypatch):
+    if "triton" not in moekit.backend_names():
+        pytest.skip("no triton backend registered")
+    fp8, bf16 = moekit.SCHEMES["fp8-channel-token"], moekit.SCHEMES["bf16"]
+    assert check.backend_class("triton", fp8) == "kernel"
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
+    assert check.backend_class("triton", fp8) == "kernel-fast" and check.backend_class("triton", bf16) == "kernel"
+    assert check.threshold_for("fp8-channel-token", "kernel-fast").rel_l2 == 3e-2
+    assert check.threshold_for("bf16", "kernel-fast") == check.threshold_for("bf16", "kernel")
+    out = tmp_path / "c"
+    assert main(["check", "--model", str(tiny_config), "--scheme", "fp8-channel-token", "--seeds", "1",
+                 "--batch-sizes", "1", "9", "--backends", "triton", "--out", str(out)]) == 0
+    (result,) = json.loads((out / "check.json").read_text())["models"][0]["backends"]
+    assert result["class"] == "kernel-fast" and result["passed"]
+    # the interpreter sums exactly, so on the CPU fast mode still meets the kernel budget
+    assert torch.cuda.is_available() or result["worst"]["rel_l2"] < 1e-2
 
 
 def test_intermediate_granularity_of_triton_follows_its_kernels():

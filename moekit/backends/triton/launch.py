@@ -148,6 +148,11 @@ class TritonBackend(Backend):
         return reasons
 
     @staticmethod
+    def accuracy_class(scheme: QuantScheme) -> str:
+        """moekit.check's threshold class: FP8 sums left to the tensor cores in fast mode."""
+        return "kernel-fast" if scheme.is_fp8 and fp8_accumulation() == "fast" else "kernel"
+
+    @staticmethod
     def intermediate_granularity(scheme: QuantScheme) -> str | None:
         """How GEMM2's input is quantized (moekit.check compares this backend with the float64
         problem of this rule): see the module docstring."""
