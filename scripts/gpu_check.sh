@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|fast|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points of shared/anchors/README.md: the expert GEMMs alone
@@ -21,6 +21,9 @@
 # full:  the exhaustive search (`--search-space full`) of GLM-4.5V TP2 at FULL_SIZES (default
 #        "64 1024"), to compare with the pruned search of the tune step at the same sizes.
 # hf:    one GLM-4.5V-size layer through moekit against transformers' grouped_mm.
+# fast:  scripts/diag_fast.py (the triton layer precise, fast, fast with the joined tile, precise
+#        through fused_moe, and cutlass, in the same rounds) and `moekit check` of the triton
+#        backend with MOEKIT_FP8_ACCUMULATION=fast (class kernel-fast); not part of `all`.
 #
 # A step after `tune` in the same call (auto, bench, check) uses the tables just tuned
 # (MOEKIT_CONFIG_DIR), before the shipped ones.
@@ -110,6 +113,14 @@ fi
 if want full; then
   moekit tune --model glm-4.5v-fp8 --tp 2 --search-space full --batch-sizes ${FULL_SIZES:-64 1024} \
     --out "$WORK/search-full"
+fi
+if [[ " ${steps[*]} " == *" fast "* ]]; then
+  python3 scripts/diag_fast.py --json "$WORK/diag_fast.json"
+  for m in "glm-4.5v-fp8 2" "mixtral-8x7b 1"; do
+    read -r model tp <<<"$m"
+    MOEKIT_FP8_ACCUMULATION=fast moekit check --model "$model" --tp "$tp" --scheme fp8-channel-token \
+      --backends triton --out "$WORK/check-fast-$model" || status=1
+  done
 fi
 if want hf; then
   python3 scripts/bench_hf_layer.py --tp 2 --scheme fp8-channel-token --backends auto triton cutlass \
