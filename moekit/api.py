@@ -45,6 +45,17 @@ def fused_moe(
     return get_backend(choice.backend).run(x, weights, topk_weights, topk_ids)
 
 
+def assert_ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """The device-side check of the expert ids: a checking kernel and torch._assert_async, no
+    host synchronisation (it survives CUDA-graph capture). Torch ops took five launches inside
+    every captured layer (about 10 µs of a 57 µs GLM-4.5V decode layer, BENCHMARKS.md); this is
+    one at decode sizes. Where the assertion runs eagerly on the CPU (the interpreter) it raises
+    at once."""
+    from .backends.glue.ops import ids_in_range
+
+    torch._assert_async(ids_in_range(topk_ids, num_experts), f"moekit: topk_ids outside [0, {num_experts})")
+
+
 def validate_inputs(x, weights, topk_weights, topk_ids) -> tuple[torch.Tensor, torch.Tensor]:
     """Check every input of fused_moe; returns topk_weights as float32 and topk_ids as int32.
 
@@ -78,11 +89,7 @@ def validate_inputs(x, weights, topk_weights, topk_ids) -> tuple[torch.Tensor, t
     if not topk_weights.is_floating_point():
         raise ValueError(f"topk_weights has dtype {topk_weights.dtype}; expected a float dtype")
     if topk_ids.numel() and topk_ids.device.type == "cuda":
-        # one checking kernel and the assertion, where torch ops took five launches inside every
-        # captured layer (about 10 µs of a 57 µs GLM-4.5V decode layer, BENCHMARKS.md)
-        from .backends.glue.ops import ids_in_range
-
-        torch._assert_async(ids_in_range(topk_ids, E), f"moekit: topk_ids outside [0, {E})")
+        assert_ids_in_range(topk_ids, E)
     elif topk_ids.numel():
         in_range = (topk_ids >= 0) & (topk_ids < E)
         if not bool(in_range.all()):

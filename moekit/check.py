@@ -181,6 +181,8 @@ ACCURACY_CLASSES = ("reference", "kernel", "kernel-fast", "dequantized")
 
 
 def backend_class(name: str, scheme=None) -> str:
+    """The threshold class of backend `name` for `scheme` (a backend declaring it per scheme is a
+    plain "kernel" when no scheme is given)."""
     cls = getattr(get_backend(name), "accuracy_class", None)
     if callable(cls):
         cls = cls(scheme) if scheme is not None else None

@@ -79,7 +79,7 @@ def main():
                 granularity = in_mode(mode, lambda: intermediate_granularity("triton", scheme))()
                 errors[label] = rel_l2(run(), reference_moe(x, w, tw, ids, intermediate_granularity=granularity))
             # the same precise layer through fused_moe: what its input checks add inside a graph
-            fns["precise, fused_moe"] = lambda: moekit.fused_moe(x, w, tw, ids, backend="triton")
+            fns["precise, fused_moe"] = in_mode("precise", lambda: moekit.fused_moe(x, w, tw, ids, backend="triton"))
             fns["cutlass"] = lambda: moekit.fused_moe(x, w, tw, ids, backend="cutlass")
             times = time_graphs(fns, reps=20, warmup=2, rounds=4)
             print(f"\n{name} tp{tp} M={M} config {cfg}", flush=True)

@@ -390,18 +390,30 @@ def test_cutlass_feeds_the_gemm_exactly(device, scheme):
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_ids_in_range_is_one_device_side_flag(device, dtype):
+@pytest.mark.parametrize("rows", [500, 1500])  # 2500 ids: one program; 7500: one per block
+def test_ids_in_range_is_one_device_side_flag(device, dtype, rows):
     """fused_moe's id check on a GPU (validate_inputs asserts on this flag): every id in [0, E)
-    gives 1; a single id below 0 or at E gives 0, wherever it sits, also past the first block of
-    ids the one program reads (2500 ids: three blocks of 1024)."""
+    gives 1; a single id below 0 or at E gives 0, wherever it sits: past the first block of ids
+    the one program reads, or in any block of the several-program form."""
     E = 7
-    ids = torch.randint(0, E, (500, 5), generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
-    assert ids.numel() > 2 * ops.IDS_CHECK_BLOCK
+    ids = torch.randint(0, E, (rows, 5), generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+    assert (ids.numel() <= ops.IDS_ONE_PROGRAM_MAX) == (rows == 500) and ids.numel() > 2 * ops.IDS_CHECK_BLOCK
     ok = ops.ids_in_range(ids, E)
     assert ok.dtype == torch.int32 and ok.shape == (1,) and ok.device == ids.device and int(ok) == 1
-    for where, value in ((0, -1), (1234, E), (2499, E + 1000), (2047, -(2**31) if dtype == torch.int32 else -(2**40))):
+    low = -(2**31) if dtype == torch.int32 else -(2**40)
+    for where, value in ((0, -1), (1234, E), (ids.numel() - 1, E + 1000), (2047, low)):
         bad = ids.clone()
         bad.view(-1)[where] = value
         assert int(ops.ids_in_range(bad, E)) == 0, (where, value)
     assert int(ops.ids_in_range(ids[:, ::2], E)) == 1  # not contiguous: checked on a copy
     assert int(ops.ids_in_range(torch.full((1, 1), E - 1, dtype=dtype, device=device), E)) == 1
+
+
+def test_fused_moe_id_assertion_names_the_range():
+    """The GPU branch of validate_inputs (moekit.api.assert_ids_in_range): under the interpreter
+    on the CPU torch._assert_async raises at once, with fused_moe's message."""
+    from moekit.api import assert_ids_in_range
+
+    assert_ids_in_range(torch.tensor([[0, 6], [3, 1]]), 7)  # in range: nothing happens
+    with pytest.raises(RuntimeError, match=r"moekit: topk_ids outside \[0, 7\)"):
+        assert_ids_in_range(torch.tensor([[0, 7]]), 7)

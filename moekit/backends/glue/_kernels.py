@@ -324,12 +324,20 @@ def _combine_kernel(
 
 
 @triton.jit
-def _ids_in_range_kernel(ids_ptr, ok_ptr, P, E, BLOCK: tl.constexpr):
-    """ok[0] = 1 if every one of the P ids lies in [0, E), else 0: one program, so that the
-    check of fused_moe's inputs is one launch (plus the assertion) inside a CUDA graph."""
-    bad = tl.zeros((BLOCK,), dtype=tl.int32)
-    for start in range(0, P, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+def _ids_in_range_kernel(ids_ptr, ok_ptr, P, E, BLOCK: tl.constexpr, ONE_PROGRAM: tl.constexpr):
+    """ok[0] = 0 if any of the P ids lies outside [0, E). ONE_PROGRAM (few ids, decode): one
+    program reads them all and writes ok (1 or 0), so the check is one launch inside a CUDA graph.
+    Otherwise each program reads BLOCK ids and clears ok (set to 1 beforehand) with an atomic
+    minimum, the same result in any order."""
+    if ONE_PROGRAM:
+        bad = tl.zeros((BLOCK,), dtype=tl.int32)
+        for start in range(0, P, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            ids = tl.load(ids_ptr + offs, mask=offs < P, other=0)
+            bad += ((ids < 0) | (ids >= E)).to(tl.int32)
+        tl.store(ok_ptr, (tl.sum(bad, axis=0) == 0).to(tl.int32))
+    else:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ids = tl.load(ids_ptr + offs, mask=offs < P, other=0)
-        bad += ((ids < 0) | (ids >= E)).to(tl.int32)
-    tl.store(ok_ptr, (tl.sum(bad, axis=0) == 0).to(tl.int32))
+        if tl.sum(((ids < 0) | (ids >= E)).to(tl.int32), axis=0) > 0:
+            tl.atomic_min(ok_ptr, 0)

@@ -30,6 +30,7 @@ row (`a_scale[r]` is the same for every r), the form a row-wise scaled GEMM take
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -376,16 +377,23 @@ def combine(
 
 # ---------------------------------------------------------------------------------- input check
 
-IDS_CHECK_BLOCK = 1024  # ids per step of the one checking program
+IDS_CHECK_BLOCK = 1024  # ids per step (one program) or per program (several)
+IDS_ONE_PROGRAM_MAX = 4 * IDS_CHECK_BLOCK  # beyond this many ids, one program per block
 
 
 def ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """A one-element int32 tensor on topk_ids' device: 1 if every id lies in [0, num_experts),
-    else 0, computed on the device in one launch (no host synchronisation; fused_moe asserts
-    on it with torch._assert_async). Needs CUDA or TRITON_INTERPRET=1, like the triton glue."""
+    else 0, computed on the device (no host synchronisation; fused_moe asserts on it with
+    torch._assert_async). Up to IDS_ONE_PROGRAM_MAX ids, the decode sizes, one launch; beyond,
+    a fill and one program per block, so that the check does not become a serial loop at prefill.
+    Needs CUDA or TRITON_INTERPRET=1, like the triton glue."""
     from . import _kernels as k
 
     ids = topk_ids.contiguous()
-    ok = torch.empty(1, dtype=torch.int32, device=ids.device)
-    k._ids_in_range_kernel[(1,)](ids, ok, ids.numel(), num_experts, BLOCK=IDS_CHECK_BLOCK)
+    P = ids.numel()
+    one = P <= IDS_ONE_PROGRAM_MAX
+    ok = torch.empty(1, dtype=torch.int32, device=ids.device) if one else torch.ones(1, dtype=torch.int32, device=ids.device)
+    grid = (1,) if one else (_cdiv(P, IDS_CHECK_BLOCK),)
+    with torch.cuda.device(ids.device) if ids.is_cuda else contextlib.nullcontext():
+        k._ids_in_range_kernel[grid](ids, ok, P, num_experts, BLOCK=IDS_CHECK_BLOCK, ONE_PROGRAM=one)
     return ok
