@@ -55,7 +55,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..api import fused_moe
+from ..api import assert_ids_in_range, fused_moe
 from ..weights import MoEWeights
 from .tp import _check_rank
 
@@ -119,12 +119,10 @@ def _check_inputs(x, local_weights, topk_weights, topk_ids, num_experts, rank, w
         raise ValueError("topk_ids must be int32/int64 and topk_weights a float tensor")
     if apply_on_input and topk_ids.shape[1] != 1:
         raise ValueError(f"apply_router_weight_on_input needs top-k = 1, got top-k = {topk_ids.shape[1]}")
-    if topk_ids.numel():
-        in_range = (topk_ids >= 0) & (topk_ids < num_experts)
-        if topk_ids.device.type == "cuda":  # no host sync: a device-side assertion
-            torch._assert_async(in_range.all(), f"moekit: topk_ids outside [0, {num_experts})")
-        elif not bool(in_range.all()):
-            raise ValueError(f"topk_ids must lie in [0, num_experts={num_experts})")
+    if topk_ids.numel() and topk_ids.device.type == "cuda":
+        assert_ids_in_range(topk_ids, num_experts)  # no host sync: a device-side assertion
+    elif topk_ids.numel() and not bool(((topk_ids >= 0) & (topk_ids < num_experts)).all()):
+        raise ValueError(f"topk_ids must lie in [0, num_experts={num_experts})")
 
 
 def _byte_view(buf: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
