@@ -11,14 +11,13 @@ when precise, bf16 output plus the per-row quantization pass when fast.
     PYTHONPATH=. python3 scripts/diag_prefill.py [--batch-sizes 1024 4096] [--json FILE]
 """
 import argparse
-import contextlib
 import dataclasses
 import json
-import os
 
 import torch
 import triton
 
+from diag_fast import in_mode  # scripts/ is on the path when a script runs
 from moekit.backends.triton import _kernels as k
 from moekit.backends.triton import launch
 from moekit.backends.triton.config import KernelConfig
@@ -35,19 +34,6 @@ CONFIGS = [
     KernelConfig(64, 128, 256, 8, 8, 2),
     KernelConfig(128, 128, 256, 8, 8, 2),
 ]
-
-
-@contextlib.contextmanager
-def precise_mode():
-    old = os.environ.get(launch.FP8_ACCUMULATION_ENV)
-    os.environ[launch.FP8_ACCUMULATION_ENV] = "precise"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[launch.FP8_ACCUMULATION_ENV]
-        else:
-            os.environ[launch.FP8_ACCUMULATION_ENV] = old
 
 
 def joined_matches(a, a_scale, w, align, K, cfg) -> float:
@@ -124,8 +110,8 @@ def main():
             for cfg in CONFIGS:
                 tag = f"M{cfg.BLOCK_M} N{cfg.BLOCK_N} K{cfg.BLOCK_K} G{cfg.GROUP_M} w{cfg.num_warps} s{cfg.num_stages}"
                 align = launch.align_pairs(ids, E, cfg.BLOCK_M)
-                with precise_mode():  # fp8 + 1x128 group scales, whatever MOEKIT_FP8_ACCUMULATION says
-                    act = launch.gemm1(a, a_scale, w, align, K, x.dtype, cfg)
+                # fp8 + 1x128 group scales, whatever MOEKIT_FP8_ACCUMULATION says
+                act = in_mode("precise", lambda a=a, s=a_scale, al=align, c=cfg: launch.gemm1(a, s, w, al, K, x.dtype, c))()
                 bf16 = gemm1_bf16(a, a_scale, w, align, K, cfg)
                 row_scale = act.scale[:, :1].contiguous()
                 per_row = launch.Intermediate(act.values, row_scale, 5)

@@ -113,7 +113,7 @@ class FakeTimer:
             raise Killed(what)
         self.calls.append(what)  # "triton <key> at M=4", "backend torch at M=1"
         self.now += self.step
-        self.current = base = what.split(" at M=")[0]
+        self.current = base = what.removeprefix("decision: ").split(" at M=")[0]
         if self.run:
             fn()
         if base in self.fail:
@@ -124,20 +124,16 @@ class FakeTimer:
         return self.now
 
     def many(self, fns, *, reps, warmup, device, what, before_each=None):
-        """Replaces runner.measure_times (the decision timing): each closure as `self` would time
-        it alone, its call recorded as "decision: <what>"; a failure is that closure's result."""
+        """Replaces runner.measure_times (the decision timing): each closure as `self` times one,
+        its call recorded as "decision: <what>"; a failure is that closure's result."""
         out = {}
         for name, fn in fns.items():
-            if self.kill_after is not None and len(self.calls) >= self.kill_after:
-                raise Killed(what[name])
-            self.calls.append(f"decision: {what[name]}")
-            base = what[name].split(" at M=")[0]
-            if self.run:
-                if before_each is not None:
-                    before_each()
-                fn()
-            out[name] = RuntimeError(self.fail[base]) if base in self.fail else \
-                Timing.from_samples([self.us.get(base, self.default_us)], "fake")
+            if self.run and before_each is not None:
+                before_each(name)
+            try:
+                out[name] = self(fn, reps=reps, warmup=warmup, device=device, what=f"decision: {what[name]}")
+            except RuntimeError as e:
+                out[name] = e
         return out
 
     def install(self, monkeypatch):
