@@ -180,12 +180,9 @@ BACKEND_NUMERICS: dict[str, dict[str, Any]] = {
 ACCURACY_CLASSES = ("reference", "kernel", "kernel-fast", "dequantized")
 
 
-def backend_class(name: str, scheme=None) -> str:
-    """The threshold class of backend `name` for `scheme` (a backend declaring it per scheme is a
-    plain "kernel" when no scheme is given)."""
-    cls = getattr(get_backend(name), "accuracy_class", None)
-    if callable(cls):
-        cls = cls(scheme) if scheme is not None else None
+def backend_class(name: str, scheme) -> str:
+    """The threshold class of backend `name` for `scheme` (its declaration, else BACKEND_CLASS)."""
+    cls = _declared(name, "accuracy_class", scheme)
     return cls if cls in ACCURACY_CLASSES else BACKEND_CLASS.get(name, "kernel")
 
 
