@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|fast|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|fast|decode|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points of shared/anchors/README.md: the expert GEMMs alone
@@ -24,6 +24,8 @@
 # fast:  scripts/diag_fast.py (the triton layer precise, fast, fast with the joined tile, precise
 #        through fused_moe, and cutlass, in the same rounds) and `moekit check` of the triton
 #        backend with MOEKIT_FP8_ACCUMULATION=fast (class kernel-fast); not part of `all`.
+# decode: scripts/diag_decode.py, the tiled decode layer against the GEMV path's configs (GLM-4.5V,
+#        Mixtral, DeepSeek-V3 at M = 1-16); not part of `all`.
 #
 # A step after `tune` in the same call (auto, bench, check) uses the tables just tuned
 # (MOEKIT_CONFIG_DIR), before the shipped ones.
@@ -121,6 +123,9 @@ if [[ " ${steps[*]} " == *" fast "* ]]; then
     MOEKIT_FP8_ACCUMULATION=fast moekit check --model "$model" --tp "$tp" --scheme fp8-channel-token \
       --backends triton --out "$WORK/check-fast-$model" || status=1
   done
+fi
+if [[ " ${steps[*]} " == *" decode "* ]]; then
+  python3 scripts/diag_decode.py --json "$WORK/diag_decode.json" || status=1
 fi
 if want hf; then
   python3 scripts/bench_hf_layer.py --tp 2 --scheme fp8-channel-token --backends auto triton cutlass \

@@ -39,7 +39,7 @@ BACKEND_META_KEYS = {
     "device_name", "num_experts", "hidden", "intermediate", "top_k", "scheme", "dtype", "routing", "mode",
     "moekit", "torch", "triton", "date",
 }
-CONFIG_FIELDS = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "JOIN"]
+CONFIG_FIELDS = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "JOIN", "GEMV"]
 VLLM_FIELDS = ["BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages"]
 
 
@@ -762,8 +762,29 @@ def test_hopper_space_holds_only_runnable_configs():
         assert configs and all(not c.problems(scheme) for c in configs)
         assert {c.GROUP_M for c in configs} == ({1, 8, 16, 32} if full else {1, 8, 16})
     assert max(c.BLOCK_N for c in space.hopper_space(FP8_BLOCK128)) == 128
-    assert {c.BLOCK_K for c in space.hopper_space(FP8_CHANNEL_TOKEN)} == {128}
-    assert {c.BLOCK_K for c in space.hopper_space(BF16)} == {64, 128, 256}
+    tiled = [c for c in space.hopper_space(FP8_CHANNEL_TOKEN) if not c.GEMV]
+    assert {c.BLOCK_K for c in tiled} == {128}
+    assert {c.BLOCK_K for c in space.hopper_space(BF16) if not c.GEMV} == {64, 128, 256}
+    # the GEMV path's configs, in every scheme's space, keys that say so
+    for scheme in (FP8_CHANNEL_TOKEN, FP8_BLOCK128, BF16):
+        gemv = [c for c in space.hopper_space(scheme) if c.GEMV]
+        assert gemv == space.gemv_space() and all(config_key(c).startswith("gemv-") for c in gemv)
+    assert len({config_key(c) for c in space.hopper_space(FP8_CHANNEL_TOKEN)}) == len(space.hopper_space(FP8_CHANNEL_TOKEN))
+
+
+def test_static_prune_keeps_the_gemv_path_where_pairs_are_few():
+    gemv = space.gemv_space()[0]
+    deepseek = MoEShape(256, 7168, 2048, 8, tp=8)
+    mixtral = MoEShape(8, 4096, 14336, 2)
+    limit = space.HOPPER_SHARED_MEMORY
+    for shape, M, kept_there in ((deepseek, 16, True), (deepseek, 32, False), (mixtral, 1, True), (mixtral, 2, True),
+                                 (mixtral, 4, False)):
+        kept, dropped = space.static_prune([gemv], shape, FP8_BLOCK128, M, limit)
+        assert (kept == [gemv]) == kept_there, (shape, M)
+        if not kept_there:
+            assert dropped[config_key(gemv)].startswith("dominated: the GEMV path reads an expert's weights once per pair")
+    # the exhaustive search keeps it everywhere
+    assert space.static_prune([gemv], mixtral, FP8_BLOCK128, 64, limit, "full")[0] == [gemv]
 
 
 def test_static_prune_reasons():
@@ -897,3 +918,10 @@ def test_compile_helpers_are_shared_out_among_gpu_workers(tmp_path, tiny_model, 
     monkeypatch.setattr(tune_module, "run_workers", lambda plan, devices, *a: seen.append(plan.compile_workers) or [])
     tune(tiny_model, tmp_path / "out", devices=["cpu", "cpu"], compile_workers=4)
     assert seen == [2]
+
+
+def test_summary_names_a_gemv_config_by_what_it_uses():
+    from moekit.tune.progress import _config_text
+
+    assert _config_text(space.gemv_space()[0].to_dict()) == "GEMV N4 K256 w2"
+    assert _config_text(KernelConfig(16, 64, 128, 1, 4, 3).to_dict()) == "M16 N64 K128 G1 w4 s3"

@@ -190,6 +190,8 @@ def vllm_config(cfg: KernelConfig, scheme: QuantScheme) -> tuple[dict | None, st
     w13, the same operand tiles, shared memory and accumulators as vLLM's BLOCK_SIZE_N = 2 * BLOCK_N.
     GEMM1 holds two thirds of the layer's work, so its tile is the one exported (vLLM's GEMM2 then
     runs tiles twice as wide as moekit's)."""
+    if cfg.GEMV:
+        return None, "the GEMV path (GEMV=1) has no vLLM counterpart"
     block_n = 2 * cfg.BLOCK_N
     if block_n > VLLM_MAX_BLOCK_SIZE_N:
         return None, f"BLOCK_SIZE_N {block_n} is beyond vLLM's search space (<= {VLLM_MAX_BLOCK_SIZE_N})"

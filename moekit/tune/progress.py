@@ -84,6 +84,8 @@ class ProgressView:
 
 
 def _config_text(cfg: dict) -> str:
+    if cfg.get("GEMV"):  # the GEMV path: no row tiles, no tile order
+        return f"GEMV N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} w{cfg['num_warps']}"
     return (f"M{cfg['BLOCK_M']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} G{cfg['GROUP_M']} "
             f"w{cfg['num_warps']} s{cfg['num_stages']}")
 

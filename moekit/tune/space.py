@@ -13,7 +13,12 @@ Two kinds of pruning:
     - dominated by a smaller tile with the same work: BLOCK_M above the most rows any expert can
       receive (M: each token picks distinct experts), BLOCK_N / BLOCK_K above every dimension they
       tile; GROUP_M values at least as large as the number of row blocks give the same tile order
-      as the smallest of them.
+      as the smallest of them;
+    - the GEMV path (KernelConfig.GEMV) beyond one token where the pairs outnumber half the
+      experts: it reads an expert's weights once per pair, the tiled path once per expert. On an
+      H200 (BENCHMARKS.md, sixth session) it won only at 1-32 pairs on 8-256 experts (DeepSeek-V3
+      M = 1, 2, 4: 8%, 2%, 7%; Mixtral M = 1: 2%) and lost from DeepSeek M = 8 (64 pairs, 3%),
+      GLM-4.5V M = 4 (32 pairs on 128, 13%) and Mixtral M = 2 (4 on 8, 27%).
 * By measurement (`neighbour_prune`, `pruned` search only): a config slower than NEIGHBOUR_MARGIN
   times the best triton config at the neighbouring (next smaller) batch size, or that failed there,
   is not timed again; a config dropped at the neighbour stays dropped.
@@ -62,6 +67,8 @@ SpaceFn = Callable[[QuantScheme], Sequence[KernelConfig]]
 
 def config_key(cfg: KernelConfig) -> str:
     """A short, stable name for a config: the journal's and the summary's key."""
+    if cfg.GEMV:  # BLOCK_M and GROUP_M mean nothing to the GEMV path
+        return f"gemv-N{cfg.BLOCK_N}-K{cfg.BLOCK_K}-w{cfg.num_warps}-s{cfg.num_stages}"
     return (
         f"M{cfg.BLOCK_M}-N{cfg.BLOCK_N}-K{cfg.BLOCK_K}-G{cfg.GROUP_M}"
         f"-w{cfg.num_warps}-s{cfg.num_stages}"
@@ -78,13 +85,24 @@ def hopper_space(scheme: QuantScheme, full: bool = False) -> list[KernelConfig]:
     GROUP_M 32 only in the full search (beyond 16 the L2 reuse it buys is rarely measurable)."""
     block_k = (64, 128) if scheme.is_fp8 else (64, 128, 256)
     group_m = (1, 8, 16, 32) if full else (1, 8, 16)
-    configs = (
+    configs = [
         KernelConfig(bm, bn, bk, g, w, s)
         for bm, bn, bk, g, w, s in itertools.product(
             (16, 32, 64, 128), (32, 64, 128, 256), block_k, group_m, (4, 8), (2, 3, 4, 5)
         )
-    )
+    ]
+    configs += gemv_space()
     return [c for c in configs if not c.problems(scheme)]
+
+
+def gemv_space() -> list[KernelConfig]:
+    """The GEMV path's configs (backends/triton/gemv.py): narrow column blocks and wide K steps,
+    which put the most bytes in flight in its probe (BENCHMARKS.md, sixth session); its loads have
+    no multi-stage pipeline, so num_stages stays 1."""
+    return [
+        KernelConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=1, GEMV=1)
+        for bn, bk, w in itertools.product((4, 8, 16), (256, 512), (2, 4))
+    ]
 
 
 def interpreter_space(scheme: QuantScheme) -> list[KernelConfig]:
@@ -190,7 +208,12 @@ def static_prune(
                 f"registers: the accumulators alone need {accumulator_registers(cfg):.0f} per thread "
                 f"(limit {MAX_REGISTERS_PER_THREAD})"
             )
-        elif pruned and cfg.BLOCK_M > rows_max:
+        elif pruned and cfg.GEMV and num_tokens > 1 and num_tokens * shape.top_k > shape.num_experts // 2:
+            dropped[key] = (
+                f"dominated: the GEMV path reads an expert's weights once per pair, and {num_tokens * shape.top_k} "
+                f"pairs on {shape.num_experts} experts repeat experts"
+            )
+        elif pruned and cfg.BLOCK_M > rows_max and not cfg.GEMV:
             dropped[key] = f"dominated: BLOCK_M {cfg.BLOCK_M} > {rows_max}, the most rows an expert receives at M={num_tokens}"
         elif pruned and (cfg.BLOCK_N > widest or cfg.BLOCK_K > widest):
             dropped[key] = f"dominated: tile wider than every dimension it tiles (N {shape.n}, hidden {shape.hidden})"

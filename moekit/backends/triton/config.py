@@ -33,15 +33,18 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     JOIN: int = 0  # 1: GEMM1's gate and up columns in one wide tile (_kernels._gemm1_joined)
+    GEMV: int = 0  # 1: the decode path of gemv.py (no alignment; BLOCK_M and GROUP_M unused)
 
     def problems(self, scheme: QuantScheme) -> list[str]:
         """Why this config cannot run `scheme` (empty when it can)."""
         out = []
-        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        # the GEMV path's K step is whole 128-groups (gemv.py); its columns need no tensor-core tile
+        smallest = {"BLOCK_M": 16, "BLOCK_N": 4 if self.GEMV else 16, "BLOCK_K": 128 if self.GEMV else 16}
+        for name, least in smallest.items():
             v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                out.append(f"{name}={v} must be a power of two >= 16")
-        if scheme.is_fp8 and scheme.activation in ("group", "token") and self.BLOCK_K != 128:
+            if v < least or v & (v - 1):
+                out.append(f"{name}={v} must be a power of two >= {least}")
+        if scheme.is_fp8 and scheme.activation in ("group", "token") and self.BLOCK_K != 128 and not self.GEMV:
             # the intermediate (and block activations) are quantized per 1x128 group of K
             out.append(f"BLOCK_K={self.BLOCK_K} must be 128 for {scheme.name}")
         if scheme.weight == "block" and (self.BLOCK_N > 128 or 128 % self.BLOCK_N):
@@ -52,6 +55,10 @@ class KernelConfig:
             out.append(f"num_stages={self.num_stages} must be between 1 and 8")
         if self.JOIN not in (0, 1):
             out.append(f"JOIN={self.JOIN} must be 0 or 1")
+        if self.GEMV not in (0, 1):
+            out.append(f"GEMV={self.GEMV} must be 0 or 1")
+        elif self.GEMV and self.JOIN:
+            out.append("JOIN=1 is a tile of the tensor-core path; the GEMV path (GEMV=1) has none")
         elif self.JOIN and scheme.is_fp8 and (scheme.activation == "group" or scheme.weight == "block"):
             # the joined tile sums the whole K in one accumulator: no room for per-K-step scales
             out.append(f"JOIN=1 cannot apply {scheme.name}'s per-128-of-K scales (use JOIN=0)")

@@ -6,6 +6,7 @@ One layer call is, on the GPU and without a host synchronisation (so it captures
   3. GEMM1, rows gathered through the sorted pair ids, SiLU(gate) * up in the epilogue
   4. GEMM2, the intermediate quantized while it is loaded, top-k weight in the epilogue
   5. combine each token's K rows in a fixed order (deterministic)
+A config with GEMV=1 runs the GEMV path instead (gemv.py: no alignment, 3 launches at decode).
 
 The GEMM2 input of fp8-channel-token is quantized per 1x128 group of the intermediate rather than
 per row: each 128-column group gets its own scale, so no element is quantized more coarsely than
@@ -170,6 +171,10 @@ class TritonBackend(Backend):
         problems = cfg.problems(weights.scheme)
         if problems:
             raise ValueError(f"kernel config {cfg} cannot run {weights.scheme.name}: {'; '.join(problems)}")
+        if cfg.GEMV:
+            from .gemv import run_gemv  # imported here: gemv.py imports this module
+
+            return run_gemv(x, weights, topk_weights, topk_ids, cfg, row_intermediate=_row_intermediate(weights.scheme))
         if M * K <= SINGLE_ALIGN_MAX_PAIRS and _row_quant_mode(weights.scheme) is not None:
             align, a, a_scale = align_and_quantize(x, weights, topk_ids, cfg.BLOCK_M)
         else:
@@ -184,9 +189,17 @@ class TritonBackend(Backend):
         aligned and quantized: what `moekit bench --mode gemm` and the tuner time."""
         M, K = topk_ids.shape
         cfg = config or self.config_for(weights, K, M, x.device)
-        align = align_pairs(topk_ids, weights.num_experts, cfg.BLOCK_M)
         a, a_scale = quantize_input(x, weights)
         tw = topk_weights.float()
+        if cfg.GEMV:  # its GEMM2 holds the combine, which the tiled closure leaves out
+            from .gemv import gemv1, gemv2
+
+            def run_gemvs():
+                act, act_scale, a_mode = gemv1(a, a_scale, weights, topk_ids, x.dtype, cfg, _row_intermediate(weights.scheme))
+                return gemv2(act, act_scale, a_mode, weights, tw, topk_ids, x.dtype, cfg)
+
+            return run_gemvs
+        align = align_pairs(topk_ids, weights.num_experts, cfg.BLOCK_M)
 
         def run_gemms():
             act = gemm1(a, a_scale, weights, align, K, x.dtype, cfg)

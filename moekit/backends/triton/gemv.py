@@ -1,0 +1,91 @@
+"""The triton backend's GEMV path (KernelConfig.GEMV = 1): a decode layer in three launches
+(quantize x, GEMM1 per pair, GEMM2 per token with the combine in it), no alignment; kernels in
+_gemv_kernels.py, the why in its docstring. The tuner decides where it beats the tiled kernels
+(its search space holds GEMV configs at decode sizes, moekit.tune.space)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ...weights import MoEWeights
+from . import _gemv_kernels as gk
+from .config import KernelConfig
+# launch.py imports this module only inside TritonBackend.run, so launch is fully loaded here
+from .launch import A_SCALE_KIND, B_SCALE_KIND, _TL_DTYPE, _interpreting, _launch, _scale_strides, quantize_input
+
+
+def run_gemv(x, weights: MoEWeights, topk_weights, topk_ids, cfg: KernelConfig, *, row_intermediate: bool,
+             side_by_side: bool = False):
+    """The whole layer by the GEMV path. `row_intermediate`: quantize fp8 token/group schemes'
+    intermediate per row (fast mode's rule) rather than per 1x128 group."""
+    a, a_scale = quantize_input(x, weights)
+    act, act_scale, a_mode = gemv1(a, a_scale, weights, topk_ids, x.dtype, cfg, row_intermediate)
+    return gemv2(act, act_scale, a_mode, weights, topk_weights, topk_ids, x.dtype, cfg, side_by_side)
+
+
+def _gemm2_input_mode(weights: MoEWeights, row_intermediate: bool) -> int:
+    """gemv2_kernel's A_MODE for this scheme (see its docstring)."""
+    scheme = weights.scheme
+    if not scheme.is_fp8:
+        return 0
+    if scheme.static_activation:
+        return 1
+    if scheme.activation == "tensor":
+        return 3
+    return 5 if row_intermediate else 2
+
+
+def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfig, row_intermediate: bool):
+    """(each pair's SiLU(gate) * up [P, N], the scale GEMM2 reads with it, GEMM2's A_MODE)."""
+    scheme = weights.scheme
+    M, K = topk_ids.shape
+    N, H = weights.n, weights.hidden
+    dev = a.device
+    a_mode = _gemm2_input_mode(weights, row_intermediate)
+    out_mode = {1: 2, 3: 1}.get(a_mode, 0)  # static: quantize here; dynamic tensor: record the max
+    out_scale = weights.a2_scale if a_mode == 1 else torch.zeros(1, dtype=torch.float32, device=dev)
+    out = torch.empty(M * K, N, dtype=torch.float8_e4m3fn if out_mode == 2 else out_dtype, device=dev)
+    w_scale = weights.w13_scale
+    stride_wse, stride_wsn = _scale_strides(w_scale)
+    unused = a
+    _launch(gk.gemv1_kernel, (M * K, triton.cdiv(N, cfg.BLOCK_N)),
+        a, a_scale if a_scale is not None else unused, weights.w13, w_scale if w_scale is not None else unused,
+        out, out_scale, out_scale, topk_ids.reshape(-1), N, H, K,
+        a.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
+        weights.w13.stride(0), weights.w13.stride(1), stride_wse, stride_wsn, out.stride(0),
+        A_SCALE=A_SCALE_KIND[scheme.activation] if scheme.is_fp8 else 0, B_SCALE=B_SCALE_KIND[scheme.weight],
+        OUT_MODE=out_mode, ACT_DTYPE=_TL_DTYPE[out_dtype], BLOCK_N=cfg.BLOCK_N, GROUPS=cfg.BLOCK_K // 128,
+        INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, out_scale, a_mode
+
+
+def gemv2(act, act_scale, a_mode, weights: MoEWeights, topk_weights, topk_ids, out_dtype, cfg: KernelConfig,
+          side_by_side: bool = False):
+    """The layer's output [M, H]: each token's K pairs through w2, weighted and summed in order.
+    `side_by_side`: gemv2_pairs_kernel, the token's K pairs in one tile (K times the bytes in
+    flight per program), CPU-tested but not yet timed on a GPU (scripts/diag_decode.py times both;
+    the backend runs the other until it is measured)."""
+    M, K = topk_ids.shape
+    N, H = weights.n, weights.hidden
+    out = torch.empty(M, H, dtype=out_dtype, device=act.device)
+    w_scale = weights.w2_scale
+    stride_wse, stride_wsn = _scale_strides(w_scale)
+    if side_by_side:
+        _launch(gk.gemv2_pairs_kernel, (M, triton.cdiv(H, cfg.BLOCK_N)),
+            act, act_scale, weights.w2, w_scale if w_scale is not None else act,
+            topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1), out, N, H,
+            act.stride(0), weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
+            A_MODE=a_mode, B_SCALE=B_SCALE_KIND[weights.scheme.weight], K_TOP=K, K_POW2=triton.next_power_of_2(K),
+            BLOCK_N=cfg.BLOCK_N, INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out
+    _launch(gk.gemv2_kernel, (M, triton.cdiv(H, cfg.BLOCK_N)),
+        act, act_scale, weights.w2, w_scale if w_scale is not None else act,
+        topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1), out, N, H, K,
+        act.stride(0), weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
+        A_MODE=a_mode, B_SCALE=B_SCALE_KIND[weights.scheme.weight], BLOCK_N=cfg.BLOCK_N, GROUPS=cfg.BLOCK_K // 128,
+        INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out

@@ -1,0 +1,112 @@
+"""The triton layer at decode sizes: the tiled path (the table's config) against the GEMV path
+(KernelConfig.GEMV) over a sweep of its configs; with --parts also each launch of the layer timed alone (the
+prologue, GEMM1, GEMM2, the combine), an empty graph as the floor of what one replay costs, and
+GEMM1 and GEMM2 each over a sweep of tile widths, warps and stages (the tuner times them only
+together, with one config for both). Bandwidth = the expert weights a GEMM must read / its time.
+
+    PYTHONPATH=. python3 scripts/diag_decode.py [--models glm-4.5v-fp8:2 mixtral-8x7b:1:fp8-channel-token]
+        [--batch-sizes 1 2 4 8 16] [--parts] [--json FILE]
+"""
+import argparse
+import dataclasses
+import itertools
+import json
+
+import torch
+
+import moekit
+from moekit.backends.triton import launch
+from moekit.backends.triton.gemv import run_gemv
+from moekit.bench import make_weights, make_x, uniform_routing
+from moekit.models import get_model
+from moekit.spec import get_scheme
+from moekit.timing import time_graphs
+
+
+def gemv_sweep(base):
+    for bn, bk, warps in itertools.product((4, 8, 16), (256, 512), (2, 4)):
+        yield dataclasses.replace(base, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, GROUP_M=1, JOIN=0, GEMV=1)
+
+
+def sweep(base):
+    for bn, warps, stages in itertools.product((16, 32, 64, 128), (2, 4), (3, 4, 5, 6)):
+        yield dataclasses.replace(base, BLOCK_N=bn, num_warps=warps, num_stages=stages, GROUP_M=1, JOIN=0)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["glm-4.5v-fp8:2", "mixtral-8x7b:1:fp8-channel-token", "deepseek-v3:8"])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--parts", action="store_true", help="also each launch alone and the GEMM sweeps")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    backend = moekit.get_backend("triton")
+    results = []
+    for spec in args.models:
+        name, tp, *scheme_name = spec.split(":")
+        model = get_model(name, int(tp))
+        scheme = get_scheme(scheme_name[0]) if scheme_name else model.scheme
+        shape = get_model(name, int(tp)).shape
+        w = make_weights(shape, scheme, dev)
+        E, K, H, N = shape.num_experts, shape.top_k, shape.hidden, w.n
+        for M in args.batch_sizes:
+            x = make_x(M, H, dev)
+            tw, ids = (t.to(dev) for t in uniform_routing(M, E, K))
+            tw = tw.float()
+            used = int(torch.unique(ids).numel())
+            cfg = backend.config_for(w, K, M, dev)
+            align, a, a_scale = launch.align_and_quantize(x, w, ids, cfg.BLOCK_M)
+            act = launch.gemm1(a, a_scale, w, align, K, x.dtype, cfg)
+            pairs = launch.gemm2(act, w, align, tw, x.dtype, cfg)
+            one = torch.zeros(1, device=dev)
+            fns = {
+                "empty graph": lambda: one.add_(1),
+                "layer": lambda: backend.run(x, w, tw, ids, config=cfg),
+            }
+            tiled = backend.run(x, w, tw, ids, config=cfg).float()
+            for c in gemv_sweep(cfg):
+                diff = float((backend.run(x, w, tw, ids, config=c).float() - tiled).norm() / tiled.norm())
+                assert diff < 1e-2, f"GEMV {c} differs from the tiled path by {diff:.2e} (relative L2)"
+                fns[f"layer GEMV N{c.BLOCK_N}-K{c.BLOCK_K}-w{c.num_warps}"] = lambda c=c: backend.run(x, w, tw, ids, config=c)
+                side = run_gemv(x, w, tw, ids, c, row_intermediate=False, side_by_side=True).float()
+                diff = float((side - tiled).norm() / tiled.norm())
+                assert diff < 1e-2, f"GEMV {c} side by side differs from the tiled path by {diff:.2e} (relative L2)"
+                fns[f"layer GEMV+ N{c.BLOCK_N}-K{c.BLOCK_K}-w{c.num_warps}"] = lambda c=c: run_gemv(
+                    x, w, tw, ids, c, row_intermediate=False, side_by_side=True)
+            parts = {
+                "prologue": lambda: launch.align_and_quantize(x, w, ids, cfg.BLOCK_M),
+                "gemm1": lambda: launch.gemm1(a, a_scale, w, align, K, x.dtype, cfg),
+                "gemm2": lambda: launch.gemm2(act, w, align, tw, x.dtype, cfg),
+                "combine": lambda: launch.combine(pairs, M, K),
+            }
+            for c in sweep(cfg) if args.parts else ():
+                tag = f"N{c.BLOCK_N}-w{c.num_warps}-s{c.num_stages}"
+                act_c = launch.gemm1(a, a_scale, w, align, K, x.dtype, c)
+                parts[f"gemm1 {tag}"] = lambda c=c: launch.gemm1(a, a_scale, w, align, K, x.dtype, c)
+                parts[f"gemm2 {tag}"] = lambda c=c, act_c=act_c: launch.gemm2(act_c, w, align, tw, x.dtype, c)
+            if args.parts:
+                fns.update(parts)
+            times = time_graphs(fns, reps=20, warmup=2, rounds=4)
+            bytes1, bytes2 = used * 2 * N * H, used * H * N
+            print(f"\n{name} tp{tp} M={M}: {used} experts used, GEMM1 reads {bytes1 / 1e6:.1f} MB, "
+                  f"GEMM2 {bytes2 / 1e6:.1f} MB; table config {cfg}", flush=True)
+            for label, t in times.items():
+                if isinstance(t, BaseException):
+                    print(f"  {label:22s} FAILED {str(t)[:120]}")
+                    continue
+                nbytes = bytes1 if label.startswith("gemm1") else bytes2 if label.startswith("gemm2") else 0
+                bw = f"{nbytes / t.median_us / 1e6:6.2f} TB/s" if nbytes else ""
+                print(f"  {label:22s} {t.median_us:8.1f} us (p20 {t.p20_us:.1f} p80 {t.p80_us:.1f}) {bw}")
+                results.append({"model": name, "tp": int(tp), "M": M, "what": label, "us": t.median_us})
+            del fns, times
+            torch.cuda.empty_cache()
+        w = None
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""The triton backend's GEMV path (KernelConfig.GEMV = 1, backends/triton/gemv.py) against
+`reference`: under TRITON_INTERPRET=1 on the CPU (small shapes), and at the preset shapes on a
+GPU (marked `gpu`). The tolerances are test_triton_backend's (derived there): the GEMV path sums
+the same quantized values in float32 (in another order) and rounds each pair's output to the
+activations' dtype before the combine, as the tiled path does."""
+
+import pytest
+import torch
+
+import moekit
+from moekit.backends.reference import reference_moe
+from moekit.backends.triton import KernelConfig
+from moekit.backends.triton.gemv import run_gemv
+
+from helpers import capture_graph, max_rel, random_routing, random_weights, random_x, rel_l2
+from test_triton_backend import MAX_REL_TOL, PRESET_SHAPES, REL_L2_TOL, SCHEMES, assert_matches_reference, reference_for
+
+
+def gemv(block_n=32, block_k=256, warps=2):
+    # the interpreter runs one program at a time: CPU tests use wide column blocks, except where a
+    # narrow one is the point (the GPU tests use the narrow blocks the tuner picks)
+    return KernelConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1, num_warps=warps, num_stages=1, GEMV=1)
+
+
+def run(x, w, tw, ids, cfg):
+    return moekit.get_backend("triton").run(x, w, tw.float(), ids, config=cfg)
+
+
+def check(x, w, tw, ids, cfg):
+    return assert_matches_reference(run(x, w, tw, ids, cfg), x, w, tw, ids)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize(
+    "E,H,N,M,K,cfg",
+    [
+        (3, 144, 128, 5, 2, gemv(64, 256)),  # hidden not a multiple of 128: a partial group in the one K step
+        (5, 256, 128, 1, 1, gemv(4, 128)),  # M = 1, top-1, one group per K step
+        (5, 128, 256, 3, 5, gemv(64, 512, 4)),  # top-k = E; a K step wider than the whole K
+        (3, 384, 256, 4, 2, gemv(64, 256)),  # two K steps, the second half masked
+    ],
+)
+def test_matches_reference(scheme, E, H, N, M, K, cfg, device):
+    w = random_weights(E, H, N, scheme, device=device, seed=E * M)
+    tw, ids = random_routing(M, E, K, device=device, seed=M)
+    check(random_x(M, H, device=device, seed=K), w, tw, ids, cfg)
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8-channel-token", "fp8-tensor-dynamic", "fp8-tensor-static"])
+def test_intermediate_not_a_multiple_of_the_column_block(scheme, device):
+    w = random_weights(3, 208, 96, scheme, device=device)  # N = 96 in column blocks of 64, hidden 208
+    tw, ids = random_routing(7, 3, 2, device=device)
+    check(random_x(7, 208, device=device), w, tw, ids, gemv(64, 256))
+
+
+@pytest.mark.parametrize("scheme", ["fp8-channel-token", "fp8-block128"])
+def test_experts_without_tokens_and_all_on_one_expert(scheme, device):
+    w = random_weights(5, 128, 128, scheme, device=device)
+    x = random_x(6, 128, device=device)
+    tw, ids = random_routing(6, 5, 2, device=device, experts=[1, 3])  # experts 0, 2, 4 idle
+    check(x, w, tw, ids, gemv(64))
+    tw, ids = random_routing(6, 5, 1, device=device, experts=[4])  # every token on expert 4
+    check(x, w, tw, ids, gemv(64))
+
+
+def test_fp16_activations(device):
+    w = random_weights(3, 128, 128, "bf16", dtype=torch.float16, device=device)
+    tw, ids = random_routing(4, 3, 2, device=device)
+    check(random_x(4, 128, dtype=torch.float16, device=device), w, tw, ids, gemv())
+
+
+def test_m_zero_launches_nothing_and_returns_an_empty_output(device):
+    w = random_weights(3, 128, 128, "fp8-channel-token", device=device)
+    tw, ids = random_routing(0, 3, 2, device=device)
+    out = run(random_x(0, 128, device=device), w, tw, ids, gemv())
+    assert out.shape == (0, 128) and out.dtype == torch.bfloat16
+
+
+def test_same_output_on_every_run(device):
+    """No atomics in the sums (GEMM2 adds a token's pairs in order): the same bits every time."""
+    w = random_weights(3, 256, 128, "fp8-block128", device=device)
+    tw, ids = random_routing(2, 3, 2, device=device)
+    x = random_x(2, 256, device=device)
+    first = run(x, w, tw, ids, gemv(64))
+    assert torch.equal(run(x, w, tw, ids, gemv()), first)
+
+
+@pytest.mark.parametrize("M,K,experts", [(1, 1, None), (9, 2, [0, 2, 4]), (6, 5, None)])
+def test_fast_mode_quantizes_the_intermediate_per_row(M, K, experts, device, monkeypatch):
+    """In fast mode the backend declares the per-row rule for fp8-channel-token; the GEMV path's
+    GEMM2 then finds each row's scale itself (A_MODE 5). N = 208 over K steps of 128: two steps,
+    the second partial; the reference of the same rule is the scheme's own."""
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
+    E, H, N = 5, 160, 208
+    w = random_weights(E, H, N, "fp8-channel-token", device=device, seed=M)
+    tw, ids = random_routing(M, E, K, device=device, seed=K, experts=experts)
+    x = random_x(M, H, device=device, seed=M + 1)
+    out = run(x, w, tw, ids, gemv(64, 128))
+    ref = reference_moe(x, w, tw, ids)  # per-token intermediate
+    assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < MAX_REL_TOL
+    # and the per-group rule of precise mode is a different result: the mode reached the kernel
+    group = reference_moe(x, w, tw, ids, intermediate_granularity="group")
+    assert not torch.equal(out, group.to(out.dtype))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("accumulation", ["precise", "fast"])
+def test_gemm2_with_the_pairs_side_by_side(scheme, accumulation, device, monkeypatch):
+    """The variant of GEMM2 that reads a token's K pairs in one tile (gemv2_pairs_kernel, not yet
+    measured on a GPU, so not what the backend runs): the same result as the reference under both
+    intermediate rules. Top-3 (padded to 4 in the tile), N = 256 in two 128-steps, experts 0 and 4
+    idle in the first routing."""
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", accumulation)
+    w = random_weights(5, 128, 256, scheme, device=device, seed=3)
+    x = random_x(4, 128, device=device)
+    for experts in ([1, 2, 3], None):
+        tw, ids = random_routing(4, 5, 3, device=device, experts=experts)
+        row = moekit.get_backend("triton").intermediate_granularity(w.scheme) == "token"
+        out = run_gemv(x, w, tw.float(), ids, gemv(64, 256), row_intermediate=row, side_by_side=True)
+        ref = reference_for(x, w, tw, ids)
+        assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < MAX_REL_TOL, (rel_l2(out, ref), max_rel(out, ref))
+
+
+def test_run_gemv_is_what_the_backend_runs(device):
+    w = random_weights(3, 128, 128, "fp8-channel-token", device=device)
+    tw, ids = random_routing(2, 3, 2, device=device)
+    x = random_x(2, 128, device=device)
+    direct = run_gemv(x, w, tw.float(), ids, gemv(64), row_intermediate=False)
+    assert torch.equal(direct, run(x, w, tw, ids, gemv(64)))
+
+
+def test_config_rules_of_the_gemv_path():
+    token = moekit.get_scheme("fp8-channel-token")
+    assert not gemv(4, 512).problems(token)  # narrow columns and wide K steps are its point
+    assert "BLOCK_N=4 must be a power of two >= 16" in KernelConfig(BLOCK_N=4).problems(token)  # not for tiles
+    assert "BLOCK_K=64 must be a power of two >= 128" in gemv(8, 64).problems(moekit.get_scheme("bf16"))
+    assert "BLOCK_N=12 must be a power of two >= 4" in gemv(12).problems(token)
+    joined = KernelConfig(BLOCK_N=16, BLOCK_K=256, GEMV=1, JOIN=1).problems(token)
+    assert any("the GEMV path (GEMV=1) has none" in p for p in joined)
+    assert "GEMV=2 must be 0 or 1" in KernelConfig(GEMV=2).problems(token)
+    with pytest.raises(ValueError, match="must be a power of two >= 128"):
+        w = random_weights(3, 128, 128, "fp8-channel-token")
+        tw, ids = random_routing(2, 3, 1)
+        run(random_x(2, 128), w, tw, ids, gemv(8, 64))
+
+
+def test_vllm_export_says_why_it_skips_the_gemv_path():
+    from moekit.tune.output import vllm_config
+
+    cfg, why = vllm_config(gemv(), moekit.get_scheme("fp8-channel-token"))
+    assert cfg is None and "no vLLM counterpart" in why
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(PRESET_SHAPES))
+@pytest.mark.parametrize("M", [1, 3])
+def test_gpu_preset_shapes(name, M):
+    E, H, N, K, scheme = PRESET_SHAPES[name]
+    w = random_weights(E, H, N, scheme, device="cuda")
+    tw, ids = random_routing(M, E, K, device="cuda", seed=M)
+    for cfg in (gemv(4, 512), gemv(16, 256, 4)):  # the narrowest and widest blocks of the search space
+        check(random_x(M, H, device="cuda"), w, tw, ids, cfg)
+
+
+@pytest.mark.gpu
+def test_gpu_bitwise_deterministic_and_graph_replay_with_fresh_routing():
+    E, H, N, K, scheme = PRESET_SHAPES["deepseek-v3 tp8"]
+    M, cfg = 2, gemv(8, 512)
+    w = random_weights(E, H, N, scheme, device="cuda")
+    x = random_x(M, H, device="cuda")
+    tw, ids = random_routing(M, E, K, device="cuda", seed=1)
+    first = run(x, w, tw, ids, cfg)
+    for _ in range(5):
+        assert torch.equal(run(x, w, tw, ids, cfg), first)
+    graph, out = capture_graph(lambda: run(x, w, tw, ids, cfg), warmup=1)
+    for seed in (2, 3):  # new routing, new inputs, same buffers
+        tw2, ids2 = random_routing(M, E, K, device="cuda", seed=seed)
+        x2 = random_x(M, H, device="cuda", seed=seed)
+        tw.copy_(tw2), ids.copy_(ids2), x.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run(x2, w, tw2, ids2, cfg))
