@@ -1,4 +1,5 @@
-"""The triton layer at decode sizes: the tiled path (the table's config) against the GEMV path
+"""The triton layer at decode sizes: the tiled path (the table's config, or the default one where
+the table runs the GEMV path) against the GEMV path
 (KernelConfig.GEMV) over a sweep of its configs; with --parts also each launch of the layer timed alone (the
 prologue, GEMM1, GEMM2, the combine), an empty graph as the floor of what one replay costs, and
 GEMM1 and GEMM2 each over a sweep of tile widths, warps and stages (the tuner times them only
@@ -16,6 +17,7 @@ import torch
 
 import moekit
 from moekit.backends.triton import launch
+from moekit.backends.triton.config import default_config
 from moekit.backends.triton.gemv import run_gemv
 from moekit.bench import make_weights, make_x, uniform_routing
 from moekit.models import get_model
@@ -56,6 +58,8 @@ def main():
             tw = tw.float()
             used = int(torch.unique(ids).numel())
             cfg = backend.config_for(w, K, M, dev)
+            if cfg.GEMV:  # the table runs the GEMV path here: the tiled baseline is the default config
+                cfg = default_config(shape, scheme, M)
             align, a, a_scale = launch.align_and_quantize(x, w, ids, cfg.BLOCK_M)
             act = launch.gemm1(a, a_scale, w, align, K, x.dtype, cfg)
             pairs = launch.gemm2(act, w, align, tw, x.dtype, cfg)
@@ -90,7 +94,7 @@ def main():
             times = time_graphs(fns, reps=20, warmup=2, rounds=4)
             bytes1, bytes2 = used * 2 * N * H, used * H * N
             print(f"\n{name} tp{tp} M={M}: {used} experts used, GEMM1 reads {bytes1 / 1e6:.1f} MB, "
-                  f"GEMM2 {bytes2 / 1e6:.1f} MB; table config {cfg}", flush=True)
+                  f"GEMM2 {bytes2 / 1e6:.1f} MB; tiled config {cfg}", flush=True)
             for label, t in times.items():
                 if isinstance(t, BaseException):
                     print(f"  {label:22s} FAILED {str(t)[:120]}")

@@ -76,15 +76,6 @@ def test_m_zero_launches_nothing_and_returns_an_empty_output(device):
     assert out.shape == (0, 128) and out.dtype == torch.bfloat16
 
 
-def test_same_output_on_every_run(device):
-    """No atomics in the sums (GEMM2 adds a token's pairs in order): the same bits every time."""
-    w = random_weights(3, 256, 128, "fp8-block128", device=device)
-    tw, ids = random_routing(2, 3, 2, device=device)
-    x = random_x(2, 256, device=device)
-    first = run(x, w, tw, ids, gemv(64))
-    assert torch.equal(run(x, w, tw, ids, gemv()), first)
-
-
 @pytest.mark.parametrize("M,K,experts", [(1, 1, None), (9, 2, [0, 2, 4]), (6, 5, None)])
 def test_fast_mode_quantizes_the_intermediate_per_row(M, K, experts, device, monkeypatch):
     """In fast mode the backend declares the per-row rule for fp8-channel-token; the GEMV path's
@@ -133,7 +124,9 @@ def test_config_rules_of_the_gemv_path():
     token = moekit.get_scheme("fp8-channel-token")
     assert not gemv(4, 512).problems(token)  # narrow columns and wide K steps are its point
     assert "BLOCK_N=4 must be a power of two >= 16" in KernelConfig(BLOCK_N=4).problems(token)  # not for tiles
-    assert "BLOCK_K=64 must be a power of two >= 128" in gemv(8, 64).problems(moekit.get_scheme("bf16"))
+    assert "BLOCK_K=64 must be a power of two >= 128 on the GEMV path (it reads K in whole groups of 128)" in \
+        gemv(8, 64).problems(moekit.get_scheme("bf16"))
+    assert not KernelConfig(BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, GEMV=1).problems(token)  # it has no row tiles
     assert "BLOCK_N=12 must be a power of two >= 4" in gemv(12).problems(token)
     joined = KernelConfig(BLOCK_N=16, BLOCK_K=256, GEMV=1, JOIN=1).problems(token)
     assert any("the GEMV path (GEMV=1) has none" in p for p in joined)
@@ -145,10 +138,60 @@ def test_config_rules_of_the_gemv_path():
 
 
 def test_vllm_export_says_why_it_skips_the_gemv_path():
-    from moekit.tune.output import vllm_config
+    from moekit.tune.output import vllm_config, vllm_table
 
     cfg, why = vllm_config(gemv(), moekit.get_scheme("fp8-channel-token"))
     assert cfg is None and "no vLLM counterpart" in why
+    tiled = KernelConfig(16, 64, 128, 1, 4, 3)
+    journal = {  # the GEMV config fastest at M = 1: the export takes the tiled one and says so
+        "problem": {"scheme": "fp8-channel-token", "num_experts": 8, "intermediate": 256},
+        "fingerprint": {"device_name": "NVIDIA H200"}, "batch_size": 1,
+        "configs": {"g": {"config": gemv().to_dict(), "us": 10.0}, "t": {"config": tiled.to_dict(), "us": 12.0}},
+    }
+    _, table, notes = vllm_table([journal])
+    assert table["1"]["BLOCK_SIZE_N"] == 128
+    assert notes == ["M=1: fastest config g not exported (the GEMV path (GEMV=1) has no vLLM counterpart)",
+                     "M=1: exported t, the fastest that vLLM can take"]
+
+
+def test_the_tiled_kernels_refuse_a_gemv_config():
+    from moekit.backends.triton import launch
+
+    w = random_weights(3, 128, 128, "fp8-channel-token")
+    tw, ids = random_routing(2, 3, 1)
+    align, a, a_scale = launch.align_and_quantize(random_x(2, 128), w, ids, 16)
+    with pytest.raises(ValueError, match="config of the GEMV path"):
+        launch.gemm1(a, a_scale, w, align, 1, torch.bfloat16, gemv())
+
+
+def test_a_table_entry_of_the_gemv_path_stays_within_its_bound(monkeypatch):
+    """A table tuned only at decode sizes: its GEMV entry runs at M = 1 and 2 (8 and 16 pairs on
+    64 experts) but not at M = 8 (64 pairs > E / 2), where the nearest tiled entry runs, nor at
+    prefill sizes of a table without a tiled entry, where the default runs."""
+    from moekit.backends.triton import config
+    from moekit.spec import MoEShape
+
+    shape, scheme = MoEShape(64, 1024, 256, 8), moekit.get_scheme("fp8-channel-token")
+    tiled = KernelConfig(16, 64, 128, 1, 4, 3)
+    monkeypatch.setattr(config, "tuned_configs", lambda *a: ({1: gemv(8, 512), 16: tiled}, None))
+    assert config.get_config(shape, scheme, 1, "GPU") == gemv(8, 512)
+    assert config.get_config(shape, scheme, 2, "GPU") == gemv(8, 512)
+    assert config.get_config(shape, scheme, 8, "GPU") == tiled  # nearer to 1 in log space, yet tiled
+    monkeypatch.setattr(config, "tuned_configs", lambda *a: ({1: gemv(8, 512)}, None))
+    assert config.get_config(shape, scheme, 4096, "GPU") == config.default_config(shape, scheme, 4096)
+
+
+@pytest.mark.parametrize("cfg", [gemv(64), KernelConfig(16, 64, 64, 1, 4, 2)], ids=["gemv", "tiled"])
+def test_non_contiguous_activations(cfg, device):
+    """Rows of x with a stride (a view of a wider buffer): both paths read x with unit stride."""
+    w = random_weights(3, 128, 128, "bf16", device=device)
+    tw, ids = random_routing(3, 3, 2, device=device)
+    wide = random_x(3, 256, device=device)
+    x = wide[:, ::2]
+    assert not x.is_contiguous()
+    out = run(x, w, tw, ids, cfg)
+    assert torch.equal(out, run(x.contiguous(), w, tw, ids, cfg))
+    assert rel_l2(out, reference_for(x.contiguous(), w, tw, ids)) < REL_L2_TOL
 
 
 # ------------------------------------------------------------------------------------ GPU

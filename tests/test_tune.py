@@ -9,6 +9,7 @@ the layer, optionally failing, killing the run, or advancing a fake clock.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -925,3 +926,23 @@ def test_summary_names_a_gemv_config_by_what_it_uses():
 
     assert _config_text(space.gemv_space()[0].to_dict()) == "GEMV N4 K256 w2"
     assert _config_text(KernelConfig(16, 64, 128, 1, 4, 3).to_dict()) == "M16 N64 K128 G1 w4 s3"
+
+
+def test_gemv_configs_are_ordered_among_the_tiled_ones_not_last():
+    default = KernelConfig(16, 64, 128, 1, 4, 4)
+    tiled_far = KernelConfig(128, 256, 128, 16, 8, 2)
+    gemv_far = dataclasses.replace(space.GEMV_START, BLOCK_N=16, BLOCK_K=256, num_warps=4)
+    ordered = runner.order_candidates([tiled_far, gemv_far, space.GEMV_START, default], None, default)
+    assert ordered[:2] == [space.GEMV_START, default] or ordered[:2] == [default, space.GEMV_START]
+    assert ordered.index(gemv_far) < ordered.index(tiled_far)
+
+
+def test_fast_mode_widens_the_wrong_output_tolerance(monkeypatch):
+    monkeypatch.delenv("MOEKIT_FP8_ACCUMULATION", raising=False)
+    assert runner.output_tolerance() == runner.OUTPUT_TOLERANCE == 1e-2
+    ref = torch.ones(1000)
+    off = ref + 0.02  # 2e-2 relative L2: two fast-mode configs may differ by this much
+    assert runner.Worker._wrong_output(off, ref).startswith("wrong output: 2.0e-02 relative L2")
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
+    assert runner.output_tolerance() == 4e-2 and runner.Worker._wrong_output(off, ref) is None
+    assert runner.Worker._wrong_output(ref * 1.1, ref).endswith("(tolerance 0.04)")  # a wrong scale still fails

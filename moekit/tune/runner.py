@@ -58,12 +58,22 @@ from .journal import MAX_DEATHS, Journal, journal_path, load_journals
 from .output import best_config, is_between, neighbour_configs, write_tables
 from .plan import TunePlan, TuneProblem
 from .precompile import Precompiler
-from .space import NeighbourResult, config_key, neighbour_prune, shared_memory_limit, static_prune
+from .space import GEMV_START, NeighbourResult, config_key, neighbour_prune, shared_memory_limit, static_prune
 
 # A config whose output differs from the default config's by more than this (relative L2) is
 # wrong, not slower: configs change only the accumulation order (~1e-6) and, for FP8 schemes,
 # where the intermediate is quantized (the same 1x128 groups), measured at < 1e-3.
 OUTPUT_TOLERANCE = 1e-2
+# With MOEKIT_FP8_ACCUMULATION=fast, tiles of 64+ rows sum FP8 products in the tensor cores' own
+# accumulator: each such config lands 1.5-1.7e-2 from the exact sums (BENCHMARKS.md, fifth session),
+# each in its own direction, so two correct configs (or a tiled one and the GEMV path, which sums
+# exactly) can differ by up to about the sum, 3.4e-2; a wrong scale, row or expert is >= 1e-1.
+OUTPUT_TOLERANCE_FAST = 4e-2
+
+
+def output_tolerance() -> float:
+    """How far a config's output may be from the default config's (relative L2) and be right."""
+    return OUTPUT_TOLERANCE_FAST if fp8_accumulation() == "fast" else OUTPUT_TOLERANCE
 
 
 def _clock() -> float:
@@ -172,14 +182,16 @@ def write_problem_tables(plan: TunePlan, table_file: str) -> tuple[list[Path], l
 def order_candidates(configs: Sequence[KernelConfig], neighbour: NeighbourResult | None, default: KernelConfig):
     """Most promising first, so that a budget cut loses the least: configs by their time at the
     neighbouring batch size (a config new here by its half-height sibling's), then the unmeasured
-    ones by how few fields they change from the default config."""
+    ones by how few fields they change from the default config (GEMV-path configs: from
+    space.GEMV_START, so that they are interleaved with the tiled ones rather than all last)."""
     measured = neighbour.us if neighbour else {}
 
     def prior(cfg: KernelConfig):
         for guess in (cfg, KernelConfig(**{**cfg.to_dict(), "BLOCK_M": max(cfg.BLOCK_M // 2, 16)})):
             if config_key(guess) in measured:
                 return (0, measured[config_key(guess)])
-        changed = sum(a != b for a, b in zip(cfg.to_dict().values(), default.to_dict().values()))
+        start = GEMV_START if cfg.GEMV else default
+        changed = sum(a != b for a, b in zip(cfg.to_dict().values(), start.to_dict().values()))
         return (1, changed)
 
     return sorted(configs, key=prior)
@@ -565,8 +577,9 @@ class Worker:
             return "wrong output: NaN or inf values"
         if reference is not None:
             err = rel_l2(out, reference)
-            if not err <= OUTPUT_TOLERANCE:
-                return f"wrong output: {err:.1e} relative L2 from the default config's (tolerance {OUTPUT_TOLERANCE:g})"
+            tolerance = output_tolerance()
+            if not err <= tolerance:
+                return f"wrong output: {err:.1e} relative L2 from the default config's (tolerance {tolerance:g})"
         return None
 
     def _check_device(self, what: str) -> None:
@@ -676,5 +689,5 @@ def run_workers(plan: TunePlan, devices: list[str], deadline_end: float | None, 
 
 __all__ = [
     "Worker", "DeviceBroken", "measure_time", "run_workers", "split_batch_sizes", "write_problem_tables",
-    "device_name", "order_candidates", "OUTPUT_TOLERANCE",
+    "device_name", "order_candidates", "OUTPUT_TOLERANCE", "output_tolerance",
 ]

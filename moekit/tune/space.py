@@ -4,7 +4,7 @@ search short without discarding anything that could win.
 Two kinds of pruning:
 
 * Static, per batch size (`static_prune`), from the config alone:
-    - cannot run: `KernelConfig.problems` (scheme rules: FP8 token/group schemes need BLOCK_K 128,
+    - cannot run: `KernelConfig.problems` (scheme rules: FP8 token/group tiles need BLOCK_K 128,
       128x128 weight blocks need BLOCK_N dividing 128), or the operand tiles that Triton's software
       pipeline keeps in shared memory exceed the device's limit;
   and, in the `pruned` search only,
@@ -15,10 +15,11 @@ Two kinds of pruning:
       tile; GROUP_M values at least as large as the number of row blocks give the same tile order
       as the smallest of them;
     - the GEMV path (KernelConfig.GEMV) beyond one token where the pairs outnumber half the
-      experts: it reads an expert's weights once per pair, the tiled path once per expert. On an
-      H200 (BENCHMARKS.md, sixth session) it won only at 1-32 pairs on 8-256 experts (DeepSeek-V3
-      M = 1, 2, 4: 8%, 2%, 7%; Mixtral M = 1: 2%) and lost from DeepSeek M = 8 (64 pairs, 3%),
-      GLM-4.5V M = 4 (32 pairs on 128, 13%) and Mixtral M = 2 (4 on 8, 27%).
+      experts (`config.gemv_may_win`, also what table lookups obey): it reads an expert's weights
+      once per pair, the tiled path once per expert. On an H200 (BENCHMARKS.md, sixth session) it
+      won only at 1-32 pairs on 8-256 experts (DeepSeek-V3 M = 1, 2, 4: 8%, 2%, 7%; Mixtral M = 1:
+      2%) and lost from DeepSeek M = 8 (64 pairs, 3%), GLM-4.5V M = 4 (32 pairs on 128, 13%) and
+      Mixtral M = 2 (4 on 8, 27%).
 * By measurement (`neighbour_prune`, `pruned` search only): a config slower than NEIGHBOUR_MARGIN
   times the best triton config at the neighbouring (next smaller) batch size, or that failed there,
   is not timed again; a config dropped at the neighbour stays dropped.
@@ -37,7 +38,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from ..backends.triton.config import KernelConfig
+from ..backends.triton.config import KernelConfig, gemv_may_win
 from ..spec import MoEShape, QuantScheme
 
 SEARCH_SPACES = ("pruned", "full", "none")
@@ -81,7 +82,8 @@ def config_key(cfg: KernelConfig) -> str:
 def hopper_space(scheme: QuantScheme, full: bool = False) -> list[KernelConfig]:
     """The GPU search space, restricted to configs that can run `scheme` (KernelConfig.problems).
 
-    BLOCK_K 256 only for unquantized weights (FP8 token/group schemes are tied to 128-wide groups);
+    Tiled configs: BLOCK_K 256 only for unquantized weights (FP8 token/group tiles are tied to
+    128-wide groups; the GEMV path's K steps of 256 and 512 hold whole groups);
     GROUP_M 32 only in the full search (beyond 16 the L2 reuse it buys is rarely measurable)."""
     block_k = (64, 128) if scheme.is_fp8 else (64, 128, 256)
     group_m = (1, 8, 16, 32) if full else (1, 8, 16)
@@ -103,6 +105,11 @@ def gemv_space() -> list[KernelConfig]:
         KernelConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=1, GEMV=1)
         for bn, bk, w in itertools.product((4, 8, 16), (256, 512), (2, 4))
     ]
+
+
+# Where the tuner starts among GEMV configs when it has no measurement (runner.order_candidates):
+# the config best or within 3% of the best at most points measured (BENCHMARKS.md, sixth session).
+GEMV_START = KernelConfig(BLOCK_M=16, BLOCK_N=8, BLOCK_K=512, GROUP_M=1, num_warps=2, num_stages=1, GEMV=1)
 
 
 def interpreter_space(scheme: QuantScheme) -> list[KernelConfig]:
@@ -208,7 +215,7 @@ def static_prune(
                 f"registers: the accumulators alone need {accumulator_registers(cfg):.0f} per thread "
                 f"(limit {MAX_REGISTERS_PER_THREAD})"
             )
-        elif pruned and cfg.GEMV and num_tokens > 1 and num_tokens * shape.top_k > shape.num_experts // 2:
+        elif pruned and cfg.GEMV and not gemv_may_win(shape, num_tokens):
             dropped[key] = (
                 f"dominated: the GEMV path reads an expert's weights once per pair, and {num_tokens * shape.top_k} "
                 f"pairs on {shape.num_experts} experts repeat experts"

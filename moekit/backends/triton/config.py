@@ -38,12 +38,16 @@ class KernelConfig:
     def problems(self, scheme: QuantScheme) -> list[str]:
         """Why this config cannot run `scheme` (empty when it can)."""
         out = []
-        # the GEMV path's K step is whole 128-groups (gemv.py); its columns need no tensor-core tile
-        smallest = {"BLOCK_M": 16, "BLOCK_N": 4 if self.GEMV else 16, "BLOCK_K": 128 if self.GEMV else 16}
+        if self.GEMV:  # K steps of whole 128-groups, columns without a tensor-core tile, no row tiles
+            smallest = {"BLOCK_N": 4, "BLOCK_K": 128}
+            path = " on the GEMV path (it reads K in whole groups of 128)"
+        else:
+            smallest = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+            path = ""
         for name, least in smallest.items():
             v = getattr(self, name)
             if v < least or v & (v - 1):
-                out.append(f"{name}={v} must be a power of two >= {least}")
+                out.append(f"{name}={v} must be a power of two >= {least}{path if name == 'BLOCK_K' else ''}")
         if scheme.is_fp8 and scheme.activation in ("group", "token") and self.BLOCK_K != 128 and not self.GEMV:
             # the intermediate (and block activations) are quantized per 1x128 group of K
             out.append(f"BLOCK_K={self.BLOCK_K} must be 128 for {scheme.name}")
@@ -115,11 +119,26 @@ def nearest(table: dict[int, KernelConfig], num_tokens: int) -> KernelConfig:
     return table[min(table, key=lambda size: (abs(math.log(size / m)), size))]
 
 
+def gemv_may_win(shape: MoEShape, num_tokens: int) -> bool:
+    """Whether the GEMV path (KernelConfig.GEMV) can beat the tiled one at this batch size: it
+    reads an expert's weights once per (token, expert) pair, the tiled path once per expert, so
+    only where pairs rarely share an expert: one token, or at most E / 2 pairs. On an H200
+    (BENCHMARKS.md, sixth session) it won only inside this bound (DeepSeek-V3 M = 1-4, Mixtral
+    M = 1) and lost from DeepSeek M = 8, GLM-4.5V M = 4 and Mixtral M = 2 on."""
+    return num_tokens <= 1 or num_tokens * shape.top_k <= shape.num_experts // 2
+
+
 def get_config(shape: MoEShape, scheme: QuantScheme, num_tokens: int, device_name: str | None) -> KernelConfig:
+    """The tuned config of the nearest batch size, else the analytic default. A GEMV-path entry
+    is not carried beyond `gemv_may_win`'s bound (a table tuned only at decode sizes would
+    otherwise send prefill through it): the nearest tiled entry, else the default, runs there."""
     if device_name:
         found = tuned_configs(shape, scheme, device_name)
         if found:
-            cfg = nearest(found[0], num_tokens)
-            if not cfg.problems(scheme):
+            table = found[0]
+            if not gemv_may_win(shape, num_tokens):
+                table = {m: c for m, c in table.items() if not c.GEMV}
+            cfg = nearest(table, num_tokens) if table else None
+            if cfg is not None and not cfg.problems(scheme):
                 return cfg
     return default_config(shape, scheme, num_tokens)

@@ -1,5 +1,6 @@
-"""The triton backend's GEMV path (KernelConfig.GEMV = 1): a decode layer in three launches
-(quantize x, GEMM1 per pair, GEMM2 per token with the combine in it), no alignment; kernels in
+"""The triton backend's GEMV path (KernelConfig.GEMV = 1): a decode layer in three launches for
+row-quantized schemes (quantize x, GEMM1 per pair, GEMM2 per token with the combine in it; a
+dynamic per-tensor scale adds its max pass and a zeroed maximum), no alignment; kernels in
 _gemv_kernels.py, the why in its docstring. The tuner decides where it beats the tiled kernels
 (its search space holds GEMV configs at decode sizes, moekit.tune.space)."""
 
@@ -44,7 +45,12 @@ def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfi
     dev = a.device
     a_mode = _gemm2_input_mode(weights, row_intermediate)
     out_mode = {1: 2, 3: 1}.get(a_mode, 0)  # static: quantize here; dynamic tensor: record the max
-    out_scale = weights.a2_scale if a_mode == 1 else torch.zeros(1, dtype=torch.float32, device=dev)
+    if a_mode == 1:
+        out_scale = weights.a2_scale
+    elif a_mode == 3:  # the shared maximum GEMV1 records
+        out_scale = torch.zeros(1, dtype=torch.float32, device=dev)
+    else:
+        out_scale = a  # a pointer the kernel never reads (no fill launched for it)
     out = torch.empty(M * K, N, dtype=torch.float8_e4m3fn if out_mode == 2 else out_dtype, device=dev)
     w_scale = weights.w13_scale
     stride_wse, stride_wsn = _scale_strides(w_scale)

@@ -6,7 +6,7 @@ One layer call is, on the GPU and without a host synchronisation (so it captures
   3. GEMM1, rows gathered through the sorted pair ids, SiLU(gate) * up in the epilogue
   4. GEMM2, the intermediate quantized while it is loaded, top-k weight in the epilogue
   5. combine each token's K rows in a fixed order (deterministic)
-A config with GEMV=1 runs the GEMV path instead (gemv.py: no alignment, 3 launches at decode).
+A config with GEMV=1 runs the GEMV path instead (gemv.py: no alignment, no combine pass).
 
 The GEMM2 input of fp8-channel-token is quantized per 1x128 group of the intermediate rather than
 per row: each 128-column group gets its own scale, so no element is quantized more coarsely than
@@ -167,6 +167,7 @@ class TritonBackend(Backend):
 
     def run(self, x, weights, topk_weights, topk_ids, config: KernelConfig | None = None):
         M, K = topk_ids.shape
+        x = x.contiguous()  # every kernel reads rows of x with unit stride (bf16 x is not copied otherwise)
         cfg = config or self.config_for(weights, K, M, x.device)
         problems = cfg.problems(weights.scheme)
         if problems:
@@ -189,9 +190,10 @@ class TritonBackend(Backend):
         aligned and quantized: what `moekit bench --mode gemm` and the tuner time."""
         M, K = topk_ids.shape
         cfg = config or self.config_for(weights, K, M, x.device)
+        x = x.contiguous()
         a, a_scale = quantize_input(x, weights)
         tw = topk_weights.float()
-        if cfg.GEMV:  # its GEMM2 holds the combine, which the tiled closure leaves out
+        if cfg.GEMV:  # its GEMM2 holds the combine, which the tiled closure leaves out (not comparable)
             from .gemv import gemv1, gemv2
 
             def run_gemvs():
@@ -337,10 +339,16 @@ class Intermediate:
         self.values, self.scale, self.a_mode = values, scale, a_mode
 
 
+def _tiled_only(cfg: KernelConfig) -> None:
+    if cfg.GEMV:
+        raise ValueError(f"{cfg} is a config of the GEMV path (gemv.py); the tiled kernels cannot run it")
+
+
 def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dtype, cfg: KernelConfig) -> Intermediate:
     """Rows of a gathered by expert, times w13, SiLU(gate) * up, then the intermediate's own
     quantization where it can be fused here (static scale; 1x128 groups when a tile holds whole
     groups); otherwise GEMM2 quantizes it while loading."""
+    _tiled_only(cfg)
     scheme = weights.scheme
     E, N, H = weights.num_experts, weights.n, weights.hidden
     dev = a.device
@@ -403,6 +411,7 @@ def quantize_intermediate_rows(values: torch.Tensor, align: Alignment, num_exper
 def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights, out_dtype, cfg: KernelConfig):
     """Intermediate rows times w2 of their expert, times the pair's top-k weight, written to the
     pair's own row of a [P, H] buffer (no two programs write the same element: deterministic)."""
+    _tiled_only(cfg)
     scheme = weights.scheme
     E, N, H = weights.num_experts, weights.n, weights.hidden
     values = act.values
