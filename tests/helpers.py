@@ -69,6 +69,20 @@ def capture_graph(fn, warmup: int = 2):
     return graph, out
 
 
+def assert_graph_replays_fresh_routing(layer, x, tw, ids, num_experts, seeds=(2, 3)):
+    """Capture `layer(x, tw, ids)` into a CUDA graph, then for each seed write a new routing and
+    new inputs into the same buffers, replay, and compare with an eager call on those inputs."""
+    graph, out = capture_graph(lambda: layer(x, tw, ids), warmup=1)
+    (M, H), K = x.shape, ids.shape[1]
+    for seed in seeds:
+        tw2, ids2 = random_routing(M, num_experts, K, device=x.device, seed=seed)
+        x2 = random_x(M, H, device=x.device, seed=seed)
+        tw.copy_(tw2), ids.copy_(ids2), x.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, layer(x2, tw2, ids2))
+
+
 def tiny_mixtral(tmp_path, *, experts: int, hidden: int, intermediate: int, layers: int) -> Path:
     """A model folder holding only a Mixtral-style config.json of these sizes (top-2), for the CLIs."""
     folder = Path(tmp_path) / "tiny-moe"
