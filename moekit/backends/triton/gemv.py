@@ -43,6 +43,7 @@ def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfi
     M, K = topk_ids.shape
     N, H = weights.n, weights.hidden
     dev = a.device
+    unused = a  # pointer arguments a variant never reads (no buffer, no fill launched for them)
     a_mode = _gemm2_input_mode(weights, row_intermediate)
     out_mode = {1: 2, 3: 1}.get(a_mode, 0)  # static: quantize here; dynamic tensor: record the max
     if a_mode == 1:
@@ -50,11 +51,10 @@ def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfi
     elif a_mode == 3:  # the shared maximum GEMV1 records
         out_scale = torch.zeros(1, dtype=torch.float32, device=dev)
     else:
-        out_scale = a  # a pointer the kernel never reads (no fill launched for it)
+        out_scale = unused
     out = torch.empty(M * K, N, dtype=torch.float8_e4m3fn if out_mode == 2 else out_dtype, device=dev)
     w_scale = weights.w13_scale
     stride_wse, stride_wsn = _scale_strides(w_scale)
-    unused = a
     _launch(gk.gemv1_kernel, (M * K, triton.cdiv(N, cfg.BLOCK_N)),
         a, a_scale if a_scale is not None else unused, weights.w13, w_scale if w_scale is not None else unused,
         out, out_scale, out_scale, topk_ids.reshape(-1), N, H, K,
