@@ -118,6 +118,9 @@ def test_run_gemv_is_what_the_backend_runs(device):
     x = random_x(2, 128, device=device)
     direct = run_gemv(x, w, tw.float(), ids, gemv(64), row_intermediate=False)
     assert torch.equal(direct, run(x, w, tw, ids, gemv(64)))
+    # the closure `moekit bench --mode gemm` times: the same GEMMs on x quantized beforehand
+    gemms = moekit.get_backend("triton").prepare_gemm_only(x, w, tw.float(), ids, config=gemv(64))
+    assert torch.equal(gemms(), direct)
 
 
 def test_config_rules_of_the_gemv_path():

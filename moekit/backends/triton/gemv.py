@@ -21,8 +21,15 @@ def run_gemv(x, weights: MoEWeights, topk_weights, topk_ids, cfg: KernelConfig, 
     """The whole layer by the GEMV path. `row_intermediate`: quantize fp8 token/group schemes'
     intermediate per row (fast mode's rule) rather than per 1x128 group."""
     a, a_scale = quantize_input(x, weights)
-    act, act_scale, a_mode = gemv1(a, a_scale, weights, topk_ids, x.dtype, cfg, row_intermediate)
-    return gemv2(act, act_scale, a_mode, weights, topk_weights, topk_ids, x.dtype, cfg, side_by_side)
+    return gemv_gemms(a, a_scale, weights, topk_weights, topk_ids, x.dtype, cfg, row_intermediate=row_intermediate,
+                      side_by_side=side_by_side)
+
+
+def gemv_gemms(a, a_scale, weights: MoEWeights, topk_weights, topk_ids, out_dtype, cfg: KernelConfig, *,
+               row_intermediate: bool, side_by_side: bool = False):
+    """The layer from x already quantized (quantize_input): GEMM1, then GEMM2 with the combine."""
+    act, act_scale, a_mode = gemv1(a, a_scale, weights, topk_ids, out_dtype, cfg, row_intermediate)
+    return gemv2(act, act_scale, a_mode, weights, topk_weights, topk_ids, out_dtype, cfg, side_by_side)
 
 
 def _gemm2_input_mode(weights: MoEWeights, row_intermediate: bool) -> int:

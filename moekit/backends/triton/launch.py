@@ -167,7 +167,6 @@ class TritonBackend(Backend):
 
     def run(self, x, weights, topk_weights, topk_ids, config: KernelConfig | None = None):
         M, K = topk_ids.shape
-        x = x.contiguous()  # every kernel reads rows of x with unit stride (bf16 x is not copied otherwise)
         cfg = config or self.config_for(weights, K, M, x.device)
         problems = cfg.problems(weights.scheme)
         if problems:
@@ -190,17 +189,13 @@ class TritonBackend(Backend):
         aligned and quantized: what `moekit bench --mode gemm` and the tuner time."""
         M, K = topk_ids.shape
         cfg = config or self.config_for(weights, K, M, x.device)
-        x = x.contiguous()
         a, a_scale = quantize_input(x, weights)
         tw = topk_weights.float()
         if cfg.GEMV:  # its GEMM2 holds the combine, which the tiled closure leaves out (not comparable)
-            from .gemv import gemv1, gemv2
+            from .gemv import gemv_gemms
 
-            def run_gemvs():
-                act, act_scale, a_mode = gemv1(a, a_scale, weights, topk_ids, x.dtype, cfg, _row_intermediate(weights.scheme))
-                return gemv2(act, act_scale, a_mode, weights, tw, topk_ids, x.dtype, cfg)
-
-            return run_gemvs
+            row = _row_intermediate(weights.scheme)
+            return lambda: gemv_gemms(a, a_scale, weights, tw, topk_ids, x.dtype, cfg, row_intermediate=row)
         align = align_pairs(topk_ids, weights.num_experts, cfg.BLOCK_M)
 
         def run_gemms():
@@ -283,10 +278,10 @@ def _block_h(H: int) -> int:
 def quantize_input(x: torch.Tensor, weights: MoEWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x -> (FP8 x, scales) by the scheme's activation rule; unquantized schemes pass x through."""
     scheme = weights.scheme
+    x = x.contiguous()  # every kernel reads rows of x with unit stride, unquantized ones included
     if not scheme.is_fp8:
         return x, None
     M, H = x.shape
-    x = x.contiguous()
     q = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=x.device)
     scale = _input_scale(x, weights)
     launch = functools.partial(
