@@ -4,21 +4,24 @@ the table runs the GEMV path) against the GEMV path
 prologue, GEMM1, GEMM2, the combine), an empty graph as the floor of what one replay costs, and
 GEMM1 and GEMM2 each over a sweep of tile widths, warps and stages (the tuner times them only
 together, with one config for both). Bandwidth = the expert weights a GEMM must read / its time.
+With --pdl, the tiled layer and every GEMV config also with programmatic dependent launch off
+(MOEKIT_PDL=0), in the same rounds.
 
     PYTHONPATH=. python3 scripts/diag_decode.py [--models glm-4.5v-fp8:2 mixtral-8x7b:1:fp8-channel-token]
-        [--batch-sizes 1 2 4 8 16] [--parts] [--json FILE]
+        [--batch-sizes 1 2 4 8 16] [--parts] [--pdl] [--json FILE]
 """
 import argparse
 import dataclasses
 import itertools
 import json
+import os
 
 import torch
 
 import moekit
 from moekit.backends.triton import launch
 from moekit.backends.triton.config import default_config
-from moekit.backends.triton.gemv import run_gemv
+from moekit.backends.triton.launch import PDL_ENV
 from moekit.bench import make_weights, make_x, uniform_routing
 from moekit.models import get_model
 from moekit.spec import get_scheme
@@ -35,11 +38,27 @@ def sweep(base):
         yield dataclasses.replace(base, BLOCK_N=bn, num_warps=warps, num_stages=stages, GROUP_M=1, JOIN=0)
 
 
+def pdl_off(fn):
+    """fn with programmatic dependent launch off while it runs (and so while a graph captures it)."""
+    def run():
+        before = os.environ.get(PDL_ENV)
+        os.environ[PDL_ENV] = "0"
+        try:
+            return fn()
+        finally:
+            if before is None:
+                del os.environ[PDL_ENV]
+            else:
+                os.environ[PDL_ENV] = before
+    return run
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["glm-4.5v-fp8:2", "mixtral-8x7b:1:fp8-channel-token", "deepseek-v3:8"])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--parts", action="store_true", help="also each launch alone and the GEMM sweeps")
+    ap.add_argument("--pdl", action="store_true", help="also everything with programmatic dependent launch off")
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -73,11 +92,8 @@ def main():
                 diff = float((backend.run(x, w, tw, ids, config=c).float() - tiled).norm() / tiled.norm())
                 assert diff < 1e-2, f"GEMV {c} differs from the tiled path by {diff:.2e} (relative L2)"
                 fns[f"layer GEMV N{c.BLOCK_N}-K{c.BLOCK_K}-w{c.num_warps}"] = lambda c=c: backend.run(x, w, tw, ids, config=c)
-                side = run_gemv(x, w, tw, ids, c, row_intermediate=False, side_by_side=True).float()
-                diff = float((side - tiled).norm() / tiled.norm())
-                assert diff < 1e-2, f"GEMV {c} side by side differs from the tiled path by {diff:.2e} (relative L2)"
-                fns[f"layer GEMV+ N{c.BLOCK_N}-K{c.BLOCK_K}-w{c.num_warps}"] = lambda c=c: run_gemv(
-                    x, w, tw, ids, c, row_intermediate=False, side_by_side=True)
+            if args.pdl:
+                fns.update({f"{label} (PDL off)": pdl_off(fn) for label, fn in fns.items() if label.startswith("layer")})
             parts = {
                 "prologue": lambda: launch.align_and_quantize(x, w, ids, cfg.BLOCK_M),
                 "gemm1": lambda: launch.gemm1(a, a_scale, w, align, K, x.dtype, cfg),
@@ -97,11 +113,11 @@ def main():
                   f"GEMM2 {bytes2 / 1e6:.1f} MB; tiled config {cfg}", flush=True)
             for label, t in times.items():
                 if isinstance(t, BaseException):
-                    print(f"  {label:22s} FAILED {str(t)[:120]}")
+                    print(f"  {label:34s} FAILED {str(t)[:120]}")
                     continue
                 nbytes = bytes1 if label.startswith("gemm1") else bytes2 if label.startswith("gemm2") else 0
                 bw = f"{nbytes / t.median_us / 1e6:6.2f} TB/s" if nbytes else ""
-                print(f"  {label:22s} {t.median_us:8.1f} us (p20 {t.p20_us:.1f} p80 {t.p80_us:.1f}) {bw}")
+                print(f"  {label:34s} {t.median_us:8.1f} us (p20 {t.p20_us:.1f} p80 {t.p80_us:.1f}) {bw}")
                 results.append({"model": name, "tp": int(tp), "M": M, "what": label, "us": t.median_us})
             del fns, times
             torch.cuda.empty_cache()

@@ -24,8 +24,9 @@
 # fast:  scripts/diag_fast.py (the triton layer precise, fast, fast with the joined tile, precise
 #        through fused_moe, and cutlass, in the same rounds) and `moekit check` of the triton
 #        backend with MOEKIT_FP8_ACCUMULATION=fast (class kernel-fast); not part of `all`.
-# decode: scripts/diag_decode.py, the tiled decode layer against the GEMV path's configs (GLM-4.5V,
-#        Mixtral, DeepSeek-V3 at M = 1-16); not part of `all`.
+# decode: scripts/diag_decode.py --pdl, the tiled decode layer against the GEMV path's configs
+#        (GLM-4.5V, Mixtral, DeepSeek-V3 at M = 1-16), each with programmatic dependent launch on
+#        and off (DECODE_ARGS adds arguments: "--batch-sizes 1 2", "--parts"); not part of `all`.
 #
 # A step after `tune` in the same call (auto, bench, check) uses the tables just tuned
 # (MOEKIT_CONFIG_DIR), before the shipped ones.
@@ -125,7 +126,7 @@ if [[ " ${steps[*]} " == *" fast "* ]]; then
   done
 fi
 if [[ " ${steps[*]} " == *" decode "* ]]; then
-  python3 scripts/diag_decode.py --json "$WORK/diag_decode.json" || status=1
+  python3 scripts/diag_decode.py --pdl ${DECODE_ARGS:-} --json "$WORK/diag_decode.json" || status=1
 fi
 if want hf; then
   python3 scripts/bench_hf_layer.py --tp 2 --scheme fp8-channel-token --backends auto triton cutlass \

@@ -10,7 +10,7 @@ import torch
 import moekit
 from moekit.backends.reference import reference_moe
 from moekit.backends.triton import KernelConfig
-from moekit.backends.triton.gemv import run_gemv
+from moekit.backends.triton.gemv import gemm2_groups, run_gemv
 
 from helpers import assert_graph_replays_fresh_routing, max_rel, random_routing, random_weights, random_x, rel_l2
 from test_triton_backend import MAX_REL_TOL, PRESET_SHAPES, REL_L2_TOL, SCHEMES, assert_matches_reference, reference_for
@@ -96,18 +96,21 @@ def test_fast_mode_quantizes_the_intermediate_per_row(M, K, experts, device, mon
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("accumulation", ["precise", "fast"])
-def test_gemm2_with_the_pairs_side_by_side(scheme, accumulation, device, monkeypatch):
-    """The variant of GEMM2 that reads a token's K pairs in one tile (gemv2_pairs_kernel, not yet
-    measured on a GPU, so not what the backend runs): the same result as the reference under both
-    intermediate rules. Top-3 (padded to 4 in the tile), N = 256 in two 128-steps, experts 0 and 4
-    idle in the first routing."""
+@pytest.mark.parametrize("K,groups", [(3, 2), (1, 8)])
+def test_gemm2_reads_several_groups_per_pair(scheme, accumulation, K, groups, device, monkeypatch):
+    """GEMM2 reads the token's pairs side by side, several 128-groups of N each per step
+    (gemv.gemm2_groups: 2 x 4 groups of a 512 step over top-3 padded to 4 pairs, 8 for top-1),
+    under both intermediate rules. N = 384: top-3 reads two steps, the second with its last group
+    past N; top-1 one step with 5 of its 8 groups past N. Experts 0 and 4 idle in the first
+    routing."""
     monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", accumulation)
-    w = random_weights(5, 128, 256, scheme, device=device, seed=3)
+    cfg = gemv(64, 512)
+    assert gemm2_groups(cfg, K) == groups
+    w = random_weights(5, 128, 384, scheme, device=device, seed=3)
     x = random_x(4, 128, device=device)
     for experts in ([1, 2, 3], None):
-        tw, ids = random_routing(4, 5, 3, device=device, experts=experts)
-        row = moekit.get_backend("triton").intermediate_granularity(w.scheme) == "token"
-        out = run_gemv(x, w, tw.float(), ids, gemv(64, 256), row_intermediate=row, side_by_side=True)
+        tw, ids = random_routing(4, 5, K, device=device, experts=experts)
+        out = run(x, w, tw, ids, cfg)
         ref = reference_for(x, w, tw, ids)
         assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < MAX_REL_TOL, (rel_l2(out, ref), max_rel(out, ref))
 

@@ -12,6 +12,43 @@ import triton.language as tl
 # which moved FP8 values away from the reference's (BENCHMARKS.md, 2026-12-03)
 from ..glue._kernels import _scale_from_amax
 
+try:  # programmatic dependent launch (Hopper+); launch.py turns it off where this import fails
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """First thing of every kernel launched with programmatic dependent launch (launch.py's
+    pdl_enabled): such a kernel may start while the kernel before it in the stream still runs, so
+    it waits here for that kernel's writes before it reads or writes any memory."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def _pdl_release(PDL: tl.constexpr):
+    """Let the next kernel in the stream start once every program of this one has passed here
+    (its programs then wait in _pdl_wait): its launch overlaps this kernel's tail instead of
+    following it. Where a program releases matters: the next kernel's programs take free SM
+    slots as soon as all of ours have released, so releasing at the start lets a small next grid
+    crowd onto the few SMs free at that moment (two of Mixtral's GEMM2 programs per SM, at half
+    the bandwidth each, is our reading of 181 against 140 µs per layer at M = 1 on an H200); even
+    released after GEMM1's K loop, Mixtral at M = 4 lost 4% (BENCHMARKS.md, seventh session). So
+    GEMM1 does not release (its exit does), GEMM2 releases after its K loop (the combine after it
+    is small), and the small kernels at once."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """_pdl_wait, then _pdl_release at once: for kernels followed by a large grid (or by nothing
+    of ours)."""
+    _pdl_wait(PDL)
+    _pdl_release(PDL)
+
 
 # --------------------------------------------------------------------------- CPU-interpreter fixes
 # INTERPRET (constexpr) is True only under TRITON_INTERPRET=1. The interpreter of triton 3.9 gets three
@@ -196,15 +233,17 @@ def quantize_rows_kernel(
     amax_ptr,  # (1,) float32 shared maximum (MODE 2 writes it, MODE 3 + FROM_AMAX reads it)
     H, stride_x, stride_q, stride_s,
     MODE: tl.constexpr, FROM_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
+    _pdl_enter(PDL)
     _quantize_row(tl.program_id(0).to(tl.int64), x_ptr, q_ptr, scale_ptr, amax_ptr, H, stride_x, stride_q,
                   stride_s, MODE, FROM_AMAX, BLOCK_H, GROUP, INTERPRET)
 
 
 @triton.jit
 def align_single_kernel(ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E,
-                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr):
+                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _pdl_enter(PDL)
     _align_single(ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E, BLOCK_M, CHUNK, E_BLOCK)
 
 
@@ -213,10 +252,11 @@ def decode_prologue_kernel(
     ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E,
     x_ptr, q_ptr, scale_ptr, H, stride_x, stride_q, stride_s,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr,
-    MODE: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr,
+    MODE: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """Alignment (program 0) and the quantization of every row of x (programs 1..M) in one
     launch: at decode sizes each launch costs about as much as the work itself."""
+    _pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid == 0:
         _align_single(ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E, BLOCK_M, CHUNK, E_BLOCK)
@@ -313,11 +353,12 @@ def gemm1_kernel(
     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, OUT_MODE: tl.constexpr, ACT_DTYPE: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, JOIN: tl.constexpr, INTERPRET: tl.constexpr,
+    GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, JOIN: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """OUT_MODE: 0 store in the output dtype, 1 also record amax, 2 quantize with a static scale,
     3 quantize per 1x128 group (BLOCK_N a multiple of 128, so a tile holds whole groups).
     JOIN: gate and up columns in one 2*BLOCK_N-wide tile, one tl.dot per K step (_gemm1_joined)."""
+    _pdl_wait(PDL)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n, num_m_blocks = _tile_ids(start_ptr + E, num_n_blocks, GROUP_M, BLOCK_M)
     if pid_m >= num_m_blocks or pid_n >= num_n_blocks:
@@ -369,6 +410,7 @@ def gemm1_kernel(
             a_ptrs += BLOCK_K
             gate_ptrs += BLOCK_K
             up_ptrs += BLOCK_K
+    # no _pdl_release: GEMM2 starts when every GEMM1 program has exited (see _pdl_release)
 
     if A_SCALE == 1:
         a_s = tl.load(a_scale_ptr)
@@ -420,11 +462,12 @@ def gemm2_kernel(
     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     A_MODE: tl.constexpr, B_SCALE: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr,
+    GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """A_MODE: 0 unquantized, 1 FP8 with a static scale, 2 quantize per 1x128 group while loading,
     3 quantize per tensor while loading (scale from the shared amax), 4 FP8 with 1x128 group scales,
     5 FP8 with one scale per row (a_scale_ptr: (rows,))."""
+    _pdl_wait(PDL)
     num_n_blocks = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n, num_m_blocks = _tile_ids(start_ptr + E, num_n_blocks, GROUP_M, BLOCK_M)
     if pid_m >= num_m_blocks or pid_n >= num_n_blocks:
@@ -468,6 +511,7 @@ def gemm2_kernel(
             acc = _dot(a, b, acc, PROMOTE, INTERPRET)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    _pdl_release(PDL)
 
     if A_MODE == 1 or A_MODE == 3:
         acc *= tensor_scale
@@ -490,11 +534,12 @@ def quantize_sorted_rows_kernel(
     q_ptr,  # (rows, N) fp8 out
     scale_ptr,  # (rows,) float32 out: one scale per row
     count_ptr, start_ptr, E, N, stride_x, stride_q,
-    E_POW2: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
+    E_POW2: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """The intermediate quantized with one scale per row (the per-token rule), one program per
     row, real rows only: padding rows and rows past the last expert's are never read by GEMM2
     (its loads mask them), so they are skipped rather than quantized from uninitialised memory."""
+    _pdl_enter(PDL)
     row = tl.program_id(0)
     if row >= tl.load(start_ptr + E):
         return
@@ -512,9 +557,10 @@ def quantize_sorted_rows_kernel(
 def combine_kernel(
     pairs_ptr,  # (M*K, H) weighted expert outputs
     out_ptr,  # (M, H)
-    H, K_TOP: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
+    H, K_TOP: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t] = sum over j of pairs[t*K + j], in float32 and in j order: deterministic."""
+    _pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H

@@ -16,20 +16,26 @@ from .config import KernelConfig
 from .launch import A_SCALE_KIND, B_SCALE_KIND, _TL_DTYPE, _interpreting, _launch, _scale_strides, quantize_input
 
 
-def run_gemv(x, weights: MoEWeights, topk_weights, topk_ids, cfg: KernelConfig, *, row_intermediate: bool,
-             side_by_side: bool = False):
+def run_gemv(x, weights: MoEWeights, topk_weights, topk_ids, cfg: KernelConfig, *, row_intermediate: bool):
     """The whole layer by the GEMV path. `row_intermediate`: quantize fp8 token/group schemes'
     intermediate per row (fast mode's rule) rather than per 1x128 group."""
     a, a_scale = quantize_input(x, weights)
-    return gemv_gemms(a, a_scale, weights, topk_weights, topk_ids, x.dtype, cfg, row_intermediate=row_intermediate,
-                      side_by_side=side_by_side)
+    return gemv_gemms(a, a_scale, weights, topk_weights, topk_ids, x.dtype, cfg, row_intermediate=row_intermediate)
 
 
 def gemv_gemms(a, a_scale, weights: MoEWeights, topk_weights, topk_ids, out_dtype, cfg: KernelConfig, *,
-               row_intermediate: bool, side_by_side: bool = False):
+               row_intermediate: bool):
     """The layer from x already quantized (quantize_input): GEMM1, then GEMM2 with the combine."""
     act, act_scale, a_mode = gemv1(a, a_scale, weights, topk_ids, out_dtype, cfg, row_intermediate)
-    return gemv2(act, act_scale, a_mode, weights, topk_weights, topk_ids, out_dtype, cfg, side_by_side)
+    return gemv2(act, act_scale, a_mode, weights, topk_weights, topk_ids, out_dtype, cfg)
+
+
+def gemm2_groups(cfg: KernelConfig, top_k: int) -> int:
+    """128-groups of N that GEMM2 reads per pair and step: as many weight bytes per step as GEMM1
+    reads (gate and up: 2 x GROUPS groups per column), spread over the token's pairs (padded to a
+    power of two), and at least one group per pair. GLM-4.5V and DeepSeek-V3 (top-8) at K steps
+    of 512 then read one group per pair; Mixtral (top-2) four."""
+    return max(1, 2 * (cfg.BLOCK_K // 128) // triton.next_power_of_2(top_k))
 
 
 def _gemm2_input_mode(weights: MoEWeights, row_intermediate: bool) -> int:
@@ -74,31 +80,19 @@ def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfi
     return out, out_scale, a_mode
 
 
-def gemv2(act, act_scale, a_mode, weights: MoEWeights, topk_weights, topk_ids, out_dtype, cfg: KernelConfig,
-          side_by_side: bool = False):
-    """The layer's output [M, H]: each token's K pairs through w2, weighted and summed in order.
-    `side_by_side`: gemv2_pairs_kernel, the token's K pairs in one tile (K times the bytes in
-    flight per program), CPU-tested but not yet timed on a GPU (scripts/diag_decode.py times both;
-    the backend runs the other until it is measured)."""
+def gemv2(act, act_scale, a_mode, weights: MoEWeights, topk_weights, topk_ids, out_dtype, cfg: KernelConfig):
+    """The layer's output [M, H]: each token's K pairs through w2, weighted and summed."""
     M, K = topk_ids.shape
     N, H = weights.n, weights.hidden
     out = torch.empty(M, H, dtype=out_dtype, device=act.device)
     w_scale = weights.w2_scale
     stride_wse, stride_wsn = _scale_strides(w_scale)
-    if side_by_side:
-        _launch(gk.gemv2_pairs_kernel, (M, triton.cdiv(H, cfg.BLOCK_N)),
-            act, act_scale, weights.w2, w_scale if w_scale is not None else act,
-            topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1), out, N, H,
-            act.stride(0), weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
-            A_MODE=a_mode, B_SCALE=B_SCALE_KIND[weights.scheme.weight], K_TOP=K, K_POW2=triton.next_power_of_2(K),
-            BLOCK_N=cfg.BLOCK_N, INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        return out
     _launch(gk.gemv2_kernel, (M, triton.cdiv(H, cfg.BLOCK_N)),
         act, act_scale, weights.w2, w_scale if w_scale is not None else act,
-        topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1), out, N, H, K,
+        topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1), out, N, H,
         act.stride(0), weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
-        A_MODE=a_mode, B_SCALE=B_SCALE_KIND[weights.scheme.weight], BLOCK_N=cfg.BLOCK_N, GROUPS=cfg.BLOCK_K // 128,
-        INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        A_MODE=a_mode, B_SCALE=B_SCALE_KIND[weights.scheme.weight], K_TOP=K, K_POW2=triton.next_power_of_2(K),
+        BLOCK_N=cfg.BLOCK_N, GROUPS=gemm2_groups(cfg, K), INTERPRET=_interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -105,7 +105,29 @@ def compile_only():
         _COMPILE_ONLY.reset(token)
 
 
+# Programmatic dependent launch (MOEKIT_PDL, on by default where it exists: Hopper and newer, a
+# Triton with griddepcontrol): each kernel of a layer starts while the one before it finishes and
+# waits on the device for its writes (_kernels._pdl_enter), instead of being launched only after
+# it. At decode sizes a layer is a few short kernels, so the gaps between them are a large share.
+PDL_ENV = "MOEKIT_PDL"
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    raw = os.environ.get(PDL_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{PDL_ENV}={raw!r}: expected 1 (on, the default where the GPU has it) or 0 (off)")
+    if raw == "0" or device.type != "cuda" or _interpreting() or k.gdc_wait is None:
+        return False
+    capability = device_capability(device)
+    return capability is not None and capability >= (9, 0)
+
+
 def _launch(kernel, grid, *args, **kwargs):
+    if "PDL" in getattr(kernel, "arg_names", ()):  # it waits for its predecessor itself: launch it early
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        kwargs["PDL"] = pdl_enabled(device)
+        if kwargs["PDL"]:
+            kwargs["launch_pdl"] = True
     if not _COMPILE_ONLY.get():
         kernel[grid](*args, **kwargs)
     elif not _interpreting():  # the interpreter compiles nothing
