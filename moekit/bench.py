@@ -614,7 +614,8 @@ def git_commit() -> str:
 
 
 # environment variables that change what runs or how, recorded with every result
-ENV_RECORDED = ("MOEKIT_BACKEND", "MOEKIT_FP8_ACCUMULATION", "MOEKIT_CONFIG_DIR", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")
+ENV_RECORDED = ("MOEKIT_BACKEND", "MOEKIT_FP8_ACCUMULATION", "MOEKIT_PDL", "MOEKIT_CONFIG_DIR", "TRITON_INTERPRET",
+                "CUDA_VISIBLE_DEVICES")
 
 
 def environment(device: torch.device, argv: Sequence[str] | None) -> dict:
@@ -713,10 +714,11 @@ class _Plan:
 def _validate(opts: BenchOptions, device: torch.device) -> _Plan:
     if opts.mode not in ("layer", "gemm"):
         raise BenchInputError(f"--mode: {opts.mode!r} is not 'layer' or 'gemm'")
-    from .backends.triton.launch import fp8_accumulation
+    from .backends.triton.launch import fp8_accumulation, pdl_wanted
 
     try:
         fp8_accumulation()  # refused here, once, rather than at every triton point of the run
+        pdl_wanted()
     except ValueError as e:
         raise BenchInputError(str(e)) from None
     if not isinstance(opts.reps, int) or opts.reps < 1:

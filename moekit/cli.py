@@ -31,6 +31,17 @@ def cmd_info(args) -> int:
     else:
         console.print("device: CPU (no CUDA GPU visible)")
     console.print(f"moekit {moekit.__version__}, torch {torch.__version__}, triton {triton.__version__}")
+    from moekit.backends.triton.launch import FP8_ACCUMULATION_ENV, PDL_ENV, fp8_accumulation, pdl_enabled, pdl_wanted
+
+    try:
+        accumulation = fp8_accumulation()
+        pdl = "on" if pdl_enabled(device) else "off" if not pdl_wanted() else \
+            "unavailable here (needs a Hopper or newer GPU and a Triton with griddepcontrol)"
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        return 2
+    console.print(f"triton backend: FP8 accumulation {accumulation} ({FP8_ACCUMULATION_ENV}), "
+                  f"programmatic dependent launch {pdl} ({PDL_ENV})")
     # A representative problem: FP8 per-channel weights, dimensions every kernel accepts.
     shape, scheme = MoEShape(8, 4096, 1024, 2), FP8_CHANNEL_TOKEN
     table = Table(title=f"backends on {device.type} ({scheme.name}, {shape.describe()})")

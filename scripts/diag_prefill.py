@@ -49,7 +49,7 @@ def gemm1_bf16(a, a_scale, w, align, K, cfg):
     N, H, E = w.n, w.hidden, w.num_experts
     out = torch.empty(align.max_rows, N, dtype=torch.bfloat16, device=a.device)
     ws = w.w13_scale
-    k.gemm1_kernel[launch._tiles(align, cfg, N)](
+    launch._launch(k.gemm1_kernel, launch._tiles(align, cfg, N),
         a, a_scale, w.w13, ws, out, a, a, align.sorted_pairs, align.count, align.start,
         align.num_pairs, E, N, H, K, a.stride(0), 1, w.w13.stride(0), w.w13.stride(1), ws.stride(0), 0,
         out.stride(0), 0,

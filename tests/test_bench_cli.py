@@ -366,11 +366,16 @@ def test_bench_failure_while_writing_leaves_nothing_half_written(tmp_path, tiny_
     assert list(out.iterdir()) == []
 
 
-def test_a_bad_fp8_accumulation_mode_is_refused_before_anything_runs(tmp_path, tiny_config, monkeypatch, capsys):
-    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "sloppy")
+@pytest.mark.parametrize("name,value,expected", [
+    ("MOEKIT_FP8_ACCUMULATION", "sloppy", "expected one of precise, fast"),
+    ("MOEKIT_PDL", "maybe", "expected 1 (on, the default where the GPU has it) or 0 (off)"),
+])
+def test_a_bad_triton_setting_is_refused_before_anything_runs(name, value, expected, tmp_path, tiny_config,
+                                                              monkeypatch, capsys):
+    monkeypatch.setenv(name, value)
     out = tmp_path / "o"
     assert main(["bench", "--model", str(tiny_config), "--out", str(out), *FAST]) == 2
-    assert "MOEKIT_FP8_ACCUMULATION='sloppy': expected one of precise, fast" in one_line_error(capsys)
+    assert f"{name}='{value}': {expected}" in one_line_error(capsys)
     assert not out.exists()
 
 

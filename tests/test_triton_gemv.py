@@ -100,13 +100,14 @@ def test_fast_mode_quantizes_the_intermediate_per_row(M, K, experts, device, mon
 def test_gemm2_reads_several_groups_per_pair(scheme, accumulation, K, groups, device, monkeypatch):
     """GEMM2 reads the token's pairs side by side, several 128-groups of N each per step
     (gemv.gemm2_groups: 2 x 4 groups of a 512 step over top-3 padded to 4 pairs, 8 for top-1),
-    under both intermediate rules. N = 384: top-3 reads two steps, the second with its last group
-    past N; top-1 one step with 5 of its 8 groups past N. Experts 0 and 4 idle in the first
-    routing."""
+    under both intermediate rules. N = 336 (384 for fp8-block128, whose N must be whole 128-row
+    blocks): top-3 reads two steps, the second with one partial group (a whole one) and one past
+    N; top-1 one step with a partial group (a whole one) and 5 of its 8 groups past N. Experts 0
+    and 4 idle in the first routing."""
     monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", accumulation)
     cfg = gemv(64, 512)
     assert gemm2_groups(cfg, K) == groups
-    w = random_weights(5, 128, 384, scheme, device=device, seed=3)
+    w = random_weights(5, 128, 384 if scheme == "fp8-block128" else 336, scheme, device=device, seed=3)
     x = random_x(4, 128, device=device)
     for experts in ([1, 2, 3], None):
         tw, ids = random_routing(4, 5, K, device=device, experts=experts)

@@ -368,6 +368,25 @@ def test_fast_fp8_accumulation_is_a_condition_of_the_measurements(tmp_path, tiny
     assert json.loads(next((out / "triton").glob("*.json")).read_text())["meta"]["fp8_accumulation"] == "fast"
 
 
+def test_pdl_off_is_a_condition_of_the_measurements(tmp_path, tiny_model, monkeypatch):
+    """MOEKIT_PDL=0 changes the times at decode sizes (BENCHMARKS.md, seventh session): journals
+    measured with it off are not reused with it on, and the reverse; on (the default) adds no
+    key, so journals measured before the option existed still match."""
+    FakeTimer().install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out, batch_sizes=["1"])
+    assert "pdl" not in json.loads(next((out / "triton").glob("*.json")).read_text())["meta"]
+    monkeypatch.setenv("MOEKIT_PDL", "0")
+    again = FakeTimer().install(monkeypatch)
+    result, text = tune(tiny_model, out, batch_sizes=["1"])
+    assert result.exit_code == 0 and "set aside" in text and "pdl" in text
+    assert len(again.calls) >= 4
+    assert json.loads(next((out / "triton").glob("*.json")).read_text())["meta"]["pdl"] == "off"
+    monkeypatch.setenv("MOEKIT_PDL", "off")
+    with pytest.raises(TuneInputError, match="MOEKIT_PDL='off': expected 1"):
+        tune(tiny_model, out, batch_sizes=["1"])
+
+
 # ---------------------------------------------------------------------- failing configs
 
 

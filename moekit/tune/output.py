@@ -83,7 +83,7 @@ def _common_meta(journals: list[dict]) -> dict:
         "torch": fp["torch"],
         "triton": fp["triton"],
         "date": max(j["updated"] for j in journals),  # when the last measurement was made
-        **({"fp8_accumulation": fp["fp8_accumulation"]} if "fp8_accumulation" in fp else {}),
+        **({key: fp[key] for key in ("fp8_accumulation", "pdl") if key in fp}),
     }
 
 

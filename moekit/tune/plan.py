@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 from ..backends import get_backend
-from ..backends.triton.launch import fp8_accumulation
+from ..backends.triton.launch import fp8_accumulation, pdl_wanted
 from ..bench import (
     DEFAULT_ROUTINGS, BenchInputError, ROUTINGS, load_routing_file, parse_batch_sizes, parse_dtype, parse_names, plan_backends,
     prepare_out_dir, resolve_problems,
@@ -152,7 +152,8 @@ def build_plan(opts: TuneOptions, device: torch.device) -> TunePlan:
     if opts.search_space not in SEARCH_SPACES:
         raise TuneInputError(f"--search-space: {opts.search_space!r} is not one of {', '.join(SEARCH_SPACES)}")
     try:
-        fp8_accumulation()  # a condition of every measurement (runner.fingerprint)
+        fp8_accumulation()  # conditions of every measurement (runner.fingerprint)
+        pdl_wanted()
     except ValueError as e:
         raise TuneInputError(str(e)) from None
     helpers = default_helpers(device) if opts.compile_workers is None else opts.compile_workers

@@ -50,7 +50,7 @@ from .. import __version__ as moekit_version
 from ..api import validate_inputs
 from ..backends import get_backend
 from ..backends.triton.config import KernelConfig, default_config
-from ..backends.triton.launch import fp8_accumulation
+from ..backends.triton.launch import fp8_accumulation, pdl_wanted
 from ..bench import make_routing, make_routings, make_weights, make_x, rel_l2
 from ..tables import table_name
 from ..timing import Timing, time_graph, time_graphs
@@ -129,6 +129,7 @@ def fingerprint(plan: TunePlan, name: str) -> dict:
         "triton": triton.__version__,
         # only when not the default, so that journals measured before the option existed still match
         **({"fp8_accumulation": "fast"} if fp8_accumulation() == "fast" else {}),
+        **({} if pdl_wanted() else {"pdl": "off"}),
     }
 
 

@@ -34,7 +34,9 @@ def gemm2_groups(cfg: KernelConfig, top_k: int) -> int:
     """128-groups of N that GEMM2 reads per pair and step: as many weight bytes per step as GEMM1
     reads (gate and up: 2 x GROUPS groups per column), spread over the token's pairs (padded to a
     power of two), and at least one group per pair. GLM-4.5V and DeepSeek-V3 (top-8) at K steps
-    of 512 then read one group per pair; Mixtral (top-2) four."""
+    of 512 then read one group per pair; Mixtral (top-2) four. Beyond top-8 the tile grows with
+    the pairs (one group each), and a top-k short of a power of two leaves padded rows idle: no
+    such preset was measured."""
     return max(1, 2 * (cfg.BLOCK_K // 128) // triton.next_power_of_2(top_k))
 
 

@@ -7,6 +7,8 @@ One layer call is, on the GPU and without a host synchronisation (so it captures
   4. GEMM2, the intermediate quantized while it is loaded, top-k weight in the epilogue
   5. combine each token's K rows in a fixed order (deterministic)
 A config with GEMV=1 runs the GEMV path instead (gemv.py: no alignment, no combine pass).
+On Hopper each of these kernels is launched to overlap the end of the one before it (programmatic
+dependent launch, MOEKIT_PDL: see pdl_enabled and _kernels._pdl_release).
 
 The GEMM2 input of fp8-channel-token is quantized per 1x128 group of the intermediate rather than
 per row: each 128-column group gets its own scale, so no element is quantized more coarsely than
@@ -112,11 +114,23 @@ def compile_only():
 PDL_ENV = "MOEKIT_PDL"
 
 
-def pdl_enabled(device: torch.device) -> bool:
-    raw = os.environ.get(PDL_ENV, "").strip()
-    if raw not in ("", "0", "1"):
+def pdl_wanted() -> bool:
+    """MOEKIT_PDL as asked for (ValueError for a value other than 1 or 0). Read at every launch;
+    parsed once per value."""
+    return _parse_pdl(os.environ.get(PDL_ENV))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_pdl(raw: str | None) -> bool:
+    value = (raw or "").strip()
+    if value not in ("", "0", "1"):
         raise ValueError(f"{PDL_ENV}={raw!r}: expected 1 (on, the default where the GPU has it) or 0 (off)")
-    if raw == "0" or device.type != "cuda" or _interpreting() or k.gdc_wait is None:
+    return value != "0"
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels launched on `device` use it: wanted, and the GPU and Triton have it."""
+    if not pdl_wanted() or device.type != "cuda" or _interpreting() or k.gdc_wait is None:
         return False
     capability = device_capability(device)
     return capability is not None and capability >= (9, 0)
