@@ -16,10 +16,10 @@ Two kinds of pruning:
       as the smallest of them;
     - the GEMV path (KernelConfig.GEMV) beyond one token where the pairs outnumber half the
       experts (`config.gemv_may_win`, also what table lookups obey): it reads an expert's weights
-      once per pair, the tiled path once per expert. On an H200 (BENCHMARKS.md, sixth session) it
-      won only at 1-32 pairs on 8-256 experts (DeepSeek-V3 M = 1, 2, 4: 8%, 2%, 7%; Mixtral M = 1:
-      2%) and lost from DeepSeek M = 8 (64 pairs, 3%), GLM-4.5V M = 4 (32 pairs on 128, 13%) and
-      Mixtral M = 2 (4 on 8, 27%).
+      once per pair, the tiled path once per expert. On an H200 (BENCHMARKS.md, seventh session)
+      its tuned configs won at 1-32 pairs (GLM-4.5V M = 1-2, DeepSeek-V3 M = 1-4, Mixtral M = 1-2:
+      3-28% per layer) and lost at GLM M = 4-8 and DeepSeek M = 8 (32-64 pairs), inside the bound:
+      the bound keeps what can win, the measurement decides.
 * By measurement (`neighbour_prune`, `pruned` search only): a config slower than NEIGHBOUR_MARGIN
   times the best triton config at the neighbouring (next smaller) batch size, or that failed there,
   is not timed again; a config dropped at the neighbour stays dropped.

@@ -123,8 +123,9 @@ def gemv_may_win(shape: MoEShape, num_tokens: int) -> bool:
     """Whether the GEMV path (KernelConfig.GEMV) can beat the tiled one at this batch size: it
     reads an expert's weights once per (token, expert) pair, the tiled path once per expert, so
     only where pairs rarely share an expert: one token, or at most E / 2 pairs. On an H200
-    (BENCHMARKS.md, sixth session) it won only inside this bound (DeepSeek-V3 M = 1-4, Mixtral
-    M = 1) and lost from DeepSeek M = 8, GLM-4.5V M = 4 and Mixtral M = 2 on."""
+    (BENCHMARKS.md, seventh session) its tuned configs won inside this bound (GLM-4.5V M = 1-2,
+    DeepSeek-V3 M = 1-4, Mixtral M = 1-2) and lost at GLM M = 4-8 and DeepSeek M = 8, still
+    inside it."""
     return num_tokens <= 1 or num_tokens * shape.top_k <= shape.num_experts // 2
 
 
