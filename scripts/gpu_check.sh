@@ -12,7 +12,8 @@
 #        within 3% of the fastest everywhere?).
 # check: `moekit check` on the same models.
 # tune:  `moekit tune` on the shipped-table models (TUNE_BUDGET each, default 5m; TUNE_MODELS
-#        "model:tp[:scheme] ..." to choose); the tables land in tuned/ of the archive, ready to
+#        "model:tp[:scheme] ..." to choose; TUNE_ARGS adds arguments, e.g. "--batch-sizes 1 2 4 8
+#        --no-between" for decode sizes only); the tables land in tuned/ of the archive, ready to
 #        copy into moekit/configs/.
 # retime: `moekit tune --search-space none` on the TUNE_MODELS with the journals in TUNE_DIR
 #        (default tune-journal/, git-ignored: carry it): no search, only what is missing with the
@@ -74,7 +75,7 @@ if want tune; then
   for m in ${TUNE_MODELS:-glm-4.5v-fp8:2 mixtral-8x7b:1:fp8-channel-token deepseek-v3:8 qwen3-30b-a3b-fp8:1}; do
     IFS=: read -r model tp scheme <<<"$m"
     moekit tune --model "$model" --tp "$tp" ${scheme:+--scheme "$scheme"} --budget "${TUNE_BUDGET:-5m}" \
-      --out "$WORK/tuned" --export-vllm "$WORK/tuned/vllm"
+      --out "$WORK/tuned" --export-vllm "$WORK/tuned/vllm" ${TUNE_ARGS:-}
   done
   export MOEKIT_CONFIG_DIR=$WORK/tuned  # the steps below run with these tables
 fi
