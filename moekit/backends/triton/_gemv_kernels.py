@@ -5,8 +5,9 @@ its time is launches and how many bytes are in flight, not tensor-core work. Thi
 alignment, no padded row tiles and no combine pass: GEMM1 runs one program per (pair, column
 block), reading the pair's activation row and its expert's weight rows directly; GEMM2 runs one
 program per (token, column block), reads the token's K experts side by side and sums their
-outputs by one fixed reduction (deterministic without atomics). Products are summed in float32 on the CUDA cores (an FP8 x FP8
-product is exact in float32), so no tensor-core accumulator narrows them.
+outputs by one fixed reduction (deterministic without atomics). Products are summed in float32
+on the CUDA cores (an FP8 x FP8 product is exact in float32), so no tensor-core accumulator
+narrows them.
 
 Loads not feeding a tl.dot get no multi-stage pipeline from Triton, so the bytes in flight come
 from wide K steps: each step reads BLOCK_K = GROUPS x 128 columns of K, addressed as GROUPS rows
