@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import json
 import os
+from unittest import mock
 
 import torch
 
@@ -40,17 +41,7 @@ def sweep(base):
 
 def pdl_off(fn):
     """fn with programmatic dependent launch off while it runs (and so while a graph captures it)."""
-    def run():
-        before = os.environ.get(PDL_ENV)
-        os.environ[PDL_ENV] = "0"
-        try:
-            return fn()
-        finally:
-            if before is None:
-                del os.environ[PDL_ENV]
-            else:
-                os.environ[PDL_ENV] = before
-    return run
+    return mock.patch.dict(os.environ, {PDL_ENV: "0"})(fn)
 
 
 def main():
