@@ -30,7 +30,7 @@ def fused_moe(
     `allow_weight_copies=False`: auto never picks a backend that keeps a converted copy of the
     weights (what `moekit.MoELayer` passes); a backend named explicitly still runs.
     """
-    topk_weights, topk_ids = validate_inputs(x, weights, topk_weights, topk_ids)
+    topk_weights, topk_ids = validate_inputs(x, weights, topk_weights, topk_ids, device_check=False)
     M, K = topk_ids.shape
     if apply_router_weight_on_input:
         if K != 1:
@@ -42,7 +42,10 @@ def fused_moe(
     )
     if M == 0:
         return x.new_empty(0, weights.hidden)
-    return get_backend(choice.backend).run(x, weights, topk_weights, topk_ids)
+    runner = get_backend(choice.backend)
+    if topk_ids.is_cuda and not runner.checks_expert_ids:
+        assert_ids_in_range(topk_ids, weights.num_experts)
+    return runner.run(x, weights, topk_weights, topk_ids)
 
 
 def assert_ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> None:
@@ -56,11 +59,13 @@ def assert_ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> None:
     torch._assert_async(ids_in_range(topk_ids, num_experts), f"moekit: topk_ids outside [0, {num_experts})")
 
 
-def validate_inputs(x, weights, topk_weights, topk_ids) -> tuple[torch.Tensor, torch.Tensor]:
+def validate_inputs(x, weights, topk_weights, topk_ids, *, device_check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Check every input of fused_moe; returns topk_weights as float32 and topk_ids as int32.
 
     Ids are range-checked on the host for CPU tensors. On a GPU the check is a device-side
-    assertion (torch._assert_async), so it never makes the host wait and survives graph capture.
+    assertion (assert_ids_in_range), so it never makes the host wait and survives graph capture;
+    `device_check=False` leaves it to the caller (fused_moe: to the backend, where the backend's
+    own kernels assert the ids, Backend.checks_expert_ids).
     """
     if not isinstance(weights, MoEWeights):
         raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
@@ -89,7 +94,8 @@ def validate_inputs(x, weights, topk_weights, topk_ids) -> tuple[torch.Tensor, t
     if not topk_weights.is_floating_point():
         raise ValueError(f"topk_weights has dtype {topk_weights.dtype}; expected a float dtype")
     if topk_ids.numel() and topk_ids.device.type == "cuda":
-        assert_ids_in_range(topk_ids, E)
+        if device_check:
+            assert_ids_in_range(topk_ids, E)
     elif topk_ids.numel():
         in_range = (topk_ids >= 0) & (topk_ids < E)
         if not bool(in_range.all()):

@@ -16,6 +16,7 @@ import os
 import torch
 
 import moekit
+from moekit.api import assert_ids_in_range
 from moekit.backends.reference import reference_moe
 from moekit.backends.triton import launch
 from moekit.bench import make_weights, make_x, uniform_routing
@@ -80,6 +81,10 @@ def main():
                 errors[label] = rel_l2(run(), reference_moe(x, w, tw, ids, intermediate_granularity=granularity))
             # the same precise layer through fused_moe: what its input checks add inside a graph
             fns["precise, fused_moe"] = in_mode("precise", lambda: moekit.fused_moe(x, w, tw, ids, backend="triton"))
+            # the backend (which asserts the ids in its first kernel) after fused_moe's own checking
+            # kernel and assertion, as fused_moe ran it before the backend checked: what that cost
+            fns["precise, own id check"] = in_mode(
+                "precise", lambda: (assert_ids_in_range(ids, E), triton_backend.run(x, w, tw, ids, config=cfg))[1])
             fns["cutlass"] = lambda: moekit.fused_moe(x, w, tw, ids, backend="cutlass")
             times = time_graphs(fns, reps=20, warmup=2, rounds=4)
             print(f"\n{name} tp{tp} M={M} config {cfg}", flush=True)

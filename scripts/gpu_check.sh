@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|fast|decode|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|fast|decode|gemm2|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points of shared/anchors/README.md: the expert GEMMs alone
@@ -28,6 +28,11 @@
 # decode: scripts/diag_decode.py --pdl, the tiled decode layer against the GEMV path's configs
 #        (GLM-4.5V, Mixtral, DeepSeek-V3 at M = 1-16), each with programmatic dependent launch on
 #        and off (DECODE_ARGS adds arguments: "--batch-sizes 1 2", "--parts"); not part of `all`.
+# gemm2: scripts/diag_gemm2.py, GEMM2 alone at prefill sizes with the table's config and variants
+#        of its width, warps, stages and grouping (would GEMM2 gain from a config of its own?), and
+#        the combine pass alone (GEMM2_ARGS adds arguments: "--points glm-4.5v-fp8:2:4096"); not
+#        part of `all`.
+# FAST_ARGS adds arguments to the fast step's diag_fast.py ("--batch-sizes 1 2 4 8").
 #
 # A step after `tune` in the same call (auto, bench, check) uses the tables just tuned
 # (MOEKIT_CONFIG_DIR), before the shipped ones.
@@ -119,12 +124,15 @@ if want full; then
     --out "$WORK/search-full"
 fi
 if [[ " ${steps[*]} " == *" fast "* ]]; then
-  python3 scripts/diag_fast.py --json "$WORK/diag_fast.json"
+  python3 scripts/diag_fast.py ${FAST_ARGS:-} --json "$WORK/diag_fast.json"
   for m in "glm-4.5v-fp8 2" "mixtral-8x7b 1"; do
     read -r model tp <<<"$m"
     MOEKIT_FP8_ACCUMULATION=fast moekit check --model "$model" --tp "$tp" --scheme fp8-channel-token \
       --backends triton --out "$WORK/check-fast-$model" || status=1
   done
+fi
+if [[ " ${steps[*]} " == *" gemm2 "* ]]; then
+  python3 scripts/diag_gemm2.py ${GEMM2_ARGS:-} --json "$WORK/diag_gemm2.json" || status=1
 fi
 if [[ " ${steps[*]} " == *" decode "* ]]; then
   python3 scripts/diag_decode.py --pdl ${DECODE_ARGS:-} --json "$WORK/diag_decode.json" || status=1

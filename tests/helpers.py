@@ -92,3 +92,14 @@ def tiny_mixtral(tmp_path, *, experts: int, hidden: int, intermediate: int, laye
         "intermediate_size": intermediate, "num_hidden_layers": layers,
     }))
     return folder
+
+
+class RecordingKernel:
+    """Stands in for a @triton.jit kernel given to launch._launch: it has the kernel's argument
+    names and records the keyword arguments of each launch in `calls` instead of running."""
+
+    def __init__(self, arg_names, calls):
+        self.arg_names, self.calls = arg_names, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(kwargs)

@@ -13,7 +13,7 @@ from moekit.backends.triton import KernelConfig
 from moekit.backends.triton import _gemv_kernels, _kernels, launch
 from moekit.backends.triton.launch import PDL_ENV, pdl_enabled
 
-from helpers import assert_graph_replays_fresh_routing, random_routing, random_weights, random_x
+from helpers import RecordingKernel, assert_graph_replays_fresh_routing, random_routing, random_weights, random_x
 from test_triton_backend import PRESET_SHAPES, SCHEMES
 
 
@@ -63,18 +63,10 @@ def test_a_kernel_taking_pdl_gets_it_and_the_launch_option_with_it(enabled, monk
     """_launch passes PDL (and launch_pdl=True when on) to kernels that take a PDL argument,
     and leaves other kernels' arguments alone."""
     calls = []
-
-    class Kernel:
-        def __init__(self, arg_names):
-            self.arg_names = arg_names
-
-        def __getitem__(self, grid):
-            return lambda *a, **k: calls.append(k)
-
     monkeypatch.setattr(launch, "pdl_enabled", lambda device: enabled)
     x = torch.zeros(2)
-    launch._launch(Kernel(["x_ptr", "BLOCK", "PDL"]), (1,), x, BLOCK=4)
-    launch._launch(Kernel(["x_ptr", "BLOCK"]), (1,), x, BLOCK=4)
+    launch._launch(RecordingKernel(["x_ptr", "BLOCK", "PDL"], calls), (1,), x, BLOCK=4)
+    launch._launch(RecordingKernel(["x_ptr", "BLOCK"], calls), (1,), x, BLOCK=4)
     on = {"BLOCK": 4, "PDL": True, "launch_pdl": True}
     assert calls == [on if enabled else {"BLOCK": 4, "PDL": False}, {"BLOCK": 4}]
 

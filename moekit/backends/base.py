@@ -21,6 +21,10 @@ class Backend(abc.ABC):
 
     name: str
     description: str
+    # True if `run` asserts on the device that every id of topk_ids lies in [0, E) before it uses
+    # one (a GPU kernel cannot raise: a device-side assertion stops the process's CUDA context).
+    # Otherwise fused_moe launches its own check first (moekit.api.assert_ids_in_range).
+    checks_expert_ids: bool = False
 
     @abc.abstractmethod
     def supports(

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..glue._kernels import _scale_from_amax
-from ._kernels import _pdl_enter, _quantize_tile, _to_dtype
+from ._kernels import _check_expert_ids, _pdl_enter, _quantize_tile, _to_dtype
 
 
 @triton.jit
@@ -44,10 +44,11 @@ def gemv1_kernel(
     out_scale_ptr,  # (1,) static scale of the output (OUT_MODE 2)
     amax_ptr,  # (1,) shared maximum of |output| (OUT_MODE 1)
     ids_ptr,  # (P,) expert of each pair
-    N, H, K_TOP,
+    E, N, H, K_TOP,
     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, OUT_MODE: tl.constexpr, ACT_DTYPE: tl.constexpr,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, INTERPRET: tl.constexpr, CHECK_IDS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """OUT_MODE: 0 store in the activations' dtype, 1 also record amax, 2 quantize with the static
     scale. Weight tiles are [BLOCK_N, GROUPS, 128] with K contiguous, as w13 is stored."""
@@ -55,7 +56,9 @@ def gemv1_kernel(
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     token = (pair // K_TOP).to(tl.int64)
-    e = tl.load(ids_ptr + pair).to(tl.int64)
+    e = tl.load(ids_ptr + pair)
+    _check_expert_ids(e, 1, E, CHECK_IDS)
+    e = e.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     k_offs, groups = _k_steps(GROUPS)

@@ -51,6 +51,17 @@ def _pdl_enter(PDL: tl.constexpr):
     _pdl_release(PDL)
 
 
+@triton.jit
+def _check_expert_ids(ids, valid, E, CHECK_IDS: tl.constexpr):
+    """A device-side assertion that every valid id lies in [0, E): launch.py passes CHECK_IDS to
+    the kernel that reads the routing first, compiled with Triton's `debug` option (without it
+    device_assert compiles to nothing). It stops the layer before any expert index is used, in
+    place of fused_moe's own checking kernel and torch._assert_async (two launches, about 4 µs of
+    a decode layer on an H200, BENCHMARKS.md sixth session)."""
+    if CHECK_IDS:
+        tl.device_assert(((ids >= 0) & (ids < E)) | (valid == 0), "moekit: topk_ids outside [0, num_experts)")
+
+
 # --------------------------------------------------------------------------- CPU-interpreter fixes
 # INTERPRET (constexpr) is True only under TRITON_INTERPRET=1. The interpreter of triton 3.9 gets three
 # things wrong that the GPU gets right: a float32 -> e4m3 cast that rounds up across a power of two
@@ -100,10 +111,12 @@ def _dot(a, b, acc, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _chunk_counts(ids_ptr, counts_ptr, chunk, P, E, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr):
+def _chunk_counts(ids_ptr, counts_ptr, chunk, P, E, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr,
+                  CHECK_IDS: tl.constexpr):
     """counts[e] = pairs of this chunk routed to expert e, for every e (dense row, no atomics)."""
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)  # [CHUNK] int32
+    _check_expert_ids(ids, offs < P, E, CHECK_IDS)
     for e0 in range(0, E, E_BLOCK):
         experts = e0 + tl.arange(0, E_BLOCK)
         hits = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_BLOCK]
@@ -144,9 +157,9 @@ def _padded_starts(counts_ptr, count_out_ptr, start_ptr, E, BLOCK_M: tl.constexp
 
 @triton.jit
 def _align_single(ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E,
-                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr):
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, CHECK_IDS: tl.constexpr):
     """The whole alignment in one program, for P <= CHUNK (decode sizes)."""
-    _chunk_counts(ids_ptr, count_ptr, 0, P, E, CHUNK, E_BLOCK)
+    _chunk_counts(ids_ptr, count_ptr, 0, P, E, CHUNK, E_BLOCK, CHECK_IDS)
     tl.debug_barrier()  # the counts written above are read back by other threads
     _padded_starts(count_ptr, count_ptr, start_ptr, E, BLOCK_M, E_BLOCK)
     tl.debug_barrier()
@@ -154,9 +167,10 @@ def _align_single(ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E,
 
 
 @triton.jit
-def align_count_kernel(ids_ptr, chunk_counts_ptr, P, E, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr):
+def align_count_kernel(ids_ptr, chunk_counts_ptr, P, E, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr,
+                       CHECK_IDS: tl.constexpr):
     chunk = tl.program_id(0)
-    _chunk_counts(ids_ptr, chunk_counts_ptr + chunk * E, chunk, P, E, CHUNK, E_BLOCK)
+    _chunk_counts(ids_ptr, chunk_counts_ptr + chunk * E, chunk, P, E, CHUNK, E_BLOCK, CHECK_IDS)
 
 
 @triton.jit
@@ -243,9 +257,10 @@ def quantize_rows_kernel(
 
 @triton.jit
 def align_single_kernel(ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E,
-                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr,
+                        CHECK_IDS: tl.constexpr, PDL: tl.constexpr):
     _pdl_enter(PDL)
-    _align_single(ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E, BLOCK_M, CHUNK, E_BLOCK)
+    _align_single(ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E, BLOCK_M, CHUNK, E_BLOCK, CHECK_IDS)
 
 
 @triton.jit
@@ -253,14 +268,15 @@ def decode_prologue_kernel(
     ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E,
     x_ptr, q_ptr, scale_ptr, H, stride_x, stride_q, stride_s,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr,
-    MODE: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    MODE: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr,
+    CHECK_IDS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Alignment (program 0) and the quantization of every row of x (programs 1..M) in one
     launch: at decode sizes each launch costs about as much as the work itself."""
     _pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid == 0:
-        _align_single(ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E, BLOCK_M, CHUNK, E_BLOCK)
+        _align_single(ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E, BLOCK_M, CHUNK, E_BLOCK, CHECK_IDS)
     else:
         _quantize_row((pid - 1).to(tl.int64), x_ptr, q_ptr, scale_ptr, scale_ptr, H, stride_x, stride_q,
                       stride_s, MODE, False, BLOCK_H, GROUP, INTERPRET)

@@ -72,7 +72,7 @@ def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfi
     stride_wse, stride_wsn = _scale_strides(w_scale)
     _launch(gk.gemv1_kernel, (M * K, triton.cdiv(N, cfg.BLOCK_N)),
         a, a_scale if a_scale is not None else unused, weights.w13, w_scale if w_scale is not None else unused,
-        out, out_scale, out_scale, topk_ids.reshape(-1), N, H, K,
+        out, out_scale, out_scale, topk_ids.reshape(-1), weights.num_experts, N, H, K,
         a.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
         weights.w13.stride(0), weights.w13.stride(1), stride_wse, stride_wsn, out.stride(0),
         A_SCALE=A_SCALE_KIND[scheme.activation] if scheme.is_fp8 else 0, B_SCALE=B_SCALE_KIND[scheme.weight],

@@ -136,8 +136,27 @@ def pdl_enabled(device: torch.device) -> bool:
     return capability is not None and capability >= (9, 0)
 
 
+def _id_check_options() -> dict:
+    """Compile options of the kernels that check the expert ids (CHECK_IDS): Triton's `debug`, which
+    compiles device_assert in, without the integer-overflow checks it would add everywhere else."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return {"debug": True}
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return {"debug": True, **({"sanitize_overflow": False} if "sanitize_overflow" in fields else {})}
+
+
+_ID_CHECK_OPTIONS = _id_check_options()
+
+
 def _launch(kernel, grid, *args, **kwargs):
-    if "PDL" in getattr(kernel, "arg_names", ()):  # it waits for its predecessor itself: launch it early
+    names = getattr(kernel, "arg_names", ())
+    if "CHECK_IDS" in names:  # it reads the routing first: it asserts every id is in range
+        kwargs["CHECK_IDS"] = True
+        if not _interpreting():  # the interpreter takes no compile options (tests set its own debug)
+            kwargs.update(_ID_CHECK_OPTIONS)
+    if "PDL" in names:  # it waits for its predecessor itself: launch it early
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         kwargs["PDL"] = pdl_enabled(device)
         if kwargs["PDL"]:
@@ -161,6 +180,7 @@ B_SCALE_KIND = {None: 0, "tensor": 1, "channel": 2, "block": 3}
 class TritonBackend(Backend):
     name = "triton"
     description = "moekit's fused Triton kernels (GPU-side alignment, fused SiLU, deterministic combine)"
+    checks_expert_ids = True  # every path's first kernel to read topk_ids asserts them (CHECK_IDS)
 
     def supports(self, shape: MoEShape, scheme: QuantScheme, device: torch.device, dtype=torch.bfloat16):
         reasons = []

@@ -1,0 +1,100 @@
+"""Would GEMM2 gain from a launch config of its own? At prefill the tuned config serves both GEMMs
+(KernelConfig), chosen by the whole layer's time; GEMM2 has a short inner dimension (704 for
+GLM-4.5V at TP2, 256 for DeepSeek-V3 at TP8), so its tiles may want other widths, warps or
+stages than GEMM1's. Times GEMM2 alone, on the rows and the intermediate of the table's config,
+with the table's config and with variants that keep its BLOCK_M (one alignment serves both GEMMs,
+so only BLOCK_M must agree), in both accumulation modes; also the combine pass alone.
+
+    PYTHONPATH=. python3 scripts/diag_gemm2.py [--points glm-4.5v-fp8:2:4096 ...] [--json FILE]
+"""
+import argparse
+import dataclasses
+import itertools
+import json
+
+import torch
+
+from diag_fast import in_mode  # scripts/ is on the path when a script runs
+from moekit.backends.triton import launch
+from moekit.backends.triton.config import get_config
+from moekit.bench import make_weights, make_x, uniform_routing
+from moekit.models import get_model
+from moekit.spec import get_scheme
+from moekit.timing import time_graphs
+
+POINTS = ["mixtral-8x7b:1:1024:fp8-channel-token", "mixtral-8x7b:1:4096:fp8-channel-token", "glm-4.5v-fp8:2:4096", "glm-4.5v-fp8:2:8192",
+          "deepseek-v3:8:4096", "deepseek-v3:8:8192"]
+
+
+def variants(cfg, scheme):
+    widths = (64, 128) if scheme.weight == "block" else (128, 256)  # block scales: BLOCK_N divides 128
+    for bn, warps, stages, group in itertools.product(widths, (4, 8), (3, 4), (1, 8)):
+        v = dataclasses.replace(cfg, BLOCK_N=bn, num_warps=warps, num_stages=stages, GROUP_M=group, JOIN=0)
+        if not v.problems(scheme):
+            yield v
+
+
+def tag(c):
+    return f"N{c.BLOCK_N} w{c.num_warps} s{c.num_stages} G{c.GROUP_M}"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--points", nargs="+", default=POINTS, help="model:tp:M[:scheme]")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(0)
+    results, weights_of = [], {}
+    for point in args.points:
+        model, tp, M, *scheme_name = point.split(":")
+        preset = get_model(model, int(tp))
+        shape, scheme = preset.shape, get_scheme(scheme_name[0]) if scheme_name else preset.scheme
+        key = (model, tp, scheme.name)
+        if key not in weights_of:
+            weights_of.clear()
+            torch.cuda.empty_cache()
+            weights_of[key] = make_weights(shape, scheme, dev)  # one model's weights at a time
+        w = weights_of[key]
+        M = int(M)
+        E, K, N, H = shape.num_experts, shape.top_k, shape.n, shape.hidden
+        x = make_x(M, H, dev)
+        tw, ids = uniform_routing(M, E, K)
+        tw, ids = tw.to(dev).float(), ids.to(dev)
+        cfg = get_config(shape, scheme, M, name)
+        align = launch.align_pairs(ids, E, cfg.BLOCK_M)
+        a, a_scale = launch.quantize_input(x, w)
+        flops2 = 2 * M * K * N * H
+        fns = {}
+        for mode in ("precise", "fast"):
+            # the intermediate as the backend hands it over in this mode (fast: one scale per row)
+            act = in_mode(mode, lambda: launch.gemm1(a, a_scale, w, align, K, x.dtype, cfg))()
+            for v in [cfg] + [v for v in variants(cfg, scheme) if v != cfg]:
+                label = f"{mode} {'TABLE ' if v == cfg else ''}{tag(v)}"
+                fns[label] = in_mode(mode, lambda act=act, v=v: launch.gemm2(act, w, align, tw, x.dtype, v))
+        pairs = launch.gemm2(act, w, align, tw, x.dtype, cfg)
+        fns["combine alone"] = lambda pairs=pairs: launch.combine(pairs, M, K)
+        times = time_graphs(fns, reps=20, warmup=2, rounds=3)
+        print(f"\n{model} tp{tp} M={M} table config {cfg} (E={E} K={K} N={N} H={H})", flush=True)
+        best = {}
+        for label, t in times.items():
+            if isinstance(t, BaseException):
+                print(f"  {label:40s} FAILED {str(t)[:100]}")
+                continue
+            us = t.median_us
+            mode = label.split()[0]
+            if label != "combine alone" and (mode not in best or us < best[mode][1]):
+                best[mode] = (label, us)
+            print(f"  {label:40s} {us:9.1f} us  {flops2 / us / 1e6:7.1f} TFLOP/s")
+            results.append({"model": model, "tp": int(tp), "M": M, "what": label, "us": us})
+        for mode, (label, us) in best.items():
+            table = next(t.median_us for lab, t in times.items() if lab.startswith(f"{mode} TABLE"))
+            print(f"  best {mode}: {label} {us:.1f} us, table's {table:.1f} us ({table / us:.2f}x)")
+        del fns, times
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The triton backend checks the expert ids itself (Backend.checks_expert_ids): on every path, the
+first kernel that reads topk_ids asserts on the device that each lies in [0, E), so fused_moe
+launches no checking kernel of its own for it.
+
+On the CPU the interpreter runs device_assert only when its builder's `debug` option is on (on a
+GPU, launch.py compiles those kernels with Triton's `debug`); the tests here turn it on, so a
+kernel that stopped checking fails them. A failed assertion on a GPU ends the process's CUDA
+context, so the GPU test runs it in a child process."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import moekit
+from moekit.backends.triton import KernelConfig, launch
+
+from helpers import RecordingKernel, random_routing, random_weights, random_x
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# the four ways the backend reads the routing first (launch.TritonBackend.run)
+PATHS = {
+    # (scheme, M, config)
+    "GEMV path: gemv1": ("fp8-channel-token", 2, KernelConfig(16, 32, 256, 1, 2, 1, GEMV=1)),
+    "decode prologue (align + quantize x)": ("fp8-channel-token", 2, KernelConfig(16, 32, 128, 1, 4, 2)),
+    "one-program alignment": ("bf16", 2, KernelConfig(16, 32, 64, 1, 4, 2)),
+    "multi-program alignment (count kernel)": ("bf16", 70, KernelConfig(16, 32, 64, 1, 4, 2)),  # 140 pairs
+}
+
+
+@pytest.fixture
+def interpreter_asserts(monkeypatch):
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
+
+
+def _problem(scheme, M, E=5, H=128, N=96, K=2, device="cpu"):
+    tw, ids = random_routing(M, E, K, device=device)
+    return random_x(M, H, device=device), random_weights(E, H, N, scheme, device=device), tw, ids
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bad", [5, -1, 1000])
+def test_each_path_asserts_an_id_out_of_range(path, bad, interpreter_asserts):
+    scheme, M, cfg = PATHS[path]
+    x, w, tw, ids = _problem(scheme, M)
+    backend = moekit.get_backend("triton")
+    backend.run(x, w, tw, ids, config=cfg)  # in range: no assertion (the same problem)
+    ids[M - 1, 1] = bad  # the last pair: every chunk and program must check, not only the first
+    with pytest.raises(BaseException, match=r"topk_ids outside \[0, num_experts\)"):
+        backend.run(x, w, tw, ids, config=cfg)
+
+
+def test_the_backend_says_it_checks_and_the_others_do_not():
+    assert moekit.get_backend("triton").checks_expert_ids
+    assert not moekit.get_backend("reference").checks_expert_ids
+
+
+def test_checking_kernels_get_the_flag_and_the_debug_option(monkeypatch):
+    """_launch passes CHECK_IDS=True to the kernels that take it, with Triton's `debug` on a GPU
+    (without it device_assert compiles to nothing); other kernels get neither."""
+    calls = []
+    x = torch.zeros(2)
+    monkeypatch.setattr(launch, "_interpreting", lambda: False)
+    launch._launch(RecordingKernel(["ids_ptr", "CHECK_IDS"], calls), (1,), x)
+    launch._launch(RecordingKernel(["x_ptr"], calls), (1,), x)
+    monkeypatch.setattr(launch, "_interpreting", lambda: True)
+    launch._launch(RecordingKernel(["ids_ptr", "CHECK_IDS"], calls), (1,), x)
+    assert calls[0]["CHECK_IDS"] is True and calls[0]["debug"] is True
+    assert calls[0].get("sanitize_overflow", False) is False  # no overflow checks in the kernel
+    assert calls[1] == {}
+    assert calls[2] == {"CHECK_IDS": True}  # the interpreter takes no compile options
+
+
+@pytest.mark.gpu
+def test_gpu_fused_moe_leaves_the_check_to_the_triton_backend(monkeypatch):
+    """fused_moe launches its own check only for backends that do not check (counted here), and
+    the triton backend's output is unchanged by its check."""
+    import moekit.api as api
+
+    calls = []
+    real = api.assert_ids_in_range
+    monkeypatch.setattr(api, "assert_ids_in_range", lambda ids, E: (calls.append(E), real(ids, E)))
+    x, w, tw, ids = _problem("fp8-channel-token", 3, device="cuda")
+    out = moekit.fused_moe(x, w, tw, ids, backend="triton")
+    assert calls == []
+    ref = moekit.fused_moe(x, w, tw, ids, backend="reference")
+    assert calls == [5]
+    assert torch.isfinite(out).all() and out.shape == ref.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+def test_gpu_an_id_out_of_range_stops_the_layer_with_the_message(path):
+    scheme, M, cfg = PATHS[path]
+    script = textwrap.dedent(f"""
+        import sys, torch, moekit
+        sys.path.insert(0, "tests")
+        from helpers import RecordingKernel, random_routing, random_weights, random_x
+        from moekit.backends.triton import KernelConfig
+        x, w = random_x({M}, 128, device="cuda"), random_weights(5, 128, 96, {scheme!r}, device="cuda")
+        tw, ids = random_routing({M}, 5, 2, device="cuda")
+        ids[{M} - 1, 1] = 5
+        cfg = KernelConfig(**{dataclasses.asdict(cfg)!r})
+        moekit.get_backend("triton").run(x, w, tw.float(), ids, config=cfg)
+        torch.cuda.synchronize()
+        print("NO ASSERTION")
+    """)
+    p = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "NO ASSERTION" not in out, out[-2000:]
+    assert "topk_ids outside [0, num_experts)" in out, out[-2000:]
