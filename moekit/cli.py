@@ -136,7 +136,7 @@ def cmd_tune(args) -> int:
         budget=args.budget, out=args.out, routing=args.routing, search_space=args.search_space, reps=args.reps,
         warmup=args.warmup, seed=args.seed, dtype=args.dtype, export_vllm=args.export_vllm,
         compile_workers=args.compile_workers, between=args.between, routings=args.routings,
-        argv=getattr(args, "argv", None),
+        gemm2=args.gemm2_search, argv=getattr(args, "argv", None),
     )
     try:
         return run_tune(opts, console).exit_code
@@ -263,6 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--between", action=argparse.BooleanOptionalAction, default=True,
                       help="also time every backend at a size between each two tuned sizes, for the "
                            "decision table (default: on)")
+    tune.add_argument("--gemm2-search", action=argparse.BooleanOptionalAction, default=True,
+                      help="after each size's search, time the best config again with GEMM2 launched "
+                           "with its own tile width, warps and stages (under --search-space none: the best "
+                           "config found before) (default: on)")
     tune.add_argument("--reps", type=int, default=20, help="timed replays per config")
     tune.add_argument("--warmup", type=int, default=3, help="warm-up calls per config (the first compiles)")
     tune.add_argument("--routings", type=int, default=4, metavar="N",

@@ -16,8 +16,9 @@
 #        --no-between" for decode sizes only); the tables land in tuned/ of the archive, ready to
 #        copy into moekit/configs/.
 # retime: `moekit tune --search-space none` on the TUNE_MODELS with the journals in TUNE_DIR
-#        (default tune-journal/, git-ignored: carry it): no search, only what is missing with the
-#        configs found before (the sizes between after a change of their rule, say); the tables
+#        (default tune-journal/, git-ignored: carry it; TUNE_ARGS adds arguments): no search, only
+#        what is missing with the configs found before (the sizes between after a change of their
+#        rule, GEMM2's own launch on the best configs found before, say); the tables
 #        land in tuned/ of the archive and the steps after it use them, as after `tune`.
 # full:  the exhaustive search (`--search-space full`) of GLM-4.5V TP2 at FULL_SIZES (default
 #        "64 1024"), to compare with the pruned search of the tune step at the same sizes.
@@ -88,7 +89,7 @@ if [[ " ${steps[*]} " == *" retime "* ]]; then  # not part of `all`: it needs ca
   for m in ${TUNE_MODELS:-glm-4.5v-fp8:2 mixtral-8x7b:1:fp8-channel-token deepseek-v3:8 qwen3-30b-a3b-fp8:1}; do
     IFS=: read -r model tp scheme <<<"$m"
     moekit tune --model "$model" --tp "$tp" ${scheme:+--scheme "$scheme"} --search-space none \
-      --out "${TUNE_DIR:-tune-journal}" || status=1
+      --out "${TUNE_DIR:-tune-journal}" ${TUNE_ARGS:-} || status=1
   done
   mkdir -p "$WORK/tuned" && cp -r "${TUNE_DIR:-tune-journal}/triton" "${TUNE_DIR:-tune-journal}/backends" "$WORK/tuned/" \
     || status=1

@@ -69,10 +69,13 @@ def tiny_model(tmp_path):
 
 
 def tune(tiny_model, out, scheme="fp8-channel-token", **kw):
-    """run_tune on the tiny model with the two-config space; returns (result, printed text)."""
+    """run_tune on the tiny model with the two-config space; returns (result, printed text).
+    GEMM2's own launch search is off unless asked for (gemm2=True): the tests of everything else
+    count measurements, and that step has tests of its own."""
     buf = io.StringIO()
     opts = TuneOptions(models=[str(tiny_model)], scheme=scheme, batch_sizes=kw.pop("batch_sizes", SIZES), reps=1,
-                       warmup=0, out=str(out), space=kw.pop("space", interpreter_space), argv=["tune"], **kw)
+                       warmup=0, out=str(out), space=kw.pop("space", interpreter_space), argv=["tune"],
+                       gemm2=kw.pop("gemm2", False), **kw)
     result = run_tune(opts, Console(file=buf, width=200, no_color=True))
     return result, buf.getvalue()
 
@@ -158,7 +161,7 @@ OTHER_CFG = KernelConfig(16, 64, 128, 8, 4, 3)
 @pytest.mark.parametrize("scheme", [FP8_CHANNEL_TOKEN, FP8_BLOCK128, BF16], ids=lambda s: s.name)
 def test_tune_writes_valid_tables_and_vllm_export(tmp_path, tiny_model, scheme):
     out, export = tmp_path / "out", tmp_path / "vllm"
-    result, text = tune(tiny_model, out, scheme.name, export_vllm=str(export))
+    result, text = tune(tiny_model, out, scheme.name, export_vllm=str(export), gemm2=True)
     assert result.exit_code == 0, text
     assert result.not_covered == []
 
@@ -202,7 +205,8 @@ def test_tune_writes_valid_tables_and_vllm_export(tmp_path, tiny_model, scheme):
                 "torch", "triton", "date"):
         assert t["meta"][key] == b["meta"][key] or key == "date"
     for m, entry in t["configs"].items():
-        assert list(entry) == [*CONFIG_FIELDS, "us", "default_us"]
+        # GEMM2's own launch fields appear only where the best config has one (KernelConfig.to_dict)
+        assert [k for k in entry if k not in KernelConfig.GEMM2_FIELDS] == [*CONFIG_FIELDS, "us", "default_us"]
         assert not KernelConfig.from_dict(entry).problems(scheme)
         j = js[int(m)]
         best = min((v["us"], k) for k, v in j["configs"].items() if "us" in v)
@@ -414,6 +418,92 @@ def test_failing_configs_are_recorded_and_skipped(tmp_path, tiny_model, monkeypa
     assert config_key(FAST_CFG) not in js[4]["configs"]
     for entry in read(only_file(out / "triton"))["configs"].values():
         assert KernelConfig.from_dict(entry) not in (FAST_CFG, OTHER_CFG)
+
+
+# ------------------------------------------------------------------- GEMM2's own launch
+
+
+FAST_GEMM2 = FAST_CFG.with_gemm2(BLOCK_N=64, num_stages=3)  # space.GEMM2_GRID_CPU's variant of FAST_CFG
+
+
+def test_gemm2_search_times_the_best_config_with_gemm2_launched_otherwise(tmp_path, tiny_model, monkeypatch):
+    """After each size's search, the best config is timed with GEMM2's own launch variants; the
+    fastest of all becomes the table's entry (with its GEMM2 fields), vLLM's export falls back to
+    a config vLLM can run, and a rerun measures nothing again."""
+    timer = FakeTimer(us={triton(FAST_CFG): 50.0, triton(FAST_GEMM2): 40.0}).install(monkeypatch)
+    out, export = tmp_path / "out", tmp_path / "vllm"
+    result, text = tune(tiny_model, out, gemm2=True, between=False, export_vllm=str(export))
+    assert result.exit_code == 0, text
+    assert f"{triton(FAST_GEMM2)} at M=1" in timer.calls and f"{triton(FAST_GEMM2)} at M=4" in timer.calls
+    assert not any("+" in call for call in timer.calls if config_key(OTHER_CFG) in call)  # only the best's
+    js = journals(out)
+    for M in (1, 4):
+        assert js[M]["gemm2"] == {"base": config_key(FAST_CFG), "variants": 1, "dropped": {}, "complete": True}
+    table = read(only_file(out / "triton"))
+    for entry in table["configs"].values():
+        assert KernelConfig.from_dict(entry) == FAST_GEMM2 and entry["us"] == 40.0
+        assert (entry["BLOCK_N2"], entry["num_stages2"]) == (64, 3) and "num_warps2" not in entry
+    exported = read(only_file(export))
+    assert all(cfg["BLOCK_SIZE_N"] == 2 * FAST_CFG.BLOCK_N for cfg in exported.values())  # FAST_CFG's tile
+    assert "GEMM2 has a launch config of its own" in text or "fastest that vLLM can take" in text
+
+    again = FakeTimer(us={triton(FAST_CFG): 50.0, triton(FAST_GEMM2): 40.0}).install(monkeypatch)
+    tune(tiny_model, out, gemm2=True, between=False)
+    assert again.calls == []
+
+
+def test_gemm2_search_off_and_under_search_space_none(tmp_path, tiny_model, monkeypatch):
+    """--no-gemm2-search times no variant; a later run with --search-space none times only the
+    variants of the best config found before."""
+    first = FakeTimer(us={triton(FAST_CFG): 50.0}).install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out, between=False)
+    assert first.calls and not any("+" in call for call in first.calls)
+    second = FakeTimer(us={triton(FAST_CFG): 50.0, triton(FAST_GEMM2): 60.0}).install(monkeypatch)
+    tune(tiny_model, out, between=False, search_space="none", gemm2=True)
+    assert sorted(second.calls) == [f"{triton(FAST_GEMM2)} at M={M}" for M in (1, 4)]
+    for entry in read(only_file(out / "triton"))["configs"].values():
+        assert KernelConfig.from_dict(entry) == FAST_CFG  # the variant was slower
+
+
+def test_the_cli_turns_the_gemm2_search_off():
+    from moekit.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["tune", "--model", "x"]).gemm2_search is True
+    assert parser.parse_args(["tune", "--model", "x", "--no-gemm2-search"]).gemm2_search is False
+
+
+@pytest.mark.parametrize("block_m, block_n, warps, promoted, collapsed", [
+    # variants measured on an H200 (BENCHMARKS.md, eighth session): 3-10x slower past 128 registers
+    (128, 256, 4, False, True),  # GLM-4.5V M = 8192 fast: 2.8 ms against 0.62
+    (128, 128, 4, True, True),  # Mixtral M = 1024 precise: 2.2 ms against 0.36
+    (64, 256, 4, True, True),  # GLM-4.5V M = 4096 precise: 1.4-2.3 ms against 0.47
+    (128, 256, 8, True, True),  # Mixtral M = 4096 precise: 2.8-3.8 ms against 1.16
+    (64, 256, 4, False, False),  # GLM-4.5V M = 4096 fast: 0.49 ms, not collapsed
+    (128, 256, 8, False, False),  # Mixtral M = 4096 fast: the fastest, 0.75 ms
+    (64, 128, 4, True, False),  # GLM-4.5V M = 4096 precise: the fastest, 0.47 ms
+])
+def test_gemm2_variants_drop_what_collapsed_when_measured(block_m, block_n, warps, promoted, collapsed):
+    base = KernelConfig(block_m, 128 if block_n != 128 else 64, 128, 8, 8, 4)
+    kept, dropped = space.gemm2_variants(base, FP8_CHANNEL_TOKEN, [(block_n, warps, 3)], 227 * 1024, promoted)
+    variant = base.with_gemm2(BLOCK_N=block_n, num_warps=warps, num_stages=3)
+    assert (variant in kept) is not collapsed
+    assert (config_key(variant) in dropped and "registers" in dropped[config_key(variant)]) is collapsed
+
+
+def test_gemm2_variants_rules():
+    base = KernelConfig(64, 128, 128, 8, 8, 4)
+    grid = [(128, 8, 4), (256, 8, 3), (64, 4, 5), (128, 8, 8)]
+    kept, dropped = space.gemm2_variants(base, FP8_BLOCK128, grid, 100 * 1024, True)  # an Ada-sized limit
+    assert base not in kept and base.with_gemm2(num_stages=4) == base  # GEMM1's own launch: not a variant
+    assert "must divide 128" in dropped[config_key(base.with_gemm2(BLOCK_N=256, num_stages=3))]
+    assert kept[0] == base.with_gemm2(BLOCK_N=64, num_warps=4, num_stages=5)
+    assert "shared memory" in dropped[config_key(base.with_gemm2(num_stages=8))]  # 7 stages of 24 KiB
+    assert space.gemm2_partial_accumulator(FP8_CHANNEL_TOKEN, "precise")
+    assert not space.gemm2_partial_accumulator(FP8_CHANNEL_TOKEN, "fast")
+    assert space.gemm2_partial_accumulator(FP8_BLOCK128, "fast")  # block scales: added step by step
+    assert not space.gemm2_partial_accumulator(BF16, "precise")
 
 
 # ------------------------------------------------------------------------------- budget

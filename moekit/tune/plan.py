@@ -18,7 +18,7 @@ from ..bench import (
 )
 from ..spec import MoEShape, QuantScheme
 from .precompile import default_helpers
-from .space import NEIGHBOUR_MARGIN, SEARCH_SPACES, SpaceFn, default_space
+from .space import NEIGHBOUR_MARGIN, SEARCH_SPACES, SpaceFn, default_space, gemm2_grid
 
 GPU_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 CPU_BATCH_SIZES = (1, 4)  # the Triton interpreter takes ~0.3 s per layer call
@@ -48,6 +48,7 @@ class TuneOptions:
     export_vllm: str | None = None
     compile_workers: int | None = None  # helper processes compiling ahead (None: precompile.default_helpers)
     between: bool = True  # also time every backend at the sizes between the tuned ones (between_sizes)
+    gemm2: bool = True  # after each size's search, GEMM2's own launch variants of the best config
     routings: int = DEFAULT_ROUTINGS  # the decision timing cycles through this many routings per size
     argv: list[str] | None = None
     space: SpaceFn | None = None  # tests: the configs to search instead of the device's space
@@ -88,6 +89,7 @@ class TunePlan:
     compile_workers: int  # helper processes compiling configs ahead of the measurements (0: none)
     between: list[int]  # sizes between the tuned ones: no search, the backends and the neighbours' configs (between_sizes)
     routings: int  # routings of each size the decision timing cycles through (runner._decide)
+    gemm2_grid: tuple  # GEMM2's launch variants tried on the best config (space.gemm2_grid), () when off
     run_meta: dict  # extra metadata of the triton tables (command, search settings)
     created: list[Path]  # output folders this run created (removed again if it fails at once)
 
@@ -224,9 +226,11 @@ def build_plan(opts: TuneOptions, device: torch.device) -> TunePlan:
         compile_workers=helpers,
         between=between_sizes(batch_sizes) if opts.between else [],
         routings=opts.routings,
+        gemm2_grid=gemm2_grid(device) if opts.gemm2 else (),
         run_meta={
             "tool": "moekit tune",
             "search_space": opts.search_space,
+            "gemm2_search": opts.gemm2,
             "neighbour_margin": NEIGHBOUR_MARGIN,  # kept in a table only if a pruned search made it
             "reps": opts.reps,
             "warmup": opts.warmup,

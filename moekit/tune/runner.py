@@ -39,6 +39,7 @@ all journals. One GPU or the CPU: the same worker, in this process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -58,7 +59,10 @@ from .journal import MAX_DEATHS, Journal, journal_path, load_journals
 from .output import best_config, is_between, neighbour_configs, write_tables
 from .plan import TunePlan, TuneProblem
 from .precompile import Precompiler
-from .space import GEMV_START, NeighbourResult, config_key, neighbour_prune, shared_memory_limit, static_prune
+from .space import (
+    GEMV_START, NeighbourResult, config_key, gemm2_partial_accumulator, gemm2_variants, neighbour_prune,
+    shared_memory_limit, static_prune,
+)
 
 # A config whose output differs from the default config's by more than this (relative L2) is
 # wrong, not slower: configs change only the accumulation order (~1e-6) and, for FP8 schemes,
@@ -263,6 +267,7 @@ class Worker:
                 if self.deadline.passed():
                     break
                 self._search(p, journals[M], previous, estimate[M])
+                self._search_gemm2(p, journals[M])
                 self.slots_left -= 1
                 if not self.deadline.passed():
                     self._decide(p, journals[M])
@@ -273,6 +278,7 @@ class Worker:
             for M in self.sizes:  # what is left: --search-space none, or decisions of an older run
                 if self.deadline.passed():
                     break
+                self._search_gemm2(p, journals[M])
                 self._decide(p, journals[M])
             write_problem_tables(self.plan, table_file)
         finally:
@@ -414,6 +420,39 @@ class Worker:
         if done < len(todo):
             self.reporter.add_total(done - len(todo))
         j.data["search"]["complete"] = done == len(todo)
+        j.save()
+
+    def _search_gemm2(self, p: TuneProblem, j: Journal) -> None:
+        """GEMM2's own launch (space.gemm2_variants) on this size's best tiled config: each variant
+        is timed as a config of its own, so the fastest of all becomes the table's entry. Done
+        once per best GEMM1 launch (journal "gemm2"), also under --search-space none on the
+        configs found before."""
+        best = best_config(j.data)
+        if not self.plan.gemm2_grid or best is None:
+            return
+        base = KernelConfig.from_dict(best[1]["config"])
+        if base.GEMV:
+            return
+        base = dataclasses.replace(base, **dict.fromkeys(KernelConfig.GEMM2_FIELDS, 0))  # GEMM1's launch
+        variants, dropped = gemm2_variants(base, p.scheme, self.plan.gemm2_grid, self.shared_memory,
+                                           gemm2_partial_accumulator(p.scheme, fp8_accumulation()))
+        todo = [c for c in variants if j.config(config_key(c)) is None]
+        j.data["gemm2"] = {"base": config_key(base), "variants": len(variants), "dropped": dropped,
+                           "complete": not todo}
+        j.save()
+        if not todo:
+            return
+        self.reporter.add_total(len(todo))
+        self.precompiler.submit(p.shape, p.scheme, j.batch_size, todo)
+        inputs = self._inputs(p, j.batch_size)
+        for done, cfg in enumerate(todo):
+            if self.deadline.passed():
+                self.reporter.add_total(done - len(todo))
+                return
+            self.reporter.describe(f"{p.label} M={j.batch_size}: GEMM2 launch, {len(todo) - done} left")
+            self._measure_config(p, j, cfg, inputs)
+            self.reporter.advance()
+        j.data["gemm2"]["complete"] = True
         j.save()
 
     # -------------------------------------------------------------------------- measuring

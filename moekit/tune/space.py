@@ -70,10 +70,11 @@ def config_key(cfg: KernelConfig) -> str:
     """A short, stable name for a config: the journal's and the summary's key."""
     if cfg.GEMV:  # BLOCK_M and GROUP_M mean nothing to the GEMV path
         return f"gemv-N{cfg.BLOCK_N}-K{cfg.BLOCK_K}-w{cfg.num_warps}-s{cfg.num_stages}"
-    return (
-        f"M{cfg.BLOCK_M}-N{cfg.BLOCK_N}-K{cfg.BLOCK_K}-G{cfg.GROUP_M}"
-        f"-w{cfg.num_warps}-s{cfg.num_stages}"
-    )
+    key = f"M{cfg.BLOCK_M}-N{cfg.BLOCK_N}-K{cfg.BLOCK_K}-G{cfg.GROUP_M}-w{cfg.num_warps}-s{cfg.num_stages}"
+    if cfg.has_gemm2:  # GEMM2's own launch (gemm2_variants): its whole launch, after a "+"
+        g2 = cfg.gemm2()
+        key += f"+N{g2.BLOCK_N}-G{g2.GROUP_M}-w{g2.num_warps}-s{g2.num_stages}"
+    return key
 
 
 # ------------------------------------------------------------------------------- the spaces
@@ -134,6 +135,64 @@ def default_space(device: torch.device, search_space: str) -> SpaceFn:
     if device.type != "cuda":
         return interpreter_space
     return HopperSpace(full=search_space == "full")
+
+
+# ------------------------------------------------------------------- GEMM2's own launch
+
+# After each batch size's search the tuner times the best tiled config again with GEMM2 launched
+# differently (KernelConfig.BLOCK_N2 / num_warps2 / num_stages2): tile width x warps x stages.
+# GEMM2 alone on an H200 (BENCHMARKS.md, eighth session) was up to 1.39x faster with another
+# width or stage count than GEMM1's (GLM-4.5V M = 8192, fast mode); GROUP_M moved it less.
+GEMM2_GRID_GPU = tuple(itertools.product((64, 128, 256), (4, 8), (3, 4, 5)))
+GEMM2_GRID_CPU = ((32, 4, 2), (64, 4, 3))  # the interpreter: enough to run the step, not a search
+
+# float32 registers per thread GEMM2's accumulators may take. Beyond 128 (counting the partial
+# accumulator of a promoted FP8 sum twice) every variant measured collapsed to 3-10x slower:
+# 64x256 tiles on 4 warps promoted, 128x128 on 4 warps promoted, 128x256 on 8 warps promoted,
+# 128x256 on 4 warps; at exactly 128 none did (BENCHMARKS.md, eighth session).
+GEMM2_MAX_ACCUMULATOR_REGISTERS = 128
+
+
+def gemm2_grid(device: torch.device) -> tuple[tuple[int, int, int], ...]:
+    """(BLOCK_N, num_warps, num_stages) of GEMM2's launch variants on this device."""
+    return GEMM2_GRID_GPU if device.type == "cuda" else GEMM2_GRID_CPU
+
+
+def gemm2_partial_accumulator(scheme: QuantScheme, accumulation: str) -> bool:
+    """Whether GEMM2 sums FP8 products into float32 step by step (a second accumulator of the
+    tile's size): precise accumulation, or scales that change along K (1x128 groups, 128x128
+    blocks), whatever the mode."""
+    if not scheme.is_fp8:
+        return False
+    return accumulation == "precise" or scheme.activation == "group" or scheme.weight == "block"
+
+
+def gemm2_variants(
+    base: KernelConfig, scheme: QuantScheme, grid: Sequence[tuple[int, int, int]], shared_memory_limit: int,
+    partial_accumulator: bool,
+) -> tuple[list[KernelConfig], dict[str, str]]:
+    """(variants of `base` with GEMM2's own launch, {key dropped: why}); the variant equal to base
+    (GEMM2 launched as GEMM1) is not among them."""
+    kept: list[KernelConfig] = []
+    dropped: dict[str, str] = {}
+    for block_n, warps, stages in grid:
+        cfg = base.with_gemm2(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        if not cfg.has_gemm2 or cfg in kept:
+            continue
+        key, g2 = config_key(cfg), cfg.gemm2()
+        registers = g2.BLOCK_M * g2.BLOCK_N / (32 * g2.num_warps) * (2 if partial_accumulator else 1)
+        smem = (g2.BLOCK_M * g2.BLOCK_K + g2.BLOCK_K * g2.BLOCK_N) * _operand_bytes(scheme) * max(g2.num_stages - 1, 1)
+        problems = cfg.problems(scheme)
+        if problems:
+            dropped[key] = "cannot run: " + "; ".join(problems)
+        elif smem > shared_memory_limit:
+            dropped[key] = f"shared memory: GEMM2 needs at least {smem // 1024} KiB, the device has {shared_memory_limit // 1024} KiB"
+        elif registers > GEMM2_MAX_ACCUMULATOR_REGISTERS:
+            dropped[key] = (f"registers: GEMM2's accumulators need {registers:.0f} per thread "
+                            f"(more than {GEMM2_MAX_ACCUMULATOR_REGISTERS} collapsed when measured)")
+        else:
+            kept.append(cfg)
+    return kept, dropped
 
 
 # ------------------------------------------------------------------------- device limits
@@ -296,5 +355,5 @@ def neighbour_prune(
 __all__ = [
     "SEARCH_SPACES", "NEIGHBOUR_MARGIN", "SpaceFn", "config_key", "hopper_space", "interpreter_space",
     "default_space", "HopperSpace", "shared_memory_limit", "shared_memory_bytes", "accumulator_registers",
-    "static_prune", "neighbour_prune", "NeighbourResult",
+    "static_prune", "neighbour_prune", "NeighbourResult", "gemm2_grid", "gemm2_variants", "gemm2_partial_accumulator",
 ]

@@ -1,8 +1,13 @@
 """Launch configuration of the triton backend: `KernelConfig`, analytic defaults, tuned tables.
 
-One config serves both GEMMs (they share the row blocks of the alignment). BLOCK_N is the width
-of an output tile: GEMM1 computes BLOCK_N gate and BLOCK_N up columns per tile, so its tile spans
-2 * BLOCK_N columns of w13 (vLLM's BLOCK_SIZE_N for the same tile is 2 * BLOCK_N).
+One config serves both GEMMs (they share the row blocks of the alignment, so BLOCK_M and BLOCK_K
+are common), except that GEMM2 may have a tile width, warps, stages and grouping of its own
+(BLOCK_N2, num_warps2, num_stages2, GROUP_M2; 0 = GEMM1's): with its short inner dimension it
+wanted 3 stages where GEMM1 wanted 4 at GLM-4.5V M = 8192 (621 against 865 µs for GEMM2 alone in
+fast mode), and 256-wide tiles at Mixtral M = 4096 (754 against 863; BENCHMARKS.md, eighth
+session). BLOCK_N is the width of an output tile: GEMM1 computes BLOCK_N gate and BLOCK_N up
+columns per tile, so its tile spans 2 * BLOCK_N columns of w13 (vLLM's BLOCK_SIZE_N for the same
+tile is 2 * BLOCK_N).
 
 Tuned tables (written by `moekit tune`, found through `moekit.tables`: the user's folders, then
 the shipped ones) hold {"meta": {...}, "configs": {"<batch size>": {BLOCK_M: .., ..., "us": ..}}};
@@ -34,9 +39,44 @@ class KernelConfig:
     num_stages: int = 3
     JOIN: int = 0  # 1: GEMM1's gate and up columns in one wide tile (_kernels._gemm1_joined)
     GEMV: int = 0  # 1: the decode path of gemv.py (no alignment; BLOCK_M and GROUP_M unused)
+    # GEMM2's own launch parameters on the tiled path (0: the same as GEMM1's; module docstring)
+    BLOCK_N2: int = 0
+    num_warps2: int = 0
+    num_stages2: int = 0
+    GROUP_M2: int = 0
+
+    GEMM2_FIELDS = ("BLOCK_N2", "num_warps2", "num_stages2", "GROUP_M2")  # a class constant, not a field
+
+    def gemm2(self) -> "KernelConfig":
+        """The config GEMM2 runs: GEMM2's own parameters in place of GEMM1's, where set."""
+        own = {name[:-1]: getattr(self, name) for name in self.GEMM2_FIELDS if getattr(self, name)}
+        return dataclasses.replace(self, **own, **dict.fromkeys(self.GEMM2_FIELDS, 0)) if own else self
+
+    def with_gemm2(self, **params: int) -> "KernelConfig":
+        """This config with GEMM2's parameters set (BLOCK_N=, num_warps=, num_stages=, GROUP_M=),
+        a parameter equal to GEMM1's stored as 0, so that one launch has one spelling."""
+        fields = {}
+        for name, value in params.items():
+            if name + "2" not in self.GEMM2_FIELDS:
+                raise TypeError(f"GEMM2 has no parameter {name!r} of its own; it has {', '.join(f[:-1] for f in self.GEMM2_FIELDS)}")
+            fields[name + "2"] = 0 if value == getattr(self, name) else value
+        return dataclasses.replace(self, **fields)
+
+    @property
+    def has_gemm2(self) -> bool:
+        return any(getattr(self, name) for name in self.GEMM2_FIELDS)
 
     def problems(self, scheme: QuantScheme) -> list[str]:
         """Why this config cannot run `scheme` (empty when it can)."""
+        if self.has_gemm2:
+            if self.GEMV:
+                return ["BLOCK_N2 / num_warps2 / num_stages2 / GROUP_M2 are for the tiled path; the GEMV path (GEMV=1) has none"]
+            negative = [f"{name}={getattr(self, name)} must be 0 (GEMM1's) or positive" for name in self.GEMM2_FIELDS
+                        if getattr(self, name) < 0]
+            if negative:
+                return negative
+            gemm1 = dataclasses.replace(self, **dict.fromkeys(self.GEMM2_FIELDS, 0))
+            return gemm1.problems(scheme) + [f"GEMM2: {p}" for p in self.gemm2().problems(scheme)]
         out = []
         if self.GEMV:  # K steps of whole 128-groups, columns without a tensor-core tile, no row tiles
             smallest = {"BLOCK_N": 4, "BLOCK_K": 128}
@@ -69,7 +109,10 @@ class KernelConfig:
         return out
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields, without GEMM2's own where unset (tables of configs that have none stay as
+        they were)."""
+        d = dataclasses.asdict(self)
+        return {k: v for k, v in d.items() if v or k not in self.GEMM2_FIELDS}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelConfig":

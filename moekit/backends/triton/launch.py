@@ -461,8 +461,10 @@ def quantize_intermediate_rows(values: torch.Tensor, align: Alignment, num_exper
 
 def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights, out_dtype, cfg: KernelConfig):
     """Intermediate rows times w2 of their expert, times the pair's top-k weight, written to the
-    pair's own row of a [P, H] buffer (no two programs write the same element: deterministic)."""
+    pair's own row of a [P, H] buffer (no two programs write the same element: deterministic).
+    Runs GEMM2's own tile width, warps, stages and grouping where the config sets them."""
     _tiled_only(cfg)
+    cfg = cfg.gemm2()
     scheme = weights.scheme
     E, N, H = weights.num_experts, weights.n, weights.hidden
     values = act.values

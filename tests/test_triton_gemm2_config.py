@@ -1,0 +1,138 @@
+"""GEMM2's own launch (KernelConfig.BLOCK_N2 / num_warps2 / num_stages2 / GROUP_M2): the config
+rules, and the layer against `reference` with GEMM2 tiled unlike GEMM1, for every scheme, in both
+accumulation modes, at odd sizes and with idle experts (CPU interpreter; preset shapes on a GPU)."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import moekit
+from moekit.backends.triton import KernelConfig, _kernels, launch
+from moekit.backends.triton.config import get_config
+from moekit.backends.triton.launch import FP8_ACCUMULATION_ENV
+from moekit.spec import get_scheme
+from moekit.tune.output import vllm_config
+from moekit.tune.space import config_key
+
+from helpers import assert_graph_replays_fresh_routing, random_routing, random_weights, random_x
+from test_triton_backend import PRESET_SHAPES, SCHEMES, assert_matches_reference
+
+BASE = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=2)
+
+
+def run(x, w, tw, ids, cfg):
+    return moekit.get_backend("triton").run(x, w, tw.float(), ids, config=cfg)
+
+
+# ------------------------------------------------------------------------------ config rules
+
+
+def test_gemm2_launch_takes_its_own_fields_and_only_those():
+    cfg = BASE.with_gemm2(BLOCK_N=32, num_warps=2, num_stages=3, GROUP_M=1)
+    assert cfg.gemm2() == KernelConfig(16, 32, 128, 1, 2, 3)  # BLOCK_M and BLOCK_K stay GEMM1's
+    assert BASE.gemm2() is BASE and not BASE.has_gemm2 and cfg.has_gemm2
+    assert BASE.with_gemm2(BLOCK_N=64, num_stages=2) == BASE  # the same as GEMM1's: stored as unset
+    with pytest.raises(TypeError, match="no parameter 'BLOCK_M' of its own"):
+        BASE.with_gemm2(BLOCK_M=32)
+
+
+def test_to_dict_names_gemm2_fields_only_when_set_and_round_trips():
+    assert "BLOCK_N2" not in BASE.to_dict()
+    cfg = BASE.with_gemm2(num_stages=4)
+    assert cfg.to_dict()["num_stages2"] == 4 and "BLOCK_N2" not in cfg.to_dict()
+    assert KernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert config_key(cfg) == config_key(BASE) + "+N64-G8-w4-s4" and config_key(BASE) == "M16-N64-K128-G8-w4-s2"
+
+
+def test_problems_of_gemm2_fields():
+    block = get_scheme("fp8-block128")
+    assert BASE.with_gemm2(BLOCK_N=256).problems(block) == ["GEMM2: BLOCK_N=256 must divide 128 for 128x128 weight blocks"]
+    assert BASE.with_gemm2(BLOCK_N=48).problems(get_scheme("bf16")) == ["GEMM2: BLOCK_N=48 must be a power of two >= 16"]
+    assert "must be 0 (GEMM1's) or positive" in dataclasses.replace(BASE, num_warps2=-4).problems(block)[0]
+    gemv = KernelConfig(16, 8, 512, 1, 4, 1, GEMV=1, num_stages2=3)
+    assert "the GEMV path (GEMV=1) has none" in gemv.problems(block)[0]
+
+
+def test_vllm_export_refuses_a_gemm2_launch_of_its_own():
+    cfg, why = vllm_config(BASE.with_gemm2(num_stages=3), get_scheme("fp8-channel-token"))
+    assert cfg is None and "GEMM2 has a launch config of its own" in why
+
+
+def test_a_table_entry_with_gemm2_fields_is_what_the_backend_runs(tmp_path, monkeypatch):
+    from moekit.spec import MoEShape
+    from moekit.tables import CONFIG_DIR_ENV, table_name
+
+    shape, scheme = MoEShape(4, 128, 128, 2), get_scheme("fp8-channel-token")
+    entry = {**BASE.with_gemm2(BLOCK_N=32, num_stages=3).to_dict(), "us": 1.0}
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / table_name(shape, scheme, "NVIDIA H200")).write_text(
+        json.dumps({"meta": {}, "configs": {"64": entry}}))
+    monkeypatch.setenv(CONFIG_DIR_ENV, str(tmp_path))
+    assert get_config(shape, scheme, 64, "NVIDIA H200") == BASE.with_gemm2(BLOCK_N=32, num_stages=3)
+
+
+# ------------------------------------------------------------------------------ the kernels
+
+
+@pytest.mark.parametrize("accumulation", ["precise", "fast"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_gemm2_tiled_unlike_gemm1_matches_reference(scheme, accumulation, device, monkeypatch):
+    """GEMM1 128 wide (fp8-channel-token's group-quantized intermediate, precise) or 64, GEMM2 32
+    wide with other warps, stages and grouping: hidden 208 (a partial GEMM2 column block), an
+    idle expert, M = 7 with top-2."""
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, accumulation)
+    gemm1_n = 64 if scheme == "fp8-block128" else 128
+    cfg = dataclasses.replace(BASE, BLOCK_N=gemm1_n).with_gemm2(BLOCK_N=32, num_warps=2, num_stages=3, GROUP_M=1)
+    w = random_weights(4, 208, 128, scheme, device=device, seed=3)
+    tw, ids = random_routing(7, 4, 2, device=device, experts=[0, 1, 3])
+    x = random_x(7, 208, device=device)
+    out = assert_matches_reference(run(x, w, tw, ids, cfg), x, w, tw, ids)
+    if device == "cpu":  # the interpreter sums each element's K in the same order whatever the tiles
+        assert torch.equal(out, run(x, w, tw, ids, dataclasses.replace(BASE, BLOCK_N=gemm1_n)))
+
+
+def test_each_gemm_is_launched_with_its_own_parameters(monkeypatch):
+    launches = {}
+    real = launch._launch
+
+    def record(kernel, grid, *args, **kwargs):
+        launches[kernel] = {k: kwargs.get(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")}
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "_launch", record)
+    w = random_weights(3, 128, 128, "fp8-channel-token")
+    tw, ids = random_routing(5, 3, 2)
+    run(random_x(5, 128), w, tw, ids, BASE.with_gemm2(BLOCK_N=32, num_warps=2, num_stages=3, GROUP_M=1))
+    assert launches[_kernels.gemm1_kernel] == dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=2)
+    assert launches[_kernels.gemm2_kernel] == dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=2, num_stages=3)
+
+
+def test_m_one_and_m_zero_with_a_gemm2_launch(device):
+    w = random_weights(3, 128, 128, "fp8-channel-token", device=device)
+    cfg = BASE.with_gemm2(BLOCK_N=128, num_stages=3)
+    tw, ids = random_routing(1, 3, 2, device=device)
+    x = random_x(1, 128, device=device)
+    assert_matches_reference(run(x, w, tw, ids, cfg), x, w, tw, ids)
+    empty = moekit.fused_moe(x[:0], w, tw[:0], ids[:0], backend="triton")
+    assert empty.shape == (0, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", PRESET_SHAPES)
+def test_gpu_preset_shapes_with_gemm2_launched_otherwise(name):
+    """At each preset's prefill-sized tile (BLOCK_M 64): GEMM2 with the variants the tuner tries
+    most (3 stages; 256 wide where the scheme allows), against reference and bitwise stable
+    under graph replay with fresh routing."""
+    E, H, N, K, scheme = PRESET_SHAPES[name]
+    w = random_weights(E, H, N, scheme, device="cuda")
+    base = KernelConfig(64, 128, 128, 8, 8, 4)
+    width = 64 if scheme == "fp8-block128" else 256
+    cfg = base.with_gemm2(BLOCK_N=width, num_stages=3, num_warps=8)
+    M = 96
+    tw, ids = random_routing(M, E, K, device="cuda")
+    x = random_x(M, H, device="cuda")
+    out = assert_matches_reference(run(x, w, tw, ids, cfg), x, w, tw, ids)
+    assert torch.equal(out, run(x, w, tw, ids, cfg))
+    assert_graph_replays_fresh_routing(lambda x, tw, ids: run(x, w, tw, ids, cfg), x, tw, ids, E)
