@@ -136,3 +136,21 @@ def test_gpu_preset_shapes_with_gemm2_launched_otherwise(name):
     out = assert_matches_reference(run(x, w, tw, ids, cfg), x, w, tw, ids)
     assert torch.equal(out, run(x, w, tw, ids, cfg))
     assert_graph_replays_fresh_routing(lambda x, tw, ids: run(x, w, tw, ids, cfg), x, tw, ids, E)
+
+
+def test_every_shipped_triton_table_entry_can_run_its_scheme():
+    """The shipped tables (moekit/configs/triton, GEMM2 launches included) load and each entry
+    passes KernelConfig.problems for the scheme in its file name; an entry that could not run
+    would make the backend fall back to the analytic default without a word."""
+    from moekit.backends.triton.config import _load_table
+    from moekit.tables import SHIPPED_ROOT
+
+    files = sorted((SHIPPED_ROOT / "triton").glob("*.json"))
+    assert files
+    for path in files:
+        scheme = get_scheme(path.stem.rsplit("scheme=", 1)[1])
+        table = _load_table(path, path.stat().st_mtime)
+        assert table, path.name
+        for size, cfg in table.items():
+            assert cfg.problems(scheme) == [], (path.name, size, cfg)
+    assert any(cfg.has_gemm2 for path in files for cfg in _load_table(path, path.stat().st_mtime).values())

@@ -446,6 +446,7 @@ def test_gemm2_search_times_the_best_config_with_gemm2_launched_otherwise(tmp_pa
     exported = read(only_file(export))
     assert all(cfg["BLOCK_SIZE_N"] == 2 * FAST_CFG.BLOCK_N for cfg in exported.values())  # FAST_CFG's tile
     assert "GEMM2 has a launch config of its own" in text or "fastest that vLLM can take" in text
+    assert "M16 N32 K128 G1 w4 s2 + GEMM2 N64 G1 w4 s3" in text  # the summary names GEMM2's launch
 
     again = FakeTimer(us={triton(FAST_CFG): 50.0, triton(FAST_GEMM2): 40.0}).install(monkeypatch)
     tune(tiny_model, out, gemm2=True, between=False)

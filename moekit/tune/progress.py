@@ -8,6 +8,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from ..backends.triton.config import KernelConfig
 from .output import best_config
 
 
@@ -86,8 +87,13 @@ class ProgressView:
 def _config_text(cfg: dict) -> str:
     if cfg.get("GEMV"):  # the GEMV path: no row tiles, no tile order
         return f"GEMV N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} w{cfg['num_warps']}"
-    return (f"M{cfg['BLOCK_M']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} G{cfg['GROUP_M']} "
+    text = (f"M{cfg['BLOCK_M']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} G{cfg['GROUP_M']} "
             f"w{cfg['num_warps']} s{cfg['num_stages']}")
+    gemm2 = KernelConfig.from_dict(cfg)
+    if gemm2.has_gemm2:  # GEMM2's own launch (tuner's GEMM2 step), after a "+"
+        g2 = gemm2.gemm2()
+        text += f" + GEMM2 N{g2.BLOCK_N} G{g2.GROUP_M} w{g2.num_warps} s{g2.num_stages}"
+    return text
 
 
 def _us(value) -> str:
