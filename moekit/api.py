@@ -42,10 +42,10 @@ def fused_moe(
     )
     if M == 0:
         return x.new_empty(0, weights.hidden)
-    runner = get_backend(choice.backend)
-    if topk_ids.is_cuda and not runner.checks_expert_ids:
+    impl = get_backend(choice.backend)
+    if topk_ids.is_cuda and not impl.checks_expert_ids:
         assert_ids_in_range(topk_ids, weights.num_experts)
-    return runner.run(x, weights, topk_weights, topk_ids)
+    return impl.run(x, weights, topk_weights, topk_ids)
 
 
 def assert_ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> None:

@@ -91,10 +91,10 @@ def main():
             for label in fns:
                 t = times[label]
                 if isinstance(t, BaseException):
-                    print(f"  {label:20s} FAILED {str(t)[:100]}")
+                    print(f"  {label:22s} FAILED {str(t)[:100]}")
                     continue
                 err = f"rel L2 {errors[label]:.2e}" if label in errors else ""
-                print(f"  {label:20s} {t.median_us:9.1f} us  (p20 {t.p20_us:.1f} p80 {t.p80_us:.1f})  {err}")
+                print(f"  {label:22s} {t.median_us:9.1f} us  (p20 {t.p20_us:.1f} p80 {t.p80_us:.1f})  {err}")
                 results.append({"model": name, "tp": int(tp), "M": M, "variant": label, "us": t.median_us,
                                 "rel_l2": errors.get(label), "config": dataclasses.asdict(cfg)})
             del fns, times

@@ -8,7 +8,6 @@ so only BLOCK_M must agree), in both accumulation modes; also the combine pass a
     PYTHONPATH=. python3 scripts/diag_gemm2.py [--points glm-4.5v-fp8:2:4096 ...] [--json FILE]
 """
 import argparse
-import dataclasses
 import itertools
 import json
 
@@ -27,15 +26,18 @@ POINTS = ["mixtral-8x7b:1:1024:fp8-channel-token", "mixtral-8x7b:1:4096:fp8-chan
 
 
 def variants(cfg, scheme):
+    """GEMM2 launches of cfg's GEMM1 launch (KernelConfig.with_gemm2), the table's own included."""
     widths = (64, 128) if scheme.weight == "block" else (128, 256)  # block scales: BLOCK_N divides 128
     for bn, warps, stages, group in itertools.product(widths, (4, 8), (3, 4), (1, 8)):
-        v = dataclasses.replace(cfg, BLOCK_N=bn, num_warps=warps, num_stages=stages, GROUP_M=group, JOIN=0)
+        v = cfg.gemm1().with_gemm2(BLOCK_N=bn, num_warps=warps, num_stages=stages, GROUP_M=group)
         if not v.problems(scheme):
             yield v
 
 
 def tag(c):
-    return f"N{c.BLOCK_N} w{c.num_warps} s{c.num_stages} G{c.GROUP_M}"
+    """GEMM2's launch of config c."""
+    g2 = c.gemm2()
+    return f"N{g2.BLOCK_N} w{g2.num_warps} s{g2.num_stages} G{g2.GROUP_M}"
 
 
 def main():

@@ -34,6 +34,9 @@ def test_gemm2_launch_takes_its_own_fields_and_only_those():
     assert cfg.gemm2() == KernelConfig(16, 32, 128, 1, 2, 3)  # BLOCK_M and BLOCK_K stay GEMM1's
     assert BASE.gemm2() is BASE and not BASE.has_gemm2 and cfg.has_gemm2
     assert BASE.with_gemm2(BLOCK_N=64, num_stages=2) == BASE  # the same as GEMM1's: stored as unset
+    assert KernelConfig(16, 64, 128, 8, 4, 2, BLOCK_N2=64) == BASE and not KernelConfig(16, 64, 128, 8, 4, 2, BLOCK_N2=64).has_gemm2
+    joined = dataclasses.replace(BASE, JOIN=1).with_gemm2(num_stages=3)
+    assert joined.gemm2().JOIN == 0 and joined.gemm1().JOIN == 1  # the joined tile is GEMM1's
     with pytest.raises(TypeError, match="no parameter 'BLOCK_M' of its own"):
         BASE.with_gemm2(BLOCK_M=32)
 
@@ -115,8 +118,8 @@ def test_m_one_and_m_zero_with_a_gemm2_launch(device):
     tw, ids = random_routing(1, 3, 2, device=device)
     x = random_x(1, 128, device=device)
     assert_matches_reference(run(x, w, tw, ids, cfg), x, w, tw, ids)
-    empty = moekit.fused_moe(x[:0], w, tw[:0], ids[:0], backend="triton")
-    assert empty.shape == (0, 128)
+    empty = run(x[:0], w, tw[:0], ids[:0], cfg)  # the backend itself, with the GEMM2 launch
+    assert empty.shape == (0, 128) and empty.dtype == x.dtype
 
 
 @pytest.mark.gpu

@@ -445,7 +445,7 @@ def test_gemm2_search_times_the_best_config_with_gemm2_launched_otherwise(tmp_pa
         assert (entry["BLOCK_N2"], entry["num_stages2"]) == (64, 3) and "num_warps2" not in entry
     exported = read(only_file(export))
     assert all(cfg["BLOCK_SIZE_N"] == 2 * FAST_CFG.BLOCK_N for cfg in exported.values())  # FAST_CFG's tile
-    assert "GEMM2 has a launch config of its own" in text or "fastest that vLLM can take" in text
+    assert "GEMM2 has a launch config of its own" in text and "fastest that vLLM can take" in text
     assert "M16 N32 K128 G1 w4 s2 + GEMM2 N64 G1 w4 s3" in text  # the summary names GEMM2's launch
 
     again = FakeTimer(us={triton(FAST_CFG): 50.0, triton(FAST_GEMM2): 40.0}).install(monkeypatch)
@@ -465,6 +465,46 @@ def test_gemm2_search_off_and_under_search_space_none(tmp_path, tiny_model, monk
     assert sorted(second.calls) == [f"{triton(FAST_GEMM2)} at M={M}" for M in (1, 4)]
     for entry in read(only_file(out / "triton"))["configs"].values():
         assert KernelConfig.from_dict(entry) == FAST_CFG  # the variant was slower
+
+
+OTHER_GEMM2 = OTHER_CFG.with_gemm2(BLOCK_N=32, num_stages=2)  # space.GEMM2_GRID_CPU's variant of OTHER_CFG
+
+
+def test_gemm2_step_starts_from_the_best_config_of_the_search_space(tmp_path, tiny_model, monkeypatch):
+    """A later search that finds a better plain config gets that config's variants timed, even
+    where a variant of the earlier best is still the fastest entry; and a variant's time is no
+    neighbour result for the next size's pruning (A at 50, its variant at 30: A is not dropped
+    at the next size as 1.67x "the best there")."""
+    us = {triton(FAST_CFG): 50.0, triton(FAST_GEMM2): 30.0}
+    FakeTimer(us=us).install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out, gemm2=True, between=False, space=lambda scheme: [FAST_CFG])
+    js = journals(out)
+    assert config_key(FAST_CFG) in js[4]["configs"] and not js[4]["search"]["dropped"]
+
+    us.update({triton(OTHER_CFG): 45.0, triton(OTHER_GEMM2): 20.0})
+    second = FakeTimer(us=us).install(monkeypatch)
+    tune(tiny_model, out, gemm2=True, between=False)
+    assert f"{triton(OTHER_GEMM2)} at M=1" in second.calls
+    assert all(js["gemm2"]["base"] == config_key(OTHER_CFG) for js in journals(out).values())
+    for entry in read(only_file(out / "triton"))["configs"].values():
+        assert KernelConfig.from_dict(entry) == OTHER_GEMM2
+
+
+def test_gemm2_step_keeps_to_the_size_share_of_the_budget(tmp_path, tiny_model, monkeypatch):
+    """10 s per measurement, 100 s: the baseline (default config + 2 backends at 2 sizes) takes 60;
+    M=1 gets half of the 40 left for its search and GEMM2 step, M=4 the rest, so M=4 is searched
+    too; the GEMM2 variants cut short are reported."""
+    monkeypatch.setattr(space, "GEMM2_GRID_CPU", ((32, 4, 2), (64, 4, 3), (32, 2, 3), (64, 2, 2), (32, 4, 4)))
+    FakeTimer(us={triton(FAST_CFG): 50.0}, step=10.0).install(monkeypatch)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out, budget="100s", backends=["torch", "reference"], gemm2=True, between=False)
+    assert result.exit_code == 0
+    js = journals(out)
+    for M in (1, 4):
+        searched = [k for k in js[M]["configs"] if "+" not in k and k != js[M]["default"]]
+        assert searched, (M, js[M]["configs"])
+    assert any("GEMM2's launch variants" in line or "part of the search" in line for line in result.not_covered)
 
 
 def test_the_cli_turns_the_gemm2_search_off():

@@ -1,5 +1,6 @@
 """Measuring for `moekit tune`: per problem and batch size, the default config and the other
-backends first (so that a budget cut still leaves a complete decision table), then the search.
+backends first (so that a budget cut still leaves a complete decision table), then the search and
+GEMM2's own launch.
 
 Every measurement is the whole layer through the shared harness (`moekit.timing.time_graph`:
 CUDA graph replays, L2 flushed before each), triton with the config forced
@@ -27,9 +28,15 @@ multiple of a kernel's row tile, and one routing can push an expert over it or n
 of one triton point, Mixtral-8x7B, H200); auto chooses per size, so it is judged on several.
 Redone when a later search finds a better config, or with another --routings.
 
-Budget: a deadline for the whole run; each remaining (problem, batch size) search gets an equal
-share of the time left, its most promising configs first, so a short budget still searches every
-batch size a little instead of the first ones fully.
+GEMM2's own launch (`_search_gemm2`), after the search at each size (and under --search-space
+none, on the configs found before): the best config of the search space timed again with GEMM2
+launched with other tile widths, warps and stages (space.gemm2_variants), each variant a config of
+its own in the journal, so the fastest of all makes the table; variants never count as a
+neighbour's result for the next size's pruning.
+
+Budget: a deadline for the whole run; each remaining (problem, batch size) search, with its GEMM2
+step, gets an equal share of the time left, its most promising configs first, so a short budget
+still searches every batch size a little instead of the first ones fully.
 
 Several GPUs: the batch sizes are split into contiguous runs, one worker process per GPU
 (torch.multiprocessing, spawn); each worker journals its own batch sizes, tables are rebuilt from
@@ -196,10 +203,15 @@ def order_candidates(configs: Sequence[KernelConfig], neighbour: NeighbourResult
             if config_key(guess) in measured:
                 return (0, measured[config_key(guess)])
         start = GEMV_START if cfg.GEMV else default
-        changed = sum(a != b for a, b in zip(cfg.to_dict().values(), start.to_dict().values()))
+        changed = sum(a != b for a, b in zip(dataclasses.astuple(cfg), dataclasses.astuple(start)))
         return (1, changed)
 
     return sorted(configs, key=prior)
+
+
+def _has_gemm2(entry: dict | None) -> bool:
+    """Whether a journal entry's config launches GEMM2 on its own (the GEMM2 step's variants)."""
+    return entry is not None and KernelConfig.from_dict(entry["config"]).has_gemm2
 
 
 def _kinds(dropped: dict[str, str]) -> dict[str, int]:
@@ -266,8 +278,9 @@ class Worker:
             for M in self.sizes if searching else []:
                 if self.deadline.passed():
                     break
-                self._search(p, journals[M], previous, estimate[M])
-                self._search_gemm2(p, journals[M])
+                share_end = self.deadline.share(self.slots_left)  # this size's search and its GEMM2 step
+                self._search(p, journals[M], previous, estimate[M], share_end)
+                self._search_gemm2(p, journals[M], share_end)
                 self.slots_left -= 1
                 if not self.deadline.passed():
                     self._decide(p, journals[M])
@@ -275,10 +288,10 @@ class Worker:
                     self._between(p, [b for b in self.plan.between if previous.batch_size < b < M])
                 previous = journals[M]
                 write_problem_tables(self.plan, table_file)
-            for M in self.sizes:  # what is left: --search-space none, or decisions of an older run
+            for i, M in enumerate(self.sizes):  # what is left: --search-space none, or decisions of an older run
                 if self.deadline.passed():
                     break
-                self._search_gemm2(p, journals[M])
+                self._search_gemm2(p, journals[M], self.deadline.share(len(self.sizes) - i))
                 self._decide(p, journals[M])
             write_problem_tables(self.plan, table_file)
         finally:
@@ -385,7 +398,8 @@ class Worker:
         kept, _ = static_prune(self.plan.space(p.scheme), p.shape, p.scheme, M, self.shared_memory, self.plan.search_space)
         return sum(1 for c in kept if j.config(config_key(c)) is None)
 
-    def _search(self, p: TuneProblem, j: Journal, previous: Journal | None, estimated: int) -> None:
+    def _search(self, p: TuneProblem, j: Journal, previous: Journal | None, estimated: int,
+                share_end: float | None) -> None:
         M = j.batch_size
         default = default_config(p.shape, p.scheme, M)
         kept, static = static_prune(self.plan.space(p.scheme), p.shape, p.scheme, M, self.shared_memory,
@@ -393,8 +407,9 @@ class Worker:
         neighbour = None
         if previous is not None:
             search = previous.data.get("search") or {}
-            neighbour = NeighbourResult(previous.batch_size, previous.measured_us(), previous.failed(),
-                                        set(search.get("dropped", {})))
+            # the search space's own configs only: a GEMM2 launch variant's time is no candidate's
+            plain = {k: us for k, us in previous.measured_us().items() if not _has_gemm2(previous.config(k))}
+            neighbour = NeighbourResult(previous.batch_size, plain, previous.failed(), set(search.get("dropped", {})))
         dropped: dict[str, str] = {}
         if self.plan.search_space != "full":
             kept, dropped = neighbour_prune(kept, neighbour)
@@ -406,7 +421,6 @@ class Worker:
         self.reporter.add_total(len(todo) - estimated)
         if not todo:
             return
-        share_end = self.deadline.share(self.slots_left)
         self.precompiler.submit(p.shape, p.scheme, M, todo)
         inputs = self._inputs(p, M)
         done = 0
@@ -422,31 +436,31 @@ class Worker:
         j.data["search"]["complete"] = done == len(todo)
         j.save()
 
-    def _search_gemm2(self, p: TuneProblem, j: Journal) -> None:
-        """GEMM2's own launch (space.gemm2_variants) on this size's best tiled config: each variant
-        is timed as a config of its own, so the fastest of all becomes the table's entry. Done
-        once per best GEMM1 launch (journal "gemm2"), also under --search-space none on the
-        configs found before."""
-        best = best_config(j.data)
-        if not self.plan.gemm2_grid or best is None:
+    def _search_gemm2(self, p: TuneProblem, j: Journal, share_end: float | None) -> None:
+        """GEMM2's own launch (space.gemm2_variants) on this size's best config of the search
+        space (tiled, no GEMM2 launch of its own): each variant is timed as a config of its own,
+        so the fastest of all becomes the table's entry. Done once per such best config (journal
+        "gemm2"), also under --search-space none on the configs found before; within the size's
+        share of the budget, after its search."""
+        plain = [(v["us"], k) for k, v in j.data["configs"].items() if "us" in v and not _has_gemm2(v)]
+        if not self.plan.gemm2_grid or not plain:
             return
-        base = KernelConfig.from_dict(best[1]["config"])
+        base = KernelConfig.from_dict(j.config(min(plain)[1])["config"])
         if base.GEMV:
             return
-        base = dataclasses.replace(base, **dict.fromkeys(KernelConfig.GEMM2_FIELDS, 0))  # GEMM1's launch
         variants, dropped = gemm2_variants(base, p.scheme, self.plan.gemm2_grid, self.shared_memory,
                                            gemm2_partial_accumulator(p.scheme, fp8_accumulation()))
         todo = [c for c in variants if j.config(config_key(c)) is None]
         j.data["gemm2"] = {"base": config_key(base), "variants": len(variants), "dropped": dropped,
                            "complete": not todo}
         j.save()
-        if not todo:
+        if not todo or self.deadline.passed() or (share_end is not None and _clock() >= share_end):
             return
         self.reporter.add_total(len(todo))
         self.precompiler.submit(p.shape, p.scheme, j.batch_size, todo)
         inputs = self._inputs(p, j.batch_size)
         for done, cfg in enumerate(todo):
-            if self.deadline.passed():
+            if self.deadline.passed() or (share_end is not None and _clock() >= share_end):
                 self.reporter.add_total(done - len(todo))
                 return
             self.reporter.describe(f"{p.label} M={j.batch_size}: GEMM2 launch, {len(todo) - done} left")

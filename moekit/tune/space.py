@@ -168,7 +168,7 @@ def gemm2_partial_accumulator(scheme: QuantScheme, accumulation: str) -> bool:
 
 
 def gemm2_variants(
-    base: KernelConfig, scheme: QuantScheme, grid: Sequence[tuple[int, int, int]], shared_memory_limit: int,
+    base: KernelConfig, scheme: QuantScheme, grid: Sequence[tuple[int, int, int]], smem_limit: int,
     partial_accumulator: bool,
 ) -> tuple[list[KernelConfig], dict[str, str]]:
     """(variants of `base` with GEMM2's own launch, {key dropped: why}); the variant equal to base
@@ -185,8 +185,8 @@ def gemm2_variants(
         problems = cfg.problems(scheme)
         if problems:
             dropped[key] = "cannot run: " + "; ".join(problems)
-        elif smem > shared_memory_limit:
-            dropped[key] = f"shared memory: GEMM2 needs at least {smem // 1024} KiB, the device has {shared_memory_limit // 1024} KiB"
+        elif smem > smem_limit:
+            dropped[key] = f"shared memory: GEMM2 needs at least {smem // 1024} KiB, the device has {smem_limit // 1024} KiB"
         elif registers > GEMM2_MAX_ACCUMULATOR_REGISTERS:
             dropped[key] = (f"registers: GEMM2's accumulators need {registers:.0f} per thread "
                             f"(more than {GEMM2_MAX_ACCUMULATOR_REGISTERS} collapsed when measured)")
@@ -228,8 +228,8 @@ def _operand_bytes(scheme: QuantScheme) -> int:
 
 
 def shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme) -> int:
-    """A lower bound of the shared memory GEMM1 needs (its tiles are GEMM2's and one more): the
-    operand tiles of num_stages - 1 pipeline stages (Triton's pipeliner keeps at least that many in
+    """A lower bound of the shared memory GEMM1 needs (with GEMM2 launched as GEMM1, its tiles are
+    GEMM2's and one more; GEMM2's own launch is checked by gemm2_variants): the operand tiles of num_stages - 1 pipeline stages (Triton's pipeliner keeps at least that many in
     flight). A config over the device's limit by this bound cannot compile."""
     per_stage = cfg.BLOCK_M * cfg.BLOCK_K + 2 * cfg.BLOCK_K * cfg.BLOCK_N  # A, the gate and the up tile
     return per_stage * _operand_bytes(scheme) * max(cfg.num_stages - 1, 1)

@@ -47,20 +47,28 @@ class KernelConfig:
 
     GEMM2_FIELDS = ("BLOCK_N2", "num_warps2", "num_stages2", "GROUP_M2")  # a class constant, not a field
 
+    def __post_init__(self):
+        # one launch, one spelling: a GEMM2 parameter equal to GEMM1's is stored as unset
+        for name in self.GEMM2_FIELDS:
+            if getattr(self, name) == getattr(self, name[:-1]):
+                object.__setattr__(self, name, 0)
+
+    def gemm1(self) -> "KernelConfig":
+        """This config without GEMM2's own launch (both GEMMs launched as GEMM1)."""
+        return dataclasses.replace(self, **dict.fromkeys(self.GEMM2_FIELDS, 0)) if self.has_gemm2 else self
+
     def gemm2(self) -> "KernelConfig":
-        """The config GEMM2 runs: GEMM2's own parameters in place of GEMM1's, where set."""
+        """The config GEMM2 runs: GEMM2's own parameters in place of GEMM1's, where set (JOIN, a
+        tile of GEMM1's, cleared)."""
         own = {name[:-1]: getattr(self, name) for name in self.GEMM2_FIELDS if getattr(self, name)}
-        return dataclasses.replace(self, **own, **dict.fromkeys(self.GEMM2_FIELDS, 0)) if own else self
+        return dataclasses.replace(self.gemm1(), **own, JOIN=0) if own else self
 
     def with_gemm2(self, **params: int) -> "KernelConfig":
-        """This config with GEMM2's parameters set (BLOCK_N=, num_warps=, num_stages=, GROUP_M=),
-        a parameter equal to GEMM1's stored as 0, so that one launch has one spelling."""
-        fields = {}
-        for name, value in params.items():
+        """This config with GEMM2's parameters set (BLOCK_N=, num_warps=, num_stages=, GROUP_M=)."""
+        for name in params:
             if name + "2" not in self.GEMM2_FIELDS:
                 raise TypeError(f"GEMM2 has no parameter {name!r} of its own; it has {', '.join(f[:-1] for f in self.GEMM2_FIELDS)}")
-            fields[name + "2"] = 0 if value == getattr(self, name) else value
-        return dataclasses.replace(self, **fields)
+        return dataclasses.replace(self, **{name + "2": value for name, value in params.items()})
 
     @property
     def has_gemm2(self) -> bool:
@@ -75,8 +83,7 @@ class KernelConfig:
                         if getattr(self, name) < 0]
             if negative:
                 return negative
-            gemm1 = dataclasses.replace(self, **dict.fromkeys(self.GEMM2_FIELDS, 0))
-            return gemm1.problems(scheme) + [f"GEMM2: {p}" for p in self.gemm2().problems(scheme)]
+            return self.gemm1().problems(scheme) + [f"GEMM2: {p}" for p in self.gemm2().problems(scheme)]
         out = []
         if self.GEMV:  # K steps of whole 128-groups, columns without a tensor-core tile, no row tiles
             smallest = {"BLOCK_N": 4, "BLOCK_K": 128}

@@ -141,7 +141,7 @@ def _id_check_options() -> dict:
     compiles device_assert in, without the integer-overflow checks it would add everywhere else."""
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
+    except ImportError:  # no NVIDIA backend in this Triton: nothing is compiled for a GPU here
         return {"debug": True}
     fields = getattr(CUDAOptions, "__dataclass_fields__", {})
     return {"debug": True, **({"sanitize_overflow": False} if "sanitize_overflow" in fields else {})}
