@@ -157,6 +157,10 @@ class Deadline:
     def passed(self) -> bool:
         return self.end is not None and _clock() >= self.end
 
+    def reached(self, share_end: float | None) -> bool:
+        """Whether the deadline, or the end of a share of it (`share`), has passed."""
+        return self.passed() or (share_end is not None and _clock() >= share_end)
+
     def share(self, slots_left: int) -> float | None:
         """The end of an equal share of the time left, for one of `slots_left` searches."""
         if self.end is None:
@@ -425,7 +429,7 @@ class Worker:
         inputs = self._inputs(p, M)
         done = 0
         for cfg in todo:
-            if share_end is not None and _clock() >= share_end:
+            if self.deadline.reached(share_end):
                 break
             self.reporter.describe(f"{p.label} M={M}: {len(todo) - done} configs left")
             self._measure_config(p, j, cfg, inputs)
@@ -454,13 +458,13 @@ class Worker:
         j.data["gemm2"] = {"base": config_key(base), "variants": len(variants), "dropped": dropped,
                            "complete": not todo}
         j.save()
-        if not todo or self.deadline.passed() or (share_end is not None and _clock() >= share_end):
+        if not todo or self.deadline.reached(share_end):
             return
         self.reporter.add_total(len(todo))
         self.precompiler.submit(p.shape, p.scheme, j.batch_size, todo)
         inputs = self._inputs(p, j.batch_size)
         for done, cfg in enumerate(todo):
-            if self.deadline.passed() or (share_end is not None and _clock() >= share_end):
+            if self.deadline.reached(share_end):
                 self.reporter.add_total(done - len(todo))
                 return
             self.reporter.describe(f"{p.label} M={j.batch_size}: GEMM2 launch, {len(todo) - done} left")

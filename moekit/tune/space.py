@@ -180,8 +180,8 @@ def gemm2_variants(
         if not cfg.has_gemm2 or cfg in kept:
             continue
         key, g2 = config_key(cfg), cfg.gemm2()
-        registers = g2.BLOCK_M * g2.BLOCK_N / (32 * g2.num_warps) * (2 if partial_accumulator else 1)
-        smem = (g2.BLOCK_M * g2.BLOCK_K + g2.BLOCK_K * g2.BLOCK_N) * _operand_bytes(scheme) * max(g2.num_stages - 1, 1)
+        registers = accumulator_registers(g2, 2 if partial_accumulator else 1)
+        smem = shared_memory_bytes(g2, scheme, b_tiles=1)
         problems = cfg.problems(scheme)
         if problems:
             dropped[key] = "cannot run: " + "; ".join(problems)
@@ -227,17 +227,20 @@ def _operand_bytes(scheme: QuantScheme) -> int:
     return 1 if scheme.is_fp8 else 2
 
 
-def shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme) -> int:
-    """A lower bound of the shared memory GEMM1 needs (with GEMM2 launched as GEMM1, its tiles are
-    GEMM2's and one more; GEMM2's own launch is checked by gemm2_variants): the operand tiles of num_stages - 1 pipeline stages (Triton's pipeliner keeps at least that many in
-    flight). A config over the device's limit by this bound cannot compile."""
-    per_stage = cfg.BLOCK_M * cfg.BLOCK_K + 2 * cfg.BLOCK_K * cfg.BLOCK_N  # A, the gate and the up tile
+def shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme, b_tiles: int = 2) -> int:
+    """A lower bound of the shared memory a GEMM launched with `cfg` needs: the operand tiles (A,
+    and `b_tiles` weight tiles: GEMM1's gate and up, GEMM2's one) of num_stages - 1 pipeline
+    stages (Triton's pipeliner keeps at least that many in flight). A config over the device's
+    limit by this bound cannot compile. GEMM1's bound covers GEMM2 launched as GEMM1 (the same
+    tiles less one); GEMM2's own launch is checked by gemm2_variants."""
+    per_stage = cfg.BLOCK_M * cfg.BLOCK_K + b_tiles * cfg.BLOCK_K * cfg.BLOCK_N
     return per_stage * _operand_bytes(scheme) * max(cfg.num_stages - 1, 1)
 
 
-def accumulator_registers(cfg: KernelConfig) -> float:
-    """float32 registers per thread that GEMM1's gate and up accumulators alone occupy."""
-    return 2 * cfg.BLOCK_M * cfg.BLOCK_N / (32 * cfg.num_warps)
+def accumulator_registers(cfg: KernelConfig, accumulators: int = 2) -> float:
+    """float32 registers per thread that a GEMM's accumulators alone occupy: GEMM1's gate and up
+    (2), GEMM2's one, or two where a promoted FP8 sum keeps a partial accumulator beside it."""
+    return accumulators * cfg.BLOCK_M * cfg.BLOCK_N / (32 * cfg.num_warps)
 
 
 def _pow2_at_least(n: int) -> int:
