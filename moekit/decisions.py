@@ -3,7 +3,8 @@
 `moekit tune` writes one JSON file per (device, shape, scheme), named by `moekit.tables.table_name`
 and found by `moekit.tables.find_tables("backends", ...)` (the user's MOEKIT_CONFIG_DIR folders
 before the shipped moekit/configs/backends/, an exact device name before another name of the same
-GPU model). The format (version 1):
+GPU model; in fast accumulation mode a fast-mode table refines the precise one, see
+moekit.tables). The format (version 1):
 
     {"format": "moekit-backend-table", "version": 1,
      "meta": {"device_name": "...", "num_experts": E, "hidden": H, "intermediate": N_per_gpu,
@@ -32,17 +33,16 @@ import bisect
 import dataclasses
 import json
 import math
-import re
 import warnings
 from pathlib import Path
 from typing import Literal
 
 from . import tables
+from .accumulation import table_accumulation
 from .spec import MoEShape, QuantScheme
 
 FORMAT = "moekit-backend-table"
 VERSION = 1
-_FILE_NAME = re.compile(r"^E=(\d+),N=(\d+),H=(\d+),device_name=(.+),scheme=(.+)\.json$")
 
 
 class BackendTableWarning(UserWarning):
@@ -178,15 +178,18 @@ def parse_table(data, path: str | Path, shape: MoEShape | None = None, scheme: Q
     if meta.get("mode", "layer") != "layer":
         raise TableError(f"meta.mode is {meta.get('mode')!r}; auto decides on whole-layer times ('layer')")
 
-    m = _FILE_NAME.match(path.name)
-    if m is None:
-        raise TableError("file name is not E={E},N={N},H={H},device_name={device},scheme={scheme}.json")
-    named = {"num_experts": int(m[1]), "intermediate": int(m[2]), "hidden": int(m[3]), "scheme": m[5]}
-    for key, value in named.items():
-        if meta[key] != value:
-            raise TableError(f"meta.{key} is {meta[key]!r} but the file name says {value!r}")
-    if tables.normalize_device_name(meta["device_name"]) != m[4]:
-        raise TableError(f"meta.device_name is {meta['device_name']!r} but the file name says {m[4]!r}")
+    named = tables.parse_table_name(path.name)
+    if named is None:
+        raise TableError("file name is not E={E},N={N},H={H},device_name={device},scheme={scheme}"
+                         "[,fp8_accumulation=fast].json")
+    for key in ("num_experts", "intermediate", "hidden", "scheme"):
+        if meta[key] != named[key]:
+            raise TableError(f"meta.{key} is {meta[key]!r} but the file name says {named[key]!r}")
+    if meta.get("fp8_accumulation", "precise") != named["fp8_accumulation"]:
+        raise TableError(f"meta.fp8_accumulation is {meta.get('fp8_accumulation', 'precise')!r} but the file name "
+                         f"says {named['fp8_accumulation']!r}")
+    if tables.normalize_device_name(meta["device_name"]) != named["device_name"]:
+        raise TableError(f"meta.device_name is {meta['device_name']!r} but the file name says {named['device_name']!r}")
     if shape is not None:
         asked = {"num_experts": shape.num_experts, "hidden": shape.hidden, "intermediate": shape.n, "top_k": shape.top_k}
         for key, value in asked.items():
@@ -249,15 +252,39 @@ def _warn_once(path, problem: str) -> None:
     warnings.warn(f"moekit: ignoring backend table {path}: {problem}", BackendTableWarning, stacklevel=3)
 
 
+def refine(base: BackendTable, top: BackendTable) -> BackendTable:
+    """`base` with `top`'s points at the sizes `top` measured (a fast-mode table over the precise
+    one, moekit.tables); it reads as `top`'s file."""
+    measured = {p.m for p in top.points}
+    points = sorted([*(p for p in base.points if p.m not in measured), *top.points], key=lambda p: p.m)
+    return BackendTable(top.path, {**top.meta, "refines": base.path.name}, tuple(points))
+
+
 def find_table(
     shape: MoEShape, scheme: QuantScheme, device_name: str, skipped: list | None = None
 ) -> BackendTable | None:
-    """The first valid table for this problem on this device (user folders, then shipped), or None.
+    """The first valid table for this problem on this device (user folders, then shipped), or None;
+    in fast accumulation mode the first fast-mode one refines it (`refine`).
 
     Tables that fail to load are skipped with one warning per file; their (path, problem) is also
     appended to `skipped` when given. Never raises."""
     try:
-        candidates = tables.find_tables("backends", shape, scheme, device_name)
+        accumulation = table_accumulation(scheme)
+    except ValueError as e:  # a bad MOEKIT_FP8_ACCUMULATION: the triton backend will say so itself
+        warnings.warn(f"moekit: {e}; reading the precise-mode decision tables", BackendTableWarning, stacklevel=2)
+        accumulation = "precise"
+    precise = _first_valid(shape, scheme, device_name, "precise", skipped)
+    if accumulation == "precise":
+        return precise
+    fast = _first_valid(shape, scheme, device_name, accumulation, skipped)
+    if fast is None or precise is None:
+        return fast or precise
+    return refine(precise, fast)
+
+
+def _first_valid(shape, scheme, device_name, accumulation: str, skipped: list | None) -> BackendTable | None:
+    try:
+        candidates = tables.find_tables("backends", shape, scheme, device_name, accumulation)
     except Exception as e:  # noqa: BLE001 - an unreadable folder must not break a forward pass
         _warn_once(tables.search_dirs("backends")[0], f"cannot search for tables: {e}")
         return None

@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 
 from . import decisions, tables
+from .accumulation import FP8_ACCUMULATION_ENV
 from .backends.base import assume_capability, backend_names, get_backend
 from .spec import MoEShape, QuantScheme
 
@@ -174,15 +175,17 @@ def device_name(device: torch.device | DeviceSpec) -> str | None:
 
 
 def _environment() -> tuple:
-    """(MOEKIT_BACKEND, MOEKIT_CONFIG_DIR, TRITON_INTERPRET) as cheap-to-compare values.
+    """(MOEKIT_BACKEND, MOEKIT_CONFIG_DIR, TRITON_INTERPRET, MOEKIT_FP8_ACCUMULATION) as
+    cheap-to-compare values (the last picks the decision tables, moekit.tables).
 
     os.environ.get costs ~1 us per missing name (a KeyError inside); on POSIX os.environ keeps
     its values in the bytes dict `_data`, which reads in ~0.05 us and always agrees with it."""
     data = getattr(os.environ, "_data", None)
     if os.name == "posix" and type(data) is dict:
-        return data.get(b"MOEKIT_BACKEND"), data.get(b"MOEKIT_CONFIG_DIR"), data.get(b"TRITON_INTERPRET")
+        return (data.get(b"MOEKIT_BACKEND"), data.get(b"MOEKIT_CONFIG_DIR"), data.get(b"TRITON_INTERPRET"),
+                data.get(b"MOEKIT_FP8_ACCUMULATION"))
     get = os.environ.get
-    return get(ENV_VAR), get(tables.CONFIG_DIR_ENV), get("TRITON_INTERPRET")
+    return get(ENV_VAR), get(tables.CONFIG_DIR_ENV), get("TRITON_INTERPRET"), get(FP8_ACCUMULATION_ENV)
 
 
 def select_backend(
@@ -200,10 +203,11 @@ def select_backend(
     `device` may be a `DeviceSpec` (a GPU described by name and capability, not present).
     `allow_weight_copies=False`: auto passes over backends that would keep a converted copy of
     the weights (a backend named by argument or MOEKIT_BACKEND is still used)."""
-    env_backend, config_dir, interpret = _environment()
+    env_backend, config_dir, interpret, accumulation = _environment()
     if not isinstance(device, (torch.device, DeviceSpec)):
         device = torch.device(device)
-    key = ("auto", shape, scheme, device, dtype, allow_weight_copies, config_dir, interpret, tables.SHIPPED_ROOT)
+    key = ("auto", shape, scheme, device, dtype, allow_weight_copies, config_dir, interpret, accumulation,
+           tables.SHIPPED_ROOT)
     resolver = _supports_cache.get(key)
     if resolver is None:
         resolver = _resolver(shape, scheme, device, dtype, allow_weight_copies)
@@ -224,9 +228,10 @@ def select_backend(
 
 def _resolver(shape, scheme, device, dtype, allow_weight_copies) -> "_Resolver":
     """The cached resolver of a problem (select_backend inlines the look-up)."""
-    _, config_dir, interpret = _environment()
+    _, config_dir, interpret, accumulation = _environment()
     device = _device_key(device)
-    key = ("auto", shape, scheme, device, dtype, allow_weight_copies, config_dir, interpret, tables.SHIPPED_ROOT)
+    key = ("auto", shape, scheme, device, dtype, allow_weight_copies, config_dir, interpret, accumulation,
+           tables.SHIPPED_ROOT)
     resolver = _supports_cache.get(key)
     if resolver is None:
         resolver = _supports_cache[key] = _Resolver(shape, scheme, device, dtype, allow_weight_copies)
@@ -270,7 +275,8 @@ def explain(
         points = loc.neighbours()
         if loc.how == "between":
             points = [*points, loc.point]
-        lines.append(f"measured (us) in {r.table.path.name}:")
+        over = f", over {r.table.meta['refines']} where it measured nothing" if "refines" in r.table.meta else ""
+        lines.append(f"measured (us) in {r.table.path.name}{over}:")
         header = ["backend"] + [
             f"M={p.m}" + (" (interpolated, used)" if loc.how == "between" else " (used)") * (p is loc.point)
             for p in points

@@ -9,7 +9,11 @@ out like moekit/configs/: a `triton/` and a `backends/` subfolder) before the ta
 the package. A file name says which problem it measured:
     E={E},N={N},H={H},device_name={device},scheme={scheme}.json
 with N the intermediate size per GPU and the device name as vLLM writes it ('NVIDIA H100 80GB
-HBM3' -> 'NVIDIA_H100_80GB_HBM3').
+HBM3' -> 'NVIDIA_H100_80GB_HBM3'). Tables tuned with MOEKIT_FP8_ACCUMULATION=fast, for a scheme
+the mode affects (moekit.accumulation), end in ',fp8_accumulation=fast.json' instead. Such a table
+refines the precise one: at the batch sizes it measured its entries are used, elsewhere the
+precise table's (a fast-mode tune of the prefill sizes alone then leaves decode to the tables
+tuned before).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
+from .accumulation import FP8_ACCUMULATIONS
 from .spec import MoEShape, QuantScheme
 
 CONFIG_DIR_ENV = "MOEKIT_CONFIG_DIR"
@@ -45,11 +50,27 @@ def device_family(name: str) -> str | None:
     return m.group(1) + m.group(2) if m else None
 
 
-def table_name(shape: MoEShape, scheme: QuantScheme, device_name: str) -> str:
+def table_name(shape: MoEShape, scheme: QuantScheme, device_name: str, accumulation: str = "precise") -> str:
+    """The file name of a table; `accumulation` as moekit.accumulation.table_accumulation says."""
+    if accumulation not in FP8_ACCUMULATIONS:
+        raise ValueError(f"accumulation {accumulation!r}: expected one of {', '.join(FP8_ACCUMULATIONS)}")
+    mode = "" if accumulation == "precise" else f",fp8_accumulation={accumulation}"
     return (
         f"E={shape.num_experts},N={shape.n},H={shape.hidden},"
-        f"device_name={normalize_device_name(device_name)},scheme={scheme.name}.json"
+        f"device_name={normalize_device_name(device_name)},scheme={scheme.name}{mode}.json"
     )
+
+
+_TABLE_NAME = re.compile(r"^E=(\d+),N=(\d+),H=(\d+),device_name=(.+),scheme=([^,]+)(?:,fp8_accumulation=(\w+))?\.json$")
+
+
+def parse_table_name(file_name: str) -> dict | None:
+    """What a table's file name says (table_name's fields), or None for another name."""
+    m = _TABLE_NAME.match(file_name)
+    if m is None:
+        return None
+    return {"num_experts": int(m[1]), "intermediate": int(m[2]), "hidden": int(m[3]), "device_name": m[4],
+            "scheme": m[5], "fp8_accumulation": m[6] or "precise"}
 
 
 def _device_of(file_name: str) -> str | None:
@@ -65,14 +86,16 @@ def search_dirs(kind: Kind) -> list[Path]:
     return user + [SHIPPED_ROOT / kind]
 
 
-def find_tables(kind: Kind, shape: MoEShape, scheme: QuantScheme, device_name: str) -> list[Path]:
-    """Candidate table files, best first.
+def find_tables(
+    kind: Kind, shape: MoEShape, scheme: QuantScheme, device_name: str, accumulation: str = "precise"
+) -> list[Path]:
+    """Candidate table files of one accumulation mode, best first.
 
     In each folder (user folders before shipped ones): the exact device name, then another
     device name of the same GPU model (H100 SXM for an H100 PCIe, say). Callers take the first
     file that loads; a file that fails to load is skipped with a warning by the caller.
     """
-    exact = table_name(shape, scheme, device_name)
+    exact = table_name(shape, scheme, device_name, accumulation)
     family = device_family(device_name)
     stem_without_device = exact.replace(f"device_name={normalize_device_name(device_name)},", "")
     found: list[Path] = []

@@ -1,7 +1,7 @@
 """The whole layer of the triton backend in its numerics variants, against cutlass, in the same
 interleaved rounds: precise (default), fast (MOEKIT_FP8_ACCUMULATION=fast: no FP8 promotion and
-a per-row intermediate quantized in its own pass), and fast with GEMM1's joined tile
-(KernelConfig.JOIN) where the config has 64+ row tiles; also the precise layer through
+a per-row intermediate quantized in its own pass; the config a fast-mode table gives, see
+moekit.tables), and fast with the precise table's config where that differs; also the precise layer through
 `moekit.fused_moe` (its input checks included) rather than the backend directly. Each variant's relative L2 error against
 the reference (with the intermediate rule that variant declares) is printed beside its time.
 
@@ -67,12 +67,13 @@ def main():
             tw, ids = (t.to(dev) for t in uniform_routing(M, E, K))
             tw = tw.float()
             cfg = triton_backend.config_for(w, K, M, dev)
+            cfg_fast = in_mode("fast", lambda: triton_backend.config_for(w, K, M, dev))()  # fast tables first
             variants = {
                 "precise": ("precise", cfg),
-                "fast": ("fast", cfg),
+                "fast": ("fast", cfg_fast),
             }
-            if cfg.BLOCK_M >= 64:
-                variants["fast JOIN"] = ("fast", dataclasses.replace(cfg, JOIN=1))
+            if cfg_fast != cfg:
+                variants["fast, precise config"] = ("fast", cfg)
             fns, errors = {}, {}
             for label, (mode, c) in variants.items():
                 run = in_mode(mode, lambda c=c: triton_backend.run(x, w, tw, ids, config=c))
@@ -87,7 +88,7 @@ def main():
                 "precise", lambda: (assert_ids_in_range(ids, E), triton_backend.run(x, w, tw, ids, config=cfg))[1])
             fns["cutlass"] = lambda: moekit.fused_moe(x, w, tw, ids, backend="cutlass")
             times = time_graphs(fns, reps=20, warmup=2, rounds=4)
-            print(f"\n{name} tp{tp} M={M} config {cfg}", flush=True)
+            print(f"\n{name} tp{tp} M={M} config {cfg}" + (f", fast {cfg_fast}" if cfg_fast != cfg else ""), flush=True)
             for label in fns:
                 t = times[label]
                 if isinstance(t, BaseException):
@@ -95,8 +96,9 @@ def main():
                     continue
                 err = f"rel L2 {errors[label]:.2e}" if label in errors else ""
                 print(f"  {label:22s} {t.median_us:9.1f} us  (p20 {t.p20_us:.1f} p80 {t.p80_us:.1f})  {err}")
+                used = variants[label][1] if label in variants else cfg
                 results.append({"model": name, "tp": int(tp), "M": M, "variant": label, "us": t.median_us,
-                                "rel_l2": errors.get(label), "config": dataclasses.asdict(cfg)})
+                                "rel_l2": errors.get(label), "config": dataclasses.asdict(used)})
             del fns, times
             torch.cuda.empty_cache()
         w = None

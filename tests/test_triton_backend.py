@@ -222,10 +222,12 @@ def test_fast_accumulation_runs_and_a_bad_mode_is_refused(scheme, device, monkey
 
 
 @pytest.mark.parametrize("M,K,experts", [(0, 2, None), (1, 1, None), (9, 2, [0, 2, 4]), (6, 5, None)])
-def test_fast_mode_quantizes_the_intermediate_per_row(M, K, experts, device, monkeypatch):
+@pytest.mark.parametrize("join", [0, 1])
+def test_fast_mode_quantizes_the_intermediate_per_row(M, K, experts, join, device, monkeypatch):
     """Fast mode hands GEMM2 a per-row FP8 intermediate (A_MODE 5, quantized in its own pass,
     real rows only): the reference's own rule, so the check is the standard one. N = 208 leaves
-    a partial 64-wide tile; experts 1 and 3 receive no tokens in one case; M = 0 and 1."""
+    a partial 64-wide tile; experts 1 and 3 receive no tokens in one case; M = 0 and 1; both
+    GEMM1 tiles."""
     from moekit.backends.triton import launch
 
     monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
@@ -234,7 +236,7 @@ def test_fast_mode_quantizes_the_intermediate_per_row(M, K, experts, device, mon
     tw, ids = random_routing(M, E, K, device=device, seed=K, experts=experts)
     x = random_x(M, H, device=device, seed=M + 1)
     assert moekit.get_backend("triton").intermediate_granularity(w.scheme) == "token"
-    cfg = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=2)
+    cfg = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=2, JOIN=join)
     align = align_pairs(ids, E, cfg.BLOCK_M)
     a, a_scale = launch.quantize_input(x, w)
     act = launch.gemm1(a, a_scale, w, align, K, x.dtype, cfg)

@@ -146,12 +146,12 @@ def test_every_shipped_triton_table_entry_can_run_its_scheme():
     passes KernelConfig.problems for the scheme in its file name; an entry that could not run
     would make the backend fall back to the analytic default without a word."""
     from moekit.backends.triton.config import _load_table
-    from moekit.tables import SHIPPED_ROOT
+    from moekit.tables import SHIPPED_ROOT, parse_table_name
 
     files = sorted((SHIPPED_ROOT / "triton").glob("*.json"))
     assert files
     for path in files:
-        scheme = get_scheme(path.stem.rsplit("scheme=", 1)[1])
+        scheme = get_scheme(parse_table_name(path.name)["scheme"])
         table = _load_table(path, path.stat().st_mtime)
         assert table, path.name
         for size, cfg in table.items():

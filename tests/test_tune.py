@@ -358,18 +358,25 @@ def test_journal_of_other_conditions_is_set_aside(tmp_path, tiny_model, monkeypa
     assert len(list((out / ".progress").glob("*/M=1.stale.json"))) == 1
 
 
-def test_fast_fp8_accumulation_is_a_condition_of_the_measurements(tmp_path, tiny_model, monkeypatch):
+def test_fast_fp8_accumulation_tunes_a_table_of_its_own(tmp_path, tiny_model, monkeypatch):
+    """Fast mode changes which config is fastest (moekit.accumulation): its measurements go to
+    journals and tables of their own, and the precise ones stay as they were."""
     FakeTimer().install(monkeypatch)
     out = tmp_path / "out"
     tune(tiny_model, out, batch_sizes=["1"])  # precise (the default): no key, so older journals match
-    assert "fp8_accumulation" not in json.loads(next((out / "triton").glob("*.json")).read_text())["meta"]
+    precise_file = next((out / "triton").glob("*.json"))
+    assert "fp8_accumulation" not in json.loads(precise_file.read_text())["meta"]
+    precise_before = precise_file.read_text()
     monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
     again = FakeTimer().install(monkeypatch)
     result, text = tune(tiny_model, out, batch_sizes=["1"])
-    assert result.exit_code == 0 and "set aside" in text and "fp8_accumulation" in text
-    assert len(again.calls) >= 4  # measured again, the precise journal kept beside
-    assert len(list((out / ".progress").glob("*/M=1.stale.json"))) == 1
-    assert json.loads(next((out / "triton").glob("*.json")).read_text())["meta"]["fp8_accumulation"] == "fast"
+    assert result.exit_code == 0 and "set aside" not in text
+    assert len(again.calls) >= 4  # measured again: nothing of the precise journal reused
+    fast_file = precise_file.with_name(precise_file.name.removesuffix(".json") + ",fp8_accumulation=fast.json")
+    assert json.loads(fast_file.read_text())["meta"]["fp8_accumulation"] == "fast"
+    assert (out / "backends" / fast_file.name).is_file()
+    assert precise_file.read_text() == precise_before
+    assert not list((out / ".progress").glob("*/M=1.stale.json"))
 
 
 def test_pdl_off_is_a_condition_of_the_measurements(tmp_path, tiny_model, monkeypatch):

@@ -20,6 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..bench import _print_wide, default_device
+from ..accumulation import table_accumulation
 from ..tables import table_name
 from .journal import load_journals
 from .plan import TuneInputError, TuneOptions, TunePlan, build_plan, parse_budget, remove_if_empty
@@ -111,7 +112,7 @@ def _finish(plan: TunePlan, console, device_names: list[str]) -> tuple[list[Path
     not_covered: list[str] = []
     for p in plan.problems:
         for name in device_names:
-            table_file = table_name(p.shape, p.scheme, name)
+            table_file = table_name(p.shape, p.scheme, name, table_accumulation(p.scheme))
             written, notes = write_problem_tables(plan, table_file)
             files += written
             journals = load_journals(plan.out_dir, table_file)

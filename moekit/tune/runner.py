@@ -60,6 +60,7 @@ from ..backends import get_backend
 from ..backends.triton.config import KernelConfig, default_config
 from ..backends.triton.launch import fp8_accumulation, pdl_wanted
 from ..bench import make_routing, make_routings, make_weights, make_x, rel_l2
+from ..accumulation import table_accumulation
 from ..tables import table_name
 from ..timing import Timing, time_graph, time_graphs
 from .journal import MAX_DEATHS, Journal, journal_path, load_journals
@@ -261,7 +262,7 @@ class Worker:
     # ------------------------------------------------------------------------------ phases
 
     def _problem(self, p: TuneProblem) -> None:
-        table_file = table_name(p.shape, p.scheme, self.name)
+        table_file = table_name(p.shape, p.scheme, self.name, table_accumulation(p.scheme))
         fp = fingerprint(self.plan, self.name)
         journals: dict[int, Journal] = {}
         for M in self.sizes:
@@ -318,7 +319,7 @@ class Worker:
                     torch.cuda.empty_cache()
 
     def _between(self, p: TuneProblem, sizes: list[int]) -> None:
-        table_file = table_name(p.shape, p.scheme, self.name)
+        table_file = table_name(p.shape, p.scheme, self.name, table_accumulation(p.scheme))
         tuned: dict[int, KernelConfig] = {}  # the best config of every searched size
         for data in load_journals(self.plan.out_dir, table_file):
             best = best_config(data)

@@ -11,7 +11,8 @@ tile is 2 * BLOCK_N).
 
 Tuned tables (written by `moekit tune`, found through `moekit.tables`: the user's folders, then
 the shipped ones) hold {"meta": {...}, "configs": {"<batch size>": {BLOCK_M: .., ..., "us": ..}}};
-the entry of the nearest measured batch size (in log space) is used.
+the entry of the nearest measured batch size (in log space) is used; in fast accumulation mode,
+over the union of the fast-mode table's sizes and the precise table's (fast entries first).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import math
 import logging
 from pathlib import Path
 
+from ...accumulation import table_accumulation
 from ...spec import MoEShape, QuantScheme
 from ...tables import find_tables
 
@@ -153,12 +155,24 @@ def _load_table(path: Path, mtime: float) -> dict[int, KernelConfig] | None:
         return None
 
 
-def tuned_configs(shape: MoEShape, scheme: QuantScheme, device_name: str) -> tuple[dict[int, KernelConfig], Path] | None:
-    for path in find_tables("triton", shape, scheme, device_name):
+def _first_table(shape: MoEShape, scheme: QuantScheme, device_name: str, accumulation: str):
+    for path in find_tables("triton", shape, scheme, device_name, accumulation):
         table = _load_table(path, path.stat().st_mtime)
         if table:
             return table, path
     return None
+
+
+def tuned_configs(shape: MoEShape, scheme: QuantScheme, device_name: str) -> tuple[dict[int, KernelConfig], Path] | None:
+    """(configs by batch size, the file they came from), or None. In fast accumulation mode a
+    fast-mode table refines the precise one (moekit.tables): its sizes over the precise table's."""
+    precise = _first_table(shape, scheme, device_name, "precise")
+    if table_accumulation(scheme) == "precise":
+        return precise
+    fast = _first_table(shape, scheme, device_name, "fast")
+    if fast is None:
+        return precise
+    return ({**precise[0], **fast[0]} if precise else fast[0]), fast[1]
 
 
 def nearest(table: dict[int, KernelConfig], num_tokens: int) -> KernelConfig:

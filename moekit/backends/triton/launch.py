@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...accumulation import FP8_ACCUMULATION_ENV, FP8_ACCUMULATIONS, fp8_accumulation  # noqa: F401 - re-exported
 from ...spec import MoEShape, QuantScheme
 from ...weights import MoEWeights
 from ..base import Backend, device_capability
@@ -39,29 +40,6 @@ from .config import KernelConfig, get_config
 SINGLE_ALIGN_MAX_PAIRS = 128  # up to this many pairs, one program aligns them all
 CHUNK = 128  # pairs per program of the multi-program alignment
 E_BLOCK = 64  # experts handled at once when counting
-# How FP8 products are summed (MOEKIT_FP8_ACCUMULATION). "precise" (default): each BLOCK_K-long
-# partial product is added into the float32 accumulator, as DeepGEMM does. "fast": the tensor
-# cores' own narrower accumulator over the whole K, as vLLM's Triton kernel and torch's CUTLASS
-# grouped GEMM run. Measured on an H200 (BENCHMARKS.md, 2026-12-03, fourth session): fast is 17%
-# faster at Mixtral-8x7B M = 4096 (whole layer) and 8% at GLM-4.5V, the same at decode sizes, but
-# its error against float64 rose from 2.5e-3 to 1.4e-2 on Mixtral (more intermediate values cross
-# an FP8 rounding boundary), above `moekit check`'s 1e-2 limit; so precise is the default.
-FP8_ACCUMULATION_ENV = "MOEKIT_FP8_ACCUMULATION"
-FP8_ACCUMULATIONS = ("precise", "fast")
-
-
-def fp8_accumulation() -> str:
-    """The FP8 accumulation mode asked for in the environment (ValueError for another value).
-    Read at every launch (a test or a user may change it); parsed once per value."""
-    return _parse_accumulation(os.environ.get(FP8_ACCUMULATION_ENV))
-
-
-@functools.lru_cache(maxsize=8)
-def _parse_accumulation(raw: str | None) -> str:
-    mode = (raw or "").strip().lower() or "precise"
-    if mode not in FP8_ACCUMULATIONS:
-        raise ValueError(f"{FP8_ACCUMULATION_ENV}={raw!r}: expected one of {', '.join(FP8_ACCUMULATIONS)}")
-    return mode
 
 
 def fp8_promote(cfg: KernelConfig) -> int:

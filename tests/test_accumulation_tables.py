@@ -1,0 +1,125 @@
+"""Tables tuned in fast FP8 accumulation mode: filed apart, and refining the precise ones."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from moekit import decisions, select, tables
+from moekit.accumulation import FP8_ACCUMULATION_ENV, accumulation_matters, table_accumulation
+from moekit.backends.triton.config import KernelConfig, get_config
+from moekit.select import DeviceSpec, explain, select_backend
+from moekit.spec import SCHEMES, MoEShape, get_scheme
+
+from test_select_auto import table_data
+
+H100 = "NVIDIA H100 80GB HBM3"
+SHAPE = MoEShape(8, 256, 256, 2)
+FP8 = get_scheme("fp8-channel-token")
+BLOCK = get_scheme("fp8-block128")
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """Only the test's own tables, in a user folder; precise mode unless a test says otherwise."""
+    monkeypatch.setattr(tables, "SHIPPED_ROOT", tmp_path / "shipped")
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path / "user"))
+    monkeypatch.delenv(FP8_ACCUMULATION_ENV, raising=False)
+    monkeypatch.delenv(select.ENV_VAR, raising=False)
+    monkeypatch.setattr(select, "_supports_cache", {})
+    monkeypatch.setattr(decisions, "_warned", set())
+
+
+def test_table_names_carry_the_mode_only_where_it_matters(monkeypatch):
+    precise = tables.table_name(SHAPE, FP8, H100)
+    assert precise == "E=8,N=256,H=256,device_name=NVIDIA_H100_80GB_HBM3,scheme=fp8-channel-token.json"
+    assert tables.table_name(SHAPE, FP8, H100, "fast") == precise.removesuffix(".json") + ",fp8_accumulation=fast.json"
+    for name, mode in ((precise, "precise"), (tables.table_name(SHAPE, FP8, H100, "fast"), "fast")):
+        assert tables.parse_table_name(name) == {"num_experts": 8, "intermediate": 256, "hidden": 256,
+                                                 "device_name": "NVIDIA_H100_80GB_HBM3", "scheme": FP8.name,
+                                                 "fp8_accumulation": mode}
+    assert tables.parse_table_name("E=8,N=256,H=256.json") is None
+    with pytest.raises(ValueError, match="accumulation 'sloppy': expected one of precise, fast"):
+        tables.table_name(SHAPE, FP8, H100, "sloppy")
+    # the mode changes a kernel only where the scales are constant along K
+    assert {s.name for s in SCHEMES.values() if accumulation_matters(s)} == {
+        "fp8-tensor-static", "fp8-tensor-dynamic", "fp8-channel-token"}
+    assert table_accumulation(FP8) == "precise"
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, "fast")
+    assert table_accumulation(FP8) == "fast"
+    assert table_accumulation(BLOCK) == table_accumulation(get_scheme("bf16")) == "precise"
+
+
+def write_configs(root, configs: dict[int, KernelConfig], accumulation="precise", scheme=FP8):
+    path = root / "triton" / tables.table_name(SHAPE, scheme, H100, accumulation)
+    meta = {"device_name": H100, **({"fp8_accumulation": accumulation} if accumulation != "precise" else {})}
+    return tables.write_json_atomically(path, {"meta": meta, "configs": {str(m): c.to_dict() for m, c in configs.items()}})
+
+
+PRECISE_SMALL = KernelConfig(16, 64, 128, 1, 4, 3)
+PRECISE_LARGE = KernelConfig(64, 128, 128, 8, 8, 4)
+FAST_LARGE = KernelConfig(64, 128, 128, 8, 8, 3)
+FAST_LARGEST = KernelConfig(128, 128, 128, 8, 8, 3)
+
+
+def test_fast_configs_refine_the_precise_table_at_their_sizes(tmp_path, monkeypatch):
+    user = tmp_path / "user"
+    write_configs(user, {1: PRECISE_SMALL, 4096: PRECISE_LARGE})
+    write_configs(user, {4096: FAST_LARGE, 8192: FAST_LARGEST}, "fast")
+    config = lambda m, scheme=FP8: get_config(SHAPE, scheme, m, H100)  # noqa: E731
+    assert [config(m) for m in (1, 4096, 8192)] == [PRECISE_SMALL, PRECISE_LARGE, PRECISE_LARGE]
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, "fast")
+    assert [config(m) for m in (1, 16, 4096, 6000, 8192)] == [PRECISE_SMALL, PRECISE_SMALL, FAST_LARGE, FAST_LARGEST, FAST_LARGEST]
+    # a scheme the mode does not change reads its precise table in either mode
+    write_configs(user, {1: PRECISE_SMALL}, scheme=BLOCK)
+    write_configs(user, {1: FAST_LARGE}, "fast", scheme=BLOCK)
+    assert config(1, BLOCK) == PRECISE_SMALL
+    # a fast table alone serves every size
+    (user / "triton" / tables.table_name(SHAPE, FP8, H100)).unlink()
+    assert config(1) == FAST_LARGE
+
+
+def write_decisions(root, points, accumulation="precise"):
+    path = root / "backends" / tables.table_name(SHAPE, FP8, H100, accumulation)
+    meta = {"fp8_accumulation": accumulation} if accumulation != "precise" else {}
+    return tables.write_json_atomically(path, table_data(SHAPE, FP8, H100, points, **meta))
+
+
+def choose(m):
+    return select_backend(SHAPE, FP8, DeviceSpec.from_name(H100), torch.bfloat16, m, "auto")
+
+
+def test_fast_decision_table_refines_the_precise_one(tmp_path, monkeypatch):
+    user = tmp_path / "user"
+    write_decisions(user, {64: {"triton": 10.0, "cutlass": 12.0}, 4096: {"triton": 500.0, "cutlass": 400.0}})
+    fast = write_decisions(user, {4096: {"triton": 350.0, "cutlass": 400.0}}, "fast")
+    assert choose(4096).backend == "cutlass"
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, "fast")
+    assert choose(4096).backend == "triton" and choose(64).backend == "triton"
+    found = decisions.find_table(SHAPE, FP8, H100)
+    assert found.path == fast and found.sizes == (64, 4096)
+    text = "\n".join(explain(SHAPE, FP8, DeviceSpec.from_name(H100), torch.bfloat16, 4096))
+    assert f"measured (us) in {fast.name}, over {tables.table_name(SHAPE, FP8, H100)} where it measured nothing:" in text
+
+
+def test_a_fast_table_whose_meta_says_otherwise_is_skipped(tmp_path, monkeypatch):
+    user = tmp_path / "user"
+    write_decisions(user, {64: {"triton": 10.0, "cutlass": 12.0}})
+    bad = user / "backends" / tables.table_name(SHAPE, FP8, H100, "fast")
+    tables.write_json_atomically(bad, table_data(SHAPE, FP8, H100, {64: {"triton": 20.0, "cutlass": 12.0}}))
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, "fast")
+    with pytest.warns(decisions.BackendTableWarning, match="meta.fp8_accumulation is 'precise' but the file name says 'fast'"):
+        assert choose(64).backend == "triton"  # the precise table's choice
+
+
+def test_a_bad_mode_warns_and_reads_the_precise_table(tmp_path, monkeypatch):
+    write_decisions(tmp_path / "user", {64: {"triton": 10.0, "cutlass": 12.0}})
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, "sloppy")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        table = decisions.find_table(SHAPE, FP8, H100)
+    assert table is not None and table.sizes == (64,)
+    assert any("MOEKIT_FP8_ACCUMULATION='sloppy': expected one of precise, fast" in str(w.message) for w in caught)
+
