@@ -475,21 +475,15 @@ def gemm2_kernel(
     topk_weights_ptr,  # (P,) float32
     out_ptr,  # (P, H) x's dtype: each pair's weighted expert output
     sorted_ptr, count_ptr, start_ptr,
-    done_ptr,  # (M, cdiv(H, BLOCK_N)) int32 zeros: pairs of the token stored in that column block
-    final_ptr,  # (M, H) x's dtype: the combined output (FUSED_COMBINE)
     P, E, N, H,
-    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_fm,
+    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     A_MODE: tl.constexpr, B_SCALE: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr = False, K_TOP: tl.constexpr = 1,
 ):
     """A_MODE: 0 unquantized, 1 FP8 with a static scale, 2 quantize per 1x128 group while loading,
     3 quantize per tensor while loading (scale from the shared amax), 4 FP8 with 1x128 group scales,
-    5 FP8 with one scale per row (a_scale_ptr: (rows,)).
-
-    FUSED_COMBINE: the combine inside this kernel (_combine_finished_tokens) rather than a pass
-    of its own after it."""
+    5 FP8 with one scale per row (a_scale_ptr: (rows,))."""
     _pdl_wait(PDL)
     num_n_blocks = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n, num_m_blocks = _tile_ids(start_ptr + E, num_n_blocks, GROUP_M, BLOCK_M)
@@ -549,37 +543,6 @@ def gemm2_kernel(
     acc *= tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
     out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out_ptrs, _to_dtype(acc, out_ptr.dtype.element_ty, INTERPRET), mask=row_ok[:, None] & col_ok[None, :])
-    if FUSED_COMBINE:
-        _combine_finished_tokens(pair, row_ok, cols, col_ok, pid_n, num_n_blocks, out_ptr, done_ptr, final_ptr,
-                                 stride_om, stride_fm, K_TOP, INTERPRET)
-
-
-@triton.jit
-def _combine_finished_tokens(pair, row_ok, cols, col_ok, pid_n, num_n_blocks, out_ptr, done_ptr, final_ptr,
-                             stride_om, stride_fm, K_TOP: tl.constexpr, INTERPRET: tl.constexpr):
-    """The combine of combine_kernel, done by the GEMM2 program that stores the last of a token's
-    K_TOP pair rows in a column block: each program counts the rows it stored (one atomic counter
-    per token and column block), and where its count completes a token it sums that token's
-    K_TOP rows in j order, in float32. Which program finishes a token varies from run to run, but
-    the sum it computes does not (same rows, same order): bitwise deterministic. The reads mostly
-    overlap other programs' tensor-core work instead of making a pass of their own.
-
-    Ordering (CUTLASS's semaphore pattern): a barrier so that every thread's stores come before
-    the count (an acq_rel atomic at GPU scope releases them), and a barrier after it so that
-    every thread's loads come after the acquiring count. Loads bypass L1 (.cg), which is not
-    coherent across SMs."""
-    tl.debug_barrier()
-    token = (pair // K_TOP).to(tl.int64)
-    stored = tl.atomic_add(done_ptr + token * num_n_blocks + pid_n, 1, mask=row_ok, sem="acq_rel", scope="gpu")
-    last = row_ok & (stored == K_TOP - 1)
-    tl.debug_barrier()
-    mask = last[:, None] & col_ok[None, :]
-    total = tl.zeros((pair.shape[0], cols.shape[0]), dtype=tl.float32)
-    for j in tl.static_range(K_TOP):
-        rows_j = out_ptr + (token * K_TOP + j)[:, None] * stride_om + cols[None, :]
-        total += tl.load(rows_j, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    tl.store(final_ptr + token[:, None] * stride_fm + cols[None, :], _to_dtype(total, final_ptr.dtype.element_ty, INTERPRET),
-             mask=mask)
 
 
 @triton.jit

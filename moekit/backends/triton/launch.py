@@ -54,10 +54,6 @@ def _row_intermediate(scheme: QuantScheme) -> bool:
         and fp8_accumulation() == "fast"
 
 
-# Whether GEMM2 combines each token's rows itself (gemm2's combine_top_k) instead of a combine pass.
-FUSED_COMBINE = False
-
-
 def _joined(scheme: QuantScheme, cfg: KernelConfig) -> int:
     """GEMM1's JOIN argument: the config's, and 1 in fast mode for FP8 tiles of 64+ rows where
     the scheme allows it. Measured on an H200 (BENCHMARKS.md, fifth session), fast mode: never
@@ -219,8 +215,6 @@ class TritonBackend(Backend):
             align = align_pairs(topk_ids, weights.num_experts, cfg.BLOCK_M)
             a, a_scale = quantize_input(x, weights)
         act = gemm1(a, a_scale, weights, align, K, x.dtype, cfg)
-        if FUSED_COMBINE:
-            return gemm2(act, weights, align, topk_weights, x.dtype, cfg, combine_top_k=K)
         pairs = gemm2(act, weights, align, topk_weights, x.dtype, cfg)
         return combine(pairs, M, K)
 
@@ -443,40 +437,30 @@ def quantize_intermediate_rows(values: torch.Tensor, align: Alignment, num_exper
     return Intermediate(q, scale, 5)
 
 
-def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights, out_dtype, cfg: KernelConfig,
-          combine_top_k: int = 0):
+def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights, out_dtype, cfg: KernelConfig):
     """Intermediate rows times w2 of their expert, times the pair's top-k weight, written to the
     pair's own row of a [P, H] buffer (no two programs write the same element: deterministic).
-    Runs GEMM2's own tile width, warps, stages and grouping where the config sets them.
-    combine_top_k > 0: also combine each token's that many rows in this kernel
-    (_kernels._combine_finished_tokens) and return the [P / combine_top_k, H] result instead."""
+    Runs GEMM2's own tile width, warps, stages and grouping where the config sets them."""
     _tiled_only(cfg)
     cfg = cfg.gemm2()
     scheme = weights.scheme
     E, N, H = weights.num_experts, weights.n, weights.hidden
     values = act.values
-    dev = values.device
-    out = torch.empty(align.num_pairs, H, dtype=out_dtype, device=dev)
-    if combine_top_k:
-        final = torch.empty(align.num_pairs // combine_top_k, H, dtype=out_dtype, device=dev)
-        done = torch.zeros(final.shape[0], triton.cdiv(H, cfg.BLOCK_N), dtype=torch.int32, device=dev)
-    else:
-        final, done = out, align.count  # not read
+    out = torch.empty(align.num_pairs, H, dtype=out_dtype, device=values.device)
     w_scale = weights.w2_scale
     stride_wse, stride_wsn = _scale_strides(w_scale)
     _launch(k.gemm2_kernel, _tiles(align, cfg, H),
         values, act.scale if act.scale is not None else values, weights.w2,
         w_scale if w_scale is not None else values, topk_weights.reshape(-1).contiguous(), out,
-        align.sorted_pairs, align.count, align.start, done, final,
+        align.sorted_pairs, align.count, align.start,
         align.num_pairs, E, N, H,
         values.stride(0), act.scale.stride(0) if act.scale is not None else 0,  # (rows,) or (rows, groups)
-        weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0), final.stride(0),
+        weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
         A_MODE=act.a_mode, B_SCALE=B_SCALE_KIND[scheme.weight], E_POW2=triton.next_power_of_2(E),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=fp8_promote(cfg), INTERPRET=_interpreting(),
-        FUSED_COMBINE=bool(combine_top_k), K_TOP=max(combine_top_k, 1),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return final if combine_top_k else out
+    return out
 
 
 def combine(pairs: torch.Tensor, M: int, K: int) -> torch.Tensor:
