@@ -30,6 +30,7 @@ import torch
 
 from . import decisions, tables
 from .accumulation import FP8_ACCUMULATION_ENV
+from .accumulation import table_accumulation as _table_accumulation
 from .backends.base import assume_capability, backend_names, get_backend
 from .spec import MoEShape, QuantScheme
 
@@ -269,7 +270,9 @@ def explain(
             lines.append(f"no decision table: tables exist per named device, not for {device}")
         else:
             dirs = ", ".join(str(d) for d in tables.search_dirs("backends"))
-            lines.append(f"no decision table {tables.table_name(shape, scheme, name)} in {dirs}")
+            names = dict.fromkeys([tables.table_name(shape, scheme, name),
+                                   tables.table_name(shape, scheme, name, _table_accumulation(scheme))])
+            lines.append(f"no decision table {' or '.join(names)} in {dirs}")
     else:
         loc = r.table.locate(num_tokens)
         points = loc.neighbours()

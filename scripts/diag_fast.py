@@ -66,7 +66,7 @@ def main():
             x = make_x(M, H, dev)
             tw, ids = (t.to(dev) for t in uniform_routing(M, E, K))
             tw = tw.float()
-            cfg = triton_backend.config_for(w, K, M, dev)
+            cfg = in_mode("precise", lambda: triton_backend.config_for(w, K, M, dev))()
             cfg_fast = in_mode("fast", lambda: triton_backend.config_for(w, K, M, dev))()  # fast tables first
             variants = {
                 "precise": ("precise", cfg),

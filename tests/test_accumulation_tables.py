@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -9,9 +10,10 @@ import torch
 
 from moekit import decisions, select, tables
 from moekit.accumulation import FP8_ACCUMULATION_ENV, accumulation_matters, table_accumulation
-from moekit.backends.triton.config import KernelConfig, get_config
+from moekit.backends.triton.config import KernelConfig, default_config, get_config
 from moekit.select import DeviceSpec, explain, select_backend
 from moekit.spec import SCHEMES, MoEShape, get_scheme
+from moekit.tables import SHIPPED_ROOT
 
 from test_select_auto import table_data
 
@@ -79,6 +81,28 @@ def test_fast_configs_refine_the_precise_table_at_their_sizes(tmp_path, monkeypa
     # a fast table alone serves every size
     (user / "triton" / tables.table_name(SHAPE, FP8, H100)).unlink()
     assert config(1) == FAST_LARGE
+
+
+def test_a_triton_table_whose_meta_says_another_mode_is_ignored(tmp_path, monkeypatch, caplog):
+    """A table tuned in fast mode before such tables had names of their own sits under the
+    precise name; it must not serve precise mode."""
+    user = tmp_path / "user"
+    path = write_configs(user, {1: FAST_LARGE})
+    data = json.loads(path.read_text())
+    data["meta"]["fp8_accumulation"] = "fast"
+    tables.write_json_atomically(path, data)
+    with caplog.at_level("WARNING", logger="moekit.triton"):
+        assert get_config(SHAPE, FP8, 1, H100) == default_config(SHAPE, FP8, 1)
+    assert "measured with fp8_accumulation 'fast' but the file name says 'precise'" in caplog.text
+
+
+def test_every_shipped_table_says_the_mode_its_name_says():
+    shipped = sorted(SHIPPED_ROOT.glob("*/*.json"))  # the real folder (the fixture hides it from lookups)
+    assert any(tables.parse_table_name(p.name)["fp8_accumulation"] == "fast" for p in shipped)
+    for path in shipped:
+        named = tables.parse_table_name(path.name)
+        assert named is not None, path.name
+        assert json.loads(path.read_text())["meta"].get("fp8_accumulation", "precise") == named["fp8_accumulation"], path.name
 
 
 def write_decisions(root, points, accumulation="precise"):

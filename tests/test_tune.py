@@ -362,21 +362,42 @@ def test_fast_fp8_accumulation_tunes_a_table_of_its_own(tmp_path, tiny_model, mo
     """Fast mode changes which config is fastest (moekit.accumulation): its measurements go to
     journals and tables of their own, and the precise ones stay as they were."""
     FakeTimer().install(monkeypatch)
-    out = tmp_path / "out"
-    tune(tiny_model, out, batch_sizes=["1"])  # precise (the default): no key, so older journals match
+    out, export = tmp_path / "out", tmp_path / "vllm"
+    tune(tiny_model, out, batch_sizes=["1"], export_vllm=str(export))  # precise: no key, so older journals match
     precise_file = next((out / "triton").glob("*.json"))
+    (vllm_file,) = export.glob("*.json")
+    vllm_before = vllm_file.read_text()
     assert "fp8_accumulation" not in json.loads(precise_file.read_text())["meta"]
     precise_before = precise_file.read_text()
     monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
     again = FakeTimer().install(monkeypatch)
-    result, text = tune(tiny_model, out, batch_sizes=["1"])
+    result, text = tune(tiny_model, out, batch_sizes=["1"], export_vllm=str(export))
     assert result.exit_code == 0 and "set aside" not in text
     assert len(again.calls) >= 4  # measured again: nothing of the precise journal reused
+    # vLLM's file names have no mode: the fast export goes to fast/, the precise one is kept
+    assert vllm_file.read_text() == vllm_before and (export / "fast" / vllm_file.name).is_file()
     fast_file = precise_file.with_name(precise_file.name.removesuffix(".json") + ",fp8_accumulation=fast.json")
     assert json.loads(fast_file.read_text())["meta"]["fp8_accumulation"] == "fast"
     assert (out / "backends" / fast_file.name).is_file()
     assert precise_file.read_text() == precise_before
     assert not list((out / ".progress").glob("*/M=1.stale.json"))
+
+
+def test_fast_mode_leaves_the_tables_of_schemes_it_does_not_change(tmp_path, tiny_model, monkeypatch):
+    """fp8-block128 scales every K step into float32 in either mode (moekit.accumulation): a tune
+    in fast mode is the same measurement, so it reuses the journal and rewrites nothing."""
+    FakeTimer().install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out, "fp8-block128", batch_sizes=["1"])
+    measured = lambda: {p.relative_to(out): {k: v for k, v in read(p).items() if k != "meta"} for p in out.glob("*/*.json")}  # noqa: E731
+    before = measured()
+    assert len(before) == 2
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
+    again = FakeTimer().install(monkeypatch)
+    result, text = tune(tiny_model, out, "fp8-block128", batch_sizes=["1"])
+    assert result.exit_code == 0 and "set aside" not in text and not again.calls
+    assert measured() == before  # the same files (no fast names), the same measurements
+    assert all("fp8_accumulation" not in read(p)["meta"] for p in out.glob("*/*.json"))
 
 
 def test_pdl_off_is_a_condition_of_the_measurements(tmp_path, tiny_model, monkeypatch):

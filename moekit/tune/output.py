@@ -5,6 +5,7 @@ OUT/triton/<table name>     the triton backend's table: per batch size the faste
 OUT/backends/<table name>   the backend decision table: per batch size every backend's µs and the
                             winner (read by moekit.decisions; format below)
 DIR/<vLLM name>             with --export-vllm: the same configs in vLLM's fused_moe file format
+                            (DIR/fast/<vLLM name> for a fast-mode table: vLLM's names have no mode)
 
 Decision table, version 1 (moekit.decisions reads exactly this):
     {"format": "moekit-backend-table", "version": 1,
@@ -261,7 +262,9 @@ def write_tables(
         if exported is not None:
             name, table, vllm_notes = exported
             ordered = dict(sorted(table.items(), key=lambda kv: int(kv[0])))
-            written.append(write_json_atomically(Path(export_dir) / name, ordered))
+            # vLLM's file names have no accumulation mode: a fast-mode tune's export goes to fast/
+            fast = journals[-1]["fingerprint"].get("fp8_accumulation") == "fast"
+            written.append(write_json_atomically(Path(export_dir) / ("fast" if fast else "") / name, ordered))
             notes += [f"vLLM export: {n}" for n in vllm_notes]
     return written, notes
 

@@ -61,6 +61,7 @@ from ..backends.triton.config import KernelConfig, default_config
 from ..backends.triton.launch import fp8_accumulation, pdl_wanted
 from ..bench import make_routing, make_routings, make_weights, make_x, rel_l2
 from ..accumulation import table_accumulation
+from ..spec import QuantScheme
 from ..tables import table_name
 from ..timing import Timing, time_graph, time_graphs
 from .journal import MAX_DEATHS, Journal, journal_path, load_journals
@@ -127,7 +128,7 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def fingerprint(plan: TunePlan, name: str) -> dict:
+def fingerprint(plan: TunePlan, name: str, scheme: QuantScheme) -> dict:
     """What a measurement depends on besides the config: journals that differ are not reused."""
     import triton
 
@@ -139,8 +140,9 @@ def fingerprint(plan: TunePlan, name: str) -> dict:
         "moekit": moekit_version,
         "torch": torch.__version__,
         "triton": triton.__version__,
-        # only when not the default, so that journals measured before the option existed still match
-        **({"fp8_accumulation": "fast"} if fp8_accumulation() == "fast" else {}),
+        # only when not the default, so that journals measured before the option existed still match;
+        # only for schemes the mode changes (moekit.accumulation), whose fast tables live apart
+        **({"fp8_accumulation": "fast"} if table_accumulation(scheme) == "fast" else {}),
         **({} if pdl_wanted() else {"pdl": "off"}),
     }
 
@@ -263,7 +265,7 @@ class Worker:
 
     def _problem(self, p: TuneProblem) -> None:
         table_file = table_name(p.shape, p.scheme, self.name, table_accumulation(p.scheme))
-        fp = fingerprint(self.plan, self.name)
+        fp = fingerprint(self.plan, self.name, p.scheme)
         journals: dict[int, Journal] = {}
         for M in self.sizes:
             journals[M], note = Journal.open(journal_path(self.plan.out_dir, table_file, M), fp, problem_fields(p), M)
@@ -327,7 +329,7 @@ class Worker:
                 tuned[data["batch_size"]] = KernelConfig.from_dict(best[1]["config"])
         if not tuned or not sizes:
             return
-        fp = fingerprint(self.plan, self.name)
+        fp = fingerprint(self.plan, self.name, p.scheme)
         todo: list[tuple[Journal, list[KernelConfig], list[str]]] = []
         opened: list[Journal] = []
         for M in sizes:
