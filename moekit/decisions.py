@@ -185,9 +185,9 @@ def parse_table(data, path: str | Path, shape: MoEShape | None = None, scheme: Q
     for key in ("num_experts", "intermediate", "hidden", "scheme"):
         if meta[key] != named[key]:
             raise TableError(f"meta.{key} is {meta[key]!r} but the file name says {named[key]!r}")
-    if meta.get("fp8_accumulation", "precise") != named["fp8_accumulation"]:
-        raise TableError(f"meta.fp8_accumulation is {meta.get('fp8_accumulation', 'precise')!r} but the file name "
-                         f"says {named['fp8_accumulation']!r}")
+    mismatch = tables.accumulation_mismatch(path.name, meta)
+    if mismatch:
+        raise TableError(mismatch)
     if tables.normalize_device_name(meta["device_name"]) != named["device_name"]:
         raise TableError(f"meta.device_name is {meta['device_name']!r} but the file name says {named['device_name']!r}")
     if shape is not None:

@@ -29,8 +29,7 @@ from typing import Literal
 import torch
 
 from . import decisions, tables
-from .accumulation import FP8_ACCUMULATION_ENV
-from .accumulation import table_accumulation as _table_accumulation
+from .accumulation import FP8_ACCUMULATION_ENV, table_accumulation
 from .backends.base import assume_capability, backend_names, get_backend
 from .spec import MoEShape, QuantScheme
 
@@ -271,7 +270,7 @@ def explain(
         else:
             dirs = ", ".join(str(d) for d in tables.search_dirs("backends"))
             names = dict.fromkeys([tables.table_name(shape, scheme, name),
-                                   tables.table_name(shape, scheme, name, _table_accumulation(scheme))])
+                                   tables.table_name(shape, scheme, name, table_accumulation(scheme))])
             lines.append(f"no decision table {' or '.join(names)} in {dirs}")
     else:
         loc = r.table.locate(num_tokens)

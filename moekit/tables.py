@@ -73,6 +73,15 @@ def parse_table_name(file_name: str) -> dict | None:
             "scheme": m[5], "fp8_accumulation": m[6] or "precise"}
 
 
+def accumulation_mismatch(file_name: str, meta: dict) -> str | None:
+    """Why a table's meta contradicts the accumulation mode its file name says, or None."""
+    named = parse_table_name(file_name)
+    measured = meta.get("fp8_accumulation", "precise")
+    if named is None or measured == named["fp8_accumulation"]:
+        return None
+    return f"meta.fp8_accumulation is {measured!r} but the file name says {named['fp8_accumulation']!r}"
+
+
 def _device_of(file_name: str) -> str | None:
     m = re.search(r"device_name=([^,]+),", file_name)
     return m.group(1) if m else None

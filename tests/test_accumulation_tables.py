@@ -93,7 +93,7 @@ def test_a_triton_table_whose_meta_says_another_mode_is_ignored(tmp_path, monkey
     tables.write_json_atomically(path, data)
     with caplog.at_level("WARNING", logger="moekit.triton"):
         assert get_config(SHAPE, FP8, 1, H100) == default_config(SHAPE, FP8, 1)
-    assert "measured with fp8_accumulation 'fast' but the file name says 'precise'" in caplog.text
+    assert "meta.fp8_accumulation is 'fast' but the file name says 'precise'" in caplog.text
 
 
 def test_every_shipped_table_says_the_mode_its_name_says():

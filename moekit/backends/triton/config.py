@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ...accumulation import table_accumulation
 from ...spec import MoEShape, QuantScheme
-from ...tables import find_tables, parse_table_name
+from ...tables import accumulation_mismatch, find_tables
 
 log = logging.getLogger("moekit.triton")
 
@@ -149,11 +149,9 @@ def default_config(shape: MoEShape, scheme: QuantScheme, num_tokens: int) -> Ker
 def _load_table(path: Path, mtime: float) -> dict[int, KernelConfig] | None:
     try:
         data = json.loads(path.read_text())
-        named = parse_table_name(path.name)
-        measured = data.get("meta", {}).get("fp8_accumulation", "precise")
-        if named is not None and measured != named["fp8_accumulation"]:
-            raise ValueError(f"measured with fp8_accumulation {measured!r} but the file name says "
-                             f"{named['fp8_accumulation']!r}")
+        mismatch = accumulation_mismatch(path.name, data.get("meta", {}))
+        if mismatch:
+            raise ValueError(mismatch)
         return {int(m): KernelConfig.from_dict(c) for m, c in data["configs"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         log.warning("moekit: ignoring tuned table %s: %s", path, e)
