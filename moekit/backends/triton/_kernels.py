@@ -104,19 +104,6 @@ def _dot(a, b, acc, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.jit
-def _weight_tile(ptrs, mask, desc, row, k0, TMA: tl.constexpr):
-    """A [BLOCK_K, BLOCK_N] tile of weights stored as output-channel rows with K contiguous: through
-    the tensor descriptor `desc` (Hopper's TMA: one bulk copy per tile instead of per-thread
-    loads; `row` is the tile's first row of the (experts * rows, K) view, and reads past K come
-    back as zeros) when TMA, else through the pointers `ptrs` under `mask`. Rows a TMA tile reads
-    past the expert's own (BLOCK_N not dividing them) belong to the next rows of the view: they
-    land only in output columns the kernel masks."""
-    if TMA:
-        return desc.load([row, k0]).T
-    return tl.load(ptrs, mask=mask, other=0.0)
-
-
 # --------------------------------------------------------------------------- token alignment
 # Deterministic counting sort of the pairs by expert, entirely on the GPU: chunks of CHUNK pairs
 # count their experts, a scan turns counts into padded offsets, and each chunk scatters its pairs
@@ -379,13 +366,11 @@ def gemm1_kernel(
     # (rows, ceil(N/128)) float32 scales of the output's 1x128 groups (OUT_MODE 3)
     amax_ptr,  # (1,) float32 shared maximum of |output| (fp8-tensor-dynamic)
     sorted_ptr, count_ptr, start_ptr,  # alignment (see module docstring)
-    w_desc,  # tensor descriptor of w as (E * 2N, H) tiles [BLOCK_N, BLOCK_K] when TMA, else None
     P, E, N, H, K_TOP,
     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, OUT_MODE: tl.constexpr, ACT_DTYPE: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, JOIN: tl.constexpr, TMA: tl.constexpr,
-    PROMOTE_STEPS: tl.constexpr, WS: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, JOIN: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """OUT_MODE: 0 store in the output dtype, 1 also record amax, 2 quantize with a static scale,
     3 quantize per 1x128 group (BLOCK_N a multiple of 128, so a tile holds whole groups).
@@ -417,44 +402,31 @@ def gemm1_kernel(
         acc_gate, acc_up = _gemm1_joined(a_ptrs, row_ok, w_ptr + e64 * stride_we, pid_n, N, H, stride_wn,
                                          BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET)
     else:
-        gate_row = e * (stride_we // stride_wn) + pid_n * BLOCK_N  # TMA: rows of the (E * 2N, H) view
-        for k_outer in tl.range(0, H, BLOCK_K * PROMOTE_STEPS, warp_specialize=WS):
-            if PROMOTE_STEPS > 1:
-                part_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                part_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for step in tl.static_range(PROMOTE_STEPS):
-                k0 = k_outer + step * BLOCK_K
-                k_ok = ks < H - k0
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b_mask = k_ok[:, None] & col_ok[None, :]
-                b_gate = _weight_tile(gate_ptrs, b_mask, w_desc, gate_row, k0, TMA)
-                b_up = _weight_tile(up_ptrs, b_mask, w_desc, gate_row + N, k0, TMA)
-                if A_SCALE == 3 or B_SCALE == 3:
-                    step_a = tl.full((BLOCK_M,), 1.0, tl.float32)
-                    if A_SCALE == 3:
-                        step_a = tl.load(a_scale_ptr + token * stride_as + k0 // BLOCK_K, mask=row_ok, other=0.0)
-                    step_gate = 1.0
-                    step_up = 1.0
-                    if B_SCALE == 3:
-                        ws = w_scale_ptr + e64 * stride_wse + k0 // BLOCK_K
-                        step_gate = tl.load(ws + (pid_n * BLOCK_N // 128) * stride_wsn)
-                        step_up = tl.load(ws + ((N + pid_n * BLOCK_N) // 128) * stride_wsn)
-                    # each BLOCK_K-long product is scaled and added into float32 here, which is already
-                    # the promotion _dot asks the compiler for (and asking again slowed the loop down)
-                    acc_gate += _dot(a, b_gate, None, 0, INTERPRET) * (step_a[:, None] * step_gate)
-                    acc_up += _dot(a, b_up, None, 0, INTERPRET) * (step_a[:, None] * step_up)
-                elif PROMOTE_STEPS > 1:
-                    part_gate = _dot(a, b_gate, part_gate, 0, INTERPRET)
-                    part_up = _dot(a, b_up, part_up, 0, INTERPRET)
-                else:
-                    acc_gate = _dot(a, b_gate, acc_gate, PROMOTE, INTERPRET)
-                    acc_up = _dot(a, b_up, acc_up, PROMOTE, INTERPRET)
-                a_ptrs += BLOCK_K
-                gate_ptrs += BLOCK_K
-                up_ptrs += BLOCK_K
-            if PROMOTE_STEPS > 1:
-                acc_gate += part_gate
-                acc_up += part_up
+        for k0 in range(0, H, BLOCK_K):
+            k_ok = ks < H - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b_gate = tl.load(gate_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            b_up = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if A_SCALE == 3 or B_SCALE == 3:
+                step_a = tl.full((BLOCK_M,), 1.0, tl.float32)
+                if A_SCALE == 3:
+                    step_a = tl.load(a_scale_ptr + token * stride_as + k0 // BLOCK_K, mask=row_ok, other=0.0)
+                step_gate = 1.0
+                step_up = 1.0
+                if B_SCALE == 3:
+                    ws = w_scale_ptr + e64 * stride_wse + k0 // BLOCK_K
+                    step_gate = tl.load(ws + (pid_n * BLOCK_N // 128) * stride_wsn)
+                    step_up = tl.load(ws + ((N + pid_n * BLOCK_N) // 128) * stride_wsn)
+                # each BLOCK_K-long product is scaled and added into float32 here, which is already
+                # the promotion _dot asks the compiler for (and asking again slowed the loop down)
+                acc_gate += _dot(a, b_gate, None, 0, INTERPRET) * (step_a[:, None] * step_gate)
+                acc_up += _dot(a, b_up, None, 0, INTERPRET) * (step_a[:, None] * step_up)
+            else:
+                acc_gate = _dot(a, b_gate, acc_gate, PROMOTE, INTERPRET)
+                acc_up = _dot(a, b_up, acc_up, PROMOTE, INTERPRET)
+            a_ptrs += BLOCK_K
+            gate_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
     # no _pdl_release: GEMM2 starts when every GEMM1 program has exited (see _pdl_release)
 
     if A_SCALE == 1:
@@ -503,12 +475,11 @@ def gemm2_kernel(
     topk_weights_ptr,  # (P,) float32
     out_ptr,  # (P, H) x's dtype: each pair's weighted expert output
     sorted_ptr, count_ptr, start_ptr,
-    w_desc,  # tensor descriptor of w as (E * H, N) tiles [BLOCK_N, BLOCK_K] when TMA, else None
     P, E, N, H,
     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     A_MODE: tl.constexpr, B_SCALE: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """A_MODE: 0 unquantized, 1 FP8 with a static scale, 2 quantize per 1x128 group while loading,
     3 quantize per tensor while loading (scale from the shared amax), 4 FP8 with 1x128 group scales,
@@ -535,11 +506,10 @@ def gemm2_kernel(
     elif A_MODE == 3:
         tensor_scale = _scale_from_amax(tl.load(a_scale_ptr))
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    w_row = e * (stride_we // stride_wn) + pid_n * BLOCK_N  # TMA: rows of the (E * H, N) view
-    for k0 in tl.range(0, N, BLOCK_K, warp_specialize=WS):
+    for k0 in range(0, N, BLOCK_K):
         k_ok = ks < N - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = _weight_tile(b_ptrs, k_ok[:, None] & col_ok[None, :], w_desc, w_row, k0, TMA)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if A_MODE == 2 or A_MODE == 4:
             if A_MODE == 2:
                 a32 = a.to(tl.float32)

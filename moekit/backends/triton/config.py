@@ -41,7 +41,6 @@ class KernelConfig:
     num_stages: int = 3
     JOIN: int = 0  # 1: GEMM1's gate and up columns in one wide tile (_kernels._gemm1_joined)
     GEMV: int = 0  # 1: the decode path of gemv.py (no alignment; BLOCK_M and GROUP_M unused)
-    TMA: int = 0  # 1: both GEMMs load weight tiles through Hopper's TMA (_kernels._weight_tile)
     # GEMM2's own launch parameters on the tiled path (0: the same as GEMM1's; module docstring)
     BLOCK_N2: int = 0
     num_warps2: int = 0
@@ -109,12 +108,6 @@ class KernelConfig:
             out.append(f"num_stages={self.num_stages} must be between 1 and 8")
         if self.JOIN not in (0, 1):
             out.append(f"JOIN={self.JOIN} must be 0 or 1")
-        if self.TMA not in (0, 1):
-            out.append(f"TMA={self.TMA} must be 0 or 1")
-        elif self.TMA and self.GEMV:
-            out.append("TMA=1 is for the tensor-core path's weight tiles; the GEMV path (GEMV=1) has none")
-        elif self.TMA and self.JOIN:
-            out.append("TMA=1 loads gate and up tiles apart; JOIN=1's interleaved tile has no TMA load (use JOIN=0)")
         if self.GEMV not in (0, 1):
             out.append(f"GEMV={self.GEMV} must be 0 or 1")
         elif self.GEMV and self.JOIN:

@@ -61,37 +61,8 @@ def _joined(scheme: QuantScheme, cfg: KernelConfig) -> int:
     FP8 promotion of precise mode the same tile was 2.4x slower (fourth session)."""
     if cfg.JOIN:
         return 1
-    if cfg.TMA:  # its tiles are loaded apart (KernelConfig.problems)
-        return 0
     per_step_scales = scheme.activation == "group" or scheme.weight == "block"
     return int(scheme.is_fp8 and not per_step_scales and cfg.BLOCK_M >= 64 and fp8_accumulation() == "fast")
-
-
-def _promote_steps(scheme: QuantScheme) -> int:
-    """EXPERIMENT (MOEKIT_EXPERIMENT_PROMOTE_STEPS): GEMM1's K steps between FP8 promotions in
-    precise mode, summed by hand past the first."""
-    steps = int(os.environ.get("MOEKIT_EXPERIMENT_PROMOTE_STEPS", "1"))
-    return steps if scheme.is_fp8 and fp8_accumulation() == "precise" else 1
-
-
-def _ws() -> bool:
-    """EXPERIMENT (MOEKIT_EXPERIMENT_WS=1): warp-specialized K loops."""
-    return os.environ.get("MOEKIT_EXPERIMENT_WS") == "1"
-
-
-def _weight_descriptor(w: torch.Tensor, cfg: KernelConfig):
-    """Weights (E, rows, K) as a TMA descriptor over the (E * rows, K) view with [BLOCK_N,
-    BLOCK_K] tiles, when the config asks for TMA; else None (the kernels use pointers)."""
-    if not cfg.TMA:
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    if w.device.type == "cuda" and (device_capability(w.device) or (0, 0)) < (9, 0):
-        raise ValueError(f"{cfg}: TMA=1 needs compute capability 9.0+ (Hopper's tensor memory accelerator), "
-                         f"found {'.'.join(map(str, device_capability(w.device)))}; use TMA=0")
-    if not w.is_contiguous():
-        raise ValueError(f"TMA=1 needs contiguous weights, got strides {w.stride()} for shape {tuple(w.shape)}")
-    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [cfg.BLOCK_N, cfg.BLOCK_K])
 
 
 def _interpreting() -> bool:
@@ -436,7 +407,7 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
         a, a_scale if a_scale is not None else unused, weights.w13,
         w_scale if w_scale is not None else unused, out,
         scale if scale is not None else unused, scale if scale is not None else unused,
-        align.sorted_pairs, align.count, align.start, _weight_descriptor(weights.w13, cfg),
+        align.sorted_pairs, align.count, align.start,
         align.num_pairs, E, N, H, top_k,
         a.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
         weights.w13.stride(0), weights.w13.stride(1), stride_wse, stride_wsn, out.stride(0),
@@ -445,7 +416,7 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
         B_SCALE=B_SCALE_KIND[scheme.weight],
         OUT_MODE=out_mode, ACT_DTYPE=_TL_DTYPE[out_dtype], E_POW2=triton.next_power_of_2(E),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=fp8_promote(cfg), JOIN=_joined(scheme, cfg),
-        TMA=cfg.TMA, PROMOTE_STEPS=_promote_steps(scheme), WS=_ws(), INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if a_mode == 5:
         return quantize_intermediate_rows(out, align, E)
@@ -481,13 +452,13 @@ def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights
     _launch(k.gemm2_kernel, _tiles(align, cfg, H),
         values, act.scale if act.scale is not None else values, weights.w2,
         w_scale if w_scale is not None else values, topk_weights.reshape(-1).contiguous(), out,
-        align.sorted_pairs, align.count, align.start, _weight_descriptor(weights.w2, cfg),
+        align.sorted_pairs, align.count, align.start,
         align.num_pairs, E, N, H,
         values.stride(0), act.scale.stride(0) if act.scale is not None else 0,  # (rows,) or (rows, groups)
         weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
         A_MODE=act.a_mode, B_SCALE=B_SCALE_KIND[scheme.weight], E_POW2=triton.next_power_of_2(E),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=fp8_promote(cfg), TMA=cfg.TMA, WS=_ws(),
-        INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=fp8_promote(cfg), INTERPRET=_interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
