@@ -122,7 +122,7 @@ def quantize_activation(
     if granularity == "group":
         T, C = x.shape
         padded = _pad_to_block(x, 1)
-        scale = scale_from_amax(padded.view(T, -1, BLOCK).abs().amax(dim=2))  # [T, C/B]
+        scale = scale_from_amax(padded.view(T, padded.shape[1] // BLOCK, BLOCK).abs().amax(dim=2))  # [T, C/B]
         return to_fp8(x, _expand_groups(scale, C, 1)), scale
     raise ValueError(f"unknown activation granularity {granularity!r}; expected tensor, token or group")
 

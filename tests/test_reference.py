@@ -109,6 +109,18 @@ def test_experts_without_tokens_and_edge_sizes():
     assert empty.shape == (0, 128)
 
 
+@pytest.mark.parametrize("scheme", ["bf16", "fp8-tensor-dynamic", "fp8-channel-token", "fp8-block128"])
+@pytest.mark.parametrize("granularity", [None, "token", "group"])
+def test_reference_moe_called_directly_with_no_tokens(scheme, granularity):
+    """reference_moe itself (not through fused_moe, which returns early for M = 0), as the
+    accuracy check and the tests call it: no rows to quantize or combine is an empty result, not
+    a reshape of zero elements with an inferred dimension."""
+    w = random_weights(3, 256, 128, scheme)
+    tw, ids = random_routing(4, 3, 2)
+    out = reference_moe(random_x(4, 256)[:0], w, tw[:0], ids[:0], intermediate_granularity=granularity)
+    assert out.shape == (0, 256) and out.dtype == torch.bfloat16
+
+
 def test_intermediate_granularity_override_changes_only_the_intermediate():
     w = random_weights(3, 256, 384, "fp8-channel-token")
     x = random_x(8, 256)

@@ -79,5 +79,5 @@ def reference_moe(x, weights: MoEWeights, topk_weights, topk_ids, intermediate_g
         for e, pairs in expert_groups(topk_ids, weights.num_experts):
             _, w2 = weights.dequantize_expert(e)
             out_pairs[pairs] = act[pairs] @ w2[0].T  # [pairs, H]
-        out = (out_pairs.view(M, K, -1) * topk_weights.float()[:, :, None]).sum(dim=1)
+        out = (out_pairs.view(M, K, weights.hidden) * topk_weights.float()[:, :, None]).sum(dim=1)
     return out.to(x.dtype)
