@@ -16,8 +16,8 @@ fast mode are filed apart (moekit.tables.table_name) for the schemes the mode af
 from __future__ import annotations
 
 import functools
-import os
 
+from . import env
 from .spec import QuantScheme
 
 FP8_ACCUMULATION_ENV = "MOEKIT_FP8_ACCUMULATION"
@@ -26,12 +26,13 @@ FP8_ACCUMULATIONS = ("precise", "fast")
 
 def fp8_accumulation() -> str:
     """The FP8 accumulation mode asked for in the environment (ValueError for another value).
-    Read at every launch (a test or a user may change it); parsed once per value."""
-    return _parse_accumulation(os.environ.get(FP8_ACCUMULATION_ENV))
+    Read at every launch (a test or a user may change it; moekit.env.raw); parsed once per value."""
+    return _parse_accumulation(env.raw(FP8_ACCUMULATION_ENV))
 
 
 @functools.lru_cache(maxsize=8)
-def _parse_accumulation(raw: str | None) -> str:
+def _parse_accumulation(raw_value) -> str:
+    raw = env.value(raw_value)
     mode = (raw or "").strip().lower() or "precise"
     if mode not in FP8_ACCUMULATIONS:
         raise ValueError(f"{FP8_ACCUMULATION_ENV}={raw!r}: expected one of {', '.join(FP8_ACCUMULATIONS)}")

@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from . import decisions, tables
+from . import decisions, env, tables
 from .accumulation import FP8_ACCUMULATION_ENV, table_accumulation
 from .backends.base import assume_capability, backend_names, get_backend
 from .spec import MoEShape, QuantScheme
@@ -128,8 +128,10 @@ _supports_cache: dict[tuple, object] = {}
 
 
 def clear_cache() -> None:
-    """Forget every cached refusal, table and choice (after writing tables in this process)."""
+    """Forget every cached refusal, table and choice (after writing tables in this process),
+    the triton backend's tuned configs included (moekit.tables.clear_cache)."""
     _supports_cache.clear()
+    tables.clear_cache()
 
 
 def _device_key(device) -> torch.device | DeviceSpec:
@@ -176,16 +178,9 @@ def device_name(device: torch.device | DeviceSpec) -> str | None:
 
 def _environment() -> tuple:
     """(MOEKIT_BACKEND, MOEKIT_CONFIG_DIR, TRITON_INTERPRET, MOEKIT_FP8_ACCUMULATION) as
-    cheap-to-compare values (the last picks the decision tables, moekit.tables).
-
-    os.environ.get costs ~1 us per missing name (a KeyError inside); on POSIX os.environ keeps
-    its values in the bytes dict `_data`, which reads in ~0.05 us and always agrees with it."""
-    data = getattr(os.environ, "_data", None)
-    if os.name == "posix" and type(data) is dict:
-        return (data.get(b"MOEKIT_BACKEND"), data.get(b"MOEKIT_CONFIG_DIR"), data.get(b"TRITON_INTERPRET"),
-                data.get(b"MOEKIT_FP8_ACCUMULATION"))
-    get = os.environ.get
-    return get(ENV_VAR), get(tables.CONFIG_DIR_ENV), get("TRITON_INTERPRET"), get(FP8_ACCUMULATION_ENV)
+    cheap-to-compare values (moekit.env.raw; the last picks the decision tables, moekit.tables)."""
+    return (env.raw(ENV_VAR), env.raw(tables.CONFIG_DIR_ENV), env.raw("TRITON_INTERPRET"),
+            env.raw(FP8_ACCUMULATION_ENV))
 
 
 def select_backend(
@@ -214,7 +209,7 @@ def select_backend(
 
     if backend is None or backend == "auto":
         if env_backend is not None:
-            env_backend = os.environ.get(ENV_VAR)  # the str (the fast read gave bytes on POSIX)
+            env_backend = env.value(env_backend)  # the str (env.raw gave bytes on POSIX)
         if env_backend is None or env_backend == "auto":
             choice = resolver.auto(num_tokens)
         else:

@@ -14,6 +14,11 @@ the mode affects (moekit.accumulation), end in ',fp8_accumulation=fast.json' ins
 refines the precise one: at the batch sizes it measured its entries are used, elsewhere the
 precise table's (a fast-mode tune of the prefill sizes alone then leaves decode to the tables
 tuned before).
+
+Looking a table up lists folders and reads files, so what a lookup found is memoised (`memoized`,
+keyed by the caller's question and MOEKIT_CONFIG_DIR): tables written later in the same process
+are seen after `clear_cache()` (`moekit.select.clear_cache()` calls it; `moekit tune` does after
+writing its tables).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
+from . import env
 from .accumulation import FP8_ACCUMULATIONS
 from .spec import MoEShape, QuantScheme
 
@@ -32,6 +38,26 @@ CONFIG_DIR_ENV = "MOEKIT_CONFIG_DIR"
 SHIPPED_ROOT = Path(__file__).resolve().parent / "configs"
 Kind = Literal["triton", "backends"]
 KINDS: tuple[str, ...] = ("triton", "backends")
+
+
+_memo: dict[tuple, object] = {}
+
+
+def memoized(key: tuple, compute):
+    """compute() the first time `key` is asked for under the current MOEKIT_CONFIG_DIR (and
+    package folder), the remembered result after that (module docstring). `key` must hold
+    everything else the result depends on: the shape, scheme, device, accumulation mode."""
+    full = (key, env.raw(CONFIG_DIR_ENV), SHIPPED_ROOT)
+    try:
+        return _memo[full]
+    except KeyError:
+        value = _memo[full] = compute()
+        return value
+
+
+def clear_cache() -> None:
+    """Forget every table looked up so far (after writing or editing tables in this process)."""
+    _memo.clear()
 
 
 def normalize_device_name(name: str) -> str:

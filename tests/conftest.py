@@ -10,6 +10,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def fresh_table_lookups():
+    """Each test starts with no table lookup remembered (moekit.tables.memoized): tests write
+    their own tables, often under the same names."""
+    from moekit import tables
+
+    tables.clear_cache()
+    yield
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import pytest
@@ -78,8 +79,10 @@ def test_fast_configs_refine_the_precise_table_at_their_sizes(tmp_path, monkeypa
     write_configs(user, {1: PRECISE_SMALL}, scheme=BLOCK)
     write_configs(user, {1: FAST_LARGE}, "fast", scheme=BLOCK)
     assert config(1, BLOCK) == PRECISE_SMALL
-    # a fast table alone serves every size
+    # a fast table alone serves every size (once the process forgets what it looked up)
     (user / "triton" / tables.table_name(SHAPE, FP8, H100)).unlink()
+    assert config(1) == PRECISE_SMALL
+    select.clear_cache()
     assert config(1) == FAST_LARGE
 
 
@@ -147,3 +150,42 @@ def test_a_bad_mode_warns_and_reads_the_precise_table(tmp_path, monkeypatch):
     assert table is not None and table.sizes == (64,)
     assert any("MOEKIT_FP8_ACCUMULATION='sloppy': expected one of precise, fast" in str(w.message) for w in caught)
 
+
+
+def test_config_lookups_are_remembered_per_batch_size_mode_and_folder(tmp_path, monkeypatch):
+    """get_config runs on every layer call: the table folders are listed once per (problem,
+    batch size, mode, MOEKIT_CONFIG_DIR), not per call, and a table written later is seen after
+    select.clear_cache() (what `moekit tune` calls after writing)."""
+    from moekit.backends.triton import config as triton_config
+
+    listings = []
+    real_find = triton_config.find_tables
+    monkeypatch.setattr(triton_config, "find_tables", lambda *a: listings.append(a) or real_find(*a))
+    write_configs(tmp_path / "user", {1: PRECISE_SMALL, 4096: PRECISE_LARGE})
+    for _ in range(3):
+        assert get_config(SHAPE, FP8, 4096, H100) == PRECISE_LARGE
+    assert len(listings) == 1
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, "fast")  # another mode: looked up afresh (two modes' tables)
+    assert get_config(SHAPE, FP8, 4096, H100) == PRECISE_LARGE and len(listings) == 3
+    write_configs(tmp_path / "user", {4096: FAST_LARGE}, "fast")
+    assert get_config(SHAPE, FP8, 4096, H100) == PRECISE_LARGE  # remembered
+    select.clear_cache()
+    assert get_config(SHAPE, FP8, 4096, H100) == FAST_LARGE
+    other = tmp_path / "other"
+    write_configs(other, {4096: FAST_LARGEST}, "fast")
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(other))  # another folder: looked up afresh
+    assert get_config(SHAPE, FP8, 4096, H100) == FAST_LARGEST
+
+
+def test_env_raw_follows_os_environ(monkeypatch):
+    """moekit.env.raw (the hot-path read) agrees with os.environ after every way of changing it."""
+    from moekit import env
+
+    monkeypatch.delenv("MOEKIT_TEST_ENV_READ", raising=False)
+    assert env.raw("MOEKIT_TEST_ENV_READ") is None
+    monkeypatch.setenv("MOEKIT_TEST_ENV_READ", "fast")
+    assert env.value(env.raw("MOEKIT_TEST_ENV_READ")) == "fast"
+    os.environ["MOEKIT_TEST_ENV_READ"] = "precise"
+    assert env.value(env.raw("MOEKIT_TEST_ENV_READ")) == "precise"
+    del os.environ["MOEKIT_TEST_ENV_READ"]
+    assert env.raw("MOEKIT_TEST_ENV_READ") is None

@@ -55,6 +55,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from .. import __version__ as moekit_version
+from .. import select
 from ..api import validate_inputs
 from ..backends import get_backend
 from ..backends.triton.config import KernelConfig, default_config
@@ -195,7 +196,9 @@ def write_problem_tables(plan: TunePlan, table_file: str) -> tuple[list[Path], l
         journals = load_journals(plan.out_dir, table_file)
         if not journals:
             return [], []
-        return write_tables(plan.out_dir, table_file, journals, plan.run_meta, plan.export_dir)
+        written = write_tables(plan.out_dir, table_file, journals, plan.run_meta, plan.export_dir)
+    select.clear_cache()  # lookups in this process (auto, the triton configs) now see these tables
+    return written
 
 
 def order_candidates(configs: Sequence[KernelConfig], neighbour: NeighbourResult | None, default: KernelConfig):
