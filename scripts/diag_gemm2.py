@@ -3,7 +3,8 @@
 GLM-4.5V at TP2, 256 for DeepSeek-V3 at TP8), so its tiles may want other widths, warps or
 stages than GEMM1's. Times GEMM2 alone, on the rows and the intermediate of the table's config,
 with the table's config and with variants that keep its BLOCK_M (one alignment serves both GEMMs,
-so only BLOCK_M must agree), in both accumulation modes; also the combine pass alone.
+so only BLOCK_M must agree), in both accumulation modes (each with its own table's config: a fast-mode table first in fast
+mode); also the combine pass alone.
 
     PYTHONPATH=. python3 scripts/diag_gemm2.py [--points glm-4.5v-fp8:2:4096 ...] [--json FILE]
 """
@@ -43,6 +44,7 @@ def tag(c):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--points", nargs="+", default=POINTS, help="model:tp:M[:scheme]")
+    ap.add_argument("--modes", nargs="+", default=["precise", "fast"], choices=["precise", "fast"])
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -63,21 +65,21 @@ def main():
         x = make_x(M, H, dev)
         tw, ids = uniform_routing(M, E, K)
         tw, ids = tw.to(dev).float(), ids.to(dev)
-        cfg = get_config(shape, scheme, M, name)
-        align = launch.align_pairs(ids, E, cfg.BLOCK_M)
         a, a_scale = launch.quantize_input(x, w)
         flops2 = 2 * M * K * N * H
         fns = {}
-        for mode in ("precise", "fast"):
+        for mode in args.modes:
+            cfg = in_mode(mode, lambda: get_config(shape, scheme, M, name))()  # the mode's own table first
+            align = launch.align_pairs(ids, E, cfg.BLOCK_M)
             # the intermediate as the backend hands it over in this mode (fast: one scale per row)
             act = in_mode(mode, lambda: launch.gemm1(a, a_scale, w, align, K, x.dtype, cfg))()
             for v in [cfg] + [v for v in variants(cfg, scheme) if v != cfg]:
                 label = f"{mode} {'TABLE ' if v == cfg else ''}{tag(v)}"
-                fns[label] = in_mode(mode, lambda act=act, v=v: launch.gemm2(act, w, align, tw, x.dtype, v))
-        pairs = launch.gemm2(act, w, align, tw, x.dtype, cfg)
+                fns[label] = in_mode(mode, lambda act=act, v=v, align=align: launch.gemm2(act, w, align, tw, x.dtype, v))
+        pairs = in_mode(mode, lambda: launch.gemm2(act, w, align, tw, x.dtype, cfg))()
         fns["combine alone"] = lambda pairs=pairs: launch.combine(pairs, M, K)
         times = time_graphs(fns, reps=20, warmup=2, rounds=3)
-        print(f"\n{model} tp{tp} M={M} table config {cfg} (E={E} K={K} N={N} H={H})", flush=True)
+        print(f"\n{model} tp{tp} M={M} table config ({args.modes[-1]}) {cfg} (E={E} K={K} N={N} H={H})", flush=True)
         best = {}
         for label, t in times.items():
             if isinstance(t, BaseException):
