@@ -356,6 +356,21 @@ def _gemm1_joined(a_ptrs, row_ok, w_ptr, pid_n, N, H, stride_wn,
 
 
 @triton.jit
+def _half_tile(count_ptr, start_ptr, e, row0, BLOCK_M: tl.constexpr):
+    """Whether the row block at row0 runs as a half-height tile: an expert's last block holding
+    at most BLOCK_M // 2 real rows, with BLOCK_M 128 or more. Both heights are instantiations of
+    the same tile code in one kernel, so the padding rows of that lower half cost no tensor-core
+    work (with BLOCK_M 128 and ~256 rows per expert, GLM-4.5V at M = 4096, about a quarter of the
+    rows computed were padding). Measured on an H200 (BENCHMARKS.md, tenth session), whole layer:
+    faster at all seven 128-row points (0.5-6%) and bitwise equal to the full tile (64-row halves keep
+    Hopper's 64-row tensor-core instructions); 64-row blocks split into 32-row halves were up to
+    22% slower and are not split."""
+    if BLOCK_M >= 128:
+        return tl.load(count_ptr + e) - (row0 - tl.load(start_ptr + e)) <= BLOCK_M // 2
+    return False
+
+
+@triton.jit
 def gemm1_kernel(
     a_ptr,  # (M, H) fp8 or bf16/fp16 activations (rows read through the sorted pair ids)
     a_scale_ptr,  # (1,) | (M,) | (M, ceil(H/128)) float32
@@ -374,7 +389,8 @@ def gemm1_kernel(
 ):
     """OUT_MODE: 0 store in the output dtype, 1 also record amax, 2 quantize with a static scale,
     3 quantize per 1x128 group (BLOCK_N a multiple of 128, so a tile holds whole groups).
-    JOIN: gate and up columns in one 2*BLOCK_N-wide tile, one tl.dot per K step (_gemm1_joined)."""
+    JOIN: gate and up columns in one 2*BLOCK_N-wide tile, one tl.dot per K step (_gemm1_joined).
+    An expert's last row block may run at half height (_half_tile)."""
     _pdl_wait(PDL)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n, num_m_blocks = _tile_ids(start_ptr + E, num_n_blocks, GROUP_M, BLOCK_M)
@@ -384,6 +400,28 @@ def gemm1_kernel(
         return
     row0 = pid_m * BLOCK_M
     e = _expert_of_block(start_ptr, row0, E, E_POW2)
+    if _half_tile(count_ptr, start_ptr, e, row0, BLOCK_M):
+        _gemm1_tile(row0, e, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, amax_ptr,
+                    sorted_ptr, count_ptr, start_ptr, N, H, K_TOP,
+                    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
+                    A_SCALE, B_SCALE, OUT_MODE, ACT_DTYPE, BLOCK_M // 2, BLOCK_N, BLOCK_K, PROMOTE, JOIN, INTERPRET)
+    else:
+        _gemm1_tile(row0, e, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, amax_ptr,
+                    sorted_ptr, count_ptr, start_ptr, N, H, K_TOP,
+                    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
+                    A_SCALE, B_SCALE, OUT_MODE, ACT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE, JOIN, INTERPRET)
+
+
+@triton.jit
+def _gemm1_tile(
+    row0, e, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, amax_ptr,
+    sorted_ptr, count_ptr, start_ptr, N, H, K_TOP,
+    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
+    A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, OUT_MODE: tl.constexpr, ACT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr,
+    JOIN: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """GEMM1 of one tile: BLOCK_M rows from row0 (of expert e) by column block pid_n."""
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows - tl.load(start_ptr + e) < tl.load(count_ptr + e)
     pair = tl.load(sorted_ptr + rows, mask=row_ok, other=0)
@@ -491,6 +529,27 @@ def gemm2_kernel(
         return  # see gemm1_kernel
     row0 = pid_m * BLOCK_M
     e = _expert_of_block(start_ptr, row0, E, E_POW2)
+    if _half_tile(count_ptr, start_ptr, e, row0, BLOCK_M):
+        _gemm2_tile(row0, e, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
+                    sorted_ptr, count_ptr, start_ptr, N, H,
+                    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+                    A_MODE, B_SCALE, BLOCK_M // 2, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET, PDL)
+    else:
+        _gemm2_tile(row0, e, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
+                    sorted_ptr, count_ptr, start_ptr, N, H,
+                    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+                    A_MODE, B_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET, PDL)
+
+
+@triton.jit
+def _gemm2_tile(
+    row0, e, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
+    sorted_ptr, count_ptr, start_ptr, N, H,
+    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    A_MODE: tl.constexpr, B_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+):
+    """GEMM2 of one tile: BLOCK_M rows from row0 (of expert e) by column block pid_n."""
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows - tl.load(start_ptr + e) < tl.load(count_ptr + e)
 
