@@ -23,6 +23,9 @@ SCHEMES = ["bf16", "fp8-tensor-static", "fp8-tensor-dynamic", "fp8-channel-token
 # 2.6e-3 to 3.1e-3 on the CPU). A wrong scale or a wrong row moves the error to 1e-1 or more.
 REL_L2_TOL = 1e-2
 MAX_REL_TOL = 2e-2
+# MOEKIT_FP8_ACCUMULATION=fast on a GPU, for the schemes the mode changes: see
+# test_gpu_fast_accumulation_at_preset_shapes (1.5-1.6e-2 measured at the preset shapes).
+FAST_REL_L2_TOL = 3e-2
 
 
 def reference_for(x, w, tw, ids):
@@ -290,14 +293,15 @@ def test_joined_tile_refuses_per_k_step_scales():
 def test_gpu_fast_accumulation_at_preset_shapes(name, M, monkeypatch):
     """Tolerance: fast accumulation was measured at 1.4e-2 relative L2 against float64 at worst
     (`moekit check`, Mixtral M = 64, H200): GEMM1's less exact sums move the intermediate values
-    that lie near an FP8 rounding boundary by one FP8 step (up to 2**-3 of themselves). 3e-2 allows twice that and stays 3x below what a wrong scale or row gives (1e-1)."""
+    that lie near an FP8 rounding boundary by one FP8 step (up to 2**-3 of themselves).
+    FAST_REL_L2_TOL allows twice that and stays 3x below what a wrong scale or row gives (1e-1)."""
     monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
     E, H, N, K, scheme = PRESET_SHAPES[name]
     w = random_weights(E, H, N, scheme, device="cuda")
     tw, ids = random_routing(M, E, K, device="cuda", seed=M)
     x = random_x(M, H, device="cuda")
     out = moekit.fused_moe(x, w, tw, ids, backend="triton")
-    assert rel_l2(out, reference_for(x, w, tw, ids)) < 3e-2
+    assert rel_l2(out, reference_for(x, w, tw, ids)) < FAST_REL_L2_TOL
     assert torch.equal(moekit.fused_moe(x, w, tw, ids, backend="triton"), out)  # still deterministic
 
 

@@ -7,10 +7,13 @@ import pytest
 import torch
 
 import moekit
+from moekit.accumulation import accumulation_matters
 from moekit.backends.triton import KernelConfig
+from moekit.spec import get_scheme
 
 from helpers import assert_graph_replays_fresh_routing, max_rel, random_routing, random_weights, random_x, rel_l2
-from test_triton_backend import MAX_REL_TOL, PRESET_SHAPES, REL_L2_TOL, SCHEMES, assert_matches_reference, reference_for
+from test_triton_backend import (FAST_REL_L2_TOL, MAX_REL_TOL, PRESET_SHAPES, REL_L2_TOL, SCHEMES, assert_matches_reference,
+                                 reference_for)
 
 # 150 tokens, top-2: experts 0, 1, 2, 4 receive 140, 100, 5 and 55 pairs, expert 3 none; with
 # 128-row blocks the last blocks hold 12, 100, 5 and 55 real rows: three half tiles, one full
@@ -57,6 +60,11 @@ def test_gpu_half_tiles_at_preset_shapes(name, accumulation, monkeypatch):
     tw, ids = random_routing(600, E, K, device="cuda")
     x = random_x(600, H, device="cuda")
     run = lambda x, tw, ids: moekit.get_backend("triton").run(x, w, tw.float(), ids, config=cfg)  # noqa: E731
-    out = assert_matches_reference(run(x, tw, ids), x, w, tw, ids)
+    out = run(x, tw, ids)
+    if accumulation == "fast" and accumulation_matters(get_scheme(scheme)):
+        # the tensor cores' own FP8 sums: fast mode's bound (measured 1.5e-2 and 1.6e-2 here)
+        assert rel_l2(out, reference_for(x, w, tw, ids)) < FAST_REL_L2_TOL
+    else:
+        assert_matches_reference(out, x, w, tw, ids)
     assert torch.equal(out, run(x, tw, ids))
     assert_graph_replays_fresh_routing(run, x, tw, ids, E)
