@@ -535,6 +535,29 @@ def test_gemm2_step_keeps_to_the_size_share_of_the_budget(tmp_path, tiny_model, 
     assert any("GEMM2's launch variants" in line or "part of the search" in line for line in result.not_covered)
 
 
+def six_config_space(scheme):
+    """interpreter_space's two configs and four more: a search longer than the budget below."""
+    more = [KernelConfig(16, n, 128, g, w, st) for n, g, w, st in ((64, 1, 4, 2), (32, 8, 4, 3), (32, 1, 2, 2), (64, 8, 2, 3))]
+    return interpreter_space(scheme) + [c for c in more if not c.problems(scheme)]
+
+
+def test_a_search_that_fills_its_share_leaves_the_gemm2_step_its_reserve(tmp_path, tiny_model, monkeypatch):
+    """10 s per measurement, 140 s: the baseline takes 60, M=1's share is 40, its search of six
+    configs stops at 30 of it (runner.GEMM2_RESERVE) with configs left, and the GEMM2 step
+    measures a variant in the 10 s kept for it; without the reserve the search took it all."""
+    monkeypatch.setattr(space, "GEMM2_GRID_CPU", ((32, 4, 2), (64, 4, 3), (32, 2, 3)))
+    FakeTimer(us={triton(FAST_CFG): 50.0}, step=10.0).install(monkeypatch)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out, budget="140s", backends=["torch", "reference"], gemm2=True, between=False,
+                        space=six_config_space)
+    assert result.exit_code == 0, text
+    j = journals(out)[1]
+    assert j["search"]["complete"] is False  # the search alone would have filled the share
+    searched = [k for k, v in j["configs"].items() if "+" not in k and "us" in v and k != j["default"]]
+    variants = [k for k, v in j["configs"].items() if "+" in k and "us" in v]
+    assert len(searched) == 3 and len(variants) == 1, sorted(j["configs"])
+
+
 def test_the_cli_turns_the_gemm2_search_off():
     from moekit.cli import build_parser
 

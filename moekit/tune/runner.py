@@ -36,7 +36,8 @@ neighbour's result for the next size's pruning.
 
 Budget: a deadline for the whole run; each remaining (problem, batch size) search, with its GEMM2
 step, gets an equal share of the time left, its most promising configs first, so a short budget
-still searches every batch size a little instead of the first ones fully.
+still searches every batch size a little instead of the first ones fully. The search stops at
+1 - GEMM2_RESERVE of its share, so that the GEMM2 step always gets the rest.
 
 Several GPUs: the batch sizes are split into contiguous runs, one worker process per GPU
 (torch.multiprocessing, spawn); each worker journals its own batch sizes, tables are rebuilt from
@@ -83,6 +84,15 @@ OUTPUT_TOLERANCE = 1e-2
 # each in its own direction, so two correct configs (or a tiled one and the GEMV path, which sums
 # exactly) can differ by up to about the sum, 3.4e-2; a wrong scale, row or expert is >= 1e-1.
 OUTPUT_TOLERANCE_FAST = 4e-2
+
+
+# The part of each size's share of the budget kept for the GEMM2 step: without it a search that
+# fills its share leaves the step nothing. The ninth session's 200 s fast-mode tune of
+# Mixtral-8x7B gave M = 4096 and 8192 no GEMM2 launch, where a 256-wide one was 1.16x and 1.15x
+# faster on GEMM2 and 4% on the layer at 4096 (BENCHMARKS.md, tenth session; that run's journals
+# are gone, so a filled share is the likely cause, not a recorded one); the eighth session's
+# GEMM2 launches (1.14-1.39x on GEMM2) came from a later run of the step alone.
+GEMM2_RESERVE = 0.25
 
 
 def output_tolerance() -> float:
@@ -289,7 +299,7 @@ class Worker:
                 if self.deadline.passed():
                     break
                 share_end = self.deadline.share(self.slots_left)  # this size's search and its GEMM2 step
-                self._search(p, journals[M], previous, estimate[M], share_end)
+                self._search(p, journals[M], previous, estimate[M], self._search_end(share_end))
                 self._search_gemm2(p, journals[M], share_end)
                 self.slots_left -= 1
                 if not self.deadline.passed():
@@ -403,6 +413,14 @@ class Worker:
             else:
                 self._measure_backend(p, j, item, inputs)
             self.reporter.advance()
+
+    def _search_end(self, share_end: float | None) -> float | None:
+        """Where a size's search stops: GEMM2_RESERVE of its share before share_end when the
+        GEMM2 step will run (the search may end sooner and leave the step more)."""
+        if share_end is None or not self.plan.gemm2_grid:
+            return share_end
+        now = _clock()
+        return now + max(share_end - now, 0.0) * (1.0 - GEMM2_RESERVE)
 
     def _static_candidates(self, p: TuneProblem, M: int, j: Journal) -> int:
         kept, _ = static_prune(self.plan.space(p.scheme), p.shape, p.scheme, M, self.shared_memory, self.plan.search_space)
