@@ -2,29 +2,37 @@
 
 os.environ.get costs about 1 µs per name that is not set (a KeyError raised and caught inside);
 on POSIX os.environ keeps its values in the bytes dict `_data`, which os.environ's own setters
-update (monkeypatch and os.environ[...] = ... included), and which reads in about 0.05 µs.
+update (monkeypatch and os.environ[...] = ... included), and which reads in about 0.05 µs. The
+dict is looked up on os.environ at every call, so an os.environ replaced by another mapping (a
+test's mock) is read through its own get().
 """
 
 from __future__ import annotations
 
 import os
 
-_DATA = getattr(os.environ, "_data", None)
-_FAST = os.name == "posix" and type(_DATA) is dict
+_POSIX = os.name == "posix"
 _ENCODED: dict[str, bytes] = {}
 
 
 def raw(name: str) -> bytes | str | None:
     """The variable's value as os.environ stores it (bytes on POSIX, str elsewhere), or None: for
     comparing and keying, not for showing (`value` decodes)."""
-    if _FAST:
+    environ = os.environ
+    data = getattr(environ, "_data", None)
+    if _POSIX and type(data) is dict:
         key = _ENCODED.get(name)
         if key is None:
             key = _ENCODED[name] = os.fsencode(name)
-        return _DATA.get(key)
-    return os.environ.get(name)
+        return data.get(key)
+    return environ.get(name)
 
 
 def value(raw_value: bytes | str | None) -> str | None:
     """A `raw` value as a str."""
     return os.fsdecode(raw_value) if isinstance(raw_value, bytes) else raw_value
+
+
+def get(name: str) -> str | None:
+    """The variable as a str, or None (raw, decoded)."""
+    return value(raw(name))

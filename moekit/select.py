@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import re
 from typing import Literal
 
@@ -146,7 +145,7 @@ def refusals(
     """Every registered backend's reasons not to run (empty list: it can). Cached: it is static.
     A `DeviceSpec` is answered as a CUDA device of its capability, present or not."""
     device = _device_key(device)
-    key = (shape, scheme, device, dtype, os.environ.get("TRITON_INTERPRET"))
+    key = (shape, scheme, device, dtype, env.raw("TRITON_INTERPRET"))
     result = {}
     for name in backend_names():
         k = (name, *key)

@@ -16,9 +16,9 @@ precise table's (a fast-mode tune of the prefill sizes alone then leaves decode 
 tuned before).
 
 Looking a table up lists folders and reads files, so what a lookup found is memoised (`memoized`,
-keyed by the caller's question and MOEKIT_CONFIG_DIR): tables written later in the same process
-are seen after `clear_cache()` (`moekit.select.clear_cache()` calls it; `moekit tune` does after
-writing its tables).
+keyed by the caller's question and MOEKIT_CONFIG_DIR): tables written or edited later, by this
+process or another, are seen after `clear_cache()` (`moekit.select.clear_cache()` calls it;
+`moekit tune` does after writing its tables) or in a new process.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ KINDS: tuple[str, ...] = ("triton", "backends")
 
 
 _memo: dict[tuple, object] = {}
+_generation = [0]  # bumped by clear_cache: a lookup begun before a clear is not stored after it
 
 
 def memoized(key: tuple, compute):
@@ -51,12 +52,17 @@ def memoized(key: tuple, compute):
     try:
         return _memo[full]
     except KeyError:
-        value = _memo[full] = compute()
+        generation = _generation[0]
+        value = compute()
+        if generation == _generation[0]:
+            _memo[full] = value
         return value
 
 
 def clear_cache() -> None:
-    """Forget every table looked up so far (after writing or editing tables in this process)."""
+    """Forget every table looked up so far: after writing or editing tables, in this process or
+    another (a running process does not watch the folders)."""
+    _generation[0] += 1
     _memo.clear()
 
 
@@ -117,7 +123,7 @@ def search_dirs(kind: Kind) -> list[Path]:
     """The folders holding tables of `kind`: the user's (MOEKIT_CONFIG_DIR) first, then shipped."""
     if kind not in KINDS:
         raise ValueError(f"unknown table kind {kind!r}; expected one of {KINDS}")
-    user = [Path(p) / kind for p in os.environ.get(CONFIG_DIR_ENV, "").split(os.pathsep) if p]
+    user = [Path(p) / kind for p in (env.get(CONFIG_DIR_ENV) or "").split(os.pathsep) if p]  # as memoized keys it
     return user + [SHIPPED_ROOT / kind]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from unittest import mock
 import warnings
 
 import pytest
@@ -164,7 +165,8 @@ def test_config_lookups_are_remembered_per_batch_size_mode_and_folder(tmp_path, 
     write_configs(tmp_path / "user", {1: PRECISE_SMALL, 4096: PRECISE_LARGE})
     for _ in range(3):
         assert get_config(SHAPE, FP8, 4096, H100) == PRECISE_LARGE
-    assert len(listings) == 1
+    assert [get_config(SHAPE, FP8, m, H100) for m in (1, 2, 3, 5000)] == [PRECISE_SMALL] * 3 + [PRECISE_LARGE]
+    assert len(listings) == 1  # one lookup of the problem's tables, whatever the batch size
     monkeypatch.setenv(FP8_ACCUMULATION_ENV, "fast")  # another mode: looked up afresh (two modes' tables)
     assert get_config(SHAPE, FP8, 4096, H100) == PRECISE_LARGE and len(listings) == 3
     write_configs(tmp_path / "user", {4096: FAST_LARGE}, "fast")
@@ -178,8 +180,12 @@ def test_config_lookups_are_remembered_per_batch_size_mode_and_folder(tmp_path, 
 
 
 def test_env_raw_follows_os_environ(monkeypatch):
-    """moekit.env.raw (the hot-path read) agrees with os.environ after every way of changing it."""
+    """moekit.env.raw (the hot-path read) agrees with os.environ after every way of changing it,
+    replacing os.environ itself (a test's mock) included."""
     from moekit import env
+
+    with mock.patch.object(os, "environ", {"MOEKIT_TEST_ENV_READ": "mocked"}):
+        assert env.get("MOEKIT_TEST_ENV_READ") == "mocked" and env.raw("MOEKIT_TEST_ENV_READ_NOT_SET") is None
 
     monkeypatch.delenv("MOEKIT_TEST_ENV_READ", raising=False)
     assert env.raw("MOEKIT_TEST_ENV_READ") is None

@@ -175,6 +175,7 @@ def test_a_table_entry_of_the_gemv_path_stays_within_its_bound(monkeypatch):
     """A table tuned only at decode sizes: its GEMV entry runs at M = 1 and 2 (8 and 16 pairs on
     64 experts) but not at M = 8 (64 pairs > E / 2), where the nearest tiled entry runs, nor at
     prefill sizes of a table without a tiled entry, where the default runs."""
+    from moekit import tables
     from moekit.backends.triton import config
     from moekit.spec import MoEShape
 
@@ -185,6 +186,7 @@ def test_a_table_entry_of_the_gemv_path_stays_within_its_bound(monkeypatch):
     assert config.get_config(shape, scheme, 2, "GPU") == gemv(8, 512)
     assert config.get_config(shape, scheme, 8, "GPU") == tiled  # nearer to 1 in log space, yet tiled
     monkeypatch.setattr(config, "tuned_configs", lambda *a: ({1: gemv(8, 512)}, None))
+    tables.clear_cache()  # another table: looked up afresh
     assert config.get_config(shape, scheme, 4096, "GPU") == config.default_config(shape, scheme, 4096)
 
 

@@ -45,6 +45,28 @@ def test_half_tiles_match_the_reference(scheme, accumulation, device, monkeypatc
     assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < MAX_REL_TOL, rel_l2(out, ref)
 
 
+@pytest.mark.parametrize("scheme", ["fp8-channel-token", "fp8-block128"])
+@pytest.mark.parametrize("accumulation", ["precise", "fast"])
+def test_half_tiles_at_the_boundary_with_the_fused_group_quantization(scheme, accumulation, device, monkeypatch):
+    """Experts with 64, 65, 192 and 193 rows (top-1): last blocks of exactly half a tile (runs at
+    half height), one row more (must run full: a half tile would drop the 65th row), and the same
+    after a full block. BLOCK_N 128, so GEMM1 quantizes the intermediate per 1x128 group in its
+    epilogue and GEMM2 reads the group scales (precise mode), or the per-row pass runs (fast)."""
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", accumulation)
+    counts = (64, 65, 192, 193)
+    ids = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(counts)])[:, None]
+    M = ids.shape[0]
+    tw = torch.ones(M, 1)
+    w = random_weights(4, 256, 256, scheme, device=device)
+    x = random_x(M, 256, device=device)
+    ids, tw = ids.to(device), tw.to(device)
+    cfg = KernelConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=2)
+    out = moekit.get_backend("triton").run(x, w, tw.float(), ids, config=cfg)
+    ref = reference_for(x, w, tw, ids)
+    assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < MAX_REL_TOL, rel_l2(out, ref)
+    assert (out.float().abs().amax(dim=1) > 0).all()  # no row left unwritten
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", PRESET_SHAPES)
 @pytest.mark.parametrize("accumulation", ["precise", "fast"])

@@ -272,6 +272,20 @@ def test_tuned_configs_are_picked_up_through_MOEKIT_CONFIG_DIR(tmp_path, tiny_mo
         assert get_config(SHAPE, FP8_CHANNEL_TOKEN, m, device) == FAST_CFG
 
 
+def test_a_process_that_looked_a_table_up_sees_the_one_tune_writes(tmp_path, tiny_model, monkeypatch):
+    """get_config remembers the tables it found (moekit.tables.memoized); a tune in the same
+    process writing into MOEKIT_CONFIG_DIR makes the next lookup see its table."""
+    out = tmp_path / "out"
+    monkeypatch.setenv(CONFIG_DIR_ENV, str(out))
+    FakeTimer(us={triton(FAST_CFG): 10.0}).install(monkeypatch)
+    device = "cpu"  # the device name tune files CPU tables under
+    assert get_config(SHAPE, FP8_CHANNEL_TOKEN, 4, device) == default_config(SHAPE, FP8_CHANNEL_TOKEN, 4)
+    result, _ = tune(tiny_model, out)
+    assert result.exit_code == 0
+    assert read(only_file(out / "backends"))["meta"]["device_name"] == device
+    assert get_config(SHAPE, FP8_CHANNEL_TOKEN, 4, device) == FAST_CFG
+
+
 def test_each_measurement_runs_the_config_it_is_filed_under(tmp_path, tiny_model, monkeypatch):
     timer = FakeTimer(run=True).install(monkeypatch)
     seen: list[tuple[str, str | None]] = []

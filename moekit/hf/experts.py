@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 
 import torch
 from torch import nn
 
+from .. import env
 from ..api import fused_moe
 from ..select import ENV_VAR, select_backend
 from ..spec import BF16, BLOCK, FP8_BLOCK128
@@ -100,7 +100,7 @@ def run_experts(
 def _note_backend(module, weights: MoEWeights, x, top_k, backend, label) -> None:
     """Once per module and request: check the backend can run (a clear error if it cannot),
     and say so when FP8 experts are about to run as a dequantized bf16 copy (`torch`)."""
-    key = (backend, os.environ.get(ENV_VAR), x.device, x.dtype, weights.scheme.name)
+    key = (backend, env.raw(ENV_VAR), x.device, x.dtype, weights.scheme.name)
     seen = module.__dict__.setdefault("_moekit_checked", set())
     if key in seen:
         return

@@ -202,22 +202,37 @@ def get_config(shape: MoEShape, scheme: QuantScheme, num_tokens: int, device_nam
     is not carried beyond `gemv_may_win`'s bound (a table tuned only at decode sizes would
     otherwise send prefill through it): the nearest tiled entry, else the default, runs there.
 
-    Runs on every layer call, so the answer is memoised per batch size (moekit.tables.memoized):
-    a lookup that lists the table folders cost 130 µs of host time per call, 235 µs in fast mode
-    (two modes' tables), on the dev machine's CPU; tables written later in the process are seen
-    after moekit.select.clear_cache()."""
-    key = ("triton-config", shape, scheme, num_tokens, device_name, table_accumulation(scheme))
-    return tables.memoized(key, lambda: _lookup_config(shape, scheme, num_tokens, device_name))
+    Runs on every layer call. Listing the table folders cost 130 µs of host time per call, 235 µs
+    in fast mode (two modes' tables), on the dev machine's CPU, so the table of a problem is
+    looked up once (moekit.tables.memoized: tables written later are seen after
+    moekit.select.clear_cache()) and each batch size's answer is remembered beside it."""
+    key = ("triton-configs", shape, scheme, device_name, table_accumulation(scheme))
+    return tables.memoized(key, lambda: _ProblemConfigs(shape, scheme, device_name)).get(num_tokens)
 
 
-def _lookup_config(shape: MoEShape, scheme: QuantScheme, num_tokens: int, device_name: str | None) -> KernelConfig:
-    if device_name:
-        found = tuned_configs(shape, scheme, device_name)
-        if found:
-            table = found[0]
-            if not gemv_may_win(shape, num_tokens):
-                table = {m: c for m, c in table.items() if not c.GEMV}
-            cfg = nearest(table, num_tokens) if table else None
-            if cfg is not None and not cfg.problems(scheme):
-                return cfg
-    return default_config(shape, scheme, num_tokens)
+class _ProblemConfigs:
+    """One problem's tuned configs (all, and the tiled ones), and the answer per batch size."""
+
+    SIZE_LIMIT = 16384  # remembered batch sizes; beyond it the memo starts again (as select's)
+
+    def __init__(self, shape: MoEShape, scheme: QuantScheme, device_name: str | None):
+        self.shape, self.scheme = shape, scheme
+        found = tuned_configs(shape, scheme, device_name) if device_name else None
+        self.table = found[0] if found else {}
+        self.tiled = {m: c for m, c in self.table.items() if not c.GEMV}
+        self.by_size: dict[int, KernelConfig] = {}
+
+    def get(self, num_tokens: int) -> KernelConfig:
+        cfg = self.by_size.get(num_tokens)
+        if cfg is None:
+            if len(self.by_size) >= self.SIZE_LIMIT:
+                self.by_size.clear()
+            cfg = self.by_size[num_tokens] = self._choose(num_tokens)
+        return cfg
+
+    def _choose(self, num_tokens: int) -> KernelConfig:
+        table = self.table if gemv_may_win(self.shape, num_tokens) else self.tiled
+        cfg = nearest(table, num_tokens) if table else None
+        if cfg is not None and not cfg.problems(self.scheme):
+            return cfg
+        return default_config(self.shape, self.scheme, num_tokens)

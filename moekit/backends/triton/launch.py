@@ -24,12 +24,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ... import env
 from ...accumulation import FP8_ACCUMULATION_ENV, FP8_ACCUMULATIONS, fp8_accumulation  # noqa: F401 - re-exported
 from ...spec import MoEShape, QuantScheme
 from ...weights import MoEWeights
@@ -66,7 +66,7 @@ def _joined(scheme: QuantScheme, cfg: KernelConfig) -> int:
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return env.get("TRITON_INTERPRET") == "1"
 
 
 _COMPILE_ONLY = contextvars.ContextVar("moekit_triton_compile_only", default=False)
@@ -95,7 +95,7 @@ PDL_ENV = "MOEKIT_PDL"
 def pdl_wanted() -> bool:
     """MOEKIT_PDL as asked for (ValueError for a value other than 1 or 0). Read at every launch;
     parsed once per value."""
-    return _parse_pdl(os.environ.get(PDL_ENV))
+    return _parse_pdl(env.get(PDL_ENV))
 
 
 @functools.lru_cache(maxsize=8)
