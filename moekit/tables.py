@@ -114,11 +114,6 @@ def accumulation_mismatch(file_name: str, meta: dict) -> str | None:
     return f"meta.fp8_accumulation is {measured!r} but the file name says {named['fp8_accumulation']!r}"
 
 
-def _device_of(file_name: str) -> str | None:
-    m = re.search(r"device_name=([^,]+),", file_name)
-    return m.group(1) if m else None
-
-
 def search_dirs(kind: Kind) -> list[Path]:
     """The folders holding tables of `kind`: the user's (MOEKIT_CONFIG_DIR) first, then shipped."""
     if kind not in KINDS:
@@ -146,7 +141,8 @@ def find_tables(
         if family is None or not d.is_dir():
             continue
         for path in sorted(d.glob("*.json")):
-            other = _device_of(path.name)
+            named = parse_table_name(path.name)
+            other = named["device_name"] if named else None
             if (
                 path.name != exact
                 and other is not None

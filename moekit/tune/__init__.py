@@ -20,13 +20,11 @@ import torch
 import torch.multiprocessing as mp
 
 from ..bench import _print_wide, default_device
-from ..accumulation import table_accumulation
-from ..tables import table_name
 from .journal import load_journals
 from .plan import TuneInputError, TuneOptions, TunePlan, build_plan, parse_budget, remove_if_empty
 from .progress import ProgressView, between_summary, summary_table, uncovered, uncovered_between
 from . import runner
-from .runner import DeviceBroken, Worker, run_workers, write_problem_tables
+from .runner import DeviceBroken, Worker, problem_table_name, run_workers, write_problem_tables
 from .space import hopper_space, interpreter_space
 
 
@@ -112,7 +110,7 @@ def _finish(plan: TunePlan, console, device_names: list[str]) -> tuple[list[Path
     not_covered: list[str] = []
     for p in plan.problems:
         for name in device_names:
-            table_file = table_name(p.shape, p.scheme, name, table_accumulation(p.scheme))
+            table_file = problem_table_name(p, name)
             written, notes = write_problem_tables(plan, table_file)
             files += written
             journals = load_journals(plan.out_dir, table_file)

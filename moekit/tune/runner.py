@@ -229,6 +229,11 @@ def order_candidates(configs: Sequence[KernelConfig], neighbour: NeighbourResult
     return sorted(configs, key=prior)
 
 
+def problem_table_name(p: TuneProblem, device: str) -> str:
+    """The file name of a tune problem's tables on `device`, in the current accumulation mode."""
+    return table_name(p.shape, p.scheme, device, table_accumulation(p.scheme))
+
+
 def _has_gemm2(entry: dict | None) -> bool:
     """Whether a journal entry's config launches GEMM2 on its own (the GEMM2 step's variants)."""
     return entry is not None and KernelConfig.from_dict(entry["config"]).has_gemm2
@@ -277,7 +282,7 @@ class Worker:
     # ------------------------------------------------------------------------------ phases
 
     def _problem(self, p: TuneProblem) -> None:
-        table_file = table_name(p.shape, p.scheme, self.name, table_accumulation(p.scheme))
+        table_file = problem_table_name(p, self.name)
         fp = fingerprint(self.plan, self.name, p.scheme)
         journals: dict[int, Journal] = {}
         for M in self.sizes:
@@ -334,7 +339,7 @@ class Worker:
                     torch.cuda.empty_cache()
 
     def _between(self, p: TuneProblem, sizes: list[int]) -> None:
-        table_file = table_name(p.shape, p.scheme, self.name, table_accumulation(p.scheme))
+        table_file = problem_table_name(p, self.name)
         tuned: dict[int, KernelConfig] = {}  # the best config of every searched size
         for data in load_journals(self.plan.out_dir, table_file):
             best = best_config(data)
