@@ -6,7 +6,11 @@ with the table's config and with variants that keep its BLOCK_M (one alignment s
 so only BLOCK_M must agree), in both accumulation modes (each with its own table's config: a fast-mode table first in fast
 mode); also the combine pass alone.
 
-    PYTHONPATH=. python3 scripts/diag_gemm2.py [--points glm-4.5v-fp8:2:4096 ...] [--json FILE]
+With --runs, instead of those variants: the table's GEMM2 launch and 128-wide tiles on 8 warps,
+each with programs running that many column tiles in turn (KernelConfig.N_TILES2), checked
+bitwise equal to one tile per program.
+
+    PYTHONPATH=. python3 scripts/diag_gemm2.py [--points glm-4.5v-fp8:2:4096 ...] [--runs 4 8 0] [--json FILE]
 """
 import argparse
 import itertools
@@ -38,13 +42,16 @@ def variants(cfg, scheme):
 def tag(c):
     """GEMM2's launch of config c."""
     g2 = c.gemm2()
-    return f"N{g2.BLOCK_N} w{g2.num_warps} s{g2.num_stages} G{g2.GROUP_M}"
+    return f"N{g2.BLOCK_N} w{g2.num_warps} s{g2.num_stages} G{g2.GROUP_M} run{g2.gemm2_tiles}"
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--points", nargs="+", default=POINTS, help="model:tp:M[:scheme]")
     ap.add_argument("--modes", nargs="+", default=["precise", "fast"], choices=["precise", "fast"])
+    ap.add_argument("--runs", type=int, nargs="+",
+                    help="time the table's GEMM2 launch and N128 w8 s3 with programs running this many column "
+                         "tiles each (0: all), instead of the launch variants")
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -73,6 +80,19 @@ def main():
             align = launch.align_pairs(ids, E, cfg.BLOCK_M)
             # the intermediate as the backend hands it over in this mode (fast: one scale per row)
             act = in_mode(mode, lambda: launch.gemm1(a, a_scale, w, align, K, x.dtype, cfg))()
+            if args.runs:  # runs of column tiles per program (KernelConfig.N_TILES2)
+                alt = cfg.gemm1().with_gemm2(BLOCK_N=128, num_warps=8, num_stages=3)
+                for launch_cfg in [cfg] + ([alt] if alt != cfg and not alt.problems(scheme) else []):
+                    n_blocks = -(-H // launch_cfg.gemm2().BLOCK_N)
+                    for n_tiles in [1] + [r or n_blocks for r in args.runs]:
+                        v = launch_cfg.with_gemm2(N_TILES=n_tiles)
+                        label = f"{mode} {'TABLE ' if v == cfg else ''}{tag(v)}"
+                        fns[label] = in_mode(mode, lambda act=act, v=v, align=align: launch.gemm2(act, w, align, tw, x.dtype, v))
+                        if n_tiles == 1:
+                            first = fns[label]()
+                        elif not torch.equal(fns[label](), first):  # the same tiles, the same sums
+                            print(f"  {label}: OUTPUT DIFFERS from run1", flush=True)
+                continue
             for v in [cfg] + [v for v in variants(cfg, scheme) if v != cfg]:
                 label = f"{mode} {'TABLE ' if v == cfg else ''}{tag(v)}"
                 fns[label] = in_mode(mode, lambda act=act, v=v, align=align: launch.gemm2(act, w, align, tw, x.dtype, v))

@@ -1,5 +1,5 @@
-"""GEMM2's own launch (KernelConfig.BLOCK_N2 / num_warps2 / num_stages2 / GROUP_M2): the config
-rules, and the layer against `reference` with GEMM2 tiled unlike GEMM1, for every scheme, in both
+"""GEMM2's own launch (KernelConfig.BLOCK_N2 / num_warps2 / num_stages2 / GROUP_M2, and N_TILES2:
+runs of column tiles per program): the config rules, and the layer against `reference` with GEMM2 tiled unlike GEMM1, for every scheme, in both
 accumulation modes, at odd sizes and with idle experts (CPU interpreter; preset shapes on a GPU)."""
 
 import dataclasses
@@ -58,6 +58,24 @@ def test_problems_of_gemm2_fields():
     assert "the GEMV path (GEMV=1) has none" in gemv.problems(block)[0]
 
 
+def test_runs_of_column_tiles_are_gemm2s_alone():
+    cfg = BASE.with_gemm2(N_TILES=8)
+    assert cfg.has_gemm2 and cfg.N_TILES2 == 8 and cfg.gemm2_tiles == 8 and BASE.gemm2_tiles == 1
+    assert cfg.gemm1() == BASE  # GEMM1 has no runs
+    assert cfg.gemm2() == cfg  # GEMM1's launch otherwise: GEMM2 runs this config as it is
+    both = BASE.with_gemm2(BLOCK_N=32, num_stages=3, N_TILES=4)
+    assert both.gemm2() == dataclasses.replace(KernelConfig(16, 32, 128, 8, 4, 3), N_TILES2=4)
+    assert BASE.with_gemm2(N_TILES=1) == BASE  # a run of one tile is one tile per program: unset
+    assert cfg.to_dict()["N_TILES2"] == 8 and "N_TILES2" not in BASE.to_dict()
+    assert KernelConfig.from_dict(both.to_dict()) == both
+    assert config_key(cfg) == config_key(BASE) + "+N64-G8-w4-s2-r8"
+    block = get_scheme("fp8-block128")
+    assert "N_TILES2=-2 must be 0 or positive" in dataclasses.replace(BASE, N_TILES2=-2).problems(block)[0]
+    gemv = KernelConfig(16, 8, 512, 1, 4, 1, GEMV=1, N_TILES2=4)
+    assert "the GEMV path (GEMV=1) has none" in gemv.problems(block)[0]
+    assert vllm_config(cfg, get_scheme("fp8-channel-token"))[0] is None  # vLLM's kernel has no runs
+
+
 def test_vllm_export_refuses_a_gemm2_launch_of_its_own():
     cfg, why = vllm_config(BASE.with_gemm2(num_stages=3), get_scheme("fp8-channel-token"))
     assert cfg is None and "GEMM2 has a launch config of its own" in why
@@ -96,6 +114,25 @@ def test_gemm2_tiled_unlike_gemm1_matches_reference(scheme, accumulation, device
         assert torch.equal(out, run(x, w, tw, ids, dataclasses.replace(BASE, BLOCK_N=gemm1_n)))
 
 
+@pytest.mark.parametrize("accumulation", ["precise", "fast"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_runs_of_column_tiles_match_one_tile_per_program(scheme, accumulation, device, monkeypatch):
+    """GEMM2 programs running 2, 3 and all 7 of its 32-wide column blocks (hidden 208: the last
+    one partial; runs of 2 and 3 end short) against reference, and bitwise equal to one tile per
+    program: each output tile is the same K loop and epilogue, only the program running it
+    changes. Also with 128-row blocks, whose last block of an expert runs at half height."""
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, accumulation)
+    gemm1_n = 64 if scheme == "fp8-block128" else 128
+    w = random_weights(4, 208, 128, scheme, device=device, seed=5)
+    tw, ids = random_routing(37, 4, 2, device=device, experts=[0, 2, 3])
+    x = random_x(37, 208, device=device)
+    for block_m in (16, 128):
+        one = dataclasses.replace(BASE, BLOCK_M=block_m, BLOCK_N=gemm1_n).with_gemm2(BLOCK_N=32, num_stages=3)
+        single = assert_matches_reference(run(x, w, tw, ids, one), x, w, tw, ids)
+        for n_tiles in (2, 3, 7):
+            assert torch.equal(run(x, w, tw, ids, one.with_gemm2(N_TILES=n_tiles)), single), (block_m, n_tiles)
+
+
 def test_each_gemm_is_launched_with_its_own_parameters(monkeypatch):
     launches = {}
     real = launch._launch
@@ -112,9 +149,11 @@ def test_each_gemm_is_launched_with_its_own_parameters(monkeypatch):
     assert launches[_kernels.gemm2_kernel] == dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=2, num_stages=3)
 
 
-def test_m_one_and_m_zero_with_a_gemm2_launch(device):
+@pytest.mark.parametrize("gemm2", [dict(BLOCK_N=128, num_stages=3), dict(BLOCK_N=32, N_TILES=3)])
+def test_m_one_and_m_zero_with_a_gemm2_launch(gemm2, device):
+    """A GEMM2 launch of its own, and runs of column tiles (4 tiles of 32: a run of 3, then of 1)."""
     w = random_weights(3, 128, 128, "fp8-channel-token", device=device)
-    cfg = BASE.with_gemm2(BLOCK_N=128, num_stages=3)
+    cfg = BASE.with_gemm2(**gemm2)
     tw, ids = random_routing(1, 3, 2, device=device)
     x = random_x(1, 128, device=device)
     assert_matches_reference(run(x, w, tw, ids, cfg), x, w, tw, ids)
@@ -139,6 +178,26 @@ def test_gpu_preset_shapes_with_gemm2_launched_otherwise(name):
     out = assert_matches_reference(run(x, w, tw, ids, cfg), x, w, tw, ids)
     assert torch.equal(out, run(x, w, tw, ids, cfg))
     assert_graph_replays_fresh_routing(lambda x, tw, ids: run(x, w, tw, ids, cfg), x, tw, ids, E)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", PRESET_SHAPES)
+def test_gpu_preset_shapes_with_runs_of_column_tiles(name):
+    """GEMM2 programs running 8 column tiles each (the tuner's run length) at each preset's
+    prefill tile, with a 128-row tile too (half tiles): against reference, bitwise equal to one
+    tile per program, and under graph replay with fresh routing."""
+    E, H, N, K, scheme = PRESET_SHAPES[name]
+    w = random_weights(E, H, N, scheme, device="cuda")
+    width = 64 if scheme == "fp8-block128" else 128
+    M = 300
+    tw, ids = random_routing(M, E, K, device="cuda")
+    x = random_x(M, H, device="cuda")
+    for block_m in (64, 128):
+        one = KernelConfig(block_m, 128, 128, 8, 8, 4).with_gemm2(BLOCK_N=width, num_warps=4, num_stages=3)
+        cfg = one.with_gemm2(N_TILES=8)
+        out = assert_matches_reference(run(x, w, tw, ids, cfg), x, w, tw, ids)
+        assert torch.equal(out, run(x, w, tw, ids, one))
+        assert_graph_replays_fresh_routing(lambda x, tw, ids: run(x, w, tw, ids, cfg), x, tw, ids, E)
 
 
 def test_every_shipped_triton_table_entry_can_run_its_scheme():

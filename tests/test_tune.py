@@ -495,6 +495,22 @@ def test_gemm2_search_times_the_best_config_with_gemm2_launched_otherwise(tmp_pa
     assert again.calls == []
 
 
+def test_gemm2_search_times_runs_of_column_tiles(tmp_path, tiny_model, monkeypatch):
+    """With runs in the grid (space.GEMM2_RUNS_*), each GEMM2 launch is also timed with programs
+    running several column tiles (KernelConfig.N_TILES2); a faster run makes the table's entry."""
+    monkeypatch.setattr(space, "GEMM2_RUNS_CPU", (1, 2))
+    runs = FAST_GEMM2.with_gemm2(N_TILES=2)
+    timer = FakeTimer(us={triton(FAST_CFG): 50.0, triton(FAST_GEMM2): 40.0, triton(runs): 30.0}).install(monkeypatch)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out, gemm2=True, between=False)
+    assert result.exit_code == 0, text
+    assert f"{triton(runs)} at M=1" in timer.calls and config_key(runs).endswith("+N64-G1-w4-s3-r2")
+    assert f"{triton(FAST_CFG.with_gemm2(N_TILES=2))} at M=4" in timer.calls  # GEMM1's launch in runs too
+    for entry in read(only_file(out / "triton"))["configs"].values():
+        assert KernelConfig.from_dict(entry) == runs and entry["N_TILES2"] == 2 and entry["us"] == 30.0
+    assert "GEMM2 N64 G1 w4 s3 x2 tiles per program" in text
+
+
 def test_gemm2_search_off_and_under_search_space_none(tmp_path, tiny_model, monkeypatch):
     """--no-gemm2-search times no variant; a later run with --search-space none times only the
     variants of the best config found before."""
@@ -592,7 +608,7 @@ def test_the_cli_turns_the_gemm2_search_off():
 ])
 def test_gemm2_variants_drop_what_collapsed_when_measured(block_m, block_n, warps, promoted, collapsed):
     base = KernelConfig(block_m, 128 if block_n != 128 else 64, 128, 8, 8, 4)
-    kept, dropped = space.gemm2_variants(base, FP8_CHANNEL_TOKEN, [(block_n, warps, 3)], 227 * 1024, promoted)
+    kept, dropped = space.gemm2_variants(base, FP8_CHANNEL_TOKEN, [(block_n, warps, 3, 1)], 227 * 1024, promoted)
     variant = base.with_gemm2(BLOCK_N=block_n, num_warps=warps, num_stages=3)
     assert (variant in kept) is not collapsed
     assert (config_key(variant) in dropped and "registers" in dropped[config_key(variant)]) is collapsed
@@ -600,11 +616,14 @@ def test_gemm2_variants_drop_what_collapsed_when_measured(block_m, block_n, warp
 
 def test_gemm2_variants_rules():
     base = KernelConfig(64, 128, 128, 8, 8, 4)
-    grid = [(128, 8, 4), (256, 8, 3), (64, 4, 5), (128, 8, 8)]
+    grid = [(128, 8, 4, 1), (256, 8, 3, 1), (64, 4, 5, 1), (128, 8, 8, 1), (128, 8, 4, 8), (128, 8, 4, -1)]
     kept, dropped = space.gemm2_variants(base, FP8_BLOCK128, grid, 100 * 1024, True)  # an Ada-sized limit
     assert base not in kept and base.with_gemm2(num_stages=4) == base  # GEMM1's own launch: not a variant
+    assert base.with_gemm2(N_TILES=8) in kept  # GEMM1's launch in runs of 8 column tiles: a variant
+    assert "must be 0 or positive" in dropped[config_key(base.with_gemm2(N_TILES=-1))]
     assert "must divide 128" in dropped[config_key(base.with_gemm2(BLOCK_N=256, num_stages=3))]
     assert kept[0] == base.with_gemm2(BLOCK_N=64, num_warps=4, num_stages=5)
+    assert config_key(kept[1]) == "M64-N128-K128-G8-w8-s4+N128-G8-w8-s4-r8"
     assert "shared memory" in dropped[config_key(base.with_gemm2(num_stages=8))]  # 7 stages of 24 KiB
     assert space.gemm2_partial_accumulator(FP8_CHANNEL_TOKEN, "precise")
     assert not space.gemm2_partial_accumulator(FP8_CHANNEL_TOKEN, "fast")

@@ -74,6 +74,8 @@ def config_key(cfg: KernelConfig) -> str:
     if cfg.has_gemm2:  # GEMM2's own launch (gemm2_variants): its whole launch, after a "+"
         g2 = cfg.gemm2()
         key += f"+N{g2.BLOCK_N}-G{g2.GROUP_M}-w{g2.num_warps}-s{g2.num_stages}"
+        if g2.N_TILES2:
+            key += f"-r{g2.N_TILES2}"
     return key
 
 
@@ -140,11 +142,18 @@ def default_space(device: torch.device, search_space: str) -> SpaceFn:
 # ------------------------------------------------------------------- GEMM2's own launch
 
 # After each batch size's search the tuner times the best tiled config again with GEMM2 launched
-# differently (KernelConfig.BLOCK_N2 / num_warps2 / num_stages2): tile width x warps x stages.
+# differently (KernelConfig.BLOCK_N2 / num_warps2 / num_stages2 / N_TILES2): tile width x warps x
+# stages x column tiles per program.
 # GEMM2 alone on an H200 (BENCHMARKS.md, eighth session) was up to 1.39x faster with another
 # width or stage count than GEMM1's (GLM-4.5V M = 8192, fast mode); GROUP_M moved it less.
 GEMM2_GRID_GPU = tuple(itertools.product((64, 128, 256), (4, 8), (3, 4, 5)))
 GEMM2_GRID_CPU = ((32, 4, 2), (64, 4, 3))  # the interpreter: enough to run the step, not a search
+# Each of those launches also with runs of column tiles per program (KernelConfig.N_TILES2). GEMM2
+# alone, precise mode, H200 (BENCHMARKS.md, eleventh session): runs of 8 gained 6-11% at DeepSeek-V3
+# M = 1024-8192 (runs of 4 and 16 within 4% of 8), runs of 4-8 of 128-wide tiles 9% at GLM-4.5V
+# M = 8192, and nothing at GLM M = 4096; the runs do not depend on the other parameters' best.
+GEMM2_RUNS_GPU = (1, 8)
+GEMM2_RUNS_CPU = (1,)
 
 # float32 registers per thread GEMM2's accumulators may take. Beyond 128 (counting the partial
 # accumulator of a promoted FP8 sum twice) every variant measured collapsed to 3-10x slower:
@@ -153,9 +162,10 @@ GEMM2_GRID_CPU = ((32, 4, 2), (64, 4, 3))  # the interpreter: enough to run the 
 GEMM2_MAX_ACCUMULATOR_REGISTERS = 128
 
 
-def gemm2_grid(device: torch.device) -> tuple[tuple[int, int, int], ...]:
-    """(BLOCK_N, num_warps, num_stages) of GEMM2's launch variants on this device."""
-    return GEMM2_GRID_GPU if device.type == "cuda" else GEMM2_GRID_CPU
+def gemm2_grid(device: torch.device) -> tuple[tuple[int, int, int, int], ...]:
+    """(BLOCK_N, num_warps, num_stages, N_TILES) of GEMM2's launch variants on this device."""
+    launches, runs = (GEMM2_GRID_GPU, GEMM2_RUNS_GPU) if device.type == "cuda" else (GEMM2_GRID_CPU, GEMM2_RUNS_CPU)
+    return tuple(launch + (n_tiles,) for launch in launches for n_tiles in runs)
 
 
 def gemm2_partial_accumulator(scheme: QuantScheme, accumulation: str) -> bool:
@@ -168,15 +178,15 @@ def gemm2_partial_accumulator(scheme: QuantScheme, accumulation: str) -> bool:
 
 
 def gemm2_variants(
-    base: KernelConfig, scheme: QuantScheme, grid: Sequence[tuple[int, int, int]], smem_limit: int,
+    base: KernelConfig, scheme: QuantScheme, grid: Sequence[tuple[int, int, int, int]], smem_limit: int,
     partial_accumulator: bool,
 ) -> tuple[list[KernelConfig], dict[str, str]]:
     """(variants of `base` with GEMM2's own launch, {key dropped: why}); the variant equal to base
     (GEMM2 launched as GEMM1) is not among them."""
     kept: list[KernelConfig] = []
     dropped: dict[str, str] = {}
-    for block_n, warps, stages in grid:
-        cfg = base.with_gemm2(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    for block_n, warps, stages, n_tiles in grid:
+        cfg = base.with_gemm2(BLOCK_N=block_n, num_warps=warps, num_stages=stages, N_TILES=n_tiles)
         if not cfg.has_gemm2 or cfg in kept:
             continue
         key, g2 = config_key(cfg), cfg.gemm2()

@@ -517,28 +517,71 @@ def gemm2_kernel(
     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     A_MODE: tl.constexpr, B_SCALE: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, N_TILES: tl.constexpr,
+    PROMOTE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """A_MODE: 0 unquantized, 1 FP8 with a static scale, 2 quantize per 1x128 group while loading,
     3 quantize per tensor while loading (scale from the shared amax), 4 FP8 with 1x128 group scales,
-    5 FP8 with one scale per row (a_scale_ptr: (rows,))."""
+    5 FP8 with one scale per row (a_scale_ptr: (rows,)).
+    N_TILES > 1: each program runs N_TILES column blocks of one row block in turn (_gemm2_row_run)."""
     _pdl_wait(PDL)
     num_n_blocks = tl.cdiv(H, BLOCK_N)
-    pid_m, pid_n, num_m_blocks = _tile_ids(start_ptr + E, num_n_blocks, GROUP_M, BLOCK_M)
+    if N_TILES == 1:
+        pid_m, pid_n, num_m_blocks = _tile_ids(start_ptr + E, num_n_blocks, GROUP_M, BLOCK_M)
+        n_count = 1
+    else:
+        runs = tl.cdiv(num_n_blocks, N_TILES)
+        pid_m = tl.program_id(0) // runs
+        pid_n = (tl.program_id(0) % runs) * N_TILES
+        num_m_blocks = tl.cdiv(tl.load(start_ptr + E), BLOCK_M)
+        n_count = tl.minimum(num_n_blocks - pid_n, N_TILES)
     if pid_m >= num_m_blocks or pid_n >= num_n_blocks:
         return  # see gemm1_kernel
     row0 = pid_m * BLOCK_M
     e = _expert_of_block(start_ptr, row0, E, E_POW2)
     if _half_tile(count_ptr, start_ptr, e, row0, BLOCK_M):
-        _gemm2_tile(row0, e, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
-                    sorted_ptr, count_ptr, start_ptr, N, H,
-                    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
-                    A_MODE, B_SCALE, BLOCK_M // 2, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET, PDL)
+        _gemm2_row_run(row0, e, pid_n, n_count, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
+                       sorted_ptr, count_ptr, start_ptr, N, H,
+                       stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+                       A_MODE, B_SCALE, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_TILES, PROMOTE, INTERPRET, PDL)
     else:
+        _gemm2_row_run(row0, e, pid_n, n_count, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
+                       sorted_ptr, count_ptr, start_ptr, N, H,
+                       stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+                       A_MODE, B_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, N_TILES, PROMOTE, INTERPRET, PDL)
+
+
+@triton.jit
+def _gemm2_row_run(
+    row0, e, pid_n, n_count, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
+    sorted_ptr, count_ptr, start_ptr, N, H,
+    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    A_MODE: tl.constexpr, B_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, N_TILES: tl.constexpr, PROMOTE: tl.constexpr,
+    INTERPRET: tl.constexpr, PDL: tl.constexpr,
+):
+    """GEMM2 of column blocks pid_n .. pid_n + n_count - 1 of one row block, one after another.
+    With a short inner dimension (256 for DeepSeek-V3 at TP8: two K steps per tile) a one-tile
+    program spends much of its life starting, finding its expert and filling its pipeline; a run
+    of tiles pays that once. Measured on an H200 (BENCHMARKS.md, eleventh session), GEMM2 alone,
+    precise mode: DeepSeek-V3 M = 8192 944 -> 859 µs with runs of 8 (64-wide tiles, 4 warps),
+    GLM-4.5V M = 8192 1001 -> 860 with runs of 4 of 128-wide tiles on 8 warps (941 with the
+    table's 64-wide tiles, which runs made slower), GLM M = 4096 no gain: the tuner chooses
+    (KernelConfig.N_TILES2). The same sums in the same order: bitwise equal to one tile per
+    program. Flattening the two loops into one pipelined loop (tl.range(flatten=True)) was
+    1.08-2.6x slower than one tile per program in every case measured."""
+    if N_TILES == 1:
         _gemm2_tile(row0, e, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
                     sorted_ptr, count_ptr, start_ptr, N, H,
                     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
                     A_MODE, B_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET, PDL)
+    else:
+        for j in range(0, n_count):
+            _gemm2_tile(row0, e, pid_n + j, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
+                        sorted_ptr, count_ptr, start_ptr, N, H,
+                        stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+                        A_MODE, B_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET, False)
+        _pdl_release(PDL)
 
 
 @triton.jit

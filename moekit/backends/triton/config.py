@@ -5,7 +5,9 @@ are common), except that GEMM2 may have a tile width, warps, stages and grouping
 (BLOCK_N2, num_warps2, num_stages2, GROUP_M2; 0 = GEMM1's): with its short inner dimension it
 wanted 3 stages where GEMM1 wanted 4 at GLM-4.5V M = 8192 (621 against 865 µs for GEMM2 alone in
 fast mode), and 256-wide tiles at Mixtral M = 4096 (754 against 863; BENCHMARKS.md, eighth
-session). BLOCK_N is the width of an output tile: GEMM1 computes BLOCK_N gate and BLOCK_N up
+session). GEMM2's programs may also run several of a row block's column tiles in turn (N_TILES2,
+_kernels._gemm2_row_run): 4% faster per layer at DeepSeek-V3 M = 4096 (eleventh session).
+BLOCK_N is the width of an output tile: GEMM1 computes BLOCK_N gate and BLOCK_N up
 columns per tile, so its tile spans 2 * BLOCK_N columns of w13 (vLLM's BLOCK_SIZE_N for the same
 tile is 2 * BLOCK_N).
 
@@ -47,35 +49,54 @@ class KernelConfig:
     num_warps2: int = 0
     num_stages2: int = 0
     GROUP_M2: int = 0
+    # GEMM2's column tiles per program (0 or 1: one): a program runs N_TILES2 column blocks of its
+    # row block in turn (_kernels._gemm2_row_run); GEMM1 has no such parameter
+    N_TILES2: int = 0
 
-    GEMM2_FIELDS = ("BLOCK_N2", "num_warps2", "num_stages2", "GROUP_M2")  # a class constant, not a field
+    # class constants, not fields: GEMM2's own value of a GEMM1 parameter (its name + "2"), and
+    # the parameters only GEMM2 has
+    GEMM2_FIELDS = ("BLOCK_N2", "num_warps2", "num_stages2", "GROUP_M2")
+    GEMM2_ONLY = ("N_TILES2",)
 
     def __post_init__(self):
-        # one launch, one spelling: a GEMM2 parameter equal to GEMM1's is stored as unset
+        # one launch, one spelling: a GEMM2 parameter equal to GEMM1's is stored as unset, and so
+        # is a run of one column tile
         for name in self.GEMM2_FIELDS:
             if getattr(self, name) == getattr(self, name[:-1]):
                 object.__setattr__(self, name, 0)
+        if self.N_TILES2 == 1:
+            object.__setattr__(self, "N_TILES2", 0)
 
     def gemm1(self) -> "KernelConfig":
         """This config without GEMM2's own launch (both GEMMs launched as GEMM1)."""
-        return dataclasses.replace(self, **dict.fromkeys(self.GEMM2_FIELDS, 0)) if self.has_gemm2 else self
+        unset = dict.fromkeys(self.GEMM2_FIELDS + self.GEMM2_ONLY, 0)
+        return dataclasses.replace(self, **unset) if self.has_gemm2 else self
 
     def gemm2(self) -> "KernelConfig":
         """The config GEMM2 runs: GEMM2's own parameters in place of GEMM1's, where set (JOIN, a
-        tile of GEMM1's, cleared)."""
+        tile of GEMM1's, cleared), and N_TILES2 kept."""
+        if not self.has_gemm2:
+            return self
         own = {name[:-1]: getattr(self, name) for name in self.GEMM2_FIELDS if getattr(self, name)}
-        return dataclasses.replace(self.gemm1(), **own, JOIN=0) if own else self
+        return dataclasses.replace(self.gemm1(), **own, JOIN=0, N_TILES2=self.N_TILES2)
 
     def with_gemm2(self, **params: int) -> "KernelConfig":
-        """This config with GEMM2's parameters set (BLOCK_N=, num_warps=, num_stages=, GROUP_M=)."""
+        """This config with GEMM2's parameters set (BLOCK_N=, num_warps=, num_stages=, GROUP_M=,
+        N_TILES=)."""
+        names = [f[:-1] for f in self.GEMM2_FIELDS + self.GEMM2_ONLY]
         for name in params:
-            if name + "2" not in self.GEMM2_FIELDS:
-                raise TypeError(f"GEMM2 has no parameter {name!r} of its own; it has {', '.join(f[:-1] for f in self.GEMM2_FIELDS)}")
+            if name not in names:
+                raise TypeError(f"GEMM2 has no parameter {name!r} of its own; it has {', '.join(names)}")
         return dataclasses.replace(self, **{name + "2": value for name, value in params.items()})
 
     @property
+    def gemm2_tiles(self) -> int:
+        """Column tiles per GEMM2 program (N_TILES2, at least 1)."""
+        return max(self.N_TILES2, 1)
+
+    @property
     def has_gemm2(self) -> bool:
-        return any(getattr(self, name) for name in self.GEMM2_FIELDS)
+        return any(getattr(self, name) for name in self.GEMM2_FIELDS + self.GEMM2_ONLY)
 
     def problems(self, scheme: QuantScheme) -> list[str]:
         """Why this config cannot run `scheme` (empty when it can)."""
@@ -84,9 +105,12 @@ class KernelConfig:
                 return ["BLOCK_N2 / num_warps2 / num_stages2 / GROUP_M2 are for the tiled path; the GEMV path (GEMV=1) has none"]
             negative = [f"{name}={getattr(self, name)} must be 0 (GEMM1's) or positive" for name in self.GEMM2_FIELDS
                         if getattr(self, name) < 0]
+            negative += [f"{name}={getattr(self, name)} must be 0 or positive" for name in self.GEMM2_ONLY
+                         if getattr(self, name) < 0]
             if negative:
                 return negative
-            return self.gemm1().problems(scheme) + [f"GEMM2: {p}" for p in self.gemm2().problems(scheme)]
+            tile2 = dataclasses.replace(self.gemm2(), N_TILES2=0)  # GEMM2's tile (its runs checked above)
+            return self.gemm1().problems(scheme) + [f"GEMM2: {p}" for p in tile2.problems(scheme)]
         out = []
         if self.GEMV:  # K steps of whole 128-groups, columns without a tensor-core tile, no row tiles
             smallest = {"BLOCK_N": 4, "BLOCK_K": 128}
@@ -122,7 +146,7 @@ class KernelConfig:
         """The fields, without GEMM2's own where unset (tables of configs that have none stay as
         they were)."""
         d = dataclasses.asdict(self)
-        return {k: v for k, v in d.items() if v or k not in self.GEMM2_FIELDS}
+        return {k: v for k, v in d.items() if v or k not in self.GEMM2_FIELDS + self.GEMM2_ONLY}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelConfig":

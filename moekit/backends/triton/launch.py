@@ -449,7 +449,9 @@ def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights
     out = torch.empty(align.num_pairs, H, dtype=out_dtype, device=values.device)
     w_scale = weights.w2_scale
     stride_wse, stride_wsn = _scale_strides(w_scale)
-    _launch(k.gemm2_kernel, _tiles(align, cfg, H),
+    n_tiles = cfg.gemm2_tiles
+    grid = (triton.cdiv(align.max_rows, cfg.BLOCK_M) * triton.cdiv(triton.cdiv(H, cfg.BLOCK_N), n_tiles),)
+    _launch(k.gemm2_kernel, grid,
         values, act.scale if act.scale is not None else values, weights.w2,
         w_scale if w_scale is not None else values, topk_weights.reshape(-1).contiguous(), out,
         align.sorted_pairs, align.count, align.start,
@@ -457,7 +459,8 @@ def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights
         values.stride(0), act.scale.stride(0) if act.scale is not None else 0,  # (rows,) or (rows, groups)
         weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
         A_MODE=act.a_mode, B_SCALE=B_SCALE_KIND[scheme.weight], E_POW2=triton.next_power_of_2(E),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=fp8_promote(cfg), INTERPRET=_interpreting(),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        N_TILES=n_tiles, PROMOTE=fp8_promote(cfg), INTERPRET=_interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
