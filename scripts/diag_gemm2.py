@@ -84,7 +84,10 @@ def main():
                 alt = cfg.gemm1().with_gemm2(BLOCK_N=128, num_warps=8, num_stages=3)
                 for launch_cfg in [cfg] + ([alt] if alt != cfg and not alt.problems(scheme) else []):
                     n_blocks = -(-H // launch_cfg.gemm2().BLOCK_N)
-                    for n_tiles in [1] + [r or n_blocks for r in args.runs]:
+                    runs = [1] + [r or n_blocks for r in args.runs]
+                    if launch_cfg is cfg and cfg.gemm2_tiles not in runs:
+                        runs.append(cfg.gemm2_tiles)  # the table's own runs are always timed
+                    for n_tiles in runs:
                         v = launch_cfg.with_gemm2(N_TILES=n_tiles)
                         label = f"{mode} {'TABLE ' if v == cfg else ''}{tag(v)}"
                         fns[label] = in_mode(mode, lambda act=act, v=v, align=align: launch.gemm2(act, w, align, tw, x.dtype, v))

@@ -138,15 +138,17 @@ def test_each_gemm_is_launched_with_its_own_parameters(monkeypatch):
     real = launch._launch
 
     def record(kernel, grid, *args, **kwargs):
-        launches[kernel] = {k: kwargs.get(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")}
+        launches[kernel] = {k: kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages",
+                                                   "N_TILES") if k in kwargs}
         return real(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(launch, "_launch", record)
     w = random_weights(3, 128, 128, "fp8-channel-token")
     tw, ids = random_routing(5, 3, 2)
-    run(random_x(5, 128), w, tw, ids, BASE.with_gemm2(BLOCK_N=32, num_warps=2, num_stages=3, GROUP_M=1))
+    run(random_x(5, 128), w, tw, ids, BASE.with_gemm2(BLOCK_N=32, num_warps=2, num_stages=3, GROUP_M=1, N_TILES=3))
     assert launches[_kernels.gemm1_kernel] == dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=2)
-    assert launches[_kernels.gemm2_kernel] == dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=2, num_stages=3)
+    assert launches[_kernels.gemm2_kernel] == dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=2, num_stages=3,
+                                                   N_TILES=3)
 
 
 @pytest.mark.parametrize("gemm2", [dict(BLOCK_N=128, num_stages=3), dict(BLOCK_N=32, N_TILES=3)])
@@ -197,6 +199,8 @@ def test_gpu_preset_shapes_with_runs_of_column_tiles(name):
         cfg = one.with_gemm2(N_TILES=8)
         out = assert_matches_reference(run(x, w, tw, ids, cfg), x, w, tw, ids)
         assert torch.equal(out, run(x, w, tw, ids, one))
+        # runs of 5 end short at every preset (32 or 112 column tiles)
+        assert torch.equal(out, run(x, w, tw, ids, one.with_gemm2(N_TILES=5)))
         assert_graph_replays_fresh_routing(lambda x, tw, ids: run(x, w, tw, ids, cfg), x, tw, ids, E)
 
 

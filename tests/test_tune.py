@@ -206,7 +206,7 @@ def test_tune_writes_valid_tables_and_vllm_export(tmp_path, tiny_model, scheme):
         assert t["meta"][key] == b["meta"][key] or key == "date"
     for m, entry in t["configs"].items():
         # GEMM2's own launch fields appear only where the best config has one (KernelConfig.to_dict)
-        assert [k for k in entry if k not in KernelConfig.GEMM2_FIELDS] == [*CONFIG_FIELDS, "us", "default_us"]
+        assert [k for k in entry if k not in KernelConfig.GEMM2_FIELDS + KernelConfig.GEMM2_ONLY] == [*CONFIG_FIELDS, "us", "default_us"]
         assert not KernelConfig.from_dict(entry).problems(scheme)
         j = js[int(m)]
         best = min((v["us"], k) for k, v in j["configs"].items() if "us" in v)

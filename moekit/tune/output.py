@@ -194,7 +194,7 @@ def vllm_config(cfg: KernelConfig, scheme: QuantScheme) -> tuple[dict | None, st
     if cfg.GEMV:
         return None, "the GEMV path (GEMV=1) has no vLLM counterpart"
     if cfg.has_gemm2:
-        return None, "GEMM2 has a launch config of its own (vLLM runs one config for both GEMMs)"
+        return None, "GEMM2 has a launch config of its own (vLLM runs one config for both GEMMs, one tile per program)"
     block_n = 2 * cfg.BLOCK_N
     if block_n > VLLM_MAX_BLOCK_SIZE_N:
         return None, f"BLOCK_SIZE_N {block_n} is beyond vLLM's search space (<= {VLLM_MAX_BLOCK_SIZE_N})"

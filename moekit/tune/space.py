@@ -149,9 +149,10 @@ def default_space(device: torch.device, search_space: str) -> SpaceFn:
 GEMM2_GRID_GPU = tuple(itertools.product((64, 128, 256), (4, 8), (3, 4, 5)))
 GEMM2_GRID_CPU = ((32, 4, 2), (64, 4, 3))  # the interpreter: enough to run the step, not a search
 # Each of those launches also with runs of column tiles per program (KernelConfig.N_TILES2). GEMM2
-# alone, precise mode, H200 (BENCHMARKS.md, eleventh session): runs of 8 gained 6-11% at DeepSeek-V3
-# M = 1024-8192 (runs of 4 and 16 within 4% of 8), runs of 4-8 of 128-wide tiles 9% at GLM-4.5V
-# M = 8192, and nothing at GLM M = 4096; the runs do not depend on the other parameters' best.
+# alone, precise mode, H200 (BENCHMARKS.md, eleventh session): runs of 8 took 6-10% less time at
+# DeepSeek-V3 M = 1024-8192 (runs of 16 within 1% of 8, runs of 4 5-6% behind), runs of 4-8 of
+# 128-wide tiles 9% less at GLM-4.5V M = 8192, and none gained at GLM M = 4096. Which launch gains
+# depends on the launch (GLM's 64-wide tiles lost with runs), so every launch is timed with both.
 GEMM2_RUNS_GPU = (1, 8)
 GEMM2_RUNS_CPU = (1,)
 

@@ -37,7 +37,7 @@ def _pdl_release(PDL: tl.constexpr):
     the bandwidth each, is our reading of 181 against 140 µs per layer at M = 1 on an H200); even
     released after GEMM1's K loop, Mixtral at M = 4 lost 4% (BENCHMARKS.md, seventh session). So
     GEMM1 does not release (its exit does), GEMM2 releases after its K loop (the combine after it
-    is small), and the small kernels and both GEMV-path kernels (whose next grid has hundreds of
+    is small; a GEMM2 program running several column tiles, N_TILES2, after its last tile), and the small kernels and both GEMV-path kernels (whose next grid has hundreds of
     programs) at once."""
     if PDL:
         gdc_launch_dependents()
@@ -523,7 +523,9 @@ def gemm2_kernel(
     """A_MODE: 0 unquantized, 1 FP8 with a static scale, 2 quantize per 1x128 group while loading,
     3 quantize per tensor while loading (scale from the shared amax), 4 FP8 with 1x128 group scales,
     5 FP8 with one scale per row (a_scale_ptr: (rows,)).
-    N_TILES > 1: each program runs N_TILES column blocks of one row block in turn (_gemm2_row_run)."""
+    N_TILES > 1: each program runs N_TILES column blocks of one row block in turn (_gemm2_row_run),
+    row block after row block in program order (GROUP_M does not apply: the programs of a row
+    block already share its A rows, and neighbouring row blocks mostly share an expert)."""
     _pdl_wait(PDL)
     num_n_blocks = tl.cdiv(H, BLOCK_N)
     if N_TILES == 1:
@@ -565,7 +567,7 @@ def _gemm2_row_run(
     program spends much of its life starting, finding its expert and filling its pipeline; a run
     of tiles pays that once. Measured on an H200 (BENCHMARKS.md, eleventh session), GEMM2 alone,
     precise mode: DeepSeek-V3 M = 8192 944 -> 859 µs with runs of 8 (64-wide tiles, 4 warps),
-    GLM-4.5V M = 8192 1001 -> 860 with runs of 4 of 128-wide tiles on 8 warps (941 with the
+    GLM-4.5V M = 8192 1001 -> 860 with runs of 4 of 128-wide tiles on 8 warps (942 with the
     table's 64-wide tiles, which runs made slower), GLM M = 4096 no gain: the tuner chooses
     (KernelConfig.N_TILES2). The same sums in the same order: bitwise equal to one tile per
     program. Flattening the two loops into one pipelined loop (tl.range(flatten=True)) was

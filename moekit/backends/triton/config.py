@@ -6,7 +6,8 @@ are common), except that GEMM2 may have a tile width, warps, stages and grouping
 wanted 3 stages where GEMM1 wanted 4 at GLM-4.5V M = 8192 (621 against 865 µs for GEMM2 alone in
 fast mode), and 256-wide tiles at Mixtral M = 4096 (754 against 863; BENCHMARKS.md, eighth
 session). GEMM2's programs may also run several of a row block's column tiles in turn (N_TILES2,
-_kernels._gemm2_row_run): 4% faster per layer at DeepSeek-V3 M = 4096 (eleventh session).
+_kernels._gemm2_row_run; GEMM2's grouping then does not apply): 4% faster per layer at DeepSeek-V3
+M = 4096 (eleventh session).
 BLOCK_N is the width of an output tile: GEMM1 computes BLOCK_N gate and BLOCK_N up
 columns per tile, so its tile spans 2 * BLOCK_N columns of w13 (vLLM's BLOCK_SIZE_N for the same
 tile is 2 * BLOCK_N).
@@ -102,7 +103,7 @@ class KernelConfig:
         """Why this config cannot run `scheme` (empty when it can)."""
         if self.has_gemm2:
             if self.GEMV:
-                return ["BLOCK_N2 / num_warps2 / num_stages2 / GROUP_M2 are for the tiled path; the GEMV path (GEMV=1) has none"]
+                return ["BLOCK_N2 / num_warps2 / num_stages2 / GROUP_M2 / N_TILES2 are for the tiled path; the GEMV path (GEMV=1) has none"]
             negative = [f"{name}={getattr(self, name)} must be 0 (GEMM1's) or positive" for name in self.GEMM2_FIELDS
                         if getattr(self, name) < 0]
             negative += [f"{name}={getattr(self, name)} must be 0 or positive" for name in self.GEMM2_ONLY
