@@ -37,8 +37,9 @@ def _pdl_release(PDL: tl.constexpr):
     the bandwidth each, is our reading of 181 against 140 µs per layer at M = 1 on an H200); even
     released after GEMM1's K loop, Mixtral at M = 4 lost 4% (BENCHMARKS.md, seventh session). So
     GEMM1 does not release (its exit does), GEMM2 releases after its K loop (the combine after it
-    is small; a GEMM2 program running several column tiles, N_TILES2, after its last tile), and the small kernels and both GEMV-path kernels (whose next grid has hundreds of
-    programs) at once."""
+    is small; a GEMM2 program running several column tiles, N_TILES2, after its last tile), and
+    the small kernels and both GEMV-path kernels (whose next grid has hundreds of programs) at
+    once."""
     if PDL:
         gdc_launch_dependents()
 

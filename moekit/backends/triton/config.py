@@ -7,10 +7,9 @@ wanted 3 stages where GEMM1 wanted 4 at GLM-4.5V M = 8192 (621 against 865 µs f
 fast mode), and 256-wide tiles at Mixtral M = 4096 (754 against 863; BENCHMARKS.md, eighth
 session). GEMM2's programs may also run several of a row block's column tiles in turn (N_TILES2,
 _kernels._gemm2_row_run; GEMM2's grouping then does not apply): 4% faster per layer at DeepSeek-V3
-M = 4096 (eleventh session).
-BLOCK_N is the width of an output tile: GEMM1 computes BLOCK_N gate and BLOCK_N up
-columns per tile, so its tile spans 2 * BLOCK_N columns of w13 (vLLM's BLOCK_SIZE_N for the same
-tile is 2 * BLOCK_N).
+M = 4096 (eleventh session). BLOCK_N is the width of an output tile: GEMM1 computes BLOCK_N gate
+and BLOCK_N up columns per tile, so its tile spans 2 * BLOCK_N columns of w13 (vLLM's
+BLOCK_SIZE_N for the same tile is 2 * BLOCK_N).
 
 Tuned tables (written by `moekit tune`, found through `moekit.tables`: the user's folders, then
 the shipped ones) hold {"meta": {...}, "configs": {"<batch size>": {BLOCK_M: .., ..., "us": ..}}};

@@ -350,8 +350,11 @@ def align_and_quantize(x, weights: MoEWeights, topk_ids, block_m: int):
     return align, q, scale
 
 
-def _tiles(align: Alignment, cfg: KernelConfig, width: int) -> tuple[int]:
-    return (triton.cdiv(align.max_rows, cfg.BLOCK_M) * triton.cdiv(width, cfg.BLOCK_N),)
+def _tiles(align: Alignment, cfg: KernelConfig, width: int, tiles_per_program: int = 1) -> tuple[int]:
+    """The grid: programs for every row block the worst routing can fill, times the runs of
+    `tiles_per_program` column tiles that cover `width`."""
+    column_tiles = triton.cdiv(width, cfg.BLOCK_N)
+    return (triton.cdiv(align.max_rows, cfg.BLOCK_M) * triton.cdiv(column_tiles, tiles_per_program),)
 
 
 def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
@@ -449,9 +452,7 @@ def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights
     out = torch.empty(align.num_pairs, H, dtype=out_dtype, device=values.device)
     w_scale = weights.w2_scale
     stride_wse, stride_wsn = _scale_strides(w_scale)
-    n_tiles = cfg.gemm2_tiles
-    grid = (triton.cdiv(align.max_rows, cfg.BLOCK_M) * triton.cdiv(triton.cdiv(H, cfg.BLOCK_N), n_tiles),)
-    _launch(k.gemm2_kernel, grid,
+    _launch(k.gemm2_kernel, _tiles(align, cfg, H, cfg.gemm2_tiles),
         values, act.scale if act.scale is not None else values, weights.w2,
         w_scale if w_scale is not None else values, topk_weights.reshape(-1).contiguous(), out,
         align.sorted_pairs, align.count, align.start,
@@ -460,7 +461,7 @@ def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights
         weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
         A_MODE=act.a_mode, B_SCALE=B_SCALE_KIND[scheme.weight], E_POW2=triton.next_power_of_2(E),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        N_TILES=n_tiles, PROMOTE=fp8_promote(cfg), INTERPRET=_interpreting(),
+        N_TILES=cfg.gemm2_tiles, PROMOTE=fp8_promote(cfg), INTERPRET=_interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
