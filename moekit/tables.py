@@ -118,7 +118,8 @@ def search_dirs(kind: Kind) -> list[Path]:
     """The folders holding tables of `kind`: the user's (MOEKIT_CONFIG_DIR) first, then shipped."""
     if kind not in KINDS:
         raise ValueError(f"unknown table kind {kind!r}; expected one of {KINDS}")
-    user = [Path(p) / kind for p in (env.get(CONFIG_DIR_ENV) or "").split(os.pathsep) if p]  # as memoized keys it
+    # read through moekit.env, the same read that keys `memoized`, so both see one environment
+    user = [Path(p) / kind for p in (env.get(CONFIG_DIR_ENV) or "").split(os.pathsep) if p]
     return user + [SHIPPED_ROOT / kind]
 
 
