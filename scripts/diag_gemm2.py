@@ -8,9 +8,11 @@ mode); also the combine pass alone.
 
 With --runs, instead of those variants: the table's GEMM2 launch and 128-wide tiles on 8 warps,
 each with programs running that many column tiles in turn (KernelConfig.N_TILES2), checked
-bitwise equal to one tile per program.
+bitwise equal to one tile per program. With --layer as well, each of those launches is timed in the
+whole layer (the triton backend with that config) rather than GEMM2 alone: what a table entry
+with runs would give.
 
-    PYTHONPATH=. python3 scripts/diag_gemm2.py [--points glm-4.5v-fp8:2:4096 ...] [--runs 4 8 0] [--json FILE]
+    PYTHONPATH=. python3 scripts/diag_gemm2.py [--points glm-4.5v-fp8:2:4096 ...] [--runs 4 8 0 [--layer]] [--json FILE]
 """
 import argparse
 import itertools
@@ -18,6 +20,7 @@ import json
 
 import torch
 
+import moekit
 from diag_fast import in_mode  # scripts/ is on the path when a script runs
 from moekit.backends.triton import launch
 from moekit.backends.triton.config import get_config
@@ -52,8 +55,13 @@ def main():
     ap.add_argument("--runs", type=int, nargs="+",
                     help="time the table's GEMM2 launch and N128 w8 s3 with programs running this many column "
                          "tiles each (0: all), instead of the launch variants")
+    ap.add_argument("--layer", action="store_true",
+                    help="with --runs: time the whole layer with each GEMM2 launch instead of GEMM2 alone")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.layer and not args.runs:
+        ap.error("--layer times the launches of --runs; give --runs too")
+    triton_backend = moekit.get_backend("triton")
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(0)
     results, weights_of = [], {}
@@ -90,7 +98,10 @@ def main():
                     for n_tiles in runs:
                         v = launch_cfg.with_gemm2(N_TILES=n_tiles)
                         label = f"{mode} {'TABLE ' if v == cfg else ''}{tag(v)}"
-                        fns[label] = in_mode(mode, lambda act=act, v=v, align=align: launch.gemm2(act, w, align, tw, x.dtype, v))
+                        if args.layer:  # the whole layer with this config: alignment, both GEMMs, combine
+                            fns[label] = in_mode(mode, lambda v=v, x=x, w=w, tw=tw, ids=ids: triton_backend.run(x, w, tw, ids, config=v))
+                        else:
+                            fns[label] = in_mode(mode, lambda act=act, v=v, align=align: launch.gemm2(act, w, align, tw, x.dtype, v))
                         if n_tiles == 1:
                             first = fns[label]()
                         elif not torch.equal(fns[label](), first):  # the same tiles, the same sums
@@ -112,7 +123,8 @@ def main():
             mode = label.split()[0]
             if label != "combine alone" and (mode not in best or us < best[mode][1]):
                 best[mode] = (label, us)
-            print(f"  {label:40s} {us:9.1f} us  {flops2 / us / 1e6:7.1f} TFLOP/s")
+            rate = "" if args.layer else f"  {flops2 / us / 1e6:7.1f} TFLOP/s (GEMM2)"
+            print(f"  {label:40s} {us:9.1f} us (p20 {t.p20_us:.1f} p80 {t.p80_us:.1f}){rate}")
             results.append({"model": model, "tp": int(tp), "M": M, "what": label, "us": us})
         for mode, (label, us) in best.items():
             table = next(t.median_us for lab, t in times.items() if lab.startswith(f"{mode} TABLE"))

@@ -55,7 +55,7 @@ def gemm1_bf16(a, a_scale, w, align, K, cfg):
         out.stride(0), 0,
         A_SCALE=2, B_SCALE=2, OUT_MODE=0, ACT_DTYPE=triton.language.bfloat16, E_POW2=triton.next_power_of_2(E),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=launch.fp8_promote(cfg),
-        JOIN=cfg.JOIN, INTERPRET=launch._interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        JOIN=cfg.JOIN, HALF_TAIL=launch._half_tail(N, cfg.BLOCK_N, cfg.JOIN), INTERPRET=launch._interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

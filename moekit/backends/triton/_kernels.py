@@ -386,12 +386,18 @@ def gemm1_kernel(
     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, OUT_MODE: tl.constexpr, ACT_DTYPE: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, JOIN: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, PROMOTE: tl.constexpr, JOIN: tl.constexpr, HALF_TAIL: tl.constexpr,
+    INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """OUT_MODE: 0 store in the output dtype, 1 also record amax, 2 quantize with a static scale,
     3 quantize per 1x128 group (BLOCK_N a multiple of 128, so a tile holds whole groups).
     JOIN: gate and up columns in one 2*BLOCK_N-wide tile, one tl.dot per K step (_gemm1_joined).
-    An expert's last row block may run at half height (_half_tile)."""
+    An expert's last row block may run at half height (_half_tile); with HALF_TAIL the last
+    column block, which then holds at most BLOCK_N // 2 real columns, runs at half width (the
+    same tile code, BLOCK_N // 2 wide): GLM-4.5V's 704 columns at TP2 are 5.5 tiles of 128, and
+    the full-width last tile computed 64 columns of zeros. Measured on an H200 (BENCHMARKS.md,
+    twelfth session), whole layer, precise mode: GLM-4.5V M = 4096 1160.0 -> 1130.6 µs, M = 8192
+    2122.8 -> 2058.4, M = 64 and 1024 unchanged; bitwise equal to the full-width tile."""
     _pdl_wait(PDL)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n, num_m_blocks = _tile_ids(start_ptr + E, num_n_blocks, GROUP_M, BLOCK_M)
@@ -401,13 +407,35 @@ def gemm1_kernel(
         return
     row0 = pid_m * BLOCK_M
     e = _expert_of_block(start_ptr, row0, E, E_POW2)
+    if HALF_TAIL and pid_n == num_n_blocks - 1:
+        _gemm1_rows(row0, e, pid_n * BLOCK_N, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, amax_ptr,
+                    sorted_ptr, count_ptr, start_ptr, N, H, K_TOP,
+                    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
+                    A_SCALE, B_SCALE, OUT_MODE, ACT_DTYPE, BLOCK_M, BLOCK_N // 2, BLOCK_K, PROMOTE, JOIN, INTERPRET)
+    else:
+        _gemm1_rows(row0, e, pid_n * BLOCK_N, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, amax_ptr,
+                    sorted_ptr, count_ptr, start_ptr, N, H, K_TOP,
+                    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
+                    A_SCALE, B_SCALE, OUT_MODE, ACT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE, JOIN, INTERPRET)
+
+
+@triton.jit
+def _gemm1_rows(
+    row0, e, col0, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, amax_ptr,
+    sorted_ptr, count_ptr, start_ptr, N, H, K_TOP,
+    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
+    A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, OUT_MODE: tl.constexpr, ACT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr,
+    JOIN: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """GEMM1 of the tile at (row0, col0), at half height where _half_tile says so."""
     if _half_tile(count_ptr, start_ptr, e, row0, BLOCK_M):
-        _gemm1_tile(row0, e, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, amax_ptr,
+        _gemm1_tile(row0, e, col0, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, amax_ptr,
                     sorted_ptr, count_ptr, start_ptr, N, H, K_TOP,
                     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
                     A_SCALE, B_SCALE, OUT_MODE, ACT_DTYPE, BLOCK_M // 2, BLOCK_N, BLOCK_K, PROMOTE, JOIN, INTERPRET)
     else:
-        _gemm1_tile(row0, e, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, amax_ptr,
+        _gemm1_tile(row0, e, col0, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, amax_ptr,
                     sorted_ptr, count_ptr, start_ptr, N, H, K_TOP,
                     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
                     A_SCALE, B_SCALE, OUT_MODE, ACT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE, JOIN, INTERPRET)
@@ -415,20 +443,20 @@ def gemm1_kernel(
 
 @triton.jit
 def _gemm1_tile(
-    row0, e, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, amax_ptr,
+    row0, e, col0, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, amax_ptr,
     sorted_ptr, count_ptr, start_ptr, N, H, K_TOP,
     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, OUT_MODE: tl.constexpr, ACT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr,
     JOIN: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """GEMM1 of one tile: BLOCK_M rows from row0 (of expert e) by column block pid_n."""
+    """GEMM1 of one tile: BLOCK_M rows from row0 (of expert e) by BLOCK_N columns from col0."""
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows - tl.load(start_ptr + e) < tl.load(count_ptr + e)
     pair = tl.load(sorted_ptr + rows, mask=row_ok, other=0)
     token = (pair // K_TOP).to(tl.int64)  # [BLOCK_M]
 
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = col0 + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
@@ -438,7 +466,7 @@ def _gemm1_tile(
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if JOIN:
-        acc_gate, acc_up = _gemm1_joined(a_ptrs, row_ok, w_ptr + e64 * stride_we, pid_n, N, H, stride_wn,
+        acc_gate, acc_up = _gemm1_joined(a_ptrs, row_ok, w_ptr + e64 * stride_we, col0 // BLOCK_N, N, H, stride_wn,
                                          BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET)
     else:
         for k0 in range(0, H, BLOCK_K):
@@ -454,8 +482,8 @@ def _gemm1_tile(
                 step_up = 1.0
                 if B_SCALE == 3:
                     ws = w_scale_ptr + e64 * stride_wse + k0 // BLOCK_K
-                    step_gate = tl.load(ws + (pid_n * BLOCK_N // 128) * stride_wsn)
-                    step_up = tl.load(ws + ((N + pid_n * BLOCK_N) // 128) * stride_wsn)
+                    step_gate = tl.load(ws + (col0 // 128) * stride_wsn)
+                    step_up = tl.load(ws + ((N + col0) // 128) * stride_wsn)
                 # each BLOCK_K-long product is scaled and added into float32 here, which is already
                 # the promotion _dot asks the compiler for (and asking again slowed the loop down)
                 acc_gate += _dot(a, b_gate, None, 0, INTERPRET) * (step_a[:, None] * step_gate)
@@ -495,12 +523,13 @@ def _gemm1_tile(
         static = tl.full((BLOCK_M,), 1.0, tl.float32) * tl.load(out_scale_ptr)
         tl.store(out_ptrs, _quantize_tile(act.to(tl.float32), static, INTERPRET), mask=out_mask)
     elif OUT_MODE == 3:
-        # BLOCK_N == 128: each tile row is one 1x128 group of the intermediate. (Reductions over
-        # a tl.reshape'd 3-D view were wrong on an H200 with triton 3.6, 2026-12-03, so no reshape.)
+        # each tile row is one 1x128 group of the intermediate (launch's BLOCK_N is 128; a half-width
+        # last tile holds all its group's real columns). (Reductions over a tl.reshape'd 3-D view
+        # were wrong on an H200 with triton 3.6, 2026-12-03, so no reshape.)
         a32 = tl.where(out_mask, act.to(tl.float32), 0.0)
         g_scale = _scale_from_amax(tl.max(tl.abs(a32), axis=1))  # [BLOCK_M]
         tl.store(out_ptrs, _quantize_tile(a32, g_scale, INTERPRET), mask=out_mask)
-        tl.store(out_scale_ptr + rows.to(tl.int64) * stride_os + pid_n, g_scale, mask=row_ok)
+        tl.store(out_scale_ptr + rows.to(tl.int64) * stride_os + col0 // 128, g_scale, mask=row_ok)
     else:
         tl.store(out_ptrs, act, mask=out_mask)
 

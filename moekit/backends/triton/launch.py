@@ -350,6 +350,19 @@ def align_and_quantize(x, weights: MoEWeights, topk_ids, block_m: int):
     return align, q, scale
 
 
+# GEMM1's last column block at half width where it holds at most half a tile of real columns
+# (_kernels.gemm1_kernel); a switch for diagnostics (scripts/diag_half_tail.py) and tests.
+HALF_WIDTH_TAIL = True
+
+
+def _half_tail(width: int, block_n: int, joined: int) -> int:
+    """GEMM1's HALF_TAIL argument: 1 when the last of the `block_n`-wide column blocks covering
+    `width` holds at most block_n // 2 real columns, the tile is not JOIN's, and the half is
+    still 16+ wide (tl.dot's least)."""
+    tail = width % block_n
+    return int(HALF_WIDTH_TAIL and not joined and block_n >= 32 and 0 < tail <= block_n // 2)
+
+
 def _tiles(align: Alignment, cfg: KernelConfig, width: int, tiles_per_program: int = 1) -> tuple[int]:
     """The grid: programs for every row block the worst routing can fill, times the runs of
     `tiles_per_program` column tiles that cover `width`."""
@@ -406,6 +419,7 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
     w_scale = weights.w13_scale
     unused = a  # pointer arguments a variant never reads
     stride_wse, stride_wsn = _scale_strides(w_scale)
+    joined = _joined(scheme, cfg)
     _launch(k.gemm1_kernel, _tiles(align, cfg, N),
         a, a_scale if a_scale is not None else unused, weights.w13,
         w_scale if w_scale is not None else unused, out,
@@ -418,7 +432,8 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
         A_SCALE=A_SCALE_KIND[scheme.activation] if scheme.is_fp8 else 0,
         B_SCALE=B_SCALE_KIND[scheme.weight],
         OUT_MODE=out_mode, ACT_DTYPE=_TL_DTYPE[out_dtype], E_POW2=triton.next_power_of_2(E),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=fp8_promote(cfg), JOIN=_joined(scheme, cfg),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=fp8_promote(cfg),
+        JOIN=joined, HALF_TAIL=_half_tail(N, cfg.BLOCK_N, joined),
         INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if a_mode == 5:
