@@ -120,8 +120,9 @@ def test_half_width_tail_matches_the_reference(scheme, accumulation, n, block_m,
     the intermediate included, the per-1x128-group epilogue of BLOCK_N 128) and at full width
     (N = 200: 72 left), against the reference; also with the half-width tail switched off, which
     must give the same output: bitwise on a GPU (the same sums of the same products per column).
-    The interpreter multiplies with numpy, whose float32 summation order depends on the tile's
-    width, so there a bf16 output may move by one rounding step (2^-8 relative) in a few elements:
+    The interpreter multiplies with numpy, whose float32 summation order may depend on the tile's
+    width (bf16 at N = 192 with 64-row tiles differed, 2026-12-04; most cases come out bitwise
+    equal), so there a bf16 output may move by one rounding step (2^-8 relative) in a few elements:
     1e-3 relative L2 admits that, not a wrong or missing column (relative L2 near 1 on it)."""
     if scheme == "fp8-block128":
         pytest.skip("128x128 weight blocks need N a multiple of 128: no tail column block")
@@ -163,14 +164,15 @@ def test_half_width_tail_reaches_the_kernel(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m", [64, 128])
-@pytest.mark.parametrize("accumulation", ["precise", "fast"])
-def test_gpu_half_width_tail_at_glm_shape(block_m, accumulation, monkeypatch):
+@pytest.mark.parametrize("accumulation, block_m", [("precise", 64), ("precise", 128), ("fast", 16)])
+def test_gpu_half_width_tail_at_glm_shape(accumulation, block_m, monkeypatch):
     """GLM-4.5V at TP2 (N = 704: the last of six 128-wide column blocks holds 64 columns) at
     M = 600 and 3000: against the reference, bitwise equal to the full-width tail, and replayed
-    in a CUDA graph with fresh routing."""
+    in a CUDA graph with fresh routing. Fast mode with 16-row tiles: its FP8 tiles of 64+ rows
+    use JOIN's tile, which has no half (so the comparison would be of a launch with itself)."""
     monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", accumulation)
     E, H, N, K, scheme = PRESET_SHAPES["glm-4.5v-fp8 tp2"]
+    assert launch._half_tail(N, 128, launch._joined(get_scheme(scheme), KernelConfig(BLOCK_M=block_m, BLOCK_N=128))) == 1
     w = random_weights(E, H, N, scheme, device="cuda")
     cfg = KernelConfig(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
     run = lambda x, tw, ids: moekit.get_backend("triton").run(x, w, tw.float(), ids, config=cfg)  # noqa: E731
