@@ -13,9 +13,8 @@ import torch
 
 import moekit
 from diag_fast import in_mode  # scripts/ is on the path when a script runs
+from diag_points import layer_points
 from moekit.backends.triton import launch
-from moekit.bench import make_weights, make_x, uniform_routing
-from moekit.models import get_model
 from moekit.timing import time_graphs
 
 POINTS = ["glm-4.5v-fp8:2:64", "glm-4.5v-fp8:2:1024", "glm-4.5v-fp8:2:4096", "glm-4.5v-fp8:2:8192"]
@@ -43,19 +42,8 @@ def main():
     args = ap.parse_args()
     dev = torch.device("cuda")
     backend = moekit.get_backend("triton")
-    results, weights_of = [], {}
-    for point in args.points:
-        model, tp, M = point.split(":")
-        preset = get_model(model, int(tp))
-        shape, scheme = preset.shape, preset.scheme
-        if (model, tp) not in weights_of:
-            weights_of.clear()
-            torch.cuda.empty_cache()
-            weights_of[(model, tp)] = make_weights(shape, scheme, dev)  # one model's weights at a time
-        w, M = weights_of[(model, tp)], int(M)
-        x = make_x(M, shape.hidden, dev)
-        tw, ids = (t.to(dev) for t in uniform_routing(M, shape.num_experts, shape.top_k))
-        tw = tw.float()
+    results = []
+    for model, tp, M, shape, scheme, w, x, tw, ids in layer_points(args.points, dev):
         fns = {}
         for mode in args.modes:
             cfg = in_mode(mode, lambda: backend.config_for(w, shape.top_k, M, dev))()

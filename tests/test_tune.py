@@ -1007,6 +1007,27 @@ def test_hopper_space_holds_only_runnable_configs():
     assert len({config_key(c) for c in space.hopper_space(FP8_CHANNEL_TOKEN)}) == len(space.hopper_space(FP8_CHANNEL_TOKEN))
 
 
+
+def test_sixteen_warps_only_on_wide_tiles():
+    """Four warpgroups pay only where each still holds a 64-row, 64+-column share (space.py)."""
+    for scheme in (FP8_CHANNEL_TOKEN, FP8_BLOCK128, BF16):
+        wide = [c for c in space.hopper_space(scheme) if c.num_warps == space.WIDE_TILE_WARPS]
+        assert wide, scheme.name
+        assert all(c.BLOCK_M == 128 and c.BLOCK_N >= 128 and not c.GEMV for c in wide)
+    # the DeepSeek-V3 M = 8192 winner (BENCHMARKS.md, thirteenth session) is searched
+    assert KernelConfig(128, 128, 128, 1, 16, 4) in space.hopper_space(FP8_BLOCK128)
+
+
+def test_config_from_key_inverts_config_key():
+    configs = list(space.hopper_space(FP8_CHANNEL_TOKEN)) + list(space.hopper_space(BF16))
+    configs += [KernelConfig(128, 128, 128, 1, 16, 4).with_gemm2(BLOCK_N=64, num_warps=4, num_stages=3, N_TILES=8),
+                KernelConfig(64, 128, 128, 8, 8, 4).with_gemm2(BLOCK_N=256, GROUP_M=1)]
+    for cfg in configs:
+        assert space.config_from_key(config_key(cfg)) == cfg, config_key(cfg)
+    for bad in ("", "M128-N128", "M128-N128-K128-G8-w8-s4+", "gemv-N8-K512-w2", "m128-n128-k128-g8-w8-s4 "):
+        with pytest.raises(ValueError, match="expected M<rows>"):
+            space.config_from_key(bad)
+
 def test_static_prune_keeps_the_gemv_path_where_pairs_are_few():
     gemv = space.gemv_space()[0]
     deepseek = MoEShape(256, 7168, 2048, 8, tp=8)
