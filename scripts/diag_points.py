@@ -1,5 +1,7 @@
-"""The problems of the diag scripts' `model:tp:M` points: one model's weights on the GPU at a
-time (the next model's replace them), a fresh batch and uniform routing per point."""
+"""The problems of the diag scripts' `model:tp:M` points: a model's weights made once for its
+run of points (the generator drops them before making the next model's; a caller that still
+holds the last point's tensors keeps them alive until its loop moves on), a fresh batch and
+uniform routing per point."""
 from typing import Iterator, NamedTuple, Sequence
 
 import torch

@@ -549,6 +549,30 @@ def test_gemm2_step_starts_from_the_best_config_of_the_search_space(tmp_path, ti
         assert KernelConfig.from_dict(entry) == OTHER_GEMM2
 
 
+WIDE_CFG = KernelConfig(16, 32, 128, 1, space.WIDE_TILE_WARPS, 2)  # 16 warps (warps mean nothing to the interpreter)
+WIDE_GEMM2 = WIDE_CFG.with_gemm2(BLOCK_N=32, num_warps=4, num_stages=2)  # its variant in space.GEMM2_GRID_CPU
+
+
+@pytest.mark.parametrize("wide_us, timed", [(55.0, True), (70.0, False)])
+def test_gemm2_step_also_starts_from_a_close_sixteen_warp_config(wide_us, timed, tmp_path, tiny_model, monkeypatch):
+    """A 16-warp GEMM1 wins only with GEMM2 on a launch of its own (runner.WIDE_BASE_MARGIN): its
+    variants are timed when its plain time is within 1.25x of the best plain config's (55 against
+    50), and then its 30 µs variant makes the table; at 70 (1.4x) they are not."""
+    FakeTimer(us={triton(FAST_CFG): 50.0, triton(WIDE_CFG): wide_us, triton(WIDE_GEMM2): 30.0}).install(monkeypatch)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out, gemm2=True, between=False, space=lambda scheme: [FAST_CFG, WIDE_CFG])
+    assert result.exit_code == 0, text
+    for M, j in journals(out).items():
+        assert j["gemm2"]["base"] == config_key(FAST_CFG)
+        assert (config_key(WIDE_GEMM2) in j["configs"]) is timed, (M, sorted(j["configs"]))
+        if timed:
+            assert j["gemm2_wide"] == {"base": config_key(WIDE_CFG), "variants": 2, "dropped": {}, "complete": True}
+        else:
+            assert "gemm2_wide" not in j
+    for entry in read(only_file(out / "triton"))["configs"].values():  # FAST_CFG's variants: the default 100 µs
+        assert KernelConfig.from_dict(entry) == (WIDE_GEMM2 if timed else FAST_CFG), entry
+
+
 def test_gemm2_step_keeps_to_the_size_share_of_the_budget(tmp_path, tiny_model, monkeypatch):
     """10 s per measurement, 100 s: the baseline (default config + 2 backends at 2 sizes) takes 60;
     M=1 gets half of the 40 left for its search and GEMM2 step, M=4 the rest, so M=4 is searched
@@ -1007,26 +1031,37 @@ def test_hopper_space_holds_only_runnable_configs():
     assert len({config_key(c) for c in space.hopper_space(FP8_CHANNEL_TOKEN)}) == len(space.hopper_space(FP8_CHANNEL_TOKEN))
 
 
-
 def test_sixteen_warps_only_on_wide_tiles():
-    """Four warpgroups pay only where each still holds a 64-row, 64+-column share (space.py)."""
+    """Four warpgroups on 128x128 tiles only, a 64x64 share each (space.WIDE_TILE_WARPS)."""
     for scheme in (FP8_CHANNEL_TOKEN, FP8_BLOCK128, BF16):
         wide = [c for c in space.hopper_space(scheme) if c.num_warps == space.WIDE_TILE_WARPS]
         assert wide, scheme.name
-        assert all(c.BLOCK_M == 128 and c.BLOCK_N >= 128 and not c.GEMV for c in wide)
-    # the DeepSeek-V3 M = 8192 winner (BENCHMARKS.md, thirteenth session) is searched
-    assert KernelConfig(128, 128, 128, 1, 16, 4) in space.hopper_space(FP8_BLOCK128)
+        assert all((c.BLOCK_M, c.BLOCK_N) == (128, 128) and not c.GEMV for c in wide)
+    # the DeepSeek-V3 M = 8192 winner (BENCHMARKS.md, thirteenth session) is searched there
+    winner = KernelConfig(128, 128, 128, 1, 16, 4)
+    deepseek = MoEShape(num_experts=256, hidden=7168, intermediate=256, top_k=8)
+    kept, _ = space.static_prune(space.hopper_space(FP8_BLOCK128), deepseek, FP8_BLOCK128, 8192, space.HOPPER_SHARED_MEMORY)
+    assert winner in kept
 
 
 def test_config_from_key_inverts_config_key():
-    configs = list(space.hopper_space(FP8_CHANNEL_TOKEN)) + list(space.hopper_space(BF16))
-    configs += [KernelConfig(128, 128, 128, 1, 16, 4).with_gemm2(BLOCK_N=64, num_warps=4, num_stages=3, N_TILES=8),
-                KernelConfig(64, 128, 128, 8, 8, 4).with_gemm2(BLOCK_N=256, GROUP_M=1)]
+    """Every config the tuner can time: the search spaces, and GEMM2's launch variants of their
+    16-warp configs (the grid with runs)."""
+    grid = space.gemm2_grid(torch.device("cuda"))  # the GPU's grid (no GPU needed to name it)
+    configs = []
+    for scheme in (FP8_CHANNEL_TOKEN, FP8_BLOCK128, BF16):
+        searched = space.hopper_space(scheme, full=True)
+        configs += searched
+        for base in (c for c in searched if c.num_warps == space.WIDE_TILE_WARPS):
+            configs += space.gemm2_variants(base, scheme, grid, space.HOPPER_SHARED_MEMORY, True)[0]
+    assert any(c.has_gemm2 and c.N_TILES2 for c in configs)
     for cfg in configs:
         assert space.config_from_key(config_key(cfg)) == cfg, config_key(cfg)
-    for bad in ("", "M128-N128", "M128-N128-K128-G8-w8-s4+", "gemv-N8-K512-w2", "m128-n128-k128-g8-w8-s4 "):
+    for bad in ("", "M128-N128", "M128-N128-K128-G8-w8-s4+", "gemv-N8-K512-w2", "m128-n128-k128-g8-w8-s4 ",
+                "M128-N128-K128-G8-w8-s4+N0-G8-w8-s4", "M128-N128-K128-G8-w8-s4+N64-G8-w4-s3-r1", "M0-N128-K128-G8-w8-s4"):
         with pytest.raises(ValueError, match="expected M<rows>"):
             space.config_from_key(bad)
+
 
 def test_static_prune_keeps_the_gemv_path_where_pairs_are_few():
     gemv = space.gemv_space()[0]
@@ -1120,6 +1155,9 @@ def test_vllm_config_mapping():
     assert output.vllm_config(KernelConfig(64, 32, 128, 8, 4, 3), FP8_BLOCK128)[0] is None  # 64 % 128
     assert output.vllm_config(KernelConfig(64, 32, 128, 8, 4, 3), FP8_CHANNEL_TOKEN)[0]["BLOCK_SIZE_N"] == 64
     assert output.vllm_config(KernelConfig(64, 256, 64, 8, 4, 3), BF16)[0] is None  # 512 wide
+    # 16 warps (moekit's four-warpgroup split of gate and up) is beyond vLLM's tuner's 4 and 8
+    cfg, why = output.vllm_config(KernelConfig(128, 128, 128, 1, 16, 4), FP8_CHANNEL_TOKEN)
+    assert cfg is None and "num_warps 16" in why
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -34,6 +34,8 @@ TRITON_TABLE_FORMAT = "moekit-triton-configs"
 # vLLM's own tuner (benchmarks/kernels/benchmark_moe.py) searches BLOCK_SIZE_N up to 256 and, for
 # 128x128 block-quantized weights, only multiples of 128 for BLOCK_SIZE_N and BLOCK_SIZE_K.
 VLLM_MAX_BLOCK_SIZE_N = 256
+# and num_warps 4 and 8 (CUDA)
+VLLM_NUM_WARPS = (4, 8)
 
 
 # ------------------------------------------------------------------------- reading journals
@@ -195,6 +197,9 @@ def vllm_config(cfg: KernelConfig, scheme: QuantScheme) -> tuple[dict | None, st
         return None, "the GEMV path (GEMV=1) has no vLLM counterpart"
     if cfg.has_gemm2:
         return None, "GEMM2 has a launch config of its own (vLLM runs one config for both GEMMs, one tile per program)"
+    if cfg.num_warps not in VLLM_NUM_WARPS:
+        return None, (f"num_warps {cfg.num_warps} is beyond vLLM's search space ({' or '.join(map(str, VLLM_NUM_WARPS))}; "
+                      "moekit's 16 warps split its gate and up products over four warpgroups, vLLM's one wide tile would not)")
     block_n = 2 * cfg.BLOCK_N
     if block_n > VLLM_MAX_BLOCK_SIZE_N:
         return None, f"BLOCK_SIZE_N {block_n} is beyond vLLM's search space (<= {VLLM_MAX_BLOCK_SIZE_N})"

@@ -157,10 +157,11 @@ def uncovered(journals_by_size: dict[int, dict], batch_sizes: list[int], backend
         elif not search.get("complete"):
             timed = sum(1 for v in j["configs"].values() if not KernelConfig.from_dict(v["config"]).has_gemm2)
             missing.append(f"part of the search ({timed} configs measured, {search['candidates']} candidates)")
-        gemm2 = j.get("gemm2")
-        if gemm2 is not None and not gemm2.get("complete"):
-            timed = sum(1 for k in j["configs"] if k.startswith(gemm2["base"] + "+"))  # space.config_key
-            missing.append(f"part of GEMM2's launch variants ({timed} of {gemm2['variants']} measured)")
+        for field in ("gemm2", "gemm2_wide"):  # runner.gemm2_bases
+            gemm2 = j.get(field)
+            if gemm2 is not None and not gemm2.get("complete"):
+                timed = sum(1 for k in j["configs"] if k.startswith(gemm2["base"] + "+"))  # space.config_key
+                missing.append(f"part of GEMM2's launch variants of {gemm2['base']} ({timed} of {gemm2['variants']} measured)")
         if missing:
             lines.append(f"M={M}: not measured: {', '.join(missing)}")
     return lines

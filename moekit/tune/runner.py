@@ -29,7 +29,8 @@ of one triton point, Mixtral-8x7B, H200); auto chooses per size, so it is judged
 Redone when a later search finds a better config, or with another --routings.
 
 GEMM2's own launch (`_search_gemm2`), after the search at each size (and under --search-space
-none, on the configs found before): the best config of the search space timed again with GEMM2
+none, on the configs found before): the best config of the search space (and its best 16-warp
+config, when close: WIDE_BASE_MARGIN) timed again with GEMM2
 launched with other tile widths, warps and stages (space.gemm2_variants), each variant a config of
 its own in the journal, so the fastest of all makes the table; variants never count as a
 neighbour's result for the next size's pruning.
@@ -71,8 +72,8 @@ from .output import best_config, is_between, neighbour_configs, write_tables
 from .plan import TunePlan, TuneProblem
 from .precompile import Precompiler
 from .space import (
-    GEMV_START, NeighbourResult, config_key, gemm2_partial_accumulator, gemm2_variants, neighbour_prune,
-    shared_memory_limit, static_prune,
+    GEMV_START, WIDE_TILE_WARPS, NeighbourResult, config_key, gemm2_partial_accumulator, gemm2_variants,
+    neighbour_prune, shared_memory_limit, static_prune,
 )
 
 # A config whose output differs from the default config's by more than this (relative L2) is
@@ -93,6 +94,29 @@ OUTPUT_TOLERANCE_FAST = 4e-2
 # are gone, so a filled share is the likely cause, not a recorded one); the eighth session's
 # GEMM2 launches (1.14-1.39x on GEMM2) came from a later run of the step alone.
 GEMM2_RESERVE = 0.25
+
+# A GEMM1 on 16 warps (space.WIDE_TILE_WARPS) wins only with GEMM2 on a launch of its own: at
+# DeepSeek-V3 M = 8192 (H200, BENCHMARKS.md thirteenth session) GEMM2 on 16 warps as well made the
+# layer 14% slower than the table's config, and a 4-warp GEMM2 made it 3% faster. So the GEMM2
+# step also starts from the fastest plain 16-warp config when it is within this factor of the
+# fastest plain config (journal "gemm2_wide"), not only from the fastest ("gemm2").
+WIDE_BASE_MARGIN = 1.25
+
+
+def gemm2_bases(j: Journal) -> list[tuple[str, KernelConfig]]:
+    """(journal field, config) of the configs the GEMM2 step starts from: the fastest measured
+    tiled config without a GEMM2 launch of its own ("gemm2"), and the fastest such on 16 warps
+    when it is another and within WIDE_BASE_MARGIN of it ("gemm2_wide")."""
+    plain = sorted((v["us"], k) for k, v in j.data["configs"].items() if "us" in v and not _has_gemm2(v))
+    configs = {k: KernelConfig.from_dict(j.config(k)["config"]) for _, k in plain}
+    if not plain or configs[plain[0][1]].GEMV:
+        return []
+    best_us, best = plain[0]
+    bases = [("gemm2", configs[best])]
+    wide = [(us, k) for us, k in plain if configs[k].num_warps == WIDE_TILE_WARPS and not configs[k].GEMV]
+    if wide and wide[0][1] != best and wide[0][0] <= WIDE_BASE_MARGIN * best_us:
+        bases.append(("gemm2_wide", configs[wide[0][1]]))
+    return bases
 
 
 def output_tolerance() -> float:
@@ -471,36 +495,44 @@ class Worker:
 
     def _search_gemm2(self, p: TuneProblem, j: Journal, share_end: float | None) -> None:
         """GEMM2's own launch (space.gemm2_variants) on this size's best config of the search
-        space (tiled, no GEMM2 launch of its own): each variant is timed as a config of its own,
-        so the fastest of all becomes the table's entry. Done once per such best config (journal
-        "gemm2"), also under --search-space none on the configs found before; within the size's
-        share of the budget, after its search."""
-        plain = [(v["us"], k) for k, v in j.data["configs"].items() if "us" in v and not _has_gemm2(v)]
-        if not self.plan.gemm2_grid or not plain:
+        space (tiled, no GEMM2 launch of its own), and on its best 16-warp one where that is close
+        (WIDE_BASE_MARGIN): each variant is timed as a config of its own, so the fastest of all
+        becomes the table's entry. Done once per such base (journal "gemm2" / "gemm2_wide"), also
+        under --search-space none on the configs found before; within the size's share of the
+        budget, after its search."""
+        if not self.plan.gemm2_grid:
             return
-        base = KernelConfig.from_dict(j.config(min(plain)[1])["config"])
-        if base.GEMV:
-            return
+        for field, base in gemm2_bases(j):
+            if not self._gemm2_variants_of(p, j, field, base, share_end):
+                return
+
+    def _gemm2_variants_of(self, p: TuneProblem, j: Journal, field: str, base: KernelConfig,
+                           share_end: float | None) -> bool:
+        """Times `base`'s GEMM2 launch variants not yet measured, recorded under j.data[field];
+        False when the share of the budget ran out first."""
         variants, dropped = gemm2_variants(base, p.scheme, self.plan.gemm2_grid, self.shared_memory,
                                            gemm2_partial_accumulator(p.scheme, fp8_accumulation()))
         todo = [c for c in variants if j.config(config_key(c)) is None]
-        j.data["gemm2"] = {"base": config_key(base), "variants": len(variants), "dropped": dropped,
-                           "complete": not todo}
+        j.data[field] = {"base": config_key(base), "variants": len(variants), "dropped": dropped,
+                         "complete": not todo}
         j.save()
-        if not todo or self.deadline.reached(share_end):
-            return
+        if not todo:
+            return True
+        if self.deadline.reached(share_end):
+            return False
         self.reporter.add_total(len(todo))
         self.precompiler.submit(p.shape, p.scheme, j.batch_size, todo)
         inputs = self._inputs(p, j.batch_size)
         for done, cfg in enumerate(todo):
             if self.deadline.reached(share_end):
                 self.reporter.add_total(done - len(todo))
-                return
+                return False
             self.reporter.describe(f"{p.label} M={j.batch_size}: GEMM2 launch, {len(todo) - done} left")
             self._measure_config(p, j, cfg, inputs)
             self.reporter.advance()
-        j.data["gemm2"]["complete"] = True
+        j.data[field]["complete"] = True
         j.save()
+        return True
 
     # -------------------------------------------------------------------------- measuring
 

@@ -80,26 +80,34 @@ def config_key(cfg: KernelConfig) -> str:
     return key
 
 
-
 _TILED_KEY = re.compile(r"M(\d+)-N(\d+)-K(\d+)-G(\d+)-w(\d+)-s(\d+)(?:\+N(\d+)-G(\d+)-w(\d+)-s(\d+)(?:-r(\d+))?)?")
 _GEMV_KEY = re.compile(r"gemv-N(\d+)-K(\d+)-w(\d+)-s(\d+)")
+_KEY_FORMS = ("M<rows>-N<cols>-K<k>-G<group>-w<warps>-s<stages> (optionally +N<cols>-G<group>-w<warps>-s<stages>"
+              "[-r<runs>] for GEMM2's own launch, runs 2 or more) or gemv-N<cols>-K<k>-w<warps>-s<stages>, "
+              "every number positive")
 
 
 def config_from_key(key: str) -> KernelConfig:
-    """The config `config_key` names (its inverse), for scripts and journals that name configs by
-    key; ValueError, naming the expected forms, for anything else."""
-    if m := _GEMV_KEY.fullmatch(key):
-        bn, bk, w, s = map(int, m.groups())
+    """The config `config_key` names (its inverse for every config the tuner times: the key
+    leaves out JOIN, which the search space never sets), for scripts and journals that name
+    configs by key; ValueError, naming the expected forms, for anything else."""
+    m = _GEMV_KEY.fullmatch(key) or _TILED_KEY.fullmatch(key)
+    if m is None:
+        raise ValueError(f"config key {key!r}: expected {_KEY_FORMS}")
+    numbers = [int(v) for v in m.groups() if v is not None]
+    runs = m.re is _TILED_KEY and m.group(11) is not None  # a run of one is written without -r
+    if 0 in numbers or (runs and numbers[-1] < 2):
+        raise ValueError(f"config key {key!r}: expected {_KEY_FORMS}")
+    if m.re is _GEMV_KEY:
+        bn, bk, w, s = numbers
         return KernelConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=s, GEMV=1)
-    if m := _TILED_KEY.fullmatch(key):
-        bm, bn, bk, g, w, s, bn2, g2, w2, s2, runs = (int(v) if v else 0 for v in m.groups())
-        cfg = KernelConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, num_warps=w, num_stages=s)
-        if bn2:
-            cfg = cfg.with_gemm2(BLOCK_N=bn2, GROUP_M=g2, num_warps=w2, num_stages=s2, N_TILES=runs)
-        return cfg
-    raise ValueError(f"config key {key!r}: expected M<rows>-N<cols>-K<k>-G<group>-w<warps>-s<stages> "
-                     "(optionally +N<cols>-G<group>-w<warps>-s<stages>[-r<runs>] for GEMM2's own launch) "
-                     "or gemv-N<cols>-K<k>-w<warps>-s<stages>")
+    bm, bn, bk, g, w, s = numbers[:6]
+    cfg = KernelConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, num_warps=w, num_stages=s)
+    if m.group(7) is not None:  # GEMM2's own launch
+        bn2, g2, w2, s2 = numbers[6:10]
+        cfg = cfg.with_gemm2(BLOCK_N=bn2, GROUP_M=g2, num_warps=w2, num_stages=s2, N_TILES=numbers[10] if runs else 0)
+    return cfg
+
 
 # ------------------------------------------------------------------------------- the spaces
 
@@ -108,9 +116,11 @@ def config_from_key(key: str) -> KernelConfig:
 # float32 (per-block scales, or the FP8 promotion), the others' products run. On an H200
 # (BENCHMARKS.md, thirteenth session), whole layer, precise mode: DeepSeek-V3 TP8 M = 8192
 # 2000-2013 us against the table's 2065 (64-row tiles on 8 warps), in three calls, with GEMM2 on
-# its own narrower launch (GEMM2 launched on 16 warps too: 2353); slower at DeepSeek M = 2048-5792,
-# within 1% at GLM-4.5V M = 4096-8192, within the calls' spread at Mixtral-8x7B M = 1024-8192.
-# The tuner decides per size. (64-row tiles on 16 warps lost at DeepSeek M = 2048-8192.)
+# its own 4- or 8-warp launch (GEMM2 launched on 16 warps too: 2353; runner.WIDE_BASE_MARGIN);
+# 1-7% slower at DeepSeek M = 2048-5792, within 1% at GLM-4.5V M = 4096-8192, 1.6-7% faster at
+# Mixtral-8x7B M = 1024 and 8192 in one call (inside 8192's spread). The tuner decides per size.
+# (64-row tiles on 16 warps lost at DeepSeek M = 2048-8192, 128x256 tiles were 3-4x slower at
+# Mixtral and 256x128 2-3x slower everywhere: only 128x128 tiles get 16 warps.)
 WIDE_TILE_WARPS = 16
 
 
@@ -120,7 +130,7 @@ def hopper_space(scheme: QuantScheme, full: bool = False) -> list[KernelConfig]:
     Tiled configs: BLOCK_K 256 only for unquantized weights (FP8 token/group tiles are tied to
     128-wide groups; the GEMV path's K steps of 256 and 512 hold whole groups);
     GROUP_M 32 only in the full search (beyond 16 the L2 reuse it buys is rarely measurable);
-    16 warps only on 128x128+ tiles (WIDE_TILE_WARPS)."""
+    16 warps only on 128x128 tiles (WIDE_TILE_WARPS)."""
     block_k = (64, 128) if scheme.is_fp8 else (64, 128, 256)
     group_m = (1, 8, 16, 32) if full else (1, 8, 16)
     configs = [
@@ -130,8 +140,8 @@ def hopper_space(scheme: QuantScheme, full: bool = False) -> list[KernelConfig]:
         )
     ]
     configs += [
-        KernelConfig(128, bn, bk, g, WIDE_TILE_WARPS, s)
-        for bn, bk, g, s in itertools.product((128, 256), block_k, group_m, (2, 3, 4, 5))
+        KernelConfig(128, 128, bk, g, WIDE_TILE_WARPS, s)
+        for bk, g, s in itertools.product(block_k, group_m, (2, 3, 4, 5))
     ]
     configs += gemv_space()
     return [c for c in configs if not c.problems(scheme)]
