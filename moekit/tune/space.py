@@ -117,8 +117,8 @@ def config_from_key(key: str) -> KernelConfig:
 # (BENCHMARKS.md, thirteenth session), whole layer, precise mode: DeepSeek-V3 TP8 M = 8192
 # 2000-2013 us against the table's 2065 (64-row tiles on 8 warps), in three calls, with GEMM2 on
 # its own 4- or 8-warp launch (GEMM2 launched on 16 warps too: 2353; runner.WIDE_BASE_MARGIN);
-# 1-7% slower at DeepSeek M = 2048-5792, within 1% at GLM-4.5V M = 4096-8192, 1.6-7% faster at
-# Mixtral-8x7B M = 1024 and 8192 in one call (inside 8192's spread). The tuner decides per size.
+# 1-7% slower at DeepSeek M = 2048-5792, within 1% at GLM-4.5V M = 4096-8192, 1.6-2.5% faster
+# at Mixtral-8x7B M = 1024 (GROUP_M 8, three calls), not at 1448-8192. The tuner decides per size.
 # (64-row tiles on 16 warps lost at DeepSeek M = 2048-8192, 128x256 tiles were 3-4x slower at
 # Mixtral and 256x128 2-3x slower everywhere: only 128x128 tiles get 16 warps.)
 WIDE_TILE_WARPS = 16
