@@ -1135,6 +1135,10 @@ def test_candidates_ordered_by_evidence():
     neighbour = NeighbourResult(8, {config_key(a): 20.0, config_key(b): 10.0}, {}, set())
     ordered = runner.order_candidates([unknown_far, a, unknown_near, new, b], neighbour, default)
     assert ordered == [new, b, a, unknown_near, unknown_far]  # new and b tie at 10 µs: input order
+    # a 16-warp 128-row config, where 128-row tiles first appear, by its 64-row sibling on 8 warps
+    eight, wide = KernelConfig(64, 128, 128, 8, 8, 4), KernelConfig(128, 128, 128, 8, space.WIDE_TILE_WARPS, 4)
+    neighbour = NeighbourResult(1024, {config_key(a): 20.0, config_key(eight): 5.0}, {}, set())
+    assert runner.order_candidates([a, unknown_near, wide], neighbour, default) == [wide, a, unknown_near]
 
 
 # --------------------------------------------------------------------------- vLLM export
