@@ -1,7 +1,7 @@
 """The whole layer of the triton backend with configs named on the command line, against the
 mode's table config, in the same interleaved rounds, each with its relative L2 error against the
-reference: for launch shapes the tuner's search space does not hold (16 warps, 256-row tiles) or
-hand comparisons a tune would take too long for.
+reference: for launch shapes the tuner's search space does not hold (256-row tiles, 16 warps on
+tiles other than 128x128) or hand comparisons a tune would take too long for.
 
     PYTHONPATH=. python3 scripts/diag_configs.py --points mixtral-8x7b:1:4096 glm-4.5v-fp8:2:8192
         --configs M128-N128-K128-G8-w16-s4 "M256-N128-K128-G8-w16-s3+N128-G8-w16-s3-r8"

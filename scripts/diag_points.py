@@ -26,7 +26,7 @@ class Point(NamedTuple):
 
 def layer_points(points: Sequence[str], dev: torch.device, scheme: str | None = None) -> Iterator[Point]:
     """Each "model:tp:M" of `points` as a Point, in the preset's scheme or `scheme`."""
-    weights_of = {}
+    made_for, weights = None, None
     for point in points:
         try:
             model, tp, M = point.split(":")
@@ -35,10 +35,10 @@ def layer_points(points: Sequence[str], dev: torch.device, scheme: str | None = 
             raise SystemExit(f"point {point!r}: expected model:tp:M, e.g. glm-4.5v-fp8:2:4096") from None
         preset = get_model(model, tp)
         shape, quant = preset.shape, get_scheme(scheme) if scheme else preset.scheme
-        if (model, tp) not in weights_of:
-            weights_of.clear()
+        if made_for != (model, tp):
+            weights = None  # dropped before the next model's are made
             torch.cuda.empty_cache()
-            weights_of[(model, tp)] = make_weights(shape, quant, dev)
+            made_for, weights = (model, tp), make_weights(shape, quant, dev)
         x = make_x(M, shape.hidden, dev)
         tw, ids = (t.to(dev) for t in uniform_routing(M, shape.num_experts, shape.top_k))
-        yield Point(model, tp, M, shape, quant, weights_of[(model, tp)], x, tw.float(), ids)
+        yield Point(model, tp, M, shape, quant, weights, x, tw.float(), ids)
