@@ -38,7 +38,7 @@ def main():
     backend = moekit.get_backend("triton")
     results = []
     for model, tp, M, shape, scheme, w, x, tw, ids in layer_points(args.points, dev, args.scheme):
-        fns, errors = {}, {}
+        fns, errors, outputs = {}, {}, {}
         for mode in args.modes:
             table = in_mode(mode, lambda: backend.config_for(w, shape.top_k, M, dev))()
             ref = reference_moe(x, w, tw, ids,
@@ -47,7 +47,8 @@ def main():
                 label = f"{mode} {'table ' if cfg == table else ''}{config_key(cfg)}"
                 run = in_mode(mode, lambda cfg=cfg: backend.run(x, w, tw, ids, config=cfg))
                 try:
-                    errors[label] = rel_l2(run(), ref)
+                    outputs[label] = run()
+                    errors[label] = rel_l2(outputs[label], ref)
                 except Exception as exc:  # noqa: BLE001 - a config that cannot run is a result
                     print(f"{model} tp{tp} M={M} {label}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
                     continue
@@ -59,11 +60,13 @@ def main():
             if isinstance(t, BaseException):
                 print(f"  {label:60s} FAILED {str(t)[:100]}")
                 continue
+            same = [i for i, other in enumerate(outputs) if other != label and torch.equal(outputs[other], outputs[label])]
             print(f"  {label:60s} {t.median_us:9.1f} us (p20 {t.p20_us:.1f} p80 {t.p80_us:.1f})  "
-                  f"rel L2 {errors[label]:.2e}", flush=True)
+                  f"rel L2 {errors[label]:.2e}  bitwise equal to #{same}", flush=True)
             results.append({"model": model, "tp": int(tp), "M": M, "variant": label, "us": t.median_us,
                             "p20_us": t.p20_us, "p80_us": t.p80_us, "rel_l2": errors[label]})
-        del fns, times
+        print("  (#i: the i-th variant listed, from 0)")
+        del fns, times, outputs
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -72,6 +72,8 @@ def config_key(cfg: KernelConfig) -> str:
     if cfg.GEMV:  # BLOCK_M and GROUP_M mean nothing to the GEMV path
         return f"gemv-N{cfg.BLOCK_N}-K{cfg.BLOCK_K}-w{cfg.num_warps}-s{cfg.num_stages}"
     key = f"M{cfg.BLOCK_M}-N{cfg.BLOCK_N}-K{cfg.BLOCK_K}-G{cfg.GROUP_M}-w{cfg.num_warps}-s{cfg.num_stages}"
+    if cfg.OVERLAP:  # GEMM1 in Gluon with the promotion overlapped (KernelConfig.OVERLAP)
+        key += "-ov"
     if cfg.has_gemm2:  # GEMM2's own launch (gemm2_variants): its whole launch, after a "+"
         g2 = cfg.gemm2()
         key += f"+N{g2.BLOCK_N}-G{g2.GROUP_M}-w{g2.num_warps}-s{g2.num_stages}"
@@ -80,9 +82,10 @@ def config_key(cfg: KernelConfig) -> str:
     return key
 
 
-_TILED_KEY = re.compile(r"M(\d+)-N(\d+)-K(\d+)-G(\d+)-w(\d+)-s(\d+)(?:\+N(\d+)-G(\d+)-w(\d+)-s(\d+)(?:-r(\d+))?)?")
-_GEMV_KEY = re.compile(r"gemv-N(\d+)-K(\d+)-w(\d+)-s(\d+)")
-_KEY_FORMS = ("M<rows>-N<cols>-K<k>-G<group>-w<warps>-s<stages> (optionally +N<cols>-G<group>-w<warps>-s<stages>"
+_TILED_KEY = re.compile(r"M(?P<bm>\d+)-N(?P<bn>\d+)-K(?P<bk>\d+)-G(?P<g>\d+)-w(?P<w>\d+)-s(?P<s>\d+)(?P<ov>-ov)?"
+                        r"(?:\+N(?P<bn2>\d+)-G(?P<g2>\d+)-w(?P<w2>\d+)-s(?P<s2>\d+)(?:-r(?P<r2>\d+))?)?")
+_GEMV_KEY = re.compile(r"gemv-N(?P<bn>\d+)-K(?P<bk>\d+)-w(?P<w>\d+)-s(?P<s>\d+)")
+_KEY_FORMS = ("M<rows>-N<cols>-K<k>-G<group>-w<warps>-s<stages>[-ov] (optionally +N<cols>-G<group>-w<warps>-s<stages>"
               "[-r<runs>] for GEMM2's own launch, runs 2 or more) or gemv-N<cols>-K<k>-w<warps>-s<stages>, "
               "every number positive")
 
@@ -94,18 +97,17 @@ def config_from_key(key: str) -> KernelConfig:
     m = _GEMV_KEY.fullmatch(key) or _TILED_KEY.fullmatch(key)
     if m is None:
         raise ValueError(f"config key {key!r}: expected {_KEY_FORMS}")
-    numbers = [int(v) for v in m.groups() if v is not None]
-    runs = m.re is _TILED_KEY and m.group(11) is not None  # a run of one is written without -r
-    if 0 in numbers or (runs and numbers[-1] < 2):
+    n = {name: int(v) for name, v in m.groupdict().items() if v is not None and name != "ov"}
+    if 0 in n.values() or n.get("r2", 2) < 2:  # a run of one is written without -r
         raise ValueError(f"config key {key!r}: expected {_KEY_FORMS}")
     if m.re is _GEMV_KEY:
-        bn, bk, w, s = numbers
-        return KernelConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=s, GEMV=1)
-    bm, bn, bk, g, w, s = numbers[:6]
-    cfg = KernelConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, num_warps=w, num_stages=s)
-    if m.group(7) is not None:  # GEMM2's own launch
-        bn2, g2, w2, s2 = numbers[6:10]
-        cfg = cfg.with_gemm2(BLOCK_N=bn2, GROUP_M=g2, num_warps=w2, num_stages=s2, N_TILES=numbers[10] if runs else 0)
+        return KernelConfig(BLOCK_M=16, BLOCK_N=n["bn"], BLOCK_K=n["bk"], GROUP_M=1, num_warps=n["w"],
+                            num_stages=n["s"], GEMV=1)
+    cfg = KernelConfig(BLOCK_M=n["bm"], BLOCK_N=n["bn"], BLOCK_K=n["bk"], GROUP_M=n["g"], num_warps=n["w"],
+                       num_stages=n["s"], OVERLAP=int(m.group("ov") is not None))
+    if "bn2" in n:  # GEMM2's own launch
+        cfg = cfg.with_gemm2(BLOCK_N=n["bn2"], GROUP_M=n["g2"], num_warps=n["w2"], num_stages=n["s2"],
+                             N_TILES=n.get("r2", 0))
     return cfg
 
 

@@ -44,6 +44,9 @@ class KernelConfig:
     num_stages: int = 3
     JOIN: int = 0  # 1: GEMM1's gate and up columns in one wide tile (_kernels._gemm1_joined)
     GEMV: int = 0  # 1: the decode path of gemv.py (no alignment; BLOCK_M and GROUP_M unused)
+    # 1: GEMM1 runs _gluon_kernels.gemm1_overlap_kernel on Hopper, which adds each K step's FP8
+    # product into float32 while the next product runs (OVERLAP_TILE; launch.gemm1 says where)
+    OVERLAP: int = 0
     # GEMM2's own launch parameters on the tiled path (0: the same as GEMM1's; module docstring)
     BLOCK_N2: int = 0
     num_warps2: int = 0
@@ -57,6 +60,10 @@ class KernelConfig:
     # the parameters only GEMM2 has
     GEMM2_FIELDS = ("BLOCK_N2", "num_warps2", "num_stages2", "GROUP_M2")
     GEMM2_ONLY = ("N_TILES2",)
+
+    # the one launch shape of the overlapped GEMM1 (its accumulator, the product in flight and the
+    # one being added fill the register file: _gluon_kernels module docstring)
+    OVERLAP_TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8}
 
     def __post_init__(self):
         # one launch, one spelling: a GEMM2 parameter equal to GEMM1's is stored as unset, and so
@@ -73,12 +80,12 @@ class KernelConfig:
         return dataclasses.replace(self, **unset) if self.has_gemm2 else self
 
     def gemm2(self) -> "KernelConfig":
-        """The config GEMM2 runs: GEMM2's own parameters in place of GEMM1's, where set (JOIN, a
-        tile of GEMM1's, cleared), and N_TILES2 kept."""
+        """The config GEMM2 runs: GEMM2's own parameters in place of GEMM1's, where set (JOIN and
+        OVERLAP, GEMM1's alone, cleared), and N_TILES2 kept."""
         if not self.has_gemm2:
             return self
         own = {name[:-1]: getattr(self, name) for name in self.GEMM2_FIELDS if getattr(self, name)}
-        return dataclasses.replace(self.gemm1(), **own, JOIN=0, N_TILES2=self.N_TILES2)
+        return dataclasses.replace(self.gemm1(), **own, JOIN=0, OVERLAP=0, N_TILES2=self.N_TILES2)
 
     def with_gemm2(self, **params: int) -> "KernelConfig":
         """This config with GEMM2's parameters set (BLOCK_N=, num_warps=, num_stages=, GROUP_M=,
@@ -133,6 +140,10 @@ class KernelConfig:
             out.append(f"num_stages={self.num_stages} must be between 1 and 8")
         if self.JOIN not in (0, 1):
             out.append(f"JOIN={self.JOIN} must be 0 or 1")
+        if self.OVERLAP not in (0, 1):
+            out.append(f"OVERLAP={self.OVERLAP} must be 0 or 1")
+        elif self.OVERLAP:
+            out += self._overlap_problems(scheme)
         if self.GEMV not in (0, 1):
             out.append(f"GEMV={self.GEMV} must be 0 or 1")
         elif self.GEMV and self.JOIN:
@@ -142,11 +153,28 @@ class KernelConfig:
             out.append(f"JOIN=1 cannot apply {scheme.name}'s per-128-of-K scales (use JOIN=0)")
         return out
 
+    def _overlap_problems(self, scheme: QuantScheme) -> list[str]:
+        """Why OVERLAP=1 cannot run `scheme` with this tile: the overlapped kernel is GEMM1 for FP8
+        weights and dynamic per-token or 1x128-group activations, whose intermediate it quantizes
+        per 1x128 group, on OVERLAP_TILE."""
+        out = []
+        if not (scheme.is_fp8 and scheme.activation in ("token", "group") and not scheme.static_activation
+                and scheme.weight in ("channel", "block")):
+            out.append(f"OVERLAP=1 runs FP8 schemes with per-channel or block weights and dynamic per-token or "
+                       f"1x128-group activations, not {scheme.name}")
+        wrong = [f"{name}={getattr(self, name)}" for name, v in self.OVERLAP_TILE.items() if getattr(self, name) != v]
+        if wrong:
+            want = ", ".join(f"{name}={v}" for name, v in self.OVERLAP_TILE.items())
+            out.append(f"OVERLAP=1 runs one tile, {want}; got {', '.join(wrong)}")
+        if self.JOIN or self.GEMV:
+            out.append("OVERLAP=1 is a tiled GEMM1 of its own: JOIN and GEMV must be 0")
+        return out
+
     def to_dict(self) -> dict:
-        """The fields, without GEMM2's own where unset (tables of configs that have none stay as
-        they were)."""
+        """The fields, without GEMM2's own and OVERLAP where unset (tables of configs that have
+        none stay as they were)."""
         d = dataclasses.asdict(self)
-        return {k: v for k, v in d.items() if v or k not in self.GEMM2_FIELDS + self.GEMM2_ONLY}
+        return {k: v for k, v in d.items() if v or k not in self.GEMM2_FIELDS + self.GEMM2_ONLY + ("OVERLAP",)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelConfig":

@@ -37,6 +37,11 @@ from ..base import Backend, device_capability
 from . import _kernels as k
 from .config import KernelConfig, get_config
 
+try:  # Gluon (Triton 3.4+): the overlapped GEMM1 of KernelConfig.OVERLAP, Hopper only
+    from . import _gluon_kernels as gk
+except ImportError:
+    gk = None
+
 SINGLE_ALIGN_MAX_PAIRS = 128  # up to this many pairs, one program aligns them all
 CHUNK = 128  # pairs per program of the multi-program alignment
 E_BLOCK = 64  # experts handled at once when counting
@@ -419,6 +424,18 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
     w_scale = weights.w13_scale
     unused = a  # pointer arguments a variant never reads
     stride_wse, stride_wsn = _scale_strides(w_scale)
+    if _overlapped(cfg, out_mode, H, dev):
+        _launch(gk.gemm1_overlap_kernel, _tiles(align, cfg, N),
+            a, a_scale, weights.w13, w_scale, out, scale, align.sorted_pairs, align.count, align.start,
+            E, N, H, top_k,
+            a.stride(0), a_scale.stride(0) if a_scale.dim() == 2 else 1,
+            weights.w13.stride(0), weights.w13.stride(1), stride_wse, stride_wsn, out.stride(0), scale.stride(0),
+            A_SCALE=A_SCALE_KIND[scheme.activation], B_SCALE=B_SCALE_KIND[scheme.weight],
+            ACT_DTYPE=_TL_DTYPE[out_dtype], E_POW2=triton.next_power_of_2(E),
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+            STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        )
+        return Intermediate(out, scale, a_mode)
     joined = _joined(scheme, cfg)
     _launch(k.gemm1_kernel, _tiles(align, cfg, N),
         a, a_scale if a_scale is not None else unused, weights.w13,
@@ -439,6 +456,20 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
     if a_mode == 5:
         return quantize_intermediate_rows(out, align, E)
     return Intermediate(out, scale, a_mode)
+
+
+def _overlapped(cfg: KernelConfig, out_mode: int, H: int, device: torch.device) -> bool:
+    """Whether GEMM1 runs the Gluon kernel (_gluon_kernels.gemm1_overlap_kernel) for a config
+    with OVERLAP = 1 (KernelConfig.problems has checked scheme and tile): where its promotion
+    exists (the intermediate quantized per 1x128 group, OUT_MODE 3: not in fast mode's per-row
+    rule for per-token schemes, where the tensor cores sum all of K), on a Hopper GPU (wgmma;
+    never under the interpreter, which runs the Triton kernel it mirrors), with K in whole steps
+    and at least as many steps as the pipeline preloads. Elsewhere the Triton kernel runs the
+    same tile, bitwise the same result (tests/test_triton_overlap.py)."""
+    if not cfg.OVERLAP or gk is None or out_mode != 3 or _interpreting() or device.type != "cuda":
+        return False
+    cap = device_capability(device)
+    return cap is not None and cap[0] == 9 and H % cfg.BLOCK_K == 0 and H // cfg.BLOCK_K >= cfg.num_stages - 1
 
 
 def quantize_intermediate_rows(values: torch.Tensor, align: Alignment, num_experts: int) -> Intermediate:

@@ -1,0 +1,222 @@
+"""GEMM1 of the `triton` backend written in Gluon, Triton's lower-level language (only
+@gluon.jit code lives here; launch.py runs it, for configs with KernelConfig.OVERLAP = 1).
+
+Why Gluon: precise mode adds each 128-long FP8 product of the tensor cores into a float32
+accumulator (the "promotion", _kernels._dot). Triton 3.6 emits "issue the product, wait for it,
+add it", so the tensor cores idle while the warps add. Gluon exposes wgmma's asynchrony: here the
+product of K step k is issued before the product of step k - 1 is added, so the add runs while
+the tensor cores work on the next product. On a dense FP8 GEMM of Mixtral's GEMM1 shape this was
+12% faster than Triton's own promotion and bitwise equal to it (scripts/diag_gluon_promote.py,
+BENCHMARKS.md fourteenth session).
+
+The tile: 64 rows (one warpgroup's wgmma height) by BLOCK_N = 128 gate and 128 up columns,
+interleaved as in _kernels._gemm1_joined (B row j is gate column j // 2 when j is even, up when
+odd), one 256-wide product per K step split between two warpgroups. The accumulator, the product
+in flight and the product being added take 3 x 64 registers per thread, so a taller tile does
+not fit in the register file (64K per SM). The epilogue is _kernels._gemm1_tile's with
+OUT_MODE 3 (SiLU(gate) * up quantized per 1x128 group) and every operation in the same order,
+so the output is bitwise that of the Triton kernel at the same rows (tests/test_triton_overlap.py
+checks it on the GPU).
+
+Gluon does not run under TRITON_INTERPRET=1: the CPU tests run the Triton kernel this one
+mirrors, and launch.py never sends an interpreted call here (KernelConfig.problems, supports).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from ..glue._kernels import _scale_from_amax as _tl_scale_from_amax
+
+_scale_from_amax = gluon.jit(_tl_scale_from_amax.fn)  # elementwise only: the same code under Gluon
+
+
+@gluon.jit
+def _issue_loads(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, k_step,
+                 BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """cp.async of K step k_step's A rows (gathered tokens) and B rows (interleaved gate/up) into
+    its stage; masked rows are zero-filled."""
+    stage = k_step % STAGES
+    cp.async_copy_global_to_shared(a_bufs.index(stage), a_ptrs + k_step * BLOCK_K, mask=a_mask)
+    cp.async_copy_global_to_shared(b_bufs.index(stage), b_ptrs + k_step * BLOCK_K, mask=b_mask)
+
+
+@gluon.jit
+def _refill(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, k_step, k_steps,
+            BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """Once step k_step's product is issued and the one before it waited for, the stage that one
+    read is free: load step k_step + STAGES - 1 into it. Past the end an empty group is committed,
+    so that wait_group(STAGES - 2) always means "step k's loads have landed"."""
+    if k_step + STAGES - 1 < k_steps:
+        _issue_loads(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, k_step + STAGES - 1, BLOCK_K, STAGES)
+    cp.commit_group()
+
+
+@gluon.jit
+def _product(a_bufs, b_bufs, zero, k_step, STAGES: gl.constexpr):
+    """Issue step k_step's product into registers of its own (the accumulator is not read)."""
+    stage = k_step % STAGES
+    cp.wait_group(STAGES - 2)
+    fence_async_shared()  # cp.async wrote the stage through the generic proxy; wgmma reads it through the async one
+    return warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), zero, use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
+def _promote(acc, product, k_step, a_scale_ptr, w_scale_ptr, token, row_ok, e64, col0, N,
+             stride_as, stride_wse, stride_wsn, A_SCALE: gl.constexpr, B_SCALE: gl.constexpr,
+             BLOCK_N: gl.constexpr, mma_layout: gl.constexpr):
+    """acc + step k_step's finished product, scaled first where the scheme's scales change with
+    each K step (1x128 activation groups, 128x128 weight blocks): as _kernels._gemm1_tile, the
+    product times (activation scale * weight scale), then the add."""
+    if A_SCALE == 3 or B_SCALE == 3:
+        step_a = gl.full([product.shape[0]], 1.0, gl.float32, gl.SliceLayout(1, mma_layout))
+        if A_SCALE == 3:
+            step_a = gl.load(a_scale_ptr + token * stride_as + k_step, mask=row_ok, other=0.0)
+        step_b = gl.full([2 * BLOCK_N], 1.0, gl.float32, gl.SliceLayout(0, mma_layout))
+        if B_SCALE == 3:
+            ws = w_scale_ptr + e64 * stride_wse + k_step
+            step_gate = gl.load(ws + (col0 // 128) * stride_wsn)
+            step_up = gl.load(ws + ((N + col0) // 128) * stride_wsn)
+            j = gl.arange(0, 2 * BLOCK_N, gl.SliceLayout(0, mma_layout))
+            step_b = gl.where(j % 2 == 0, step_gate, step_up)
+        return acc + product * (step_a[:, None] * step_b[None, :])
+    return acc + product
+
+
+@gluon.jit
+def _quantize_groups(act, scale_of_row):
+    """_kernels._quantize_tile in Gluon: a / scale per row, correctly rounded without a division
+    per element (the row's reciprocal, then one Markstein correction), clamped, to e4m3."""
+    s = scale_of_row[:, None]
+    inv = gl.div_rn(gl.full(scale_of_row.shape, 1.0, gl.float32, scale_of_row.type.layout), scale_of_row)[:, None]
+    q = act * inv
+    q = gl.fma(gl.fma(-q, s, act), inv, q)
+    return gl.minimum(gl.maximum(q, -448.0), 448.0).to(gl.float8e4nv)
+
+
+@gluon.jit
+def gemm1_overlap_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
+    sorted_ptr, count_ptr, start_ptr,
+    E, N, H, K_TOP,
+    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
+    A_SCALE: gl.constexpr, B_SCALE: gl.constexpr, ACT_DTYPE: gl.constexpr, E_POW2: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    """_kernels.gemm1_kernel for FP8 weights and activations with OUT_MODE 3, precise mode, H a
+    multiple of BLOCK_K (at least STAGES - 1 steps), BLOCK_M 64, BLOCK_N 128, BLOCK_K 128, 8 warps
+    (launch.py checks all of it). A_SCALE 2 (per token) or 3 (1x128 groups), B_SCALE 2 (per
+    channel) or 3 (128x128 blocks), as _kernels."""
+    # ---- which tile: grouped order over (row block, column block), as _kernels._tile_ids
+    pid = gl.program_id(0)
+    num_n_blocks = gl.cdiv(N, BLOCK_N)
+    num_m_blocks = gl.cdiv(gl.load(start_ptr + E), BLOCK_M)
+    per_group = GROUP_M * num_n_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_size = gl.maximum(gl.minimum(num_m_blocks - first_m, GROUP_M), 1)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    if pid_m >= num_m_blocks or pid_n >= num_n_blocks:
+        return  # the grid is sized for the worst routing (see _kernels.gemm1_kernel)
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+
+    # ---- the expert of this row block (_kernels._expert_of_block)
+    vec: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    experts = gl.arange(0, E_POW2, vec)
+    starts = gl.load(start_ptr + 1 + experts, mask=experts < E, other=2147483647)
+    e = gl.sum((starts <= row0).to(gl.int32), axis=0)
+    e64 = e.to(gl.int64)
+    first_row = gl.load(start_ptr + e)
+    real_rows = gl.load(count_ptr + e)
+
+    # ---- operand addresses: 16-byte cp.async vectors along K
+    load_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_K // 16), BLOCK_K // 16], [num_warps, 1], [1, 0])
+    ks = gl.arange(0, BLOCK_K, gl.SliceLayout(0, load_layout))
+    rows = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout))
+    row_ok = rows - first_row < real_rows
+    token = (gl.load(sorted_ptr + rows, mask=row_ok, other=0) // K_TOP).to(gl.int64)
+    a_ptrs = a_ptr + token[:, None] * stride_am + ks[None, :]
+    a_mask = row_ok[:, None] & (ks < BLOCK_K)[None, :]
+    j = gl.arange(0, 2 * BLOCK_N, gl.SliceLayout(1, load_layout))
+    col = col0 + j // 2
+    w_row = gl.minimum(col, N - 1) + (j % 2) * N
+    b_ptrs = w_ptr + e64 * stride_we + w_row.to(gl.int64)[:, None] * stride_wn + ks[None, :]
+    b_mask = (col < N)[:, None] & (ks < BLOCK_K)[None, :]
+
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_N, BLOCK_K], gl.float8e4nv)
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * BLOCK_N, BLOCK_K], b_layout)
+
+    # Two warpgroups side by side along N, each a 64 x BLOCK_N half of the 2 * BLOCK_N-wide tile.
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                         instr_shape=[16, 2 * BLOCK_N // (num_warps // 4), 32])
+    m_rows = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, mma_layout))
+    m_row_ok = m_rows - first_row < real_rows
+    m_token = (gl.load(sorted_ptr + m_rows, mask=m_row_ok, other=0) // K_TOP).to(gl.int64)
+
+    # ---- main loop: two products alternate; while the warps add one into float32, the tensor
+    # cores run the other. Unrolled by two so that the product in flight across the back edge is
+    # always the same variable (a register copy of a product still being written made ptxas
+    # serialize every wgmma).
+    k_steps = H // BLOCK_K
+    for i in gl.static_range(STAGES - 1):
+        _issue_loads(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, i, BLOCK_K, STAGES)
+        cp.commit_group()
+    zero = gl.zeros([BLOCK_M, 2 * BLOCK_N], gl.float32, mma_layout)
+    acc = zero
+    odd = _product(a_bufs, b_bufs, zero, 0, STAGES)
+    _refill(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, 0, k_steps, BLOCK_K, STAGES)
+    for pair in range((k_steps - 1) // 2):
+        step = 1 + 2 * pair
+        even = _product(a_bufs, b_bufs, zero, step, STAGES)
+        acc = _promote(acc, warpgroup_mma_wait(num_outstanding=1, deps=(odd, )), step - 1, a_scale_ptr, w_scale_ptr,
+                       m_token, m_row_ok, e64, col0, N, stride_as, stride_wse, stride_wsn, A_SCALE, B_SCALE,
+                       BLOCK_N, mma_layout)
+        _refill(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, step, k_steps, BLOCK_K, STAGES)
+        odd = _product(a_bufs, b_bufs, zero, step + 1, STAGES)
+        acc = _promote(acc, warpgroup_mma_wait(num_outstanding=1, deps=(even, )), step, a_scale_ptr, w_scale_ptr,
+                       m_token, m_row_ok, e64, col0, N, stride_as, stride_wse, stride_wsn, A_SCALE, B_SCALE,
+                       BLOCK_N, mma_layout)
+        _refill(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, step + 1, k_steps, BLOCK_K, STAGES)
+    if k_steps % 2 == 0:
+        even = _product(a_bufs, b_bufs, zero, k_steps - 1, STAGES)
+        acc = _promote(acc, warpgroup_mma_wait(num_outstanding=1, deps=(odd, )), k_steps - 2, a_scale_ptr, w_scale_ptr,
+                       m_token, m_row_ok, e64, col0, N, stride_as, stride_wse, stride_wsn, A_SCALE, B_SCALE,
+                       BLOCK_N, mma_layout)
+        acc = _promote(acc, warpgroup_mma_wait(num_outstanding=0, deps=(even, )), k_steps - 1, a_scale_ptr, w_scale_ptr,
+                       m_token, m_row_ok, e64, col0, N, stride_as, stride_wse, stride_wsn, A_SCALE, B_SCALE,
+                       BLOCK_N, mma_layout)
+    else:
+        acc = _promote(acc, warpgroup_mma_wait(num_outstanding=0, deps=(odd, )), k_steps - 1, a_scale_ptr, w_scale_ptr,
+                       m_token, m_row_ok, e64, col0, N, stride_as, stride_wse, stride_wsn, A_SCALE, B_SCALE,
+                       BLOCK_N, mma_layout)
+    cp.wait_group(0)
+
+    # ---- scales applied once (per token, per channel), as _kernels._gemm1_tile
+    if A_SCALE == 2:
+        acc = acc * gl.load(a_scale_ptr + m_token, mask=m_row_ok, other=0.0)[:, None]
+    if B_SCALE == 2:
+        jj = gl.arange(0, 2 * BLOCK_N, gl.SliceLayout(0, mma_layout))
+        w_col = col0 + jj // 2
+        acc = acc * gl.load(w_scale_ptr + e64 * stride_wse + w_col + (jj % 2) * N, mask=w_col < N, other=0.0)[None, :]
+
+    # ---- SiLU(gate) * up, then one 1x128 group per row (the tile's 128 output columns)
+    gate, up = gl.split(gl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+    epi: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
+    gate = gl.convert_layout(gate, epi)
+    up = gl.convert_layout(up, epi)
+    act = (gate / (1.0 + gl.exp(-gate)) * up).to(ACT_DTYPE)
+    out_rows = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, epi))
+    out_row_ok = out_rows - first_row < real_rows
+    cols = col0 + gl.arange(0, BLOCK_N, gl.SliceLayout(0, epi))
+    out_mask = out_row_ok[:, None] & (cols < N)[None, :]
+    a32 = gl.where(out_mask, act.to(gl.float32), 0.0)
+    g_scale = _scale_from_amax(gl.max(gl.abs(a32), axis=1))
+    gl.store(out_ptr + out_rows.to(gl.int64)[:, None] * stride_om + cols[None, :], _quantize_groups(a32, g_scale),
+             mask=out_mask)
+    gl.store(out_scale_ptr + out_rows.to(gl.int64) * stride_os + col0 // 128, g_scale, mask=out_row_ok)
