@@ -5,6 +5,10 @@ kernel on the same tile (every operation of the product, the scales and the epil
 order), against the reference, repeatable, and under graph replay with fresh routing."""
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,6 +103,26 @@ def test_overlap_config_on_the_cpu_runs_the_triton_kernel_it_mirrors(scheme, dev
     cfg = dataclasses.replace(OVERLAP, num_stages=2)
     out = assert_matches_reference(run(x, w, tw, ids, cfg), x, w, tw, ids)
     assert torch.equal(out, run(x, w, tw, ids, dataclasses.replace(cfg, OVERLAP=0)))
+
+
+# ------------------------------------------------------------------------------ through ptxas
+
+
+def test_overlapped_kernel_keeps_its_products_in_flight_through_ptxas():
+    """scripts/check_overlap_ptxas.py: the Gluon kernel compiled for sm_90a with the installed
+    triton's ptxas, without a GPU (in a process of its own: under TRITON_INTERPRET, which the CPU
+    tests set, Triton compiles nothing): no serialized wgmma, no spills, for both scale kinds."""
+    if launch.gk is None:
+        pytest.skip("this triton has no Gluon")
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    if not Path(get_ptxas(90).path).exists():
+        pytest.skip("this triton ships no ptxas")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "check_overlap_ptxas.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.count(": ok") == 2, done.stdout
 
 
 # ------------------------------------------------------------------------------ on the GPU

@@ -1044,6 +1044,21 @@ def test_sixteen_warps_only_on_wide_tiles():
     assert winner in kept
 
 
+def test_overlapped_gemm1_searched_on_its_tile_for_its_schemes():
+    """space.OVERLAP_STAGES on KernelConfig.OVERLAP_TILE, every grouping, for the FP8 schemes with
+    per-token or 1x128-group activations only; it survives static pruning at prefill sizes."""
+    for scheme in (FP8_CHANNEL_TOKEN, FP8_BLOCK128):
+        for full, groups in ((False, 3), (True, 4)):
+            overlap = [c for c in space.hopper_space(scheme, full=full) if c.OVERLAP]
+            assert len(overlap) == groups * len(space.OVERLAP_STAGES), (scheme.name, full)
+            assert all(c.problems(scheme) == [] and (c.BLOCK_M, c.BLOCK_N, c.num_warps) == (64, 128, 8) for c in overlap)
+    for scheme in (BF16, get_scheme("fp8-tensor-dynamic"), get_scheme("fp8-tensor-static")):
+        assert not any(c.OVERLAP for c in space.hopper_space(scheme, full=True)), scheme.name
+    deepseek = MoEShape(num_experts=256, hidden=7168, intermediate=256, top_k=8)
+    kept, _ = space.static_prune(space.hopper_space(FP8_BLOCK128), deepseek, FP8_BLOCK128, 8192, space.HOPPER_SHARED_MEMORY)
+    assert sum(c.OVERLAP for c in kept) == 3 * len(space.OVERLAP_STAGES)
+
+
 def test_config_from_key_inverts_config_key():
     """Every config the tuner can time: the search spaces, and GEMM2's launch variants of their
     16-warp configs (the grid with runs)."""
@@ -1139,6 +1154,10 @@ def test_candidates_ordered_by_evidence():
     eight, wide = KernelConfig(64, 128, 128, 8, 8, 4), KernelConfig(128, 128, 128, 8, space.WIDE_TILE_WARPS, 4)
     neighbour = NeighbourResult(1024, {config_key(a): 20.0, config_key(eight): 5.0}, {}, set())
     assert runner.order_candidates([a, unknown_near, wide], neighbour, default) == [wide, a, unknown_near]
+    # an overlapped GEMM1 new here by its Triton sibling (the same tile), ahead of its half-height one
+    overlap, half = dataclasses.replace(eight, OVERLAP=1), KernelConfig(32, 128, 128, 8, 8, 4)
+    neighbour = NeighbourResult(1024, {config_key(a): 20.0, config_key(eight): 30.0, config_key(half): 5.0}, {}, set())
+    assert runner.order_candidates([a, overlap], neighbour, default) == [a, overlap]
 
 
 # --------------------------------------------------------------------------- vLLM export

@@ -239,14 +239,17 @@ def order_candidates(configs: Sequence[KernelConfig], neighbour: NeighbourResult
     """Most promising first, so that a budget cut loses the least: configs by their time at the
     neighbouring batch size (a config new here by its half-height sibling's, or, for a 16-warp
     one, that of its half-height sibling on 8 warps: the same share per warpgroup, since 16-warp
-    configs have no half-height sibling in the space), then the unmeasured ones by how few fields
-    they change from the default config (GEMV-path configs: from space.GEMV_START, so that they
-    are interleaved with the tiled ones rather than all last)."""
+    configs have no half-height sibling in the space; an overlapped GEMM1 (OVERLAP) by its Triton
+    sibling's, the same tile), then the unmeasured ones by how few fields they change from the
+    default config (GEMV-path configs: from space.GEMV_START, so that they are interleaved with
+    the tiled ones rather than all last)."""
     measured = neighbour.us if neighbour else {}
 
     def prior(cfg: KernelConfig):
         half = dataclasses.replace(cfg, BLOCK_M=max(cfg.BLOCK_M // 2, 16))
         guesses = [cfg, half]
+        if cfg.OVERLAP:
+            guesses.insert(1, dataclasses.replace(cfg, OVERLAP=0))
         if cfg.num_warps == WIDE_TILE_WARPS:
             guesses.append(dataclasses.replace(half, num_warps=WIDE_TILE_WARPS // 2))
         for guess in guesses:

@@ -125,6 +125,13 @@ def config_from_key(key: str) -> KernelConfig:
 # Mixtral and 256x128 2-3x slower everywhere: only 128x128 tiles get 16 warps.)
 WIDE_TILE_WARPS = 16
 
+# GEMM1 in Gluon with the FP8 promotion overlapped (KernelConfig.OVERLAP): its one tile, every
+# grouping and 3-5 stages (5 fill 200 of the 227 KiB). On an H200 (BENCHMARKS.md, fourteenth
+# session), whole layer, precise mode: DeepSeek-V3 TP8 M = 4096 / 8192 1.3-2.7% faster than the
+# tables, Mixtral-8x7B M = 4096 3-5%, GLM-4.5V M = 4096 / 8192 2-3% slower (its 128-row tiles win
+# there): the tuner decides per size.
+OVERLAP_STAGES = (3, 4, 5)
+
 
 def hopper_space(scheme: QuantScheme, full: bool = False) -> list[KernelConfig]:
     """The GPU search space, restricted to configs that can run `scheme` (KernelConfig.problems).
@@ -132,7 +139,8 @@ def hopper_space(scheme: QuantScheme, full: bool = False) -> list[KernelConfig]:
     Tiled configs: BLOCK_K 256 only for unquantized weights (FP8 token/group tiles are tied to
     128-wide groups; the GEMV path's K steps of 256 and 512 hold whole groups);
     GROUP_M 32 only in the full search (beyond 16 the L2 reuse it buys is rarely measurable);
-    16 warps only on 128x128 tiles (WIDE_TILE_WARPS)."""
+    16 warps only on 128x128 tiles (WIDE_TILE_WARPS); the overlapped GEMM1 (OVERLAP_STAGES) on
+    FP8 schemes with per-token or 1x128-group activations."""
     block_k = (64, 128) if scheme.is_fp8 else (64, 128, 256)
     group_m = (1, 8, 16, 32) if full else (1, 8, 16)
     configs = [
@@ -145,6 +153,8 @@ def hopper_space(scheme: QuantScheme, full: bool = False) -> list[KernelConfig]:
         KernelConfig(128, 128, bk, g, WIDE_TILE_WARPS, s)
         for bk, g, s in itertools.product(block_k, group_m, (2, 3, 4, 5))
     ]
+    overlap = KernelConfig(OVERLAP=1, **KernelConfig.OVERLAP_TILE)
+    configs += [dataclasses.replace(overlap, GROUP_M=g, num_stages=s) for g, s in itertools.product(group_m, OVERLAP_STAGES)]
     configs += gemv_space()
     return [c for c in configs if not c.problems(scheme)]
 

@@ -13,13 +13,14 @@ The tile: 64 rows (one warpgroup's wgmma height) by BLOCK_N = 128 gate and 128 u
 interleaved as in _kernels._gemm1_joined (B row j is gate column j // 2 when j is even, up when
 odd), one 256-wide product per K step split between two warpgroups. The accumulator, the product
 in flight and the product being added take 3 x 64 registers per thread, so a taller tile does
-not fit in the register file (64K per SM). The epilogue is _kernels._gemm1_tile's with
-OUT_MODE 3 (SiLU(gate) * up quantized per 1x128 group) and every operation in the same order,
-so the output is bitwise that of the Triton kernel at the same rows (tests/test_triton_overlap.py
-checks it on the GPU).
+not fit in the register file (64K per SM): 128 rows with the product in four column chunks
+spilled and ran 1.6x slower (BENCHMARKS.md, fourteenth session). The epilogue is
+_kernels._gemm1_tile's with OUT_MODE 3 (SiLU(gate) * up quantized per 1x128 group) and every
+operation in the same order, so the output is bitwise that of the Triton kernel at the same rows
+(tests/test_triton_overlap.py checks it on the GPU).
 
 Gluon does not run under TRITON_INTERPRET=1: the CPU tests run the Triton kernel this one
-mirrors, and launch.py never sends an interpreted call here (KernelConfig.problems, supports).
+mirrors, and launch.py never sends an interpreted call here (launch._overlapped).
 """
 
 from triton.experimental import gluon
@@ -30,6 +31,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from ..glue._kernels import _scale_from_amax as _tl_scale_from_amax
 
 _scale_from_amax = gluon.jit(_tl_scale_from_amax.fn)  # elementwise only: the same code under Gluon
+# cp.async into shared memory: `async_copy_global_to_shared` in triton 3.6, renamed `async_load`
+# by 3.9 (the old name there raises)
+_async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -38,8 +42,8 @@ def _issue_loads(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, k_step,
     """cp.async of K step k_step's A rows (gathered tokens) and B rows (interleaved gate/up) into
     its stage; masked rows are zero-filled."""
     stage = k_step % STAGES
-    cp.async_copy_global_to_shared(a_bufs.index(stage), a_ptrs + k_step * BLOCK_K, mask=a_mask)
-    cp.async_copy_global_to_shared(b_bufs.index(stage), b_ptrs + k_step * BLOCK_K, mask=b_mask)
+    _async_load(a_bufs.index(stage), a_ptrs + k_step * BLOCK_K, mask=a_mask)
+    _async_load(b_bufs.index(stage), b_ptrs + k_step * BLOCK_K, mask=b_mask)
 
 
 @gluon.jit
@@ -160,9 +164,12 @@ def gemm1_overlap_kernel(
     m_token = (gl.load(sorted_ptr + m_rows, mask=m_row_ok, other=0) // K_TOP).to(gl.int64)
 
     # ---- main loop: two products alternate; while the warps add one into float32, the tensor
-    # cores run the other. Unrolled by two so that the product in flight across the back edge is
-    # always the same variable (a register copy of a product still being written made ptxas
-    # serialize every wgmma).
+    # cores run the other. This exact form matters: ptxas keeps a product in flight only where it
+    # can prove no other instruction touches its registers before the wait, and otherwise waits
+    # after every wgmma (warning C7514; scripts/check_overlap_ptxas.py and a CPU test watch for
+    # it). In the fourteenth session a single loop carrying "prev = product", the tail below
+    # without its parity branch, copies masked off instead of the branch in _refill, and every
+    # form of a tile split into column chunks all made it serialize.
     k_steps = H // BLOCK_K
     for i in gl.static_range(STAGES - 1):
         _issue_loads(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, i, BLOCK_K, STAGES)

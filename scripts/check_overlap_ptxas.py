@@ -1,0 +1,76 @@
+"""Compile the overlapped GEMM1 (moekit/backends/triton/_gluon_kernels.py) for sm_90a with the
+installed triton, without a GPU, and read ptxas's report: the overlap exists only if ptxas keeps
+each product in flight while the one before it is added. Where it cannot prove that safe (a
+product copied while in flight, a loop form it does not follow, register pressure) it waits after
+every wgmma and says so (warnings C7514 / C7517, seen with the chunked variants of the fourteenth
+session, BENCHMARKS.md). Exit status 1 on such a warning or on spills.
+
+    python3 scripts/check_overlap_ptxas.py [--stages 4] [--keep DIR]
+
+Run without TRITON_INTERPRET (under it Triton defines no compilable kernels).
+"""
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+
+from moekit.backends.triton._gluon_kernels import gemm1_overlap_kernel  # noqa: E402
+
+POINTERS = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
+            "out_ptr": "*fp8e4nv", "out_scale_ptr": "*fp32", "sorted_ptr": "*i32", "count_ptr": "*i32",
+            "start_ptr": "*i32"}
+INTS = ["E", "N", "H", "K_TOP", "stride_am", "stride_as", "stride_we", "stride_wn", "stride_wse", "stride_wsn",
+        "stride_om", "stride_os"]
+# what a launch specializes on by itself: 16-byte aligned pointers and row strides
+ALIGNED = [*POINTERS, "H", "stride_am", "stride_we", "stride_wn", "stride_om"]
+SCALE_KINDS = {"per-token": (2, 2), "block": (3, 3)}  # (A_SCALE, B_SCALE): fp8-channel-token, fp8-block128
+
+
+def ptxas_report(a_scale: int, b_scale: int, stages: int, folder: Path) -> str:
+    constants = dict(A_SCALE=a_scale, B_SCALE=b_scale, ACT_DTYPE=tl.bfloat16, E_POW2=8, BLOCK_M=64, BLOCK_N=128,
+                     BLOCK_K=128, GROUP_M=8, STAGES=stages, num_warps=8)
+    signature = dict(POINTERS, **dict.fromkeys(INTS, "i32"), **dict.fromkeys(constants, "constexpr"))
+    names = list(signature)
+    source = GluonASTSource(gemm1_overlap_kernel, signature, {(names.index(n), ): v for n, v in constants.items()},
+                            {(names.index(n), ): [["tt.divisibility", 16]] for n in ALIGNED})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    ptx = folder / f"gemm1_overlap_a{a_scale}b{b_scale}_s{stages}.ptx"
+    ptx.write_text(compiled.asm["ptx"])
+    ptxas = get_ptxas(90).path  # the one triton itself compiles sm_90 code with
+    done = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
+                          capture_output=True, text=True, check=True)
+    return done.stderr
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--keep", help="write the PTX and cubins into this folder")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("unset TRITON_INTERPRET: under it Triton compiles nothing")
+    failed = False
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(args.keep or tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, (a_scale, b_scale) in SCALE_KINDS.items():
+            report = ptxas_report(a_scale, b_scale, args.stages, folder)
+            lines = [line.strip() for line in report.splitlines() if "C75" in line or "registers" in line or "spill" in line]
+            bad = "C7514" in report or "C7517" in report or "0 bytes spill stores" not in report
+            failed |= bad
+            print(f"{name}: {'SERIALIZED OR SPILLING' if bad else 'ok'}\n  " + "\n  ".join(lines))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
