@@ -31,6 +31,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 FAST, WAIT, OVERLAP = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
+# cp.async into shared memory: `async_copy_global_to_shared` in triton 3.6, `async_load` by 3.9
+_async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -50,8 +52,8 @@ def _tile_origin(M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl
 @gluon.jit
 def _issue_loads(a_bufs, b_bufs, a_ptrs, b_ptrs, k_step, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     stage = k_step % STAGES
-    cp.async_copy_global_to_shared(a_bufs.index(stage), a_ptrs + k_step * BLOCK_K)
-    cp.async_copy_global_to_shared(b_bufs.index(stage), b_ptrs + k_step * BLOCK_K)
+    _async_load(a_bufs.index(stage), a_ptrs + k_step * BLOCK_K)
+    _async_load(b_bufs.index(stage), b_ptrs + k_step * BLOCK_K)
 
 
 @gluon.jit

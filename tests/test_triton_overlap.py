@@ -55,6 +55,9 @@ def test_overlap_refuses_other_tiles_naming_the_one_it_runs():
     assert any("JOIN and GEMV must be 0" in p
                for p in dataclasses.replace(OVERLAP, JOIN=1).problems(get_scheme("fp8-channel-token")))
     assert "OVERLAP=2 must be 0 or 1" in dataclasses.replace(TILE, OVERLAP=2).problems(get_scheme("fp8-block128"))
+    for stages in (1, 6):  # one stage cannot load while it is read; six do not fit in shared memory
+        assert dataclasses.replace(OVERLAP, num_stages=stages).problems(get_scheme("fp8-block128")) == [
+            f"OVERLAP=1 runs 2 to 5 pipeline stages (each 40 KiB of shared memory); got num_stages={stages}"]
 
 
 def test_overlap_is_gemm1s_alone_and_keeps_its_key():
@@ -81,6 +84,12 @@ def test_overlapped_kernel_runs_only_where_it_can(monkeypatch):
         assert not launch._overlapped(OVERLAP, 3, 256, CUDA)  # 2 steps, the pipeline preloads 3
         assert launch._overlapped(dataclasses.replace(OVERLAP, num_stages=3), 3, 256, CUDA)
         assert not launch._overlapped(OVERLAP, 3, 4096, torch.device("cpu"))
+        # 16-byte aligned rows only (its cp.async copies are 16 bytes wide)
+        rows = torch.empty(8, 4096 + 16, dtype=torch.float8_e4m3fn)
+        w13 = torch.empty(2, 256, 4096, dtype=torch.float8_e4m3fn)
+        assert launch._overlapped(OVERLAP, 3, 4096, CUDA, rows[:, :4096], w13)
+        assert not launch._overlapped(OVERLAP, 3, 4096, CUDA, rows[:, 1:4097], w13)
+        assert not launch._overlapped(OVERLAP, 3, 4096, CUDA, torch.empty(8, 4104, dtype=torch.float8_e4m3fn)[:, :4096], w13)
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         assert not launch._overlapped(OVERLAP, 3, 4096, CUDA)
     for cap in ((8, 9), (10, 0)):
@@ -90,7 +99,7 @@ def test_overlapped_kernel_runs_only_where_it_can(monkeypatch):
 
 
 @pytest.mark.parametrize("scheme", ["fp8-channel-token", "fp8-block128"])
-def test_overlap_config_on_the_cpu_runs_the_triton_kernel_it_mirrors(scheme, device):
+def test_overlap_config_on_the_cpu_runs_the_triton_kernel_it_mirrors(scheme, device, monkeypatch):
     """Under the interpreter an OVERLAP config runs _kernels.gemm1_kernel on the same tile:
     against the reference, with odd E, idle experts and (per-token scheme) a partial last column
     tile; block weights need N in whole 128-row blocks."""
@@ -100,9 +109,9 @@ def test_overlap_config_on_the_cpu_runs_the_triton_kernel_it_mirrors(scheme, dev
     w = random_weights(E, H, N, scheme, device=device)
     tw, ids = random_routing(M, E, K, device=device, experts=[0, 2, 4])
     x = random_x(M, H, device=device)
-    cfg = dataclasses.replace(OVERLAP, num_stages=2)
-    out = assert_matches_reference(run(x, w, tw, ids, cfg), x, w, tw, ids)
-    assert torch.equal(out, run(x, w, tw, ids, dataclasses.replace(cfg, OVERLAP=0)))
+    if launch.gk is not None:  # the Gluon kernel must not be launched here
+        monkeypatch.setattr(launch.gk, "gemm1_overlap_kernel", None)
+    assert_matches_reference(run(x, w, tw, ids, dataclasses.replace(OVERLAP, num_stages=2)), x, w, tw, ids)
 
 
 # ------------------------------------------------------------------------------ through ptxas
@@ -125,6 +134,21 @@ def test_overlapped_kernel_keeps_its_products_in_flight_through_ptxas():
     assert done.stdout.count(": ok") == 2, done.stdout
 
 
+def test_unbarriered_refill_check_sees_a_missing_barrier():
+    """check_overlap_ptxas.unbarriered_refills, on PTX shapes: a copy after a wgmma wait counts
+    unless a CTA barrier comes between."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "check_overlap_ptxas.py"
+    spec = importlib.util.spec_from_file_location("check_overlap_ptxas", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    wait, bar, copy = "wgmma.wait_group.sync.aligned 1;", "bar.sync 0;", "cp.async.cg.shared.global [ %r1 ], [ %rd1 ], 0x10;"
+    assert module.unbarriered_refills("\n".join([wait, bar, copy, copy])) == 0
+    assert module.unbarriered_refills("\n".join([copy, wait, "add.f32 %r2, %r2, %r3;", copy, copy])) == 1
+    assert module.unbarriered_refills("\n".join([wait, copy, bar, wait, copy])) == 2
+
+
 # ------------------------------------------------------------------------------ on the GPU
 
 
@@ -142,7 +166,9 @@ def test_gpu_overlapped_gemm1_is_bitwise_the_triton_kernel(name, accumulation, m
     """At each preset shape, M = 1 and 300 and a routing that leaves most experts idle: the layer
     with OVERLAP=1 (GEMM1 in Gluon where launch._overlapped allows) is bitwise the layer on the
     same tile in Triton, matches the reference, repeats bitwise and replays in a CUDA graph with
-    fresh routing; with GEMM2 on a launch of its own too."""
+    fresh routing; with GEMM2 on a launch of its own too. (In fast mode a per-token scheme's
+    intermediate is quantized per row, so there the Triton kernel runs: the case checks that
+    fallback.)"""
     _hopper()
     E, H, N, K, scheme = PRESET_SHAPES[name]
     if accumulation == "fast" and not accumulation_matters(get_scheme(scheme)):
@@ -162,6 +188,31 @@ def test_gpu_overlapped_gemm1_is_bitwise_the_triton_kernel(name, accumulation, m
                 assert_matches_reference(out, x, w, tw, ids)
             assert torch.equal(out, run(x, w, tw, ids, cfg))
     assert_graph_replays_fresh_routing(lambda x, tw, ids: run(x, w, tw, ids, OVERLAP), x, tw, ids, E)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme,E,H,N,stages", [
+    ("fp8-channel-token", 5, 640, 208, 3),  # 5 K steps (the odd tail), E not a power of two, N = 1.6 tiles
+    ("fp8-channel-token", 5, 640, 208, 5),  # the deepest pipeline
+    ("fp8-block128", 6, 512, 256, 5),  # 4 K steps: exactly the steps the pipeline preloads
+])
+def test_gpu_overlapped_gemm1_odd_steps_and_pipeline_depths(scheme, E, H, N, stages):
+    """The preset shapes all have an even number of K steps and 4 stages: here the odd tail of
+    the loop, 3 and 5 stages, and as few steps as stages - 1, bitwise against the Triton kernel on
+    the same tile, against the reference, with idle experts, and under graph replay."""
+    _hopper()
+    K = 2
+    w = random_weights(E, H, N, scheme, device="cuda")
+    cfg = dataclasses.replace(OVERLAP, num_stages=stages)
+    assert cfg.problems(get_scheme(scheme)) == [] and launch._overlapped(cfg, 3, H, CUDA)
+    for M, experts in ((1, None), (300, None), (300, [0, 2, 4])):
+        tw, ids = random_routing(M, E, K, device="cuda", experts=experts)
+        x = random_x(M, H, device="cuda")
+        out = run(x, w, tw, ids, cfg)
+        assert torch.equal(out, run(x, w, tw, ids, dataclasses.replace(cfg, OVERLAP=0))), (M, experts)
+        assert_matches_reference(out, x, w, tw, ids)
+        assert torch.equal(out, run(x, w, tw, ids, cfg))
+    assert_graph_replays_fresh_routing(lambda x, tw, ids: run(x, w, tw, ids, cfg), x, tw, ids, E)
 
 
 @pytest.mark.gpu

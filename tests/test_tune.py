@@ -1059,6 +1059,37 @@ def test_overlapped_gemm1_searched_on_its_tile_for_its_schemes():
     assert sum(c.OVERLAP for c in kept) == 3 * len(space.OVERLAP_STAGES)
 
 
+def test_overlapped_gemm1_dropped_where_it_runs_as_its_twin(monkeypatch):
+    """static_prune drops the overlapped configs where launch._overlapped would run their Triton
+    twin (fast mode's per-row intermediate of a per-token scheme, K not in whole 128-long steps),
+    and default_space searches them on Hopper only; vLLM's export refuses them."""
+    from moekit.backends.base import assume_capability
+    from moekit.tune.output import vllm_config
+
+    glm = MoEShape(num_experts=128, hidden=4096, intermediate=704, top_k=8)
+    odd_hidden = MoEShape(num_experts=128, hidden=4096 + 64, intermediate=704, top_k=8)
+
+    def overlap_kept(shape, scheme):
+        kept, dropped = space.static_prune(space.hopper_space(scheme), shape, scheme, 4096, space.HOPPER_SHARED_MEMORY)
+        return sum(c.OVERLAP for c in kept), [why for why in dropped.values() if "Triton twin" in why]
+
+    assert overlap_kept(glm, FP8_CHANNEL_TOKEN) == (3 * len(space.OVERLAP_STAGES), [])
+    kept, why = overlap_kept(odd_hidden, FP8_CHANNEL_TOKEN)
+    assert kept == 0 and "hidden 4160 is not a whole number" in why[0]
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
+    kept, why = overlap_kept(glm, FP8_CHANNEL_TOKEN)
+    assert kept == 0 and "quantizes this scheme's intermediate per row" in why[0]
+    assert overlap_kept(glm, FP8_BLOCK128)[0] == 3 * len(space.OVERLAP_STAGES)  # block scales: the same kernels
+    if launch.gk is not None:
+        with assume_capability((9, 0)):
+            assert any(c.OVERLAP for c in space.default_space(torch.device("cuda"), "pruned")(FP8_BLOCK128))
+    with assume_capability((8, 9)):
+        assert not any(c.OVERLAP for c in space.default_space(torch.device("cuda"), "pruned")(FP8_BLOCK128))
+    cfg = KernelConfig(64, 128, 128, 8, 8, 4, OVERLAP=1)
+    assert vllm_config(cfg, FP8_CHANNEL_TOKEN)[0] is None and "OVERLAP=1" in vllm_config(cfg, FP8_CHANNEL_TOKEN)[1]
+    assert vllm_config(dataclasses.replace(cfg, OVERLAP=0), FP8_CHANNEL_TOKEN)[0] is not None
+
+
 def test_config_from_key_inverts_config_key():
     """Every config the tuner can time: the search spaces, and GEMM2's launch variants of their
     16-warp configs (the grid with runs)."""

@@ -197,6 +197,9 @@ def vllm_config(cfg: KernelConfig, scheme: QuantScheme) -> tuple[dict | None, st
         return None, "the GEMV path (GEMV=1) has no vLLM counterpart"
     if cfg.has_gemm2:
         return None, "GEMM2 has a launch config of its own (vLLM runs one config for both GEMMs, one tile per program)"
+    if cfg.OVERLAP:
+        return None, ("GEMM1 in Gluon with the FP8 promotion overlapped (OVERLAP=1): its time is that kernel's, "
+                      "which vLLM does not have")
     if cfg.num_warps not in VLLM_NUM_WARPS:
         return None, (f"num_warps {cfg.num_warps} is beyond vLLM's search space ({' or '.join(map(str, VLLM_NUM_WARPS))}; "
                       "moekit's 16 warps split its gate and up products over four warpgroups, vLLM's one wide tile would not)")

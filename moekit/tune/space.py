@@ -39,6 +39,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from ..accumulation import fp8_accumulation
 from ..backends.triton.config import KernelConfig, gemv_may_win
 from ..spec import MoEShape, QuantScheme
 
@@ -127,20 +128,23 @@ WIDE_TILE_WARPS = 16
 
 # GEMM1 in Gluon with the FP8 promotion overlapped (KernelConfig.OVERLAP): its one tile, every
 # grouping and 3-5 stages (5 fill 200 of the 227 KiB). On an H200 (BENCHMARKS.md, fourteenth
-# session), whole layer, precise mode: DeepSeek-V3 TP8 M = 4096 / 8192 1.3-2.7% faster than the
-# tables, Mixtral-8x7B M = 4096 3-5%, GLM-4.5V M = 4096 / 8192 2-3% slower (its 128-row tiles win
-# there): the tuner decides per size.
+# session), whole layer, precise mode, against the tables' configs: 1-6% faster at 64-row sizes
+# (DeepSeek-V3 M = 1024-8192, GLM-4.5V 1448-2896, Qwen3-30B-A3B 1024-2048, Mixtral 512-728) and
+# Mixtral M = 4096, 2-6% slower than GLM-4.5V's 128-row tiles at M = 4096 / 8192, 1.3% slower at
+# Qwen3 M = 512: the tuner decides per size. Where it would run as its Triton twin (fast mode's
+# per-row intermediate, K not in whole 128-long steps) static_prune drops it as equivalent.
 OVERLAP_STAGES = (3, 4, 5)
 
 
-def hopper_space(scheme: QuantScheme, full: bool = False) -> list[KernelConfig]:
+def hopper_space(scheme: QuantScheme, full: bool = False, overlap: bool = True) -> list[KernelConfig]:
     """The GPU search space, restricted to configs that can run `scheme` (KernelConfig.problems).
 
     Tiled configs: BLOCK_K 256 only for unquantized weights (FP8 token/group tiles are tied to
     128-wide groups; the GEMV path's K steps of 256 and 512 hold whole groups);
     GROUP_M 32 only in the full search (beyond 16 the L2 reuse it buys is rarely measurable);
     16 warps only on 128x128 tiles (WIDE_TILE_WARPS); the overlapped GEMM1 (OVERLAP_STAGES) on
-    FP8 schemes with per-token or 1x128-group activations."""
+    FP8 schemes with per-token or 1x128-group activations, unless `overlap` is False (a GPU where
+    it would run as its Triton twin: default_space)."""
     block_k = (64, 128) if scheme.is_fp8 else (64, 128, 256)
     group_m = (1, 8, 16, 32) if full else (1, 8, 16)
     configs = [
@@ -153,8 +157,9 @@ def hopper_space(scheme: QuantScheme, full: bool = False) -> list[KernelConfig]:
         KernelConfig(128, 128, bk, g, WIDE_TILE_WARPS, s)
         for bk, g, s in itertools.product(block_k, group_m, (2, 3, 4, 5))
     ]
-    overlap = KernelConfig(OVERLAP=1, **KernelConfig.OVERLAP_TILE)
-    configs += [dataclasses.replace(overlap, GROUP_M=g, num_stages=s) for g, s in itertools.product(group_m, OVERLAP_STAGES)]
+    if overlap:
+        tile = KernelConfig(OVERLAP=1, **KernelConfig.OVERLAP_TILE)
+        configs += [dataclasses.replace(tile, GROUP_M=g, num_stages=s) for g, s in itertools.product(group_m, OVERLAP_STAGES)]
     configs += gemv_space()
     return [c for c in configs if not c.problems(scheme)]
 
@@ -187,15 +192,20 @@ class HopperSpace:
     """hopper_space as a picklable callable (worker processes receive it)."""
 
     full: bool = False
+    overlap: bool = True  # search the overlapped GEMM1 (it runs on Hopper only)
 
     def __call__(self, scheme: QuantScheme) -> list[KernelConfig]:
-        return hopper_space(scheme, full=self.full)
+        return hopper_space(scheme, full=self.full, overlap=self.overlap)
 
 
 def default_space(device: torch.device, search_space: str) -> SpaceFn:
     if device.type != "cuda":
         return interpreter_space
-    return HopperSpace(full=search_space == "full")
+    from ..backends.base import device_capability
+    from ..backends.triton import launch  # the backend, imported once a GPU tune starts
+
+    cap = device_capability(device)
+    return HopperSpace(full=search_space == "full", overlap=launch.gk is not None and cap is not None and cap[0] == 9)
 
 
 # ------------------------------------------------------------------- GEMM2's own launch
@@ -347,6 +357,8 @@ def static_prune(
                 f"registers: the accumulators alone need {accumulator_registers(cfg):.0f} per thread "
                 f"(limit {MAX_REGISTERS_PER_THREAD})"
             )
+        elif pruned and cfg.OVERLAP and _overlap_idle(shape, scheme):
+            dropped[key] = f"equivalent: runs as its Triton twin here ({_overlap_idle(shape, scheme)})"
         elif pruned and cfg.GEMV and not gemv_may_win(shape, num_tokens):
             dropped[key] = (
                 f"dominated: the GEMV path reads an expert's weights once per pair, and {num_tokens * shape.top_k} "
@@ -361,6 +373,16 @@ def static_prune(
     if pruned:
         kept = _drop_equivalent_group_m(kept, shape, num_tokens, dropped)
     return kept, dropped
+
+
+def _overlap_idle(shape: MoEShape, scheme: QuantScheme) -> str | None:
+    """Why the overlapped GEMM1 would run as its Triton twin on this problem (launch._overlapped),
+    or None where it runs."""
+    if shape.hidden % KernelConfig.OVERLAP_TILE["BLOCK_K"]:
+        return f"hidden {shape.hidden} is not a whole number of 128-long K steps"
+    if scheme.activation == "token" and not scheme.static_activation and fp8_accumulation() == "fast":
+        return "fast mode quantizes this scheme's intermediate per row: no promotion to overlap"
+    return None
 
 
 def _max_row_blocks(shape: MoEShape, num_tokens: int, block_m: int) -> int:

@@ -51,7 +51,10 @@ def _refill(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, k_step, k_steps,
             BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     """Once step k_step's product is issued and the one before it waited for, the stage that one
     read is free: load step k_step + STAGES - 1 into it. Past the end an empty group is committed,
-    so that wait_group(STAGES - 2) always means "step k's loads have landed"."""
+    so that wait_group(STAGES - 2) always means "step k's loads have landed". wgmma's wait covers
+    this warpgroup's products only; the other warpgroup may still be reading the stage until a CTA
+    barrier, which Triton's barrier-insertion pass puts before these copies (shared memory read,
+    then written): scripts/check_overlap_ptxas.py checks the PTX for it."""
     if k_step + STAGES - 1 < k_steps:
         _issue_loads(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, k_step + STAGES - 1, BLOCK_K, STAGES)
     cp.commit_group()

@@ -64,6 +64,9 @@ class KernelConfig:
     # the one launch shape of the overlapped GEMM1 (its accumulator, the product in flight and the
     # one being added fill the register file: _gluon_kernels module docstring)
     OVERLAP_TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8}
+    # its pipeline: at least 2 stages (one loading while one is read), at most 5 (every stage is
+    # allocated, 40 KiB each, within Hopper's 227 KiB of shared memory)
+    OVERLAP_STAGES = (2, 5)
 
     def __post_init__(self):
         # one launch, one spelling: a GEMM2 parameter equal to GEMM1's is stored as unset, and so
@@ -166,6 +169,10 @@ class KernelConfig:
         if wrong:
             want = ", ".join(f"{name}={v}" for name, v in self.OVERLAP_TILE.items())
             out.append(f"OVERLAP=1 runs one tile, {want}; got {', '.join(wrong)}")
+        low, high = self.OVERLAP_STAGES
+        if not low <= self.num_stages <= high:
+            out.append(f"OVERLAP=1 runs {low} to {high} pipeline stages (each 40 KiB of shared memory); got "
+                       f"num_stages={self.num_stages}")
         if self.JOIN or self.GEMV:
             out.append("OVERLAP=1 is a tiled GEMM1 of its own: JOIN and GEMV must be 0")
         return out

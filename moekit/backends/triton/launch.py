@@ -424,7 +424,7 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
     w_scale = weights.w13_scale
     unused = a  # pointer arguments a variant never reads
     stride_wse, stride_wsn = _scale_strides(w_scale)
-    if _overlapped(cfg, out_mode, H, dev):
+    if _overlapped(cfg, out_mode, H, dev, a, weights.w13):
         _launch(gk.gemm1_overlap_kernel, _tiles(align, cfg, N),
             a, a_scale, weights.w13, w_scale, out, scale, align.sorted_pairs, align.count, align.start,
             E, N, H, top_k,
@@ -458,18 +458,23 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
     return Intermediate(out, scale, a_mode)
 
 
-def _overlapped(cfg: KernelConfig, out_mode: int, H: int, device: torch.device) -> bool:
+def _overlapped(cfg: KernelConfig, out_mode: int, H: int, device: torch.device,
+                a: torch.Tensor | None = None, w13: torch.Tensor | None = None) -> bool:
     """Whether GEMM1 runs the Gluon kernel (_gluon_kernels.gemm1_overlap_kernel) for a config
-    with OVERLAP = 1 (KernelConfig.problems has checked scheme and tile): where its promotion
-    exists (the intermediate quantized per 1x128 group, OUT_MODE 3: not in fast mode's per-row
-    rule for per-token schemes, where the tensor cores sum all of K), on a Hopper GPU (wgmma;
-    never under the interpreter, which runs the Triton kernel it mirrors), with K in whole steps
-    and at least as many steps as the pipeline preloads. Elsewhere the Triton kernel runs the
-    same tile, bitwise the same result (tests/test_triton_overlap.py)."""
+    with OVERLAP = 1 (KernelConfig.problems has checked scheme, tile and stages): where its
+    promotion exists (the intermediate quantized per 1x128 group, OUT_MODE 3: not in fast mode's
+    per-row rule for per-token schemes, where the tensor cores sum all of K), on a Hopper GPU
+    (wgmma; never under the interpreter, which runs the Triton kernel it mirrors), with K in whole
+    steps, at least as many steps as the pipeline preloads, and 16-byte aligned rows of `a` and
+    `w13` (its 16-byte cp.async copies). Elsewhere the Triton kernel runs the same tile (in fast
+    mode, for a per-token scheme, as its joined tile: _joined), bitwise the same result
+    (tests/test_triton_overlap.py)."""
     if not cfg.OVERLAP or gk is None or out_mode != 3 or _interpreting() or device.type != "cuda":
         return False
     cap = device_capability(device)
-    return cap is not None and cap[0] == 9 and H % cfg.BLOCK_K == 0 and H // cfg.BLOCK_K >= cfg.num_stages - 1
+    aligned = all(t is None or (t.data_ptr() % 16 == 0 and t.stride(-2) % 16 == 0) for t in (a, w13))
+    return cap is not None and cap[0] == 9 and H % cfg.BLOCK_K == 0 and H // cfg.BLOCK_K >= cfg.num_stages - 1 \
+        and aligned
 
 
 def quantize_intermediate_rows(values: torch.Tensor, align: Alignment, num_experts: int) -> Intermediate:
