@@ -1045,24 +1045,25 @@ def test_sixteen_warps_only_on_wide_tiles():
 
 
 def test_overlapped_gemm1_searched_on_its_tile_for_its_schemes():
-    """space.OVERLAP_STAGES on KernelConfig.OVERLAP_TILE, every grouping, for the FP8 schemes with
+    """space.OVERLAP_SEARCH_STAGES on KernelConfig.OVERLAP_TILE, every grouping, for the FP8 schemes with
     per-token or 1x128-group activations only; it survives static pruning at prefill sizes."""
     for scheme in (FP8_CHANNEL_TOKEN, FP8_BLOCK128):
         for full, groups in ((False, 3), (True, 4)):
             overlap = [c for c in space.hopper_space(scheme, full=full) if c.OVERLAP]
-            assert len(overlap) == groups * len(space.OVERLAP_STAGES), (scheme.name, full)
+            assert len(overlap) == groups * len(space.OVERLAP_SEARCH_STAGES), (scheme.name, full)
             assert all(c.problems(scheme) == [] and (c.BLOCK_M, c.BLOCK_N, c.num_warps) == (64, 128, 8) for c in overlap)
     for scheme in (BF16, get_scheme("fp8-tensor-dynamic"), get_scheme("fp8-tensor-static")):
         assert not any(c.OVERLAP for c in space.hopper_space(scheme, full=True)), scheme.name
     deepseek = MoEShape(num_experts=256, hidden=7168, intermediate=256, top_k=8)
     kept, _ = space.static_prune(space.hopper_space(FP8_BLOCK128), deepseek, FP8_BLOCK128, 8192, space.HOPPER_SHARED_MEMORY)
-    assert sum(c.OVERLAP for c in kept) == 3 * len(space.OVERLAP_STAGES)
+    assert sum(c.OVERLAP for c in kept) == 3 * len(space.OVERLAP_SEARCH_STAGES)
 
 
 def test_overlapped_gemm1_dropped_where_it_runs_as_its_twin(monkeypatch):
     """static_prune drops the overlapped configs where launch._overlapped would run their Triton
     twin (fast mode's per-row intermediate of a per-token scheme, K not in whole 128-long steps),
-    and default_space searches them on Hopper only; vLLM's export refuses them."""
+    and default_space searches them on Hopper only (launch.overlap_available); vLLM's export
+    refuses them."""
     from moekit.backends.base import assume_capability
     from moekit.tune.output import vllm_config
 
@@ -1073,13 +1074,14 @@ def test_overlapped_gemm1_dropped_where_it_runs_as_its_twin(monkeypatch):
         kept, dropped = space.static_prune(space.hopper_space(scheme), shape, scheme, 4096, space.HOPPER_SHARED_MEMORY)
         return sum(c.OVERLAP for c in kept), [why for why in dropped.values() if "Triton twin" in why]
 
-    assert overlap_kept(glm, FP8_CHANNEL_TOKEN) == (3 * len(space.OVERLAP_STAGES), [])
+    assert overlap_kept(glm, FP8_CHANNEL_TOKEN) == (3 * len(space.OVERLAP_SEARCH_STAGES), [])
     kept, why = overlap_kept(odd_hidden, FP8_CHANNEL_TOKEN)
     assert kept == 0 and "hidden 4160 is not a whole number" in why[0]
     monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
     kept, why = overlap_kept(glm, FP8_CHANNEL_TOKEN)
     assert kept == 0 and "quantizes this scheme's intermediate per row" in why[0]
-    assert overlap_kept(glm, FP8_BLOCK128)[0] == 3 * len(space.OVERLAP_STAGES)  # block scales: the same kernels
+    assert overlap_kept(glm, FP8_BLOCK128)[0] == 3 * len(space.OVERLAP_SEARCH_STAGES)  # block scales: the same kernels
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the space of a real GPU tune
     if launch.gk is not None:
         with assume_capability((9, 0)):
             assert any(c.OVERLAP for c in space.default_space(torch.device("cuda"), "pruned")(FP8_BLOCK128))

@@ -39,7 +39,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from ..accumulation import fp8_accumulation
+from ..backends.triton import launch
 from ..backends.triton.config import KernelConfig, gemv_may_win
 from ..spec import MoEShape, QuantScheme
 
@@ -133,7 +133,7 @@ WIDE_TILE_WARPS = 16
 # Mixtral M = 4096, 2-6% slower than GLM-4.5V's 128-row tiles at M = 4096 / 8192, 1.3% slower at
 # Qwen3 M = 512: the tuner decides per size. Where it would run as its Triton twin (fast mode's
 # per-row intermediate, K not in whole 128-long steps) static_prune drops it as equivalent.
-OVERLAP_STAGES = (3, 4, 5)
+OVERLAP_SEARCH_STAGES = (3, 4, 5)
 
 
 def hopper_space(scheme: QuantScheme, full: bool = False, overlap: bool = True) -> list[KernelConfig]:
@@ -142,7 +142,7 @@ def hopper_space(scheme: QuantScheme, full: bool = False, overlap: bool = True) 
     Tiled configs: BLOCK_K 256 only for unquantized weights (FP8 token/group tiles are tied to
     128-wide groups; the GEMV path's K steps of 256 and 512 hold whole groups);
     GROUP_M 32 only in the full search (beyond 16 the L2 reuse it buys is rarely measurable);
-    16 warps only on 128x128 tiles (WIDE_TILE_WARPS); the overlapped GEMM1 (OVERLAP_STAGES) on
+    16 warps only on 128x128 tiles (WIDE_TILE_WARPS); the overlapped GEMM1 (OVERLAP_SEARCH_STAGES) on
     FP8 schemes with per-token or 1x128-group activations, unless `overlap` is False (a GPU where
     it would run as its Triton twin: default_space)."""
     block_k = (64, 128) if scheme.is_fp8 else (64, 128, 256)
@@ -159,7 +159,7 @@ def hopper_space(scheme: QuantScheme, full: bool = False, overlap: bool = True) 
     ]
     if overlap:
         tile = KernelConfig(OVERLAP=1, **KernelConfig.OVERLAP_TILE)
-        configs += [dataclasses.replace(tile, GROUP_M=g, num_stages=s) for g, s in itertools.product(group_m, OVERLAP_STAGES)]
+        configs += [dataclasses.replace(tile, GROUP_M=g, num_stages=s) for g, s in itertools.product(group_m, OVERLAP_SEARCH_STAGES)]
     configs += gemv_space()
     return [c for c in configs if not c.problems(scheme)]
 
@@ -201,11 +201,7 @@ class HopperSpace:
 def default_space(device: torch.device, search_space: str) -> SpaceFn:
     if device.type != "cuda":
         return interpreter_space
-    from ..backends.base import device_capability
-    from ..backends.triton import launch  # the backend, imported once a GPU tune starts
-
-    cap = device_capability(device)
-    return HopperSpace(full=search_space == "full", overlap=launch.gk is not None and cap is not None and cap[0] == 9)
+    return HopperSpace(full=search_space == "full", overlap=launch.overlap_available(device))
 
 
 # ------------------------------------------------------------------- GEMM2's own launch
@@ -380,7 +376,7 @@ def _overlap_idle(shape: MoEShape, scheme: QuantScheme) -> str | None:
     or None where it runs."""
     if shape.hidden % KernelConfig.OVERLAP_TILE["BLOCK_K"]:
         return f"hidden {shape.hidden} is not a whole number of 128-long K steps"
-    if scheme.activation == "token" and not scheme.static_activation and fp8_accumulation() == "fast":
+    if launch._row_intermediate(scheme):
         return "fast mode quantizes this scheme's intermediate per row: no promotion to overlap"
     return None
 

@@ -424,11 +424,12 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
     w_scale = weights.w13_scale
     unused = a  # pointer arguments a variant never reads
     stride_wse, stride_wsn = _scale_strides(w_scale)
+    stride_as = a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1  # per 1x128 group: its row
     if _overlapped(cfg, out_mode, H, dev, a, weights.w13):
         _launch(gk.gemm1_overlap_kernel, _tiles(align, cfg, N),
             a, a_scale, weights.w13, w_scale, out, scale, align.sorted_pairs, align.count, align.start,
             E, N, H, top_k,
-            a.stride(0), a_scale.stride(0) if a_scale.dim() == 2 else 1,
+            a.stride(0), stride_as,
             weights.w13.stride(0), weights.w13.stride(1), stride_wse, stride_wsn, out.stride(0), scale.stride(0),
             A_SCALE=A_SCALE_KIND[scheme.activation], B_SCALE=B_SCALE_KIND[scheme.weight],
             ACT_DTYPE=_TL_DTYPE[out_dtype], E_POW2=triton.next_power_of_2(E),
@@ -443,7 +444,7 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
         scale if scale is not None else unused, scale if scale is not None else unused,
         align.sorted_pairs, align.count, align.start,
         align.num_pairs, E, N, H, top_k,
-        a.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
+        a.stride(0), stride_as,
         weights.w13.stride(0), weights.w13.stride(1), stride_wse, stride_wsn, out.stride(0),
         scale.stride(0) if scale is not None and scale.dim() == 2 else 0,
         A_SCALE=A_SCALE_KIND[scheme.activation] if scheme.is_fp8 else 0,
@@ -469,12 +470,19 @@ def _overlapped(cfg: KernelConfig, out_mode: int, H: int, device: torch.device,
     `w13` (its 16-byte cp.async copies). Elsewhere the Triton kernel runs the same tile (in fast
     mode, for a per-token scheme, as its joined tile: _joined), bitwise the same result
     (tests/test_triton_overlap.py)."""
-    if not cfg.OVERLAP or gk is None or out_mode != 3 or _interpreting() or device.type != "cuda":
+    if not cfg.OVERLAP or out_mode != 3 or not overlap_available(device):
+        return False
+    aligned = all(t is None or (t.data_ptr() % 16 == 0 and t.stride(-2) % 16 == 0) for t in (a, w13))
+    return H % cfg.BLOCK_K == 0 and H // cfg.BLOCK_K >= cfg.num_stages - 1 and aligned
+
+
+def overlap_available(device: torch.device) -> bool:
+    """Whether the Gluon GEMM1 can run on `device` at all: a Hopper GPU (wgmma), a Triton with
+    Gluon, not the interpreter (the tuner's search space asks this too)."""
+    if gk is None or _interpreting() or device.type != "cuda":
         return False
     cap = device_capability(device)
-    aligned = all(t is None or (t.data_ptr() % 16 == 0 and t.stride(-2) % 16 == 0) for t in (a, w13))
-    return cap is not None and cap[0] == 9 and H % cfg.BLOCK_K == 0 and H // cfg.BLOCK_K >= cfg.num_stages - 1 \
-        and aligned
+    return cap is not None and cap[0] == 9
 
 
 def quantize_intermediate_rows(values: torch.Tensor, align: Alignment, num_experts: int) -> Intermediate:
