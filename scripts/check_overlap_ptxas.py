@@ -1,5 +1,5 @@
-"""Compile the overlapped GEMM1 (moekit/backends/triton/_gluon_kernels.py) for sm_90a with the
-installed triton, without a GPU, and read ptxas's report: the overlap exists only if ptxas keeps
+"""Compile the overlapped GEMMs (moekit/backends/triton/_gluon_kernels.py: GEMM1 and GEMM2 each on
+its one tile) for sm_90a with the installed triton, without a GPU, and read ptxas's report: the overlap exists only if ptxas keeps
 each product in flight while the one before it is added. Where it cannot prove that safe (a
 product copied while in flight, a loop form it does not follow, register pressure) it waits after
 every wgmma and says so (warnings C7514 / C7517, seen with the chunked variants of the fourteenth
@@ -25,16 +25,31 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from moekit.backends.triton._gluon_kernels import gemm1_overlap_kernel  # noqa: E402
+from moekit.backends.triton._gluon_kernels import gemm1_overlap_kernel, gemm2_overlap_kernel  # noqa: E402
 
-POINTERS = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
-            "out_ptr": "*fp8e4nv", "out_scale_ptr": "*fp32", "sorted_ptr": "*i32", "count_ptr": "*i32",
-            "start_ptr": "*i32"}
-INTS = ["E", "N", "H", "K_TOP", "stride_am", "stride_as", "stride_we", "stride_wn", "stride_wse", "stride_wsn",
-        "stride_om", "stride_os"]
-# what a launch specializes on by itself: 16-byte aligned pointers and row strides
-ALIGNED = [*POINTERS, "H", "stride_am", "stride_we", "stride_wn", "stride_om"]
-SCALE_KINDS = {"per-token": (2, 2), "block": (3, 3)}  # (A_SCALE, B_SCALE): fp8-channel-token, fp8-block128
+
+# (kernel, pointer arguments, integer arguments): every pointer and row stride of these kernels is
+# 16-byte aligned (launch.py checks), which a launch specializes on by itself
+GEMM1 = (gemm1_overlap_kernel,
+         {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
+          "out_ptr": "*fp8e4nv", "out_scale_ptr": "*fp32", "sorted_ptr": "*i32", "count_ptr": "*i32",
+          "start_ptr": "*i32"},
+         ["E", "N", "H", "K_TOP", "stride_am", "stride_as", "stride_we", "stride_wn", "stride_wse", "stride_wsn",
+          "stride_om", "stride_os"])
+GEMM2 = (gemm2_overlap_kernel,
+         {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
+          "topk_weights_ptr": "*fp32", "out_ptr": "*bf16", "sorted_ptr": "*i32", "count_ptr": "*i32",
+          "start_ptr": "*i32"},
+         ["E", "N", "H", "stride_am", "stride_as", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_om"])
+ALIGNED_INTS = ["N", "H", "stride_am", "stride_we", "stride_wn", "stride_om"]
+# name: (kernel, constexpr arguments); fp8-channel-token's scales (per token / per channel) and
+# fp8-block128's (1x128 groups / 128x128 blocks)
+CASES = {
+    "gemm1 per-token": (GEMM1, dict(A_SCALE=2, B_SCALE=2, ACT_DTYPE=tl.bfloat16, BLOCK_M=64, BLOCK_N=128)),
+    "gemm1 block": (GEMM1, dict(A_SCALE=3, B_SCALE=3, ACT_DTYPE=tl.bfloat16, BLOCK_M=64, BLOCK_N=128)),
+    "gemm2 128x128 per-channel": (GEMM2, dict(B_SCALE=2, BLOCK_M=128, BLOCK_N=128)),
+    "gemm2 128x128 block": (GEMM2, dict(B_SCALE=3, BLOCK_M=128, BLOCK_N=128)),
+}
 
 
 def unbarriered_refills(ptx: str) -> int:
@@ -53,15 +68,16 @@ def unbarriered_refills(ptx: str) -> int:
     return count
 
 
-def ptxas_report(a_scale: int, b_scale: int, stages: int, folder: Path) -> tuple[str, str]:
-    constants = dict(A_SCALE=a_scale, B_SCALE=b_scale, ACT_DTYPE=tl.bfloat16, E_POW2=8, BLOCK_M=64, BLOCK_N=128,
-                     BLOCK_K=128, GROUP_M=8, STAGES=stages, num_warps=8)
-    signature = dict(POINTERS, **dict.fromkeys(INTS, "i32"), **dict.fromkeys(constants, "constexpr"))
-    names = list(signature)
-    source = GluonASTSource(gemm1_overlap_kernel, signature, {(names.index(n), ): v for n, v in constants.items()},
-                            {(names.index(n), ): [["tt.divisibility", 16]] for n in ALIGNED})
+def ptxas_report(name: str, stages: int, folder: Path) -> tuple[str, str]:
+    (kernel, pointers, ints), tile = CASES[name]
+    constants = dict(tile, E_POW2=8, BLOCK_K=128, GROUP_M=8, STAGES=stages, num_warps=8)
+    kinds = dict(pointers, **dict.fromkeys(ints, "i32"), **dict.fromkeys(constants, "constexpr"))
+    names = list(kernel.arg_names)  # positions are the kernel's own
+    signature = {n: kinds[n] for n in names}
+    source = GluonASTSource(kernel, signature, {(names.index(n), ): v for n, v in constants.items()},
+                            {(names.index(n), ): [["tt.divisibility", 16]] for n in [*pointers, *ALIGNED_INTS]})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
-    ptx = folder / f"gemm1_overlap_a{a_scale}b{b_scale}_s{stages}.ptx"
+    ptx = folder / f"{name.replace(' ', '_')}_s{stages}.ptx"
     ptx.write_text(compiled.asm["ptx"])
     ptxas = get_ptxas(90).path  # the one triton itself compiles sm_90 code with
     done = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
@@ -80,8 +96,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.keep or tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        for name, (a_scale, b_scale) in SCALE_KINDS.items():
-            report, ptx = ptxas_report(a_scale, b_scale, args.stages, folder)
+        for name in CASES:
+            report, ptx = ptxas_report(name, args.stages, folder)
             lines = [line.strip() for line in report.splitlines() if "C75" in line or "registers" in line or "spill" in line]
             unbarriered = unbarriered_refills(ptx)
             lines.append(f"cp.async after a wgmma wait without a CTA barrier between: {unbarriered}")

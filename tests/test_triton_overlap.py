@@ -1,8 +1,9 @@
-"""KernelConfig.OVERLAP: GEMM1 in Gluon with the FP8 promotion overlapped with the next K step's
-product (_gluon_kernels.gemm1_overlap_kernel). The config rules and where the kernel runs (CPU),
-and on a Hopper GPU (marked `gpu`) the layer at the preset shapes: bitwise equal to the Triton
-kernel on the same tile (every operation of the product, the scales and the epilogue in the same
-order), against the reference, repeatable, and under graph replay with fresh routing."""
+"""KernelConfig.OVERLAP / OVERLAP2: GEMM1 / GEMM2 in Gluon with the FP8 promotion overlapped with
+the next K step's product (_gluon_kernels.gemm1_overlap_kernel, gemm2_overlap_kernel). The config
+rules and where the kernels run (CPU), and on a Hopper GPU (marked `gpu`) the layer at the preset
+shapes: bitwise equal to the Triton kernels on the same tiles (every operation of the product,
+the scales and the epilogue in the same order), against the reference, repeatable, and under
+graph replay with fresh routing."""
 
 import dataclasses
 import os
@@ -26,6 +27,8 @@ from test_triton_backend import FAST_REL_L2_TOL, PRESET_SHAPES, assert_matches_r
 
 TILE = KernelConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
 OVERLAP = dataclasses.replace(TILE, OVERLAP=1)
+# GEMM2 in Gluon on its 128 x 128 tile (after GEMM1 in Triton: the Gluon GEMM1's tile is 64 rows)
+OVERLAP2 = KernelConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4).with_gemm2(OVERLAP=1)
 CUDA = torch.device("cuda", 0)
 
 
@@ -114,6 +117,93 @@ def test_overlap_config_on_the_cpu_runs_the_triton_kernel_it_mirrors(scheme, dev
     assert_matches_reference(run(x, w, tw, ids, dataclasses.replace(OVERLAP, num_stages=2)), x, w, tw, ids)
 
 
+# ------------------------------------------------------------------------------ GEMM2's rules
+
+
+@pytest.mark.parametrize("scheme", ["fp8-channel-token", "fp8-block128"])
+def test_overlap2_runs_per_token_and_block_schemes_on_its_tiles(scheme):
+    for cfg in (OVERLAP2, OVERLAP2.with_gemm2(num_stages=6, OVERLAP=1), OVERLAP2.with_gemm2(GROUP_M=1, OVERLAP=1)):
+        assert cfg.problems(get_scheme(scheme)) == [], cfg
+        assert cfg.gemm2().OVERLAP2 == 1 and cfg.gemm1().OVERLAP2 == 0 and cfg.gemm2().OVERLAP == 0
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8-tensor-static", "fp8-tensor-dynamic"])
+def test_overlap2_refuses_schemes_without_group_quantized_intermediate(scheme):
+    problems = OVERLAP2.problems(get_scheme(scheme))
+    assert any(p.startswith("GEMM2: OVERLAP2=1 runs FP8 schemes") and scheme in p for p in problems), problems
+
+
+def test_overlap2_refuses_other_launches_naming_what_it_runs():
+    scheme = get_scheme("fp8-channel-token")
+    for change in ({"BLOCK_N": 256}, {"num_warps": 4}, {"BLOCK_N": 64}):
+        problems = OVERLAP2.with_gemm2(OVERLAP=1, **change).problems(scheme)
+        assert any("BLOCK_N 128x128 with BLOCK_K 128 on 8 warps" in p for p in problems), (change, problems)
+    problems = OVERLAP.with_gemm2(OVERLAP=1).problems(scheme)  # the Gluon GEMM1's 64-row tile
+    assert problems == ["GEMM2: OVERLAP2=1 runs BLOCK_M x GEMM2's BLOCK_N 128x128 with BLOCK_K 128 on 8 warps; "
+                        "got 64x128, BLOCK_K 128, 8 warps"], problems
+    assert OVERLAP2.with_gemm2(OVERLAP=1, num_stages=7).problems(scheme) == [
+        "GEMM2: OVERLAP2=1 runs 2 to 6 pipeline stages; got GEMM2's num_stages=7"]
+    assert OVERLAP2.with_gemm2(OVERLAP=1, N_TILES=8).problems(scheme) == [
+        "GEMM2: OVERLAP2=1 runs one column tile per program; got N_TILES2=8"]
+    assert "GEMM2: OVERLAP2=2 must be 0 or 1" in OVERLAP2.with_gemm2(OVERLAP=2).problems(scheme)
+
+
+def test_overlap2_keeps_its_key():
+    own = OVERLAP2.with_gemm2(num_stages=5, GROUP_M=1, OVERLAP=1)
+    wide = dataclasses.replace(OVERLAP2, num_warps=16).with_gemm2(num_warps=8, OVERLAP=1)  # GEMM1 on 16 warps
+    assert config_key(OVERLAP2) == "M128-N128-K128-G8-w8-s4+N128-G8-w8-s4-ov"
+    assert config_key(own) == "M128-N128-K128-G8-w8-s4+N128-G1-w8-s5-ov"
+    assert config_key(wide) == "M128-N128-K128-G8-w16-s4+N128-G8-w8-s4-ov"
+    for cfg in (OVERLAP2, own, wide):
+        assert config_from_key(config_key(cfg)) == cfg
+        assert KernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert "OVERLAP2" not in TILE.to_dict()  # tables of configs without it stay as they were
+
+
+def test_overlapped_gemm2_runs_only_where_it_can(monkeypatch):
+    """Hopper, the FP8 intermediate with 1x128 group scales (A_MODE 4), whole K steps of the
+    intermediate, enough of them, 16-byte aligned rows, never under the interpreter."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if launch.gk is None:
+        pytest.skip("this triton has no Gluon")
+    g2 = OVERLAP2.gemm2()
+    with assume_capability((9, 0)):
+        assert launch._overlapped2(g2, 4, 14336, CUDA)
+        assert not launch._overlapped2(OVERLAP2.gemm1(), 4, 14336, CUDA)  # not asked for
+        assert not launch._overlapped2(g2, 5, 14336, CUDA)  # fast mode's per-row intermediate
+        assert not launch._overlapped2(g2, 2, 14336, CUDA)  # quantized while loading (GEMM1 tiles < 128 wide)
+        assert not launch._overlapped2(g2, 4, 704, CUDA)  # 5.5 K steps
+        assert not launch._overlapped2(g2, 4, 256, CUDA)  # 2 steps, the pipeline preloads 3
+        assert launch._overlapped2(OVERLAP2.with_gemm2(OVERLAP=1, num_stages=3).gemm2(), 4, 256, CUDA)
+        values = torch.empty(8, 256 + 16, dtype=torch.float8_e4m3fn)
+        assert launch._overlapped2(g2, 4, 512, CUDA, torch.empty(8, 512, dtype=torch.float8_e4m3fn))
+        assert not launch._overlapped2(g2, 4, 512, CUDA, torch.empty(8, 520, dtype=torch.float8_e4m3fn)[:, :512])
+        assert not launch._overlapped2(g2, 4, 256, CUDA, values[:, 1:257])
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert not launch._overlapped2(g2, 4, 14336, CUDA)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with assume_capability((10, 0)):
+        assert not launch._overlapped2(g2, 4, 14336, CUDA)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-channel-token", "fp8-block128"])
+def test_overlap2_config_on_the_cpu_runs_the_triton_kernel_it_mirrors(scheme, device, monkeypatch):
+    """Under the interpreter an OVERLAP2 config runs _kernels.gemm2_kernel on the same tile:
+    against the reference, with odd E, idle experts and a partial last column tile of GEMM2
+    (H = 208 for the per-token scheme)."""
+    if device.type != "cpu":
+        pytest.skip("the interpreter case")
+    E, M, K = 5, 37, 2
+    H, N = (208, 256) if scheme == "fp8-channel-token" else (256, 256)
+    w = random_weights(E, H, N, scheme, device=device)
+    tw, ids = random_routing(M, E, K, device=device, experts=[0, 2, 4])
+    x = random_x(M, H, device=device)
+    if launch.gk is not None:  # the Gluon kernel must not be launched here
+        monkeypatch.setattr(launch.gk, "gemm2_overlap_kernel", None)
+    cfg = OVERLAP2.with_gemm2(num_stages=2, OVERLAP=1)
+    assert_matches_reference(run(x, w, tw, ids, cfg), x, w, tw, ids)
+
+
 # ------------------------------------------------------------------------------ through ptxas
 
 
@@ -131,7 +221,7 @@ def test_overlapped_kernel_keeps_its_products_in_flight_through_ptxas():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert done.stdout.count(": ok") == 2, done.stdout
+    assert done.stdout.count(": ok") == 4, done.stdout  # GEMM1's and GEMM2's 2 scale kinds each
 
 
 def test_unbarriered_refill_check_sees_a_missing_barrier():
@@ -154,9 +244,38 @@ def test_unbarriered_refill_check_sees_a_missing_barrier():
 
 def _hopper():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the overlapped GEMM1 runs on Hopper (sm_90) only")
+        pytest.skip("the overlapped GEMMs run on Hopper (sm_90) only")
     if launch.gk is None:
         pytest.skip("this triton has no Gluon")
+
+
+def _preset_in_mode(name, accumulation, monkeypatch):
+    """(E, H, N, K, random weights on the GPU) of a preset shape, in the accumulation mode asked
+    for; skipped off Hopper, or in fast mode where the scheme's kernels are those of precise."""
+    _hopper()
+    E, H, N, K, scheme = PRESET_SHAPES[name]
+    if accumulation == "fast" and not accumulation_matters(get_scheme(scheme)):
+        pytest.skip(f"{scheme} runs the same kernels in both modes")
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, accumulation)
+    return E, H, N, K, random_weights(E, H, N, scheme, device="cuda")
+
+
+def _assert_bitwise_twins(w, E, H, K, configs, flag, routings, fast=False, device="cuda"):
+    """For each routing (M, experts) and config: the layer equals the layer with `flag` ("OVERLAP"
+    or "OVERLAP2") cleared (the Triton kernel on the same tile) bitwise, matches the reference
+    (fast mode: vLLM's bound) and repeats bitwise. Returns the last routing's inputs."""
+    for M, experts in routings:
+        tw, ids = random_routing(M, E, K, device=device, experts=experts)
+        x = random_x(M, H, device=device)
+        for cfg in configs:
+            out = run(x, w, tw, ids, cfg)
+            assert torch.equal(out, run(x, w, tw, ids, dataclasses.replace(cfg, **{flag: 0}))), (M, experts, cfg)
+            if fast:
+                assert rel_l2(out, reference_for(x, w, tw, ids)) < FAST_REL_L2_TOL
+            else:
+                assert_matches_reference(out, x, w, tw, ids)
+            assert torch.equal(out, run(x, w, tw, ids, cfg))
+    return x, tw, ids
 
 
 @pytest.mark.gpu
@@ -169,24 +288,10 @@ def test_gpu_overlapped_gemm1_is_bitwise_the_triton_kernel(name, accumulation, m
     fresh routing; with GEMM2 on a launch of its own too. (In fast mode a per-token scheme's
     intermediate is quantized per row, so there the Triton kernel runs: the case checks that
     fallback.)"""
-    _hopper()
-    E, H, N, K, scheme = PRESET_SHAPES[name]
-    if accumulation == "fast" and not accumulation_matters(get_scheme(scheme)):
-        pytest.skip(f"{scheme} runs the same kernels in both modes")
-    monkeypatch.setenv(FP8_ACCUMULATION_ENV, accumulation)
-    w = random_weights(E, H, N, scheme, device="cuda")
+    E, H, N, K, w = _preset_in_mode(name, accumulation, monkeypatch)
     own_gemm2 = OVERLAP.with_gemm2(BLOCK_N=64, num_warps=4, num_stages=3, N_TILES=8)
-    for M, experts in ((1, None), (300, None), (300, list(range(0, E, 3))[:max(K, 3)])):
-        tw, ids = random_routing(M, E, K, device="cuda", experts=experts)
-        x = random_x(M, H, device="cuda")
-        for cfg in (OVERLAP, own_gemm2):
-            out = run(x, w, tw, ids, cfg)
-            assert torch.equal(out, run(x, w, tw, ids, dataclasses.replace(cfg, OVERLAP=0))), (M, experts, cfg)
-            if accumulation == "fast":
-                assert rel_l2(out, reference_for(x, w, tw, ids)) < FAST_REL_L2_TOL
-            else:
-                assert_matches_reference(out, x, w, tw, ids)
-            assert torch.equal(out, run(x, w, tw, ids, cfg))
+    routings = ((1, None), (300, None), (300, list(range(0, E, 3))[:max(K, 3)]))
+    x, tw, ids = _assert_bitwise_twins(w, E, H, K, (OVERLAP, own_gemm2), "OVERLAP", routings, accumulation == "fast")
     assert_graph_replays_fresh_routing(lambda x, tw, ids: run(x, w, tw, ids, OVERLAP), x, tw, ids, E)
 
 
@@ -205,14 +310,59 @@ def test_gpu_overlapped_gemm1_odd_steps_and_pipeline_depths(scheme, E, H, N, sta
     w = random_weights(E, H, N, scheme, device="cuda")
     cfg = dataclasses.replace(OVERLAP, num_stages=stages)
     assert cfg.problems(get_scheme(scheme)) == [] and launch._overlapped(cfg, 3, H, CUDA)
-    for M, experts in ((1, None), (300, None), (300, [0, 2, 4])):
-        tw, ids = random_routing(M, E, K, device="cuda", experts=experts)
-        x = random_x(M, H, device="cuda")
-        out = run(x, w, tw, ids, cfg)
-        assert torch.equal(out, run(x, w, tw, ids, dataclasses.replace(cfg, OVERLAP=0))), (M, experts)
-        assert_matches_reference(out, x, w, tw, ids)
-        assert torch.equal(out, run(x, w, tw, ids, cfg))
+    x, tw, ids = _assert_bitwise_twins(w, E, H, K, (cfg, ), "OVERLAP", ((1, None), (300, None), (300, [0, 2, 4])))
     assert_graph_replays_fresh_routing(lambda x, tw, ids: run(x, w, tw, ids, cfg), x, tw, ids, E)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accumulation", ["precise", "fast"])
+@pytest.mark.parametrize("name", PRESET_SHAPES)
+def test_gpu_overlapped_gemm2_is_bitwise_the_triton_kernel(name, accumulation, monkeypatch):
+    """As the GEMM1 case above, for OVERLAP2 (GEMM2 in Gluon where launch._overlapped2 allows: the
+    Mixtral, DeepSeek-V3 and Qwen3 shapes; GLM-4.5V's 704 is not whole K steps, and fast mode's
+    per-row intermediate of a per-token scheme runs the Triton kernel: the fallback's cases), with
+    GEMM1 on 8 and on 16 warps."""
+    E, H, N, K, w = _preset_in_mode(name, accumulation, monkeypatch)
+    stages3 = OVERLAP2.with_gemm2(num_stages=3, OVERLAP=1)  # DeepSeek-V3's 2 steps take at most 3
+    wide = dataclasses.replace(stages3, num_warps=16, GROUP_M=1).with_gemm2(num_warps=8, OVERLAP=1)
+    routings = ((1, None), (300, None), (300, list(range(0, E, 3))[:max(K, 3)]))
+    x, tw, ids = _assert_bitwise_twins(w, E, H, K, (stages3, wide), "OVERLAP2", routings, accumulation == "fast")
+    assert_graph_replays_fresh_routing(lambda x, tw, ids: run(x, w, tw, ids, stages3), x, tw, ids, E)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme,E,H,N,stages", [
+    ("fp8-channel-token", 5, 208, 640, 3),  # 5 K steps (the odd tail), partial last column tile
+    ("fp8-channel-token", 5, 208, 640, 6),  # the deepest pipeline
+    ("fp8-block128", 6, 256, 512, 5),  # 4 K steps: exactly the steps the pipeline preloads
+])
+def test_gpu_overlapped_gemm2_odd_steps_and_pipeline_depths(scheme, E, H, N, stages):
+    """The odd tail of GEMM2's loop, 3 to 6 stages, as few steps as stages - 1, a partial last
+    column tile: bitwise against the Triton kernel on the same tile, against the reference, with
+    idle experts, and under graph replay."""
+    _hopper()
+    K = 2
+    w = random_weights(E, H, N, scheme, device="cuda")
+    cfg = OVERLAP2.with_gemm2(num_stages=stages, OVERLAP=1)
+    assert cfg.problems(get_scheme(scheme)) == [] and launch._overlapped2(cfg.gemm2(), 4, N, CUDA)
+    x, tw, ids = _assert_bitwise_twins(w, E, H, K, (cfg, ), "OVERLAP2", ((1, None), (300, None), (300, [0, 2, 4])))
+    assert_graph_replays_fresh_routing(lambda x, tw, ids: run(x, w, tw, ids, cfg), x, tw, ids, E)
+
+
+@pytest.mark.gpu
+def test_gpu_overlapped_gemm2_is_the_kernel_that_ran(monkeypatch):
+    """The bitwise comparisons above mean something only if the Gluon GEMM2 ran: at the Mixtral
+    and Qwen3 shapes in precise mode, the launch goes to it."""
+    _hopper()
+    calls = []
+    monkeypatch.setattr(launch.gk, "gemm2_overlap_kernel", _Spy(launch.gk.gemm2_overlap_kernel, calls))
+    for name in ("mixtral-8x7b", "qwen3-30b-a3b"):
+        E, H, N, K, scheme = PRESET_SHAPES[name]
+        w = random_weights(E, H, N, scheme, device="cuda")
+        tw, ids = random_routing(64, E, K, device="cuda")
+        x = random_x(64, H, device="cuda")
+        assert_matches_reference(run(x, w, tw, ids, OVERLAP2), x, w, tw, ids)
+    assert len(calls) == 2
 
 
 @pytest.mark.gpu

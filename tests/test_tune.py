@@ -1092,6 +1092,39 @@ def test_overlapped_gemm1_dropped_where_it_runs_as_its_twin(monkeypatch):
     assert vllm_config(dataclasses.replace(cfg, OVERLAP=0), FP8_CHANNEL_TOKEN)[0] is not None
 
 
+def test_overlapped_gemm2_tried_on_128_row_bases_where_it_runs(monkeypatch):
+    """gemm2_variants adds the overlapped GEMM2 (its tile, OVERLAP2_SEARCH_STAGES, the base's
+    grouping) when asked, after a 128x128 GEMM1 base only (it reads whole 1x128 groups of the
+    intermediate, and its rows are the base's); overlap2_idle says where it would run as its
+    Triton twin; vLLM's export refuses it (GEMM2 has a launch of its own)."""
+    from moekit.tune.output import vllm_config
+
+    grid = [(128, 8, 4, 1)]
+    tall = KernelConfig(128, 128, 128, 16, 8, 3)
+    kept, _ = space.gemm2_variants(tall, FP8_CHANNEL_TOKEN, grid, space.HOPPER_SHARED_MEMORY, True, overlap=True)
+    overlapped = [c for c in kept if c.OVERLAP2]
+    assert [config_key(c) for c in overlapped] == [f"M128-N128-K128-G16-w8-s3+N128-G16-w8-s{s}-ov"
+                                                   for s in space.OVERLAP2_SEARCH_STAGES]
+    assert all(c.problems(FP8_CHANNEL_TOKEN) == [] for c in overlapped)
+    assert not any(c.OVERLAP2 for c in space.gemm2_variants(tall, FP8_CHANNEL_TOKEN, grid, space.HOPPER_SHARED_MEMORY,
+                                                            True)[0])  # not asked for
+    for base in (KernelConfig(64, 128, 128, 8, 8, 4), KernelConfig(128, 64, 128, 8, 8, 4),
+                 KernelConfig(64, 128, 128, 8, 8, 4, OVERLAP=1)):
+        kept, _ = space.gemm2_variants(base, FP8_BLOCK128, grid, space.HOPPER_SHARED_MEMORY, True, overlap=True)
+        assert not any(c.OVERLAP2 for c in kept), base
+    wide = KernelConfig(128, 128, 128, 8, 16, 4)  # GEMM1 on 16 warps: GEMM2's own 8
+    assert wide.with_gemm2(num_warps=8, num_stages=5, OVERLAP=1) in space.gemm2_variants(
+        wide, FP8_CHANNEL_TOKEN, grid, space.HOPPER_SHARED_MEMORY, True, overlap=True)[0]
+    mixtral = MoEShape(num_experts=8, hidden=4096, intermediate=14336, top_k=2)
+    glm = MoEShape(num_experts=128, hidden=4096, intermediate=704, top_k=8)
+    assert space.overlap2_idle(mixtral, FP8_CHANNEL_TOKEN) is None
+    assert "704" in space.overlap2_idle(glm, FP8_CHANNEL_TOKEN)
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
+    assert "per row" in space.overlap2_idle(mixtral, FP8_CHANNEL_TOKEN)
+    assert space.overlap2_idle(mixtral, FP8_BLOCK128) is None  # block scales: the same kernels in both modes
+    assert vllm_config(overlapped[0], FP8_CHANNEL_TOKEN)[0] is None
+
+
 def test_config_from_key_inverts_config_key():
     """Every config the tuner can time: the search spaces, and GEMM2's launch variants of their
     16-warp configs (the grid with runs)."""
@@ -1101,8 +1134,8 @@ def test_config_from_key_inverts_config_key():
         searched = space.hopper_space(scheme, full=True)
         configs += searched
         for base in (c for c in searched if c.num_warps == space.WIDE_TILE_WARPS):
-            configs += space.gemm2_variants(base, scheme, grid, space.HOPPER_SHARED_MEMORY, True)[0]
-    assert any(c.has_gemm2 and c.N_TILES2 for c in configs)
+            configs += space.gemm2_variants(base, scheme, grid, space.HOPPER_SHARED_MEMORY, True, overlap=True)[0]
+    assert any(c.has_gemm2 and c.N_TILES2 for c in configs) and any(c.OVERLAP2 for c in configs)
     for cfg in configs:
         assert space.config_from_key(config_key(cfg)) == cfg, config_key(cfg)
     for bad in ("", "M128-N128", "M128-N128-K128-G8-w8-s4+", "gemv-N8-K512-w2", "m128-n128-k128-g8-w8-s4 ",

@@ -61,6 +61,7 @@ from .. import select
 from ..api import validate_inputs
 from ..backends import get_backend
 from ..backends.triton.config import KernelConfig, default_config
+from ..backends.triton import launch
 from ..backends.triton.launch import fp8_accumulation, pdl_wanted
 from ..bench import make_routing, make_routings, make_weights, make_x, rel_l2
 from ..accumulation import table_accumulation
@@ -73,7 +74,7 @@ from .plan import TunePlan, TuneProblem
 from .precompile import Precompiler
 from .space import (
     GEMV_START, WIDE_TILE_WARPS, NeighbourResult, config_key, gemm2_partial_accumulator, gemm2_variants,
-    neighbour_prune, shared_memory_limit, static_prune,
+    neighbour_prune, overlap2_idle, shared_memory_limit, static_prune,
 )
 
 # A config whose output differs from the default config's by more than this (relative L2) is
@@ -519,8 +520,9 @@ class Worker:
                            share_end: float | None) -> bool:
         """Times `base`'s GEMM2 launch variants not yet measured, recorded under j.data[field];
         False when the share of the budget ran out first."""
+        overlap = launch.overlap_available(self.device) and overlap2_idle(p.shape, p.scheme) is None
         variants, dropped = gemm2_variants(base, p.scheme, self.plan.gemm2_grid, self.shared_memory,
-                                           gemm2_partial_accumulator(p.scheme, fp8_accumulation()))
+                                           gemm2_partial_accumulator(p.scheme, fp8_accumulation()), overlap)
         todo = [c for c in variants if j.config(config_key(c)) is None]
         j.data[field] = {"base": config_key(base), "variants": len(variants), "dropped": dropped,
                          "complete": not todo}

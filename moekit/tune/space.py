@@ -80,14 +80,16 @@ def config_key(cfg: KernelConfig) -> str:
         key += f"+N{g2.BLOCK_N}-G{g2.GROUP_M}-w{g2.num_warps}-s{g2.num_stages}"
         if g2.N_TILES2:
             key += f"-r{g2.N_TILES2}"
+        if g2.OVERLAP2:  # GEMM2 in Gluon with the promotion overlapped (KernelConfig.OVERLAP2)
+            key += "-ov"
     return key
 
 
 _TILED_KEY = re.compile(r"M(?P<bm>\d+)-N(?P<bn>\d+)-K(?P<bk>\d+)-G(?P<g>\d+)-w(?P<w>\d+)-s(?P<s>\d+)(?P<ov>-ov)?"
-                        r"(?:\+N(?P<bn2>\d+)-G(?P<g2>\d+)-w(?P<w2>\d+)-s(?P<s2>\d+)(?:-r(?P<r2>\d+))?)?")
+                        r"(?:\+N(?P<bn2>\d+)-G(?P<g2>\d+)-w(?P<w2>\d+)-s(?P<s2>\d+)(?:-r(?P<r2>\d+))?(?P<ov2>-ov)?)?")
 _GEMV_KEY = re.compile(r"gemv-N(?P<bn>\d+)-K(?P<bk>\d+)-w(?P<w>\d+)-s(?P<s>\d+)")
 _KEY_FORMS = ("M<rows>-N<cols>-K<k>-G<group>-w<warps>-s<stages>[-ov] (optionally +N<cols>-G<group>-w<warps>-s<stages>"
-              "[-r<runs>] for GEMM2's own launch, runs 2 or more) or gemv-N<cols>-K<k>-w<warps>-s<stages>, "
+              "[-r<runs>][-ov] for GEMM2's own launch, runs 2 or more) or gemv-N<cols>-K<k>-w<warps>-s<stages>, "
               "every number positive")
 
 
@@ -98,7 +100,7 @@ def config_from_key(key: str) -> KernelConfig:
     m = _GEMV_KEY.fullmatch(key) or _TILED_KEY.fullmatch(key)
     if m is None:
         raise ValueError(f"config key {key!r}: expected {_KEY_FORMS}")
-    n = {name: int(v) for name, v in m.groupdict().items() if v is not None and name != "ov"}
+    n = {name: int(v) for name, v in m.groupdict().items() if v is not None and name not in ("ov", "ov2")}
     if 0 in n.values() or n.get("r2", 2) < 2:  # a run of one is written without -r
         raise ValueError(f"config key {key!r}: expected {_KEY_FORMS}")
     if m.re is _GEMV_KEY:
@@ -108,7 +110,7 @@ def config_from_key(key: str) -> KernelConfig:
                        num_stages=n["s"], OVERLAP=int(m.group("ov") is not None))
     if "bn2" in n:  # GEMM2's own launch
         cfg = cfg.with_gemm2(BLOCK_N=n["bn2"], GROUP_M=n["g2"], num_warps=n["w2"], num_stages=n["s2"],
-                             N_TILES=n.get("r2", 0))
+                             N_TILES=n.get("r2", 0), OVERLAP=int(m.group("ov2") is not None))
     return cfg
 
 
@@ -243,16 +245,31 @@ def gemm2_partial_accumulator(scheme: QuantScheme, accumulation: str) -> bool:
     return accumulation == "precise" or scheme.activation == "group" or scheme.weight == "block"
 
 
+# GEMM2 in Gluon with the FP8 promotion overlapped (KernelConfig.OVERLAP2): its one tile, after
+# each 128-row base of GEMM1 (sharing its grouping), with these stages. On an H200 (BENCHMARKS.md,
+# fifteenth session), whole layer, precise mode: Mixtral-8x7B M = 512-8192 2.3-10% faster than the
+# tables' configs (4 and 5 stages within 1-2% of each other); Qwen3-30B-A3B M = 4096 / 8192, with
+# 6 K steps of GEMM2, 1-6% slower. Where it would run as its Triton twin (intermediate not in
+# whole 128-long steps, fast mode's per-row intermediate) it is not tried (overlap2_idle).
+OVERLAP2_SEARCH_STAGES = (4, 5)
+
+
 def gemm2_variants(
     base: KernelConfig, scheme: QuantScheme, grid: Sequence[tuple[int, int, int, int]], smem_limit: int,
-    partial_accumulator: bool,
+    partial_accumulator: bool, overlap: bool = False,
 ) -> tuple[list[KernelConfig], dict[str, str]]:
     """(variants of `base` with GEMM2's own launch, {key dropped: why}); the variant equal to base
-    (GEMM2 launched as GEMM1) is not among them."""
+    (GEMM2 launched as GEMM1) is not among them. `overlap`: also the overlapped GEMM2 on its tile
+    (OVERLAP2_SEARCH_STAGES), where `base` writes the intermediate it reads (128x128 GEMM1 tiles:
+    whole 1x128 groups)."""
     kept: list[KernelConfig] = []
     dropped: dict[str, str] = {}
-    for block_n, warps, stages, n_tiles in grid:
-        cfg = base.with_gemm2(BLOCK_N=block_n, num_warps=warps, num_stages=stages, N_TILES=n_tiles)
+    launches = [base.with_gemm2(BLOCK_N=block_n, num_warps=warps, num_stages=stages, N_TILES=n_tiles)
+                for block_n, warps, stages, n_tiles in grid]
+    if overlap and base.BLOCK_N == 128 and (base.BLOCK_M, 128) in KernelConfig.OVERLAP2_TILES:
+        launches += [base.with_gemm2(BLOCK_N=128, num_warps=8, num_stages=stages, OVERLAP=1)
+                     for stages in OVERLAP2_SEARCH_STAGES]
+    for cfg in launches:
         if not cfg.has_gemm2 or cfg in kept:
             continue
         key, g2 = config_key(cfg), cfg.gemm2()
@@ -381,6 +398,16 @@ def _overlap_idle(shape: MoEShape, scheme: QuantScheme) -> str | None:
     return None
 
 
+def overlap2_idle(shape: MoEShape, scheme: QuantScheme) -> str | None:
+    """Why the overlapped GEMM2 would run as its Triton twin on this problem (launch._overlapped2),
+    or None where it runs."""
+    if shape.n % 128:
+        return f"the intermediate ({shape.n}) is not a whole number of 128-long K steps"
+    if launch._row_intermediate(scheme):
+        return "fast mode quantizes this scheme's intermediate per row: no promotion to overlap"
+    return None
+
+
 def _max_row_blocks(shape: MoEShape, num_tokens: int, block_m: int) -> int:
     """Row blocks of the alignment in the worst routing (launch.py's `_empty_alignment` bound)."""
     pairs = num_tokens * shape.top_k
@@ -446,5 +473,5 @@ def neighbour_prune(
 __all__ = [
     "SEARCH_SPACES", "NEIGHBOUR_MARGIN", "SpaceFn", "config_key", "hopper_space", "interpreter_space",
     "default_space", "HopperSpace", "shared_memory_limit", "shared_memory_bytes", "accumulator_registers",
-    "static_prune", "neighbour_prune", "NeighbourResult", "gemm2_grid", "gemm2_variants", "gemm2_partial_accumulator",
+    "static_prune", "neighbour_prune", "NeighbourResult", "gemm2_grid", "gemm2_variants", "gemm2_partial_accumulator", "overlap2_idle",
 ]

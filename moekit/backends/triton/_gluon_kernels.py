@@ -71,25 +71,111 @@ def _product(a_bufs, b_bufs, zero, k_step, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _promote(acc, product, k_step, a_scale_ptr, w_scale_ptr, token, row_ok, e64, col0, N,
+def _promote(acc, product, k_step, a_scale_ptr, w_scale_ptr, a_row, row_ok, e64, col0, N,
              stride_as, stride_wse, stride_wsn, A_SCALE: gl.constexpr, B_SCALE: gl.constexpr,
-             BLOCK_N: gl.constexpr, mma_layout: gl.constexpr):
+             BLOCK_N: gl.constexpr, GATE_UP: gl.constexpr, mma_layout: gl.constexpr):
     """acc + step k_step's finished product, scaled first where the scheme's scales change with
-    each K step (1x128 activation groups, 128x128 weight blocks): as _kernels._gemm1_tile, the
-    product times (activation scale * weight scale), then the add."""
+    each K step (1x128 activation groups, 128x128 weight blocks), as the Triton kernels do: the
+    product times (activation scale * weight scale), then the add. a_row: the row of each tile row
+    in the activation scales (GEMM1: its token; GEMM2: the sorted row). GATE_UP: GEMM1's
+    interleaved gate/up columns (_kernels._gemm1_tile: a weight scale per column); else one
+    column block within one 128-row weight block (_kernels._gemm2_tile: one scale)."""
     if A_SCALE == 3 or B_SCALE == 3:
         step_a = gl.full([product.shape[0]], 1.0, gl.float32, gl.SliceLayout(1, mma_layout))
         if A_SCALE == 3:
-            step_a = gl.load(a_scale_ptr + token * stride_as + k_step, mask=row_ok, other=0.0)
-        step_b = gl.full([2 * BLOCK_N], 1.0, gl.float32, gl.SliceLayout(0, mma_layout))
+            step_a = gl.load(a_scale_ptr + a_row * stride_as + k_step, mask=row_ok, other=0.0)
+        if GATE_UP:
+            step_b = gl.full([2 * BLOCK_N], 1.0, gl.float32, gl.SliceLayout(0, mma_layout))
+            if B_SCALE == 3:
+                ws = w_scale_ptr + e64 * stride_wse + k_step
+                step_gate = gl.load(ws + (col0 // 128) * stride_wsn)
+                step_up = gl.load(ws + ((N + col0) // 128) * stride_wsn)
+                j = gl.arange(0, 2 * BLOCK_N, gl.SliceLayout(0, mma_layout))
+                step_b = gl.where(j % 2 == 0, step_gate, step_up)
+            return acc + product * (step_a[:, None] * step_b[None, :])
         if B_SCALE == 3:
-            ws = w_scale_ptr + e64 * stride_wse + k_step
-            step_gate = gl.load(ws + (col0 // 128) * stride_wsn)
-            step_up = gl.load(ws + ((N + col0) // 128) * stride_wsn)
-            j = gl.arange(0, 2 * BLOCK_N, gl.SliceLayout(0, mma_layout))
-            step_b = gl.where(j % 2 == 0, step_gate, step_up)
-        return acc + product * (step_a[:, None] * step_b[None, :])
+            step_b = gl.load(w_scale_ptr + e64 * stride_wse + (col0 // 128) * stride_wsn + k_step)
+            return acc + product * (step_a[:, None] * step_b)
+        return acc + product * step_a[:, None]  # _kernels multiplies by 1.0 as well: exact
     return acc + product
+
+
+@gluon.jit
+def _overlapped_sum(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, k_steps, zero,
+                    a_scale_ptr, w_scale_ptr, a_row, row_ok, e64, col0, N, stride_as, stride_wse, stride_wsn,
+                    A_SCALE: gl.constexpr, B_SCALE: gl.constexpr, BLOCK_N: gl.constexpr, GATE_UP: gl.constexpr,
+                    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, mma_layout: gl.constexpr):
+    """The float32 sum over k_steps K steps of the tile's FP8 products, each promoted (_promote)
+    while the tensor cores run the next: two products alternate; while the warps add one, the
+    other runs. This exact form matters: ptxas keeps a product in flight only where it can prove
+    no other instruction touches its registers before the wait, and otherwise waits after every
+    wgmma (warning C7514; scripts/check_overlap_ptxas.py and a CPU test watch for it). In the
+    fourteenth session a single loop carrying "prev = product", the tail below without its parity
+    branch, copies masked off instead of the branch in _refill, and every form of a tile split
+    into column chunks all made it serialize. Ends with every copy landed."""
+    for i in gl.static_range(STAGES - 1):
+        _issue_loads(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, i, BLOCK_K, STAGES)
+        cp.commit_group()
+    acc = zero
+    odd = _product(a_bufs, b_bufs, zero, 0, STAGES)
+    _refill(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, 0, k_steps, BLOCK_K, STAGES)
+    for pair in range((k_steps - 1) // 2):
+        step = 1 + 2 * pair
+        even = _product(a_bufs, b_bufs, zero, step, STAGES)
+        acc = _promote(acc, warpgroup_mma_wait(num_outstanding=1, deps=(odd, )), step - 1, a_scale_ptr, w_scale_ptr,
+                       a_row, row_ok, e64, col0, N, stride_as, stride_wse, stride_wsn, A_SCALE, B_SCALE,
+                       BLOCK_N, GATE_UP, mma_layout)
+        _refill(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, step, k_steps, BLOCK_K, STAGES)
+        odd = _product(a_bufs, b_bufs, zero, step + 1, STAGES)
+        acc = _promote(acc, warpgroup_mma_wait(num_outstanding=1, deps=(even, )), step, a_scale_ptr, w_scale_ptr,
+                       a_row, row_ok, e64, col0, N, stride_as, stride_wse, stride_wsn, A_SCALE, B_SCALE,
+                       BLOCK_N, GATE_UP, mma_layout)
+        _refill(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, step + 1, k_steps, BLOCK_K, STAGES)
+    if k_steps % 2 == 0:
+        even = _product(a_bufs, b_bufs, zero, k_steps - 1, STAGES)
+        acc = _promote(acc, warpgroup_mma_wait(num_outstanding=1, deps=(odd, )), k_steps - 2, a_scale_ptr,
+                       w_scale_ptr, a_row, row_ok, e64, col0, N, stride_as, stride_wse, stride_wsn, A_SCALE, B_SCALE,
+                       BLOCK_N, GATE_UP, mma_layout)
+        acc = _promote(acc, warpgroup_mma_wait(num_outstanding=0, deps=(even, )), k_steps - 1, a_scale_ptr,
+                       w_scale_ptr, a_row, row_ok, e64, col0, N, stride_as, stride_wse, stride_wsn, A_SCALE, B_SCALE,
+                       BLOCK_N, GATE_UP, mma_layout)
+    else:
+        acc = _promote(acc, warpgroup_mma_wait(num_outstanding=0, deps=(odd, )), k_steps - 1, a_scale_ptr,
+                       w_scale_ptr, a_row, row_ok, e64, col0, N, stride_as, stride_wse, stride_wsn, A_SCALE, B_SCALE,
+                       BLOCK_N, GATE_UP, mma_layout)
+    cp.wait_group(0)
+    return acc
+
+
+@gluon.jit
+def _tile_of_program(start_ptr, E, num_n_blocks, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(row block, column block, row blocks in use) of this program: grouped order over (row
+    block, column block), as _kernels._tile_ids."""
+    pid = gl.program_id(0)
+    num_m_blocks = gl.cdiv(gl.load(start_ptr + E), BLOCK_M)
+    per_group = GROUP_M * num_n_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_size = gl.maximum(gl.minimum(num_m_blocks - first_m, GROUP_M), 1)
+    return first_m + (pid % per_group) % group_size, (pid % per_group) // group_size, num_m_blocks
+
+
+@gluon.jit
+def _expert_rows(start_ptr, count_ptr, row0, E, E_POW2: gl.constexpr, num_warps: gl.constexpr):
+    """(the expert whose rows hold row0, as int64; its first sorted row; its real rows), as
+    _kernels._expert_of_block finds it."""
+    vec: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    experts = gl.arange(0, E_POW2, vec)
+    starts = gl.load(start_ptr + 1 + experts, mask=experts < E, other=2147483647)
+    e = gl.sum((starts <= row0).to(gl.int32), axis=0)
+    return e.to(gl.int64), gl.load(start_ptr + e), gl.load(count_ptr + e)
+
+
+@gluon.jit
+def _tile_rows(row0, first_row, real_rows, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, load_layout: gl.constexpr):
+    """(K offsets, sorted rows, which rows are real) of a tile's operand loads."""
+    ks = gl.arange(0, BLOCK_K, gl.SliceLayout(0, load_layout))
+    rows = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout))
+    return ks, rows, rows - first_row < real_rows
 
 
 @gluon.jit
@@ -117,34 +203,17 @@ def gemm1_overlap_kernel(
     multiple of BLOCK_K (at least STAGES - 1 steps), BLOCK_M 64, BLOCK_N 128, BLOCK_K 128, 8 warps
     (launch.py checks all of it). A_SCALE 2 (per token) or 3 (1x128 groups), B_SCALE 2 (per
     channel) or 3 (128x128 blocks), as _kernels."""
-    # ---- which tile: grouped order over (row block, column block), as _kernels._tile_ids
-    pid = gl.program_id(0)
     num_n_blocks = gl.cdiv(N, BLOCK_N)
-    num_m_blocks = gl.cdiv(gl.load(start_ptr + E), BLOCK_M)
-    per_group = GROUP_M * num_n_blocks
-    first_m = (pid // per_group) * GROUP_M
-    group_size = gl.maximum(gl.minimum(num_m_blocks - first_m, GROUP_M), 1)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
+    pid_m, pid_n, num_m_blocks = _tile_of_program(start_ptr, E, num_n_blocks, GROUP_M, BLOCK_M)
     if pid_m >= num_m_blocks or pid_n >= num_n_blocks:
         return  # the grid is sized for the worst routing (see _kernels.gemm1_kernel)
     row0 = pid_m * BLOCK_M
     col0 = pid_n * BLOCK_N
-
-    # ---- the expert of this row block (_kernels._expert_of_block)
-    vec: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    experts = gl.arange(0, E_POW2, vec)
-    starts = gl.load(start_ptr + 1 + experts, mask=experts < E, other=2147483647)
-    e = gl.sum((starts <= row0).to(gl.int32), axis=0)
-    e64 = e.to(gl.int64)
-    first_row = gl.load(start_ptr + e)
-    real_rows = gl.load(count_ptr + e)
+    e64, first_row, real_rows = _expert_rows(start_ptr, count_ptr, row0, E, E_POW2, num_warps)
 
     # ---- operand addresses: 16-byte cp.async vectors along K
     load_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_K // 16), BLOCK_K // 16], [num_warps, 1], [1, 0])
-    ks = gl.arange(0, BLOCK_K, gl.SliceLayout(0, load_layout))
-    rows = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout))
-    row_ok = rows - first_row < real_rows
+    ks, rows, row_ok = _tile_rows(row0, first_row, real_rows, BLOCK_M, BLOCK_K, load_layout)
     token = (gl.load(sorted_ptr + rows, mask=row_ok, other=0) // K_TOP).to(gl.int64)
     a_ptrs = a_ptr + token[:, None] * stride_am + ks[None, :]
     a_mask = row_ok[:, None] & (ks < BLOCK_K)[None, :]
@@ -166,46 +235,10 @@ def gemm1_overlap_kernel(
     m_row_ok = m_rows - first_row < real_rows
     m_token = (gl.load(sorted_ptr + m_rows, mask=m_row_ok, other=0) // K_TOP).to(gl.int64)
 
-    # ---- main loop: two products alternate; while the warps add one into float32, the tensor
-    # cores run the other. This exact form matters: ptxas keeps a product in flight only where it
-    # can prove no other instruction touches its registers before the wait, and otherwise waits
-    # after every wgmma (warning C7514; scripts/check_overlap_ptxas.py and a CPU test watch for
-    # it). In the fourteenth session a single loop carrying "prev = product", the tail below
-    # without its parity branch, copies masked off instead of the branch in _refill, and every
-    # form of a tile split into column chunks all made it serialize.
-    k_steps = H // BLOCK_K
-    for i in gl.static_range(STAGES - 1):
-        _issue_loads(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, i, BLOCK_K, STAGES)
-        cp.commit_group()
     zero = gl.zeros([BLOCK_M, 2 * BLOCK_N], gl.float32, mma_layout)
-    acc = zero
-    odd = _product(a_bufs, b_bufs, zero, 0, STAGES)
-    _refill(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, 0, k_steps, BLOCK_K, STAGES)
-    for pair in range((k_steps - 1) // 2):
-        step = 1 + 2 * pair
-        even = _product(a_bufs, b_bufs, zero, step, STAGES)
-        acc = _promote(acc, warpgroup_mma_wait(num_outstanding=1, deps=(odd, )), step - 1, a_scale_ptr, w_scale_ptr,
-                       m_token, m_row_ok, e64, col0, N, stride_as, stride_wse, stride_wsn, A_SCALE, B_SCALE,
-                       BLOCK_N, mma_layout)
-        _refill(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, step, k_steps, BLOCK_K, STAGES)
-        odd = _product(a_bufs, b_bufs, zero, step + 1, STAGES)
-        acc = _promote(acc, warpgroup_mma_wait(num_outstanding=1, deps=(even, )), step, a_scale_ptr, w_scale_ptr,
-                       m_token, m_row_ok, e64, col0, N, stride_as, stride_wse, stride_wsn, A_SCALE, B_SCALE,
-                       BLOCK_N, mma_layout)
-        _refill(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, step + 1, k_steps, BLOCK_K, STAGES)
-    if k_steps % 2 == 0:
-        even = _product(a_bufs, b_bufs, zero, k_steps - 1, STAGES)
-        acc = _promote(acc, warpgroup_mma_wait(num_outstanding=1, deps=(odd, )), k_steps - 2, a_scale_ptr, w_scale_ptr,
-                       m_token, m_row_ok, e64, col0, N, stride_as, stride_wse, stride_wsn, A_SCALE, B_SCALE,
-                       BLOCK_N, mma_layout)
-        acc = _promote(acc, warpgroup_mma_wait(num_outstanding=0, deps=(even, )), k_steps - 1, a_scale_ptr, w_scale_ptr,
-                       m_token, m_row_ok, e64, col0, N, stride_as, stride_wse, stride_wsn, A_SCALE, B_SCALE,
-                       BLOCK_N, mma_layout)
-    else:
-        acc = _promote(acc, warpgroup_mma_wait(num_outstanding=0, deps=(odd, )), k_steps - 1, a_scale_ptr, w_scale_ptr,
-                       m_token, m_row_ok, e64, col0, N, stride_as, stride_wse, stride_wsn, A_SCALE, B_SCALE,
-                       BLOCK_N, mma_layout)
-    cp.wait_group(0)
+    acc = _overlapped_sum(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, H // BLOCK_K, zero,
+                          a_scale_ptr, w_scale_ptr, m_token, m_row_ok, e64, col0, N, stride_as, stride_wse, stride_wsn,
+                          A_SCALE, B_SCALE, BLOCK_N, True, BLOCK_K, STAGES, mma_layout)
 
     # ---- scales applied once (per token, per channel), as _kernels._gemm1_tile
     if A_SCALE == 2:
@@ -230,3 +263,68 @@ def gemm1_overlap_kernel(
     gl.store(out_ptr + out_rows.to(gl.int64)[:, None] * stride_om + cols[None, :], _quantize_groups(a32, g_scale),
              mask=out_mask)
     gl.store(out_scale_ptr + out_rows.to(gl.int64) * stride_os + col0 // 128, g_scale, mask=out_row_ok)
+
+
+@gluon.jit
+def gemm2_overlap_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
+    sorted_ptr, count_ptr, start_ptr,
+    E, N, H,
+    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    B_SCALE: gl.constexpr, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    """_kernels.gemm2_kernel for an FP8 intermediate with 1x128 group scales (A_MODE 4) and
+    per-channel (B_SCALE 2) or 128x128-block (3) weight scales, one column tile per program, N a
+    multiple of BLOCK_K (at least STAGES - 1 steps), 8 warps (launch.py checks all of it). Each
+    K step's product is promoted while the next one runs, as GEMM1's (_overlapped_sum): GEMM2's
+    inner dimension is the intermediate, 14336 long for Mixtral-8x7B, where the dense test of
+    diag_gluon_promote.py had the overlap 15% faster than Triton's promotion. The tile: 128 x 128
+    on two warpgroups of 64 rows each (KernelConfig.OVERLAP2_TILES), whose accumulator, product in
+    flight and product being added take 3 x 64 registers per thread. The layout below also
+    places 64-row tiles (warpgroups side by side along columns), which compile and lost."""
+    num_n_blocks = gl.cdiv(H, BLOCK_N)
+    pid_m, pid_n, num_m_blocks = _tile_of_program(start_ptr, E, num_n_blocks, GROUP_M, BLOCK_M)
+    if pid_m >= num_m_blocks or pid_n >= num_n_blocks:
+        return  # the grid is sized for the worst routing (see _kernels.gemm1_kernel)
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    e64, first_row, real_rows = _expert_rows(start_ptr, count_ptr, row0, E, E_POW2, num_warps)
+
+    # ---- operand addresses: the intermediate's sorted rows (padding rows zero-filled, as the
+    # Triton kernel's masked loads) and w2's rows of this column block
+    load_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_K // 16), BLOCK_K // 16], [num_warps, 1], [1, 0])
+    ks, rows, row_ok = _tile_rows(row0, first_row, real_rows, BLOCK_M, BLOCK_K, load_layout)
+    a_ptrs = a_ptr + rows.to(gl.int64)[:, None] * stride_am + ks[None, :]
+    a_mask = row_ok[:, None] & (ks < BLOCK_K)[None, :]
+    cols = col0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, load_layout))
+    b_ptrs = w_ptr + e64 * stride_we + gl.minimum(cols, H - 1).to(gl.int64)[:, None] * stride_wn + ks[None, :]
+    b_mask = (cols < H)[:, None] & (ks < BLOCK_K)[None, :]
+
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv)
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], b_layout)
+
+    # warpgroups stacked along rows (64 each), the rest side by side along columns
+    WARPS_M: gl.constexpr = 4 * (BLOCK_M // 64)
+    WARPS_N: gl.constexpr = num_warps // WARPS_M
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N],
+                                                         instr_shape=[16, BLOCK_N // WARPS_N, 32])
+    m_rows = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, mma_layout))
+    m_row_ok = m_rows - first_row < real_rows
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+    acc = _overlapped_sum(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, N // BLOCK_K, zero,
+                          a_scale_ptr, w_scale_ptr, m_rows.to(gl.int64), m_row_ok, e64, col0, N, stride_as, stride_wse,
+                          stride_wsn, 3, B_SCALE, BLOCK_N, False, BLOCK_K, STAGES, mma_layout)
+
+    # ---- the epilogue of _kernels._gemm2_tile, in its order: channel scale, the pair's top-k
+    # weight, to the pair's own output row
+    m_cols = col0 + gl.arange(0, BLOCK_N, gl.SliceLayout(0, mma_layout))
+    col_ok = m_cols < H
+    if B_SCALE == 2:
+        acc = acc * gl.load(w_scale_ptr + e64 * stride_wse + m_cols, mask=col_ok, other=0.0)[None, :]
+    pair = gl.load(sorted_ptr + m_rows, mask=m_row_ok, other=0)
+    acc = acc * gl.load(topk_weights_ptr + pair, mask=m_row_ok, other=0.0)[:, None]
+    gl.store(out_ptr + pair.to(gl.int64)[:, None] * stride_om + m_cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_row_ok[:, None] & col_ok[None, :])

@@ -7,7 +7,9 @@ wanted 3 stages where GEMM1 wanted 4 at GLM-4.5V M = 8192 (621 against 865 µs f
 fast mode), and 256-wide tiles at Mixtral M = 4096 (754 against 863; BENCHMARKS.md, eighth
 session). GEMM2's programs may also run several of a row block's column tiles in turn (N_TILES2,
 _kernels._gemm2_row_run; GEMM2's grouping then does not apply): 4% faster per layer at DeepSeek-V3
-M = 4096 (eleventh session). BLOCK_N is the width of an output tile: GEMM1 computes BLOCK_N gate
+M = 4096 (eleventh session), and GEMM2 may run in Gluon with its FP8 promotion overlapped (OVERLAP2,
+_gluon_kernels.gemm2_overlap_kernel: 2.3-10% per layer at Mixtral-8x7B M = 512-8192, fifteenth
+session). BLOCK_N is the width of an output tile: GEMM1 computes BLOCK_N gate
 and BLOCK_N up columns per tile, so its tile spans 2 * BLOCK_N columns of w13 (vLLM's
 BLOCK_SIZE_N for the same tile is 2 * BLOCK_N).
 
@@ -55,11 +57,14 @@ class KernelConfig:
     # GEMM2's column tiles per program (0 or 1: one): a program runs N_TILES2 column blocks of its
     # row block in turn (_kernels._gemm2_row_run); GEMM1 has no such parameter
     N_TILES2: int = 0
+    # 1: GEMM2 runs _gluon_kernels.gemm2_overlap_kernel on Hopper, each K step's FP8 product
+    # promoted while the next runs (OVERLAP2_TILES; launch.gemm2 says where); 0: the Triton kernel
+    OVERLAP2: int = 0
 
     # class constants, not fields: GEMM2's own value of a GEMM1 parameter (its name + "2"), and
     # the parameters only GEMM2 has
     GEMM2_FIELDS = ("BLOCK_N2", "num_warps2", "num_stages2", "GROUP_M2")
-    GEMM2_ONLY = ("N_TILES2",)
+    GEMM2_ONLY = ("N_TILES2", "OVERLAP2")
 
     # the one launch shape of the overlapped GEMM1 (its accumulator, the product in flight and the
     # one being added fill the register file: _gluon_kernels module docstring)
@@ -67,6 +72,12 @@ class KernelConfig:
     # its pipeline: at least 2 stages (one loading while one is read), at most 5 (every stage is
     # allocated, 40 KiB each, within Hopper's 227 KiB of shared memory)
     OVERLAP_STAGES = (2, 5)
+    # the overlapped GEMM2's tile (BLOCK_M, GEMM2's BLOCK_N) on 8 warps, BLOCK_K 128: two
+    # warpgroups on 64 rows each. 64 x 128 (warpgroups side by side) ran Mixtral-8x7B's layer
+    # 10-13% slower than the Gluon GEMM1's table entries it would follow, and 64 x 256 spilled
+    # (BENCHMARKS.md, fifteenth session).
+    OVERLAP2_TILES = ((128, 128),)
+    OVERLAP2_STAGES = (2, 6)  # 32 KiB a stage at 128 x 128
 
     def __post_init__(self):
         # one launch, one spelling: a GEMM2 parameter equal to GEMM1's is stored as unset, and so
@@ -84,15 +95,16 @@ class KernelConfig:
 
     def gemm2(self) -> "KernelConfig":
         """The config GEMM2 runs: GEMM2's own parameters in place of GEMM1's, where set (JOIN and
-        OVERLAP, GEMM1's alone, cleared), and N_TILES2 kept."""
+        OVERLAP, GEMM1's alone, cleared), and N_TILES2 and OVERLAP2 kept."""
         if not self.has_gemm2:
             return self
         own = {name[:-1]: getattr(self, name) for name in self.GEMM2_FIELDS if getattr(self, name)}
-        return dataclasses.replace(self.gemm1(), **own, JOIN=0, OVERLAP=0, N_TILES2=self.N_TILES2)
+        return dataclasses.replace(self.gemm1(), **own, JOIN=0, OVERLAP=0, N_TILES2=self.N_TILES2,
+                                   OVERLAP2=self.OVERLAP2)
 
     def with_gemm2(self, **params: int) -> "KernelConfig":
         """This config with GEMM2's parameters set (BLOCK_N=, num_warps=, num_stages=, GROUP_M=,
-        N_TILES=)."""
+        N_TILES=, OVERLAP=)."""
         names = [f[:-1] for f in self.GEMM2_FIELDS + self.GEMM2_ONLY]
         for name in params:
             if name not in names:
@@ -119,8 +131,10 @@ class KernelConfig:
                          if getattr(self, name) < 0]
             if negative:
                 return negative
-            tile2 = dataclasses.replace(self.gemm2(), N_TILES2=0)  # GEMM2's tile (its runs checked above)
-            return self.gemm1().problems(scheme) + [f"GEMM2: {p}" for p in tile2.problems(scheme)]
+            # GEMM2's tile (its runs checked above, its Gluon kernel below)
+            tile2 = dataclasses.replace(self.gemm2(), N_TILES2=0, OVERLAP2=0)
+            own = tile2.problems(scheme) + (self._overlap2_problems(scheme) if self.OVERLAP2 else [])
+            return self.gemm1().problems(scheme) + [f"GEMM2: {p}" for p in own]
         out = []
         if self.GEMV:  # K steps of whole 128-groups, columns without a tensor-core tile, no row tiles
             smallest = {"BLOCK_N": 4, "BLOCK_K": 128}
@@ -175,6 +189,29 @@ class KernelConfig:
                        f"num_stages={self.num_stages}")
         if self.JOIN or self.GEMV:
             out.append("OVERLAP=1 is a tiled GEMM1 of its own: JOIN and GEMV must be 0")
+        return out
+
+    def _overlap2_problems(self, scheme: QuantScheme) -> list[str]:
+        """Why OVERLAP2=1 cannot run `scheme` with GEMM2's launch: the overlapped GEMM2 reads an
+        FP8 intermediate with 1x128 group scales (what GEMM1 writes for per-token and 1x128-group
+        activations, per-channel or block weights), on OVERLAP2_TILES, one column tile per program."""
+        if self.OVERLAP2 != 1:
+            return [f"OVERLAP2={self.OVERLAP2} must be 0 or 1"]
+        g2 = self.gemm2()
+        out = []
+        if not (scheme.is_fp8 and scheme.activation in ("token", "group") and not scheme.static_activation
+                and scheme.weight in ("channel", "block")):
+            out.append(f"OVERLAP2=1 runs FP8 schemes with per-channel or block weights and dynamic per-token or "
+                       f"1x128-group activations, not {scheme.name}")
+        tiles = " or ".join(f"{m}x{n}" for m, n in self.OVERLAP2_TILES)
+        if (g2.BLOCK_M, g2.BLOCK_N) not in self.OVERLAP2_TILES or g2.BLOCK_K != 128 or g2.num_warps != 8:
+            out.append(f"OVERLAP2=1 runs BLOCK_M x GEMM2's BLOCK_N {tiles} with BLOCK_K 128 on 8 warps; got "
+                       f"{g2.BLOCK_M}x{g2.BLOCK_N}, BLOCK_K {g2.BLOCK_K}, {g2.num_warps} warps")
+        low, high = self.OVERLAP2_STAGES
+        if not low <= g2.num_stages <= high:
+            out.append(f"OVERLAP2=1 runs {low} to {high} pipeline stages; got GEMM2's num_stages={g2.num_stages}")
+        if g2.N_TILES2 > 1:
+            out.append(f"OVERLAP2=1 runs one column tile per program; got N_TILES2={g2.N_TILES2}")
         return out
 
     def to_dict(self) -> dict:

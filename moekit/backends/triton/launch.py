@@ -37,7 +37,7 @@ from ..base import Backend, device_capability
 from . import _kernels as k
 from .config import KernelConfig, get_config
 
-try:  # Gluon (Triton 3.4+): the overlapped GEMM1 of KernelConfig.OVERLAP, Hopper only
+try:  # Gluon (Triton 3.4+): the overlapped GEMMs of KernelConfig.OVERLAP / OVERLAP2, Hopper only
     from . import _gluon_kernels as gk
 except ImportError:
     gk = None
@@ -476,6 +476,20 @@ def _overlapped(cfg: KernelConfig, out_mode: int, H: int, device: torch.device,
     return H % cfg.BLOCK_K == 0 and H // cfg.BLOCK_K >= cfg.num_stages - 1 and aligned
 
 
+def _overlapped2(cfg2: KernelConfig, a_mode: int, N: int, device: torch.device,
+                 values: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> bool:
+    """Whether GEMM2 runs the Gluon kernel (_gluon_kernels.gemm2_overlap_kernel) for GEMM2's
+    config `cfg2` with OVERLAP2 = 1 (KernelConfig.problems has checked scheme, tile and stages):
+    where GEMM1 wrote an FP8 intermediate with 1x128 group scales (A_MODE 4: not fast mode's
+    per-row rule, nor GEMM1 tiles narrower than 128), on a Hopper GPU, with the intermediate in
+    whole K steps, at least as many as the pipeline preloads, and 16-byte aligned rows. Elsewhere
+    the Triton kernel runs the same tile, bitwise the same result (tests/test_triton_overlap.py)."""
+    if not cfg2.OVERLAP2 or a_mode != 4 or not overlap_available(device):
+        return False
+    aligned = all(t is None or (t.data_ptr() % 16 == 0 and t.stride(-2) % 16 == 0) for t in (values, w2))
+    return N % cfg2.BLOCK_K == 0 and N // cfg2.BLOCK_K >= cfg2.num_stages - 1 and aligned
+
+
 def overlap_available(device: torch.device) -> bool:
     """Whether the Gluon GEMM1 can run on `device` at all: a Hopper GPU (wgmma), a Triton with
     Gluon, not the interpreter (the tuner's search space asks this too)."""
@@ -511,6 +525,17 @@ def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights
     out = torch.empty(align.num_pairs, H, dtype=out_dtype, device=values.device)
     w_scale = weights.w2_scale
     stride_wse, stride_wsn = _scale_strides(w_scale)
+    if _overlapped2(cfg, act.a_mode, N, values.device, values, weights.w2):
+        _launch(gk.gemm2_overlap_kernel, _tiles(align, cfg, H),
+            values, act.scale, weights.w2, w_scale, topk_weights.reshape(-1).contiguous(), out,
+            align.sorted_pairs, align.count, align.start, E, N, H,
+            values.stride(0), act.scale.stride(0), weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn,
+            out.stride(0),
+            B_SCALE=B_SCALE_KIND[scheme.weight], E_POW2=triton.next_power_of_2(E),
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+            STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        )
+        return out
     _launch(k.gemm2_kernel, _tiles(align, cfg, H, cfg.gemm2_tiles),
         values, act.scale if act.scale is not None else values, weights.w2,
         w_scale if w_scale is not None else values, topk_weights.reshape(-1).contiguous(), out,
