@@ -511,6 +511,28 @@ def test_gemm2_search_times_runs_of_column_tiles(tmp_path, tiny_model, monkeypat
     assert "GEMM2 N64 G1 w4 s3 x2 tiles per program" in text
 
 
+@pytest.mark.parametrize("accumulation", ["precise", "fast"])
+def test_gemm2_step_tries_the_overlapped_gemm2_where_it_runs(accumulation, tmp_path, tiny_model, monkeypatch):
+    """On a GPU where the Gluon kernels run (launch.overlap_available, faked here), the GEMM2 step
+    also times the overlapped GEMM2 after a 128x128 base (space.OVERLAP2_SEARCH_STAGES), and a
+    faster one becomes the table's entry with OVERLAP2 set; in fast mode, where this scheme's
+    intermediate gets one scale per row (no promotion in GEMM2), it is not tried."""
+    monkeypatch.setattr(launch, "overlap_available", lambda device: True)
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", accumulation)
+    tall = KernelConfig(128, 128, 128, 1, 8, 2)
+    overlapped = [tall.with_gemm2(BLOCK_N=128, num_warps=8, num_stages=s, OVERLAP=1) for s in space.OVERLAP2_SEARCH_STAGES]
+    timer = FakeTimer(us={triton(tall): 50.0, triton(overlapped[-1]): 30.0}).install(monkeypatch)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out, gemm2=True, between=False, batch_sizes=["128"], space=lambda scheme: [tall])
+    assert result.exit_code == 0, text
+    tried = [f"{triton(c)} at M=128" in timer.calls for c in overlapped]
+    entry = read(only_file(out / "triton"))["configs"]["128"]
+    if accumulation == "precise":
+        assert all(tried) and KernelConfig.from_dict(entry) == overlapped[-1] and entry["OVERLAP2"] == 1
+    else:
+        assert not any(tried) and "OVERLAP2" not in entry
+
+
 def test_gemm2_search_off_and_under_search_space_none(tmp_path, tiny_model, monkeypatch):
     """--no-gemm2-search times no variant; a later run with --search-space none times only the
     variants of the best config found before."""
