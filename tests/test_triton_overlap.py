@@ -124,7 +124,7 @@ def test_overlap_config_on_the_cpu_runs_the_triton_kernel_it_mirrors(scheme, dev
 def test_overlap2_runs_per_token_and_block_schemes_on_its_tiles(scheme):
     for cfg in (OVERLAP2, OVERLAP2.with_gemm2(num_stages=6, OVERLAP=1), OVERLAP2.with_gemm2(GROUP_M=1, OVERLAP=1)):
         assert cfg.problems(get_scheme(scheme)) == [], cfg
-        assert cfg.gemm2().OVERLAP2 == 1 and cfg.gemm1().OVERLAP2 == 0 and cfg.gemm2().OVERLAP == 0
+        assert cfg.gemm2().OVERLAP2 == 1 and cfg.gemm1().OVERLAP2 == 0  # GEMM2's alone, as OVERLAP is GEMM1's
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8-tensor-static", "fp8-tensor-dynamic"])
@@ -179,11 +179,26 @@ def test_overlapped_gemm2_runs_only_where_it_can(monkeypatch):
         assert launch._overlapped2(g2, 4, 512, CUDA, torch.empty(8, 512, dtype=torch.float8_e4m3fn))
         assert not launch._overlapped2(g2, 4, 512, CUDA, torch.empty(8, 520, dtype=torch.float8_e4m3fn)[:, :512])
         assert not launch._overlapped2(g2, 4, 256, CUDA, values[:, 1:257])
+        w2 = torch.empty(2, 64, 512 + 8, dtype=torch.float8_e4m3fn)  # rows 520 bytes apart
+        assert launch._overlapped2(g2, 4, 512, CUDA, None, torch.empty(2, 64, 512, dtype=torch.float8_e4m3fn))
+        assert not launch._overlapped2(g2, 4, 512, CUDA, None, w2[:, :, :512])
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         assert not launch._overlapped2(g2, 4, 14336, CUDA)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with assume_capability((10, 0)):
         assert not launch._overlapped2(g2, 4, 14336, CUDA)
+
+
+def test_gemm_only_closure_refuses_a_config_the_kernels_cannot_run(device):
+    """prepare_gemm_only (moekit bench --mode gemm, the tuner) checks the config as run() does:
+    the Gluon GEMM2 on the Gluon GEMM1's 64-row tile would otherwise reach a kernel with no layout
+    for it."""
+    E, H, N, M, K = 3, 256, 256, 5, 2
+    w = random_weights(E, H, N, "fp8-channel-token", device=device)
+    tw, ids = random_routing(M, E, K, device=device)
+    x = random_x(M, H, device=device)
+    with pytest.raises(ValueError, match="GEMM2: OVERLAP2=1 runs BLOCK_M x GEMM2's BLOCK_N 128x128"):
+        moekit.get_backend("triton").prepare_gemm_only(x, w, tw, ids, config=OVERLAP.with_gemm2(OVERLAP=1))
 
 
 @pytest.mark.parametrize("scheme", ["fp8-channel-token", "fp8-block128"])
@@ -335,6 +350,8 @@ def test_gpu_overlapped_gemm2_is_bitwise_the_triton_kernel(name, accumulation, m
     ("fp8-channel-token", 5, 208, 640, 3),  # 5 K steps (the odd tail), partial last column tile
     ("fp8-channel-token", 5, 208, 640, 6),  # the deepest pipeline
     ("fp8-block128", 6, 256, 512, 5),  # 4 K steps: exactly the steps the pipeline preloads
+    ("fp8-block128", 6, 336, 512, 2),  # the shallowest pipeline, block scales on a partial column tile
+    ("fp8-channel-token", 5, 208, 640, 4),  # the shipped and searched depths
 ])
 def test_gpu_overlapped_gemm2_odd_steps_and_pipeline_depths(scheme, E, H, N, stages):
     """The odd tail of GEMM2's loop, 3 to 6 stages, as few steps as stages - 1, a partial last

@@ -517,20 +517,44 @@ def test_gemm2_step_tries_the_overlapped_gemm2_where_it_runs(accumulation, tmp_p
     also times the overlapped GEMM2 after a 128x128 base (space.OVERLAP2_SEARCH_STAGES), and a
     faster one becomes the table's entry with OVERLAP2 set; in fast mode, where this scheme's
     intermediate gets one scale per row (no promotion in GEMM2), it is not tried."""
+    monkeypatch.setattr(space, "OVERLAP2_SEARCH_STAGES", (2, 3))  # the CPU's tune shape has 1 K step of GEMM2: 2 stages fit
     monkeypatch.setattr(launch, "overlap_available", lambda device: True)
     monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", accumulation)
     tall = KernelConfig(128, 128, 128, 1, 8, 2)
     overlapped = [tall.with_gemm2(BLOCK_N=128, num_warps=8, num_stages=s, OVERLAP=1) for s in space.OVERLAP2_SEARCH_STAGES]
-    timer = FakeTimer(us={triton(tall): 50.0, triton(overlapped[-1]): 30.0}).install(monkeypatch)
+    timer = FakeTimer(us={triton(tall): 50.0, triton(overlapped[0]): 30.0}).install(monkeypatch)
     out = tmp_path / "out"
     result, text = tune(tiny_model, out, gemm2=True, between=False, batch_sizes=["128"], space=lambda scheme: [tall])
     assert result.exit_code == 0, text
     tried = [f"{triton(c)} at M=128" in timer.calls for c in overlapped]
     entry = read(only_file(out / "triton"))["configs"]["128"]
-    if accumulation == "precise":
-        assert all(tried) and KernelConfig.from_dict(entry) == overlapped[-1] and entry["OVERLAP2"] == 1
+    if accumulation == "precise":  # 3 stages would preload 2 steps of the one there is: not tried
+        assert tried == [True, False] and KernelConfig.from_dict(entry) == overlapped[0] and entry["OVERLAP2"] == 1
     else:
         assert not any(tried) and "OVERLAP2" not in entry
+
+
+def test_gemm2_step_also_starts_from_a_close_128_row_base_where_the_overlap_runs(tmp_path, tiny_model, monkeypatch):
+    """Where the overlapped GEMM2 runs, the GEMM2 step also starts from the fastest 128x128 8-warp
+    config (journal "gemm2_tall") when another config is the fastest alone and it is within
+    runner.WIDE_BASE_MARGIN: a 64-row winner cannot be followed by the overlapped GEMM2, and its
+    128-row rival with it can win the size. Not where the overlap does not run."""
+    monkeypatch.setattr(space, "OVERLAP2_SEARCH_STAGES", (2, 3))  # the CPU's tune shape has 1 K step of GEMM2: 2 stages fit
+    monkeypatch.setattr(launch, "overlap_available", lambda device: True)
+    short, tall = KernelConfig(64, 128, 128, 1, 8, 2), KernelConfig(128, 128, 128, 1, 8, 2)
+    overlapped = tall.with_gemm2(BLOCK_N=128, num_warps=8, num_stages=space.OVERLAP2_SEARCH_STAGES[0], OVERLAP=1)
+    timer = FakeTimer(us={triton(short): 45.0, triton(tall): 50.0, triton(overlapped): 40.0}).install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out, gemm2=True, between=False, batch_sizes=["128"], space=lambda scheme: [short, tall])
+    j = journals(out)[128]
+    assert j["gemm2"]["base"] == config_key(short) and j["gemm2_tall"]["base"] == config_key(tall)
+    assert f"{triton(overlapped)} at M=128" in timer.calls
+    assert KernelConfig.from_dict(read(only_file(out / "triton"))["configs"]["128"]) == overlapped
+    monkeypatch.setattr(launch, "overlap_available", lambda device: False)
+    out2 = tmp_path / "out2"
+    FakeTimer(us={triton(short): 45.0, triton(tall): 50.0}).install(monkeypatch)
+    tune(tiny_model, out2, gemm2=True, between=False, batch_sizes=["128"], space=lambda scheme: [short, tall])
+    assert "gemm2_tall" not in journals(out2)[128]
 
 
 def test_gemm2_search_off_and_under_search_space_none(tmp_path, tiny_model, monkeypatch):
@@ -1123,7 +1147,7 @@ def test_overlapped_gemm2_tried_on_128_row_bases_where_it_runs(monkeypatch):
 
     grid = [(128, 8, 4, 1)]
     tall = KernelConfig(128, 128, 128, 16, 8, 3)
-    kept, _ = space.gemm2_variants(tall, FP8_CHANNEL_TOKEN, grid, space.HOPPER_SHARED_MEMORY, True, overlap=True)
+    kept, _ = space.gemm2_variants(tall, FP8_CHANNEL_TOKEN, grid, space.HOPPER_SHARED_MEMORY, True, overlap_k_steps=112)
     overlapped = [c for c in kept if c.OVERLAP2]
     assert [config_key(c) for c in overlapped] == [f"M128-N128-K128-G16-w8-s3+N128-G16-w8-s{s}-ov"
                                                    for s in space.OVERLAP2_SEARCH_STAGES]
@@ -1132,19 +1156,28 @@ def test_overlapped_gemm2_tried_on_128_row_bases_where_it_runs(monkeypatch):
                                                             True)[0])  # not asked for
     for base in (KernelConfig(64, 128, 128, 8, 8, 4), KernelConfig(128, 64, 128, 8, 8, 4),
                  KernelConfig(64, 128, 128, 8, 8, 4, OVERLAP=1)):
-        kept, _ = space.gemm2_variants(base, FP8_BLOCK128, grid, space.HOPPER_SHARED_MEMORY, True, overlap=True)
+        kept, _ = space.gemm2_variants(base, FP8_BLOCK128, grid, space.HOPPER_SHARED_MEMORY, True, overlap_k_steps=6)
         assert not any(c.OVERLAP2 for c in kept), base
     wide = KernelConfig(128, 128, 128, 8, 16, 4)  # GEMM1 on 16 warps: GEMM2's own 8
     assert wide.with_gemm2(num_warps=8, num_stages=5, OVERLAP=1) in space.gemm2_variants(
-        wide, FP8_CHANNEL_TOKEN, grid, space.HOPPER_SHARED_MEMORY, True, overlap=True)[0]
+        wide, FP8_CHANNEL_TOKEN, grid, space.HOPPER_SHARED_MEMORY, True, overlap_k_steps=6)[0]
+    # as many stages as launch._overlapped2 runs in Gluon: DeepSeek-V3's 2 steps take none of 4 / 5
+    # (3 K steps would take 4 stages), else the variant would be its Triton twin under a Gluon key
+    for k_steps, stages in ((2, []), (3, [4]), (4, [4, 5])):
+        kept, _ = space.gemm2_variants(tall, FP8_BLOCK128, grid, space.HOPPER_SHARED_MEMORY, True, overlap_k_steps=k_steps)
+        assert [c.gemm2().num_stages for c in kept if c.OVERLAP2] == stages, k_steps
+        assert all(launch._overlapped2(c.gemm2(), 4, 128 * k_steps, torch.device("cuda"))
+                   for c in kept if c.OVERLAP2) or not launch.overlap_available(torch.device("cuda"))
     mixtral = MoEShape(num_experts=8, hidden=4096, intermediate=14336, top_k=2)
     glm = MoEShape(num_experts=128, hidden=4096, intermediate=704, top_k=8)
     assert space.overlap2_idle(mixtral, FP8_CHANNEL_TOKEN) is None
     assert "704" in space.overlap2_idle(glm, FP8_CHANNEL_TOKEN)
+    for scheme in (BF16, get_scheme("fp8-tensor-dynamic"), get_scheme("fp8-tensor-static")):
+        assert "not FP8 with 1x128 group scales" in space.overlap2_idle(mixtral, scheme)
     monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
     assert "per row" in space.overlap2_idle(mixtral, FP8_CHANNEL_TOKEN)
     assert space.overlap2_idle(mixtral, FP8_BLOCK128) is None  # block scales: the same kernels in both modes
-    assert vllm_config(overlapped[0], FP8_CHANNEL_TOKEN)[0] is None
+    assert vllm_config(overlapped[0], FP8_CHANNEL_TOKEN)[0] is None and "OVERLAP2=1" in vllm_config(overlapped[0], FP8_CHANNEL_TOKEN)[1]
 
 
 def test_config_from_key_inverts_config_key():
@@ -1156,7 +1189,7 @@ def test_config_from_key_inverts_config_key():
         searched = space.hopper_space(scheme, full=True)
         configs += searched
         for base in (c for c in searched if c.num_warps == space.WIDE_TILE_WARPS):
-            configs += space.gemm2_variants(base, scheme, grid, space.HOPPER_SHARED_MEMORY, True, overlap=True)[0]
+            configs += space.gemm2_variants(base, scheme, grid, space.HOPPER_SHARED_MEMORY, True, overlap_k_steps=8)[0]
     assert any(c.has_gemm2 and c.N_TILES2 for c in configs) and any(c.OVERLAP2 for c in configs)
     for cfg in configs:
         assert space.config_from_key(config_key(cfg)) == cfg, config_key(cfg)

@@ -195,6 +195,9 @@ def vllm_config(cfg: KernelConfig, scheme: QuantScheme) -> tuple[dict | None, st
     runs tiles twice as wide as moekit's)."""
     if cfg.GEMV:
         return None, "the GEMV path (GEMV=1) has no vLLM counterpart"
+    if cfg.OVERLAP2:
+        return None, ("GEMM2 in Gluon with the FP8 promotion overlapped (OVERLAP2=1): its time is that kernel's, "
+                      "which vLLM does not have")
     if cfg.has_gemm2:
         return None, "GEMM2 has a launch config of its own (vLLM runs one config for both GEMMs, one tile per program)"
     if cfg.OVERLAP:

@@ -90,11 +90,15 @@ def _config_text(cfg: dict) -> str:
     text = (f"M{cfg['BLOCK_M']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} G{cfg['GROUP_M']} "
             f"w{cfg['num_warps']} s{cfg['num_stages']}")
     gemm2 = KernelConfig.from_dict(cfg)
+    if gemm2.OVERLAP:
+        text += " Gluon"
     if gemm2.has_gemm2:  # GEMM2's own launch (tuner's GEMM2 step), after a "+"
         g2 = gemm2.gemm2()
         text += f" + GEMM2 N{g2.BLOCK_N} G{g2.GROUP_M} w{g2.num_warps} s{g2.num_stages}"
         if g2.N_TILES2:
             text += f" x{g2.N_TILES2} tiles per program"
+        if g2.OVERLAP2:
+            text += " Gluon"
     return text
 
 
@@ -157,7 +161,7 @@ def uncovered(journals_by_size: dict[int, dict], batch_sizes: list[int], backend
         elif not search.get("complete"):
             timed = sum(1 for v in j["configs"].values() if not KernelConfig.from_dict(v["config"]).has_gemm2)
             missing.append(f"part of the search ({timed} configs measured, {search['candidates']} candidates)")
-        for field in ("gemm2", "gemm2_wide"):  # runner.gemm2_bases
+        for field in ("gemm2", "gemm2_wide", "gemm2_tall"):  # runner.gemm2_bases
             gemm2 = j.get(field)
             if gemm2 is not None and not gemm2.get("complete"):
                 timed = sum(1 for k in j["configs"] if k.startswith(gemm2["base"] + "+"))  # space.config_key

@@ -104,10 +104,14 @@ GEMM2_RESERVE = 0.25
 WIDE_BASE_MARGIN = 1.25
 
 
-def gemm2_bases(j: Journal) -> list[tuple[str, KernelConfig]]:
+def gemm2_bases(j: Journal, tall: bool = False) -> list[tuple[str, KernelConfig]]:
     """(journal field, config) of the configs the GEMM2 step starts from: the fastest measured
-    tiled config without a GEMM2 launch of its own ("gemm2"), and the fastest such on 16 warps
-    when it is another and within WIDE_BASE_MARGIN of it ("gemm2_wide")."""
+    tiled config without a GEMM2 launch of its own ("gemm2"), the fastest such on 16 warps when it
+    is another and within WIDE_BASE_MARGIN of it ("gemm2_wide"), and with `tall` (the overlapped
+    GEMM2 runs on this problem) the fastest 128x128 one on 8 warps likewise ("gemm2_tall"): the
+    overlapped GEMM2 follows only a 128-row GEMM1, and where the Gluon GEMM1's 64-row tile is
+    the fastest alone, a 128-row GEMM1 with it was faster still (Mixtral-8x7B M = 512-4096,
+    BENCHMARKS.md fifteenth session)."""
     plain = sorted((v["us"], k) for k, v in j.data["configs"].items() if "us" in v and not _has_gemm2(v))
     configs = {k: KernelConfig.from_dict(j.config(k)["config"]) for _, k in plain}
     if not plain or configs[plain[0][1]].GEMV:
@@ -117,6 +121,10 @@ def gemm2_bases(j: Journal) -> list[tuple[str, KernelConfig]]:
     wide = [(us, k) for us, k in plain if configs[k].num_warps == WIDE_TILE_WARPS and not configs[k].GEMV]
     if wide and wide[0][1] != best and wide[0][0] <= WIDE_BASE_MARGIN * best_us:
         bases.append(("gemm2_wide", configs[wide[0][1]]))
+    tall_tiles = [(us, k) for us, k in plain if (configs[k].BLOCK_M, configs[k].BLOCK_N, configs[k].num_warps) ==
+                  (128, 128, 8) and not configs[k].GEMV and not configs[k].OVERLAP]
+    if tall and tall_tiles and tall_tiles[0][1] != best and tall_tiles[0][0] <= WIDE_BASE_MARGIN * best_us:
+        bases.append(("gemm2_tall", configs[tall_tiles[0][1]]))
     return bases
 
 
@@ -506,23 +514,30 @@ class Worker:
     def _search_gemm2(self, p: TuneProblem, j: Journal, share_end: float | None) -> None:
         """GEMM2's own launch (space.gemm2_variants) on this size's best config of the search
         space (tiled, no GEMM2 launch of its own), and on its best 16-warp one where that is close
-        (WIDE_BASE_MARGIN): each variant is timed as a config of its own, so the fastest of all
-        becomes the table's entry. Done once per such base (journal "gemm2" / "gemm2_wide"), also
+        (WIDE_BASE_MARGIN), and on its best 128x128 8-warp one where the overlapped GEMM2 runs:
+        each variant is timed as a config of its own, so the fastest of all becomes the table's
+        entry. Done once per such base (journal "gemm2" / "gemm2_wide" / "gemm2_tall"), also
         under --search-space none on the configs found before; within the size's share of the
         budget, after its search."""
         if not self.plan.gemm2_grid:
             return
-        for field, base in gemm2_bases(j):
+        for field, base in gemm2_bases(j, tall=self._overlap2_k_steps(p) > 0):
             if not self._gemm2_variants_of(p, j, field, base, share_end):
                 return
+
+    def _overlap2_k_steps(self, p: TuneProblem) -> int:
+        """GEMM2's K steps where the overlapped GEMM2 runs on this problem here, else 0."""
+        if launch.overlap_available(self.device) and overlap2_idle(p.shape, p.scheme) is None:
+            return p.shape.n // 128
+        return 0
 
     def _gemm2_variants_of(self, p: TuneProblem, j: Journal, field: str, base: KernelConfig,
                            share_end: float | None) -> bool:
         """Times `base`'s GEMM2 launch variants not yet measured, recorded under j.data[field];
         False when the share of the budget ran out first."""
-        overlap = launch.overlap_available(self.device) and overlap2_idle(p.shape, p.scheme) is None
         variants, dropped = gemm2_variants(base, p.scheme, self.plan.gemm2_grid, self.shared_memory,
-                                           gemm2_partial_accumulator(p.scheme, fp8_accumulation()), overlap)
+                                           gemm2_partial_accumulator(p.scheme, fp8_accumulation()),
+                                           self._overlap2_k_steps(p))
         todo = [c for c in variants if j.config(config_key(c)) is None]
         j.data[field] = {"base": config_key(base), "variants": len(variants), "dropped": dropped,
                          "complete": not todo}

@@ -250,25 +250,28 @@ def gemm2_partial_accumulator(scheme: QuantScheme, accumulation: str) -> bool:
 # fifteenth session), whole layer, precise mode: Mixtral-8x7B M = 512-8192 2.3-10% faster than the
 # tables' configs (4 and 5 stages within 1-2% of each other); Qwen3-30B-A3B M = 4096 / 8192, with
 # 6 K steps of GEMM2, 1-6% slower. Where it would run as its Triton twin (intermediate not in
-# whole 128-long steps, fast mode's per-row intermediate) it is not tried (overlap2_idle).
+# whole 128-long steps, fast mode's per-row intermediate: overlap2_idle; fewer K steps than a
+# stage count preloads: gemm2_variants) it is not tried.
 OVERLAP2_SEARCH_STAGES = (4, 5)
 
 
 def gemm2_variants(
     base: KernelConfig, scheme: QuantScheme, grid: Sequence[tuple[int, int, int, int]], smem_limit: int,
-    partial_accumulator: bool, overlap: bool = False,
+    partial_accumulator: bool, overlap_k_steps: int = 0,
 ) -> tuple[list[KernelConfig], dict[str, str]]:
     """(variants of `base` with GEMM2's own launch, {key dropped: why}); the variant equal to base
-    (GEMM2 launched as GEMM1) is not among them. `overlap`: also the overlapped GEMM2 on its tile
-    (OVERLAP2_SEARCH_STAGES), where `base` writes the intermediate it reads (128x128 GEMM1 tiles:
-    whole 1x128 groups)."""
+    (GEMM2 launched as GEMM1) is not among them. `overlap_k_steps`: GEMM2's K steps where the
+    overlapped GEMM2 runs on this problem (0 where it does not: overlap2_idle); then it is tried
+    too, on its tile, with the OVERLAP2_SEARCH_STAGES that leave at least one step beyond those
+    the pipeline preloads (launch._overlapped2; fewer run the Triton twin), after a base that
+    writes the intermediate it reads (128x128 GEMM1 tiles: whole 1x128 groups)."""
     kept: list[KernelConfig] = []
     dropped: dict[str, str] = {}
     launches = [base.with_gemm2(BLOCK_N=block_n, num_warps=warps, num_stages=stages, N_TILES=n_tiles)
                 for block_n, warps, stages, n_tiles in grid]
-    if overlap and base.BLOCK_N == 128 and (base.BLOCK_M, 128) in KernelConfig.OVERLAP2_TILES:
+    if overlap_k_steps and base.BLOCK_N == 128 and (base.BLOCK_M, 128) in KernelConfig.OVERLAP2_TILES:
         launches += [base.with_gemm2(BLOCK_N=128, num_warps=8, num_stages=stages, OVERLAP=1)
-                     for stages in OVERLAP2_SEARCH_STAGES]
+                     for stages in OVERLAP2_SEARCH_STAGES if overlap_k_steps >= stages - 1]
     for cfg in launches:
         if not cfg.has_gemm2 or cfg in kept:
             continue
@@ -399,8 +402,11 @@ def _overlap_idle(shape: MoEShape, scheme: QuantScheme) -> str | None:
 
 
 def overlap2_idle(shape: MoEShape, scheme: QuantScheme) -> str | None:
-    """Why the overlapped GEMM2 would run as its Triton twin on this problem (launch._overlapped2),
-    or None where it runs."""
+    """Why the overlapped GEMM2 cannot run on this problem, or would run as its Triton twin
+    (launch._overlapped2), or None where it runs (given enough K steps for its stages:
+    gemm2_variants)."""
+    if not (scheme.is_fp8 and scheme.activation in ("token", "group") and not scheme.static_activation):
+        return f"{scheme.name}'s intermediate is not FP8 with 1x128 group scales"
     if shape.n % 128:
         return f"the intermediate ({shape.n}) is not a whole number of 128-long K steps"
     if launch._row_intermediate(scheme):

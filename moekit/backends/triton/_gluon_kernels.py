@@ -1,5 +1,6 @@
-"""GEMM1 of the `triton` backend written in Gluon, Triton's lower-level language (only
-@gluon.jit code lives here; launch.py runs it, for configs with KernelConfig.OVERLAP = 1).
+"""GEMM1 and GEMM2 of the `triton` backend written in Gluon, Triton's lower-level language (only
+@gluon.jit code lives here; launch.py runs them, for configs with KernelConfig.OVERLAP = 1 and
+OVERLAP2 = 1; GEMM2's tile and why it exists: gemm2_overlap_kernel's docstring).
 
 Why Gluon: precise mode adds each 128-long FP8 product of the tensor cores into a float32
 accumulator (the "promotion", _kernels._dot). Triton 3.6 emits "issue the product, wait for it,
@@ -19,8 +20,8 @@ _kernels._gemm1_tile's with OUT_MODE 3 (SiLU(gate) * up quantized per 1x128 grou
 operation in the same order, so the output is bitwise that of the Triton kernel at the same rows
 (tests/test_triton_overlap.py checks it on the GPU).
 
-Gluon does not run under TRITON_INTERPRET=1: the CPU tests run the Triton kernel this one
-mirrors, and launch.py never sends an interpreted call here (launch._overlapped).
+Gluon does not run under TRITON_INTERPRET=1: the CPU tests run the Triton kernels these
+mirror, and launch.py never sends an interpreted call here (launch._overlapped, _overlapped2).
 """
 
 from triton.experimental import gluon

@@ -124,7 +124,8 @@ class KernelConfig:
         """Why this config cannot run `scheme` (empty when it can)."""
         if self.has_gemm2:
             if self.GEMV:
-                return ["BLOCK_N2 / num_warps2 / num_stages2 / GROUP_M2 / N_TILES2 are for the tiled path; the GEMV path (GEMV=1) has none"]
+                return ["BLOCK_N2 / num_warps2 / num_stages2 / GROUP_M2 / N_TILES2 / OVERLAP2 are for the tiled path; "
+                        "the GEMV path (GEMV=1) has none"]
             negative = [f"{name}={getattr(self, name)} must be 0 (GEMM1's) or positive" for name in self.GEMM2_FIELDS
                         if getattr(self, name) < 0]
             negative += [f"{name}={getattr(self, name)} must be 0 or positive" for name in self.GEMM2_ONLY

@@ -207,9 +207,7 @@ class TritonBackend(Backend):
     def run(self, x, weights, topk_weights, topk_ids, config: KernelConfig | None = None):
         M, K = topk_ids.shape
         cfg = config or self.config_for(weights, K, M, x.device)
-        problems = cfg.problems(weights.scheme)
-        if problems:
-            raise ValueError(f"kernel config {cfg} cannot run {weights.scheme.name}: {'; '.join(problems)}")
+        _check_config(cfg, weights.scheme)
         if cfg.GEMV:
             from .gemv import run_gemv  # imported here: gemv.py imports this module
 
@@ -228,6 +226,7 @@ class TritonBackend(Backend):
         aligned and quantized: what `moekit bench --mode gemm` and the tuner time."""
         M, K = topk_ids.shape
         cfg = config or self.config_for(weights, K, M, x.device)
+        _check_config(cfg, weights.scheme)
         a, a_scale = quantize_input(x, weights)
         tw = topk_weights.float()
         if cfg.GEMV:  # its GEMM2 holds the combine, which the tiled closure leaves out (not comparable)
@@ -242,6 +241,14 @@ class TritonBackend(Backend):
             return gemm2(act, weights, align, tw, x.dtype, cfg)
 
         return run_gemms
+
+
+def _check_config(cfg: KernelConfig, scheme: QuantScheme) -> None:
+    """ValueError naming why `cfg` cannot run `scheme` (KernelConfig.problems): the launch steps
+    below, the Gluon kernels' included, assume a config that passed it."""
+    problems = cfg.problems(scheme)
+    if problems:
+        raise ValueError(f"kernel config {cfg} cannot run {scheme.name}: {'; '.join(problems)}")
 
 
 # --------------------------------------------------------------------------- launch steps
@@ -491,8 +498,8 @@ def _overlapped2(cfg2: KernelConfig, a_mode: int, N: int, device: torch.device,
 
 
 def overlap_available(device: torch.device) -> bool:
-    """Whether the Gluon GEMM1 can run on `device` at all: a Hopper GPU (wgmma), a Triton with
-    Gluon, not the interpreter (the tuner's search space asks this too)."""
+    """Whether the Gluon GEMMs can run on `device` at all: a Hopper GPU (wgmma), a Triton with
+    Gluon, not the interpreter (the tuner asks this too)."""
     if gk is None or _interpreting() or device.type != "cuda":
         return False
     cap = device_capability(device)
