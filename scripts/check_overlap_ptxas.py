@@ -26,6 +26,7 @@ from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from moekit.backends.triton._gluon_kernels import gemm1_overlap_kernel, gemm2_overlap_kernel  # noqa: E402
+from moekit.backends.triton_options import compile_options  # noqa: E402 - the launches' options
 
 
 # (kernel, pointer arguments, integer arguments): every pointer and row stride of these kernels is
@@ -76,7 +77,7 @@ def ptxas_report(name: str, stages: int, folder: Path) -> tuple[str, str]:
     signature = {n: kinds[n] for n in names}
     source = GluonASTSource(kernel, signature, {(names.index(n), ): v for n, v in constants.items()},
                             {(names.index(n), ): [["tt.divisibility", 16]] for n in [*pointers, *ALIGNED_INTS]})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, **compile_options(False)})
     ptx = folder / f"{name.replace(' ', '_')}_s{stages}.ptx"
     ptx.write_text(compiled.asm["ptx"])
     ptxas = get_ptxas(90).path  # the one triton itself compiles sm_90 code with

@@ -5,6 +5,8 @@ On a GPU the same tests run the compiled kernels. Values are chosen so that resu
 (small integers, dyadic weights) and compared bit for bit wherever the operation is exact.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -417,3 +419,22 @@ def test_fused_moe_id_assertion_names_the_range():
     assert_ids_in_range(torch.tensor([[0, 6], [3, 1]]), 7)  # in range: nothing happens
     with pytest.raises(RuntimeError, match=r"moekit: topk_ids outside \[0, 7\)"):
         assert_ids_in_range(torch.tensor([[0, 7]]), 7)
+
+
+def test_glue_launches_ask_for_fp_fusion_on_a_gpu(monkeypatch):
+    """Every glue kernel launch passes backends.triton_options' FP fusion on a GPU (Triton 3.10
+    turns it off by default; the glue's roundings were measured with it), none under the
+    interpreter, which takes no compile options."""
+    from helpers import RecordingKernel
+    from moekit.backends.glue import _kernels as k
+
+    calls = []
+    monkeypatch.setattr(k, "_ids_in_range_kernel", RecordingKernel(["ids_ptr"], calls))
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    monkeypatch.setattr(ops, "interpreting", lambda: False)
+    ops.ids_in_range(ids, 8)
+    monkeypatch.setattr(ops, "interpreting", lambda: True)
+    ops.ids_in_range(ids, 8)
+    assert calls[0]["enable_fp_fusion"] is True and "enable_fp_fusion" not in calls[1]
+    source = Path(ops.__file__).read_text()  # and every launch site of the module passes them
+    assert source.count("_kernel[") == source.count("**_options()") > 0

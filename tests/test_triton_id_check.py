@@ -65,7 +65,8 @@ def test_the_backend_says_it_checks_and_the_others_do_not():
 
 def test_checking_kernels_get_the_flag_and_the_debug_option(monkeypatch):
     """_launch passes CHECK_IDS=True to the kernels that take it, with Triton's `debug` on a GPU
-    (without it device_assert compiles to nothing); other kernels get neither."""
+    (without it device_assert compiles to nothing); other kernels get neither (only the FP fusion
+    every launch on a GPU asks for)."""
     calls = []
     x = torch.zeros(2)
     monkeypatch.setattr(launch, "_interpreting", lambda: False)
@@ -78,7 +79,7 @@ def test_checking_kernels_get_the_flag_and_the_debug_option(monkeypatch):
 
     if "sanitize_overflow" in CUDAOptions.__dataclass_fields__:  # debug would add overflow checks everywhere
         assert calls[0]["sanitize_overflow"] is False
-    assert calls[1] == {}
+    assert calls[1] == {"enable_fp_fusion": True}  # every GPU launch asks for FP fusion (backends.triton_options)
     assert calls[2] == {"CHECK_IDS": True}  # the interpreter takes no compile options
 
 

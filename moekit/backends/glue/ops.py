@@ -37,6 +37,7 @@ import os
 import torch
 
 from ... import quant as _quant
+from ..triton_options import compile_options
 
 ALIGN_M = 16  # rows per expert group: a multiple of this (older torch grouped GEMMs assert it; 16-row
 # groups also keep every group's A rows and row scales 16-byte aligned for the GEMM's TMA loads)
@@ -80,6 +81,11 @@ def num_permuted_rows(num_pairs: int, num_experts: int, align: int = ALIGN_M) ->
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _options() -> dict:
+    """Compile options of a glue kernel's launch (moekit.backends.triton_options: FP fusion)."""
+    return compile_options(interpreting())
 
 
 def default_impl(device: torch.device) -> str:
@@ -193,21 +199,21 @@ def _permute_triton(x, topk_ids, E, align, mode, static_scale, a, a_scale):
     amax = torch.empty(2, dtype=torch.float32, device=dev)
     row_of_pair = torch.empty(P, dtype=torch.int32, device=dev)
 
-    k._rank_kernel[(C,)](ids, local_rank, chunk_base, P, E, BLOCK_P=BLOCK_P, BLOCK_E=block_e)
+    k._rank_kernel[(C,)](ids, local_rank, chunk_base, P, E, BLOCK_P=BLOCK_P, BLOCK_E=block_e, **_options())
     k._scan_kernel[(1,)](
         chunk_base, counts, offs, starts, amax, C, E,
-        ALIGN=align, BLOCK_C=max(2, SCAN_TILE // block_e), BLOCK_E=block_e,
+        ALIGN=align, BLOCK_C=max(2, SCAN_TILE // block_e), BLOCK_E=block_e, **_options(),
     )
     block_k = max(2, _pow2(K))
     if mode == _QUANT_DYNAMIC:
-        k._row_amax_kernel[(M,)](x, amax, H, x.stride(0), BLOCK_H=min(_pow2(H), 2048))
+        k._row_amax_kernel[(M,)](x, amax, H, x.stride(0), BLOCK_H=min(_pow2(H), 2048), **_options())
     scale_src = static_scale if mode == _QUANT_STATIC else amax
     k._permute_kernel[(M,)](
         x, ids, local_rank, chunk_base, starts, row_of_pair,
         a, a_scale if a_scale is not None else amax, scale_src,
         H, K, E, x.stride(0), a.stride(0),
         QUANT=mode, BLOCK_P=BLOCK_P, BLOCK_K=block_k,
-        BLOCK_H=max(16, min(_pow2(H), 4096 // block_k, 2048)),
+        BLOCK_H=max(16, min(_pow2(H), 4096 // block_k, 2048)), **_options(),
     )
     layout = Layout(row_of_pair, offs, counts, a.shape[0], M, K, align, "triton", amax)
     return a, a_scale, layout
@@ -318,13 +324,13 @@ def silu_mul(
             act_amax.zero_()
         layout.act_amax_fresh = False
         k._silu_amax_kernel[(P,)](
-            h, layout.row_of_pair, act_amax, N, h.stride(0), ACT_DTYPE=tl_act, BLOCK_N=block_n
+            h, layout.row_of_pair, act_amax, N, h.stride(0), ACT_DTYPE=tl_act, BLOCK_N=block_n, **_options()
         )
     k._silu_mul_kernel[(P,)](
         h, layout.row_of_pair, act, act_scale if act_scale is not None else amax,
         static_scale if mode == _QUANT_STATIC else act_amax,
         N, h.stride(0), act.stride(0),
-        QUANT=mode, ACT_DTYPE=tl_act, BLOCK_N=block_n,
+        QUANT=mode, ACT_DTYPE=tl_act, BLOCK_N=block_n, **_options(),
     )
     return act, act_scale
 
@@ -370,7 +376,7 @@ def combine(
         y = y.contiguous()
     block_h = min(_pow2(H), 1024)
     k._combine_kernel[(M, _cdiv(H, block_h))](
-        y, layout.row_of_pair, w, out, H, K, y.stride(0), out.stride(0), BLOCK_H=block_h
+        y, layout.row_of_pair, w, out, H, K, y.stride(0), out.stride(0), BLOCK_H=block_h, **_options()
     )
     return out
 
@@ -395,5 +401,5 @@ def ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     ok = torch.empty(1, dtype=torch.int32, device=ids.device) if one else torch.ones(1, dtype=torch.int32, device=ids.device)
     grid = (1,) if one else (_cdiv(P, IDS_CHECK_BLOCK),)
     with torch.cuda.device(ids.device) if ids.is_cuda else contextlib.nullcontext():
-        k._ids_in_range_kernel[grid](ids, ok, P, num_experts, BLOCK=IDS_CHECK_BLOCK, ONE_PROGRAM=one)
+        k._ids_in_range_kernel[grid](ids, ok, P, num_experts, BLOCK=IDS_CHECK_BLOCK, ONE_PROGRAM=one, **_options())
     return ok

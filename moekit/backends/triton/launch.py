@@ -34,6 +34,7 @@ from ...accumulation import FP8_ACCUMULATION_ENV, FP8_ACCUMULATIONS, fp8_accumul
 from ...spec import MoEShape, QuantScheme
 from ...weights import MoEWeights
 from ..base import Backend, device_capability
+from ..triton_options import compile_options
 from . import _kernels as k
 from .config import KernelConfig, get_config
 
@@ -139,6 +140,7 @@ def _launch(kernel, grid, *args, **kwargs):
         kwargs["CHECK_IDS"] = True
         if not _interpreting():  # the interpreter takes no compile options (tests set its own debug)
             kwargs.update(_ID_CHECK_OPTIONS)
+    kwargs.update(compile_options(_interpreting()))  # FP fusion asked for by name (triton_options)
     if "PDL" in names:  # it waits for its predecessor itself: launch it early
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         kwargs["PDL"] = pdl_enabled(device)
