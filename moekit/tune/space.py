@@ -40,7 +40,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from ..backends.triton import launch
-from ..backends.triton.config import KernelConfig, gemv_may_win
+from ..backends.triton.config import KernelConfig, gemv_may_win, gluon_scheme
 from ..spec import MoEShape, QuantScheme
 
 SEARCH_SPACES = ("pruned", "full", "none")
@@ -405,7 +405,7 @@ def overlap2_idle(shape: MoEShape, scheme: QuantScheme) -> str | None:
     """Why the overlapped GEMM2 cannot run on this problem, or would run as its Triton twin
     (launch._overlapped2), or None where it runs (given enough K steps for its stages:
     gemm2_variants)."""
-    if not (scheme.is_fp8 and scheme.activation in ("token", "group") and not scheme.static_activation):
+    if not gluon_scheme(scheme):
         return f"{scheme.name}'s intermediate is not FP8 with 1x128 group scales"
     if shape.n % 128:
         return f"the intermediate ({shape.n}) is not a whole number of 128-long K steps"

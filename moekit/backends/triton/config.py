@@ -176,8 +176,7 @@ class KernelConfig:
         weights and dynamic per-token or 1x128-group activations, whose intermediate it quantizes
         per 1x128 group, on OVERLAP_TILE."""
         out = []
-        if not (scheme.is_fp8 and scheme.activation in ("token", "group") and not scheme.static_activation
-                and scheme.weight in ("channel", "block")):
+        if not gluon_scheme(scheme):
             out.append(f"OVERLAP=1 runs FP8 schemes with per-channel or block weights and dynamic per-token or "
                        f"1x128-group activations, not {scheme.name}")
         wrong = [f"{name}={getattr(self, name)}" for name, v in self.OVERLAP_TILE.items() if getattr(self, name) != v]
@@ -200,8 +199,7 @@ class KernelConfig:
             return [f"OVERLAP2={self.OVERLAP2} must be 0 or 1"]
         g2 = self.gemm2()
         out = []
-        if not (scheme.is_fp8 and scheme.activation in ("token", "group") and not scheme.static_activation
-                and scheme.weight in ("channel", "block")):
+        if not gluon_scheme(scheme):
             out.append(f"OVERLAP2=1 runs FP8 schemes with per-channel or block weights and dynamic per-token or "
                        f"1x128-group activations, not {scheme.name}")
         tiles = " or ".join(f"{m}x{n}" for m, n in self.OVERLAP2_TILES)
@@ -225,6 +223,14 @@ class KernelConfig:
     def from_dict(cls, d: dict) -> "KernelConfig":
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: int(v) for k, v in d.items() if k in names})
+
+
+def gluon_scheme(scheme: QuantScheme) -> bool:
+    """Whether the Gluon kernels (OVERLAP, OVERLAP2) take this scheme: FP8 weights per channel or
+    in 128x128 blocks, activations quantized dynamically per token or per 1x128 group, so that
+    GEMM1 writes the intermediate in 1x128 groups (in precise mode; the launch steps check the mode)."""
+    return (scheme.is_fp8 and scheme.activation in ("token", "group") and not scheme.static_activation
+            and scheme.weight in ("channel", "block"))
 
 
 def default_config(shape: MoEShape, scheme: QuantScheme, num_tokens: int) -> KernelConfig:

@@ -481,8 +481,7 @@ def _overlapped(cfg: KernelConfig, out_mode: int, H: int, device: torch.device,
     (tests/test_triton_overlap.py)."""
     if not cfg.OVERLAP or out_mode != 3 or not overlap_available(device):
         return False
-    aligned = all(t is None or (t.data_ptr() % 16 == 0 and t.stride(-2) % 16 == 0) for t in (a, w13))
-    return H % cfg.BLOCK_K == 0 and H // cfg.BLOCK_K >= cfg.num_stages - 1 and aligned
+    return H % cfg.BLOCK_K == 0 and H // cfg.BLOCK_K >= cfg.num_stages - 1 and _rows_aligned16(a, w13)
 
 
 def _overlapped2(cfg2: KernelConfig, a_mode: int, N: int, device: torch.device,
@@ -495,8 +494,13 @@ def _overlapped2(cfg2: KernelConfig, a_mode: int, N: int, device: torch.device,
     the Triton kernel runs the same tile, bitwise the same result (tests/test_triton_overlap.py)."""
     if not cfg2.OVERLAP2 or a_mode != 4 or not overlap_available(device):
         return False
-    aligned = all(t is None or (t.data_ptr() % 16 == 0 and t.stride(-2) % 16 == 0) for t in (values, w2))
-    return N % cfg2.BLOCK_K == 0 and N // cfg2.BLOCK_K >= cfg2.num_stages - 1 and aligned
+    return N % cfg2.BLOCK_K == 0 and N // cfg2.BLOCK_K >= cfg2.num_stages - 1 and _rows_aligned16(values, w2)
+
+
+def _rows_aligned16(*tensors: torch.Tensor | None) -> bool:
+    """Whether each given tensor starts on a 16-byte boundary and its rows are a multiple of 16
+    bytes apart (FP8: elements): the Gluon kernels' cp.async copies are 16 bytes wide."""
+    return all(t is None or (t.data_ptr() % 16 == 0 and t.stride(-2) % 16 == 0) for t in tensors)
 
 
 def overlap_available(device: torch.device) -> bool:
@@ -534,9 +538,10 @@ def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights
     out = torch.empty(align.num_pairs, H, dtype=out_dtype, device=values.device)
     w_scale = weights.w2_scale
     stride_wse, stride_wsn = _scale_strides(w_scale)
+    pair_weights = topk_weights.reshape(-1).contiguous()
     if _overlapped2(cfg, act.a_mode, N, values.device, values, weights.w2):
         _launch(gk.gemm2_overlap_kernel, _tiles(align, cfg, H),
-            values, act.scale, weights.w2, w_scale, topk_weights.reshape(-1).contiguous(), out,
+            values, act.scale, weights.w2, w_scale, pair_weights, out,
             align.sorted_pairs, align.count, align.start, E, N, H,
             values.stride(0), act.scale.stride(0), weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn,
             out.stride(0),
@@ -547,7 +552,7 @@ def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights
         return out
     _launch(k.gemm2_kernel, _tiles(align, cfg, H, cfg.gemm2_tiles),
         values, act.scale if act.scale is not None else values, weights.w2,
-        w_scale if w_scale is not None else values, topk_weights.reshape(-1).contiguous(), out,
+        w_scale if w_scale is not None else values, pair_weights, out,
         align.sorted_pairs, align.count, align.start,
         align.num_pairs, E, N, H,
         values.stride(0), act.scale.stride(0) if act.scale is not None else 0,  # (rows,) or (rows, groups)
