@@ -1021,7 +1021,9 @@ def test_compile_only_compiles_and_launches_nothing(monkeypatch):
         monkeypatch.setattr(launch, "_interpreting", lambda: True)
         launch._launch(Kernel(), (7,), 8)
     launch._launch(Kernel(), (9,))
-    assert calls == [("launch", (2,), (1,), {"BLOCK": 3}), ("warmup", (4,), (5,), {"BLOCK": 6}), ("launch", (9,), (), {})]
+    fusion = {"enable_fp_fusion": True}  # every compile on a GPU asks for it (backends.triton_options)
+    assert calls == [("launch", (2,), (1,), {"BLOCK": 3, **fusion}), ("warmup", (4,), (5,), {"BLOCK": 6, **fusion}),
+                     ("launch", (9,), (), {})]
 
 
 def test_precompiler_reports_errors_and_runs_the_space(tmp_path):
