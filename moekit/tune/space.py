@@ -394,21 +394,24 @@ def static_prune(
 def _overlap_idle(shape: MoEShape, scheme: QuantScheme) -> str | None:
     """Why the overlapped GEMM1 would run as its Triton twin on this problem (launch._overlapped),
     or None where it runs."""
-    if shape.hidden % KernelConfig.OVERLAP_TILE["BLOCK_K"]:
-        return f"hidden {shape.hidden} is not a whole number of 128-long K steps"
-    if launch._row_intermediate(scheme):
-        return "fast mode quantizes this scheme's intermediate per row: no promotion to overlap"
-    return None
+    return _gluon_idle(scheme, shape.hidden, "hidden")
 
 
 def overlap2_idle(shape: MoEShape, scheme: QuantScheme) -> str | None:
     """Why the overlapped GEMM2 cannot run on this problem, or would run as its Triton twin
     (launch._overlapped2), or None where it runs (given enough K steps for its stages:
     gemm2_variants)."""
+    return _gluon_idle(scheme, shape.n, "intermediate")
+
+
+def _gluon_idle(scheme: QuantScheme, inner: int, name: str) -> str | None:
+    """What keeps a Gluon GEMM whose inner dimension (`name`) is `inner` long from running: a
+    scheme whose intermediate is not FP8 in 1x128 groups (config.gluon_scheme), K not in whole
+    128-long steps, or fast mode's per-row intermediate (no promotion to overlap); None if nothing."""
     if not gluon_scheme(scheme):
         return f"{scheme.name}'s intermediate is not FP8 with 1x128 group scales"
-    if shape.n % 128:
-        return f"the intermediate ({shape.n}) is not a whole number of 128-long K steps"
+    if inner % 128:
+        return f"{name} {inner} is not a whole number of 128-long K steps"
     if launch._row_intermediate(scheme):
         return "fast mode quantizes this scheme's intermediate per row: no promotion to overlap"
     return None
