@@ -4,7 +4,10 @@ each product in flight while the one before it is added. Where it cannot prove t
 product copied while in flight, a loop form it does not follow, register pressure) it waits after
 every wgmma and says so (warnings C7514 / C7517, seen with the chunked variants of the fourteenth
 session, BENCHMARKS.md). Also checks, in the PTX, that every refill after a wgmma wait comes
-after a CTA barrier (unbarriered_refills). Exit status 1 on any of these.
+after a CTA barrier (unbarriered_refills), and that the kernel's shared memory fits a Hopper
+block (a kernel asking for more compiles and fails only at launch; a lower bound: the GPU's own
+compile can ask for more, the 128-row GEMM1 with 5 stages 208 KiB here and 240 KiB on an H200).
+Exit status 1 on any of these.
 
     python3 scripts/check_overlap_ptxas.py [--stages 4] [--keep DIR]
 
@@ -12,6 +15,7 @@ Run without TRITON_INTERPRET (under it Triton defines no compilable kernels).
 """
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -25,7 +29,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from moekit.backends.triton._gluon_kernels import gemm1_overlap_kernel, gemm2_overlap_kernel  # noqa: E402
+from moekit.backends.triton._gluon_kernels import (gemm1_overlap_kernel, gemm1_overlap_tall_kernel,  # noqa: E402
+                                                   gemm2_overlap_kernel)
 from moekit.backends.triton_options import compile_options  # noqa: E402 - the launches' options
 
 
@@ -37,6 +42,7 @@ GEMM1 = (gemm1_overlap_kernel,
           "start_ptr": "*i32"},
          ["E", "N", "H", "K_TOP", "stride_am", "stride_as", "stride_we", "stride_wn", "stride_wse", "stride_wsn",
           "stride_om", "stride_os"])
+GEMM1_TALL = (gemm1_overlap_tall_kernel, *GEMM1[1:])
 GEMM2 = (gemm2_overlap_kernel,
          {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
           "topk_weights_ptr": "*fp32", "out_ptr": "*bf16", "sorted_ptr": "*i32", "count_ptr": "*i32",
@@ -48,6 +54,8 @@ ALIGNED_INTS = ["N", "H", "stride_am", "stride_we", "stride_wn", "stride_om"]
 CASES = {
     "gemm1 per-token": (GEMM1, dict(A_SCALE=2, B_SCALE=2, ACT_DTYPE=tl.bfloat16, BLOCK_M=64, BLOCK_N=128)),
     "gemm1 block": (GEMM1, dict(A_SCALE=3, B_SCALE=3, ACT_DTYPE=tl.bfloat16, BLOCK_M=64, BLOCK_N=128)),
+    "gemm1 tall per-token": (GEMM1_TALL, dict(A_SCALE=2, B_SCALE=2, ACT_DTYPE=tl.bfloat16, BLOCK_M=128, BLOCK_N=128)),
+    "gemm1 tall block": (GEMM1_TALL, dict(A_SCALE=3, B_SCALE=3, ACT_DTYPE=tl.bfloat16, BLOCK_M=128, BLOCK_N=128)),
     "gemm2 128x128 per-channel": (GEMM2, dict(B_SCALE=2, BLOCK_M=128, BLOCK_N=128)),
     "gemm2 128x128 block": (GEMM2, dict(B_SCALE=3, BLOCK_M=128, BLOCK_N=128)),
 }
@@ -69,7 +77,16 @@ def unbarriered_refills(ptx: str) -> int:
     return count
 
 
-def ptxas_report(name: str, stages: int, folder: Path) -> tuple[str, str]:
+def spilled(report: str) -> bool:
+    """Whether ptxas's report names any spill store or load (or a stack frame) other than 0 bytes."""
+    return bool(re.search(r"\b[1-9]\d* bytes (stack frame|spill stores|spill loads)", report))
+
+
+# Hopper's shared memory per block (227 KiB): a kernel asking for more compiles, and fails to launch
+HOPPER_SHARED_MEMORY = 232448
+
+
+def ptxas_report(name: str, stages: int, folder: Path) -> tuple[str, str, int]:
     (kernel, pointers, ints), tile = CASES[name]
     constants = dict(tile, E_POW2=8, BLOCK_K=128, GROUP_M=8, STAGES=stages, num_warps=8)
     kinds = dict(pointers, **dict.fromkeys(ints, "i32"), **dict.fromkeys(constants, "constexpr"))
@@ -83,7 +100,7 @@ def ptxas_report(name: str, stages: int, folder: Path) -> tuple[str, str]:
     ptxas = get_ptxas(90).path  # the one triton itself compiles sm_90 code with
     done = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
                           capture_output=True, text=True, check=True)
-    return done.stderr, compiled.asm["ptx"]
+    return done.stderr, compiled.asm["ptx"], compiled.metadata.shared
 
 
 def main() -> int:
@@ -98,13 +115,16 @@ def main() -> int:
         folder = Path(args.keep or tmp)
         folder.mkdir(parents=True, exist_ok=True)
         for name in CASES:
-            report, ptx = ptxas_report(name, args.stages, folder)
+            report, ptx, shared = ptxas_report(name, args.stages, folder)
             lines = [line.strip() for line in report.splitlines() if "C75" in line or "registers" in line or "spill" in line]
             unbarriered = unbarriered_refills(ptx)
             lines.append(f"cp.async after a wgmma wait without a CTA barrier between: {unbarriered}")
-            bad = "C7514" in report or "C7517" in report or "0 bytes spill stores" not in report or unbarriered
+            lines.append(f"shared memory: {shared // 1024} KiB of {HOPPER_SHARED_MEMORY // 1024}")
+            bad = ("C7514" in report or "C7517" in report or spilled(report) or unbarriered
+                   or shared > HOPPER_SHARED_MEMORY)
             failed |= bool(bad)
-            print(f"{name}: {'SERIALIZED, SPILLING OR UNBARRIERED' if bad else 'ok'}\n  " + "\n  ".join(lines))
+            print(f"{name}: {'SERIALIZED, SPILLING, UNBARRIERED OR TOO MUCH SHARED MEMORY' if bad else 'ok'}\n  "
+                  + "\n  ".join(lines))
     return 1 if failed else 0
 
 

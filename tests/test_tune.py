@@ -557,6 +557,27 @@ def test_gemm2_step_also_starts_from_a_close_128_row_base_where_the_overlap_runs
     assert "gemm2_tall" not in journals(out2)[128]
 
 
+def test_gemm2_tall_base_may_be_the_128_row_gluon_gemm1(tmp_path):
+    """runner.gemm2_bases: the "gemm2_tall" base is the fastest 128x128 8-warp config whether its
+    GEMM1 runs in Triton or in Gluon (OVERLAP on 128 rows, which the overlapped GEMM2 can follow);
+    a 64-row Gluon GEMM1 is never one, and a base slower than WIDE_BASE_MARGIN is not taken."""
+    from moekit.tune.journal import Journal
+    from moekit.tune.runner import WIDE_BASE_MARGIN, gemm2_bases
+
+    short = KernelConfig(64, 128, 128, 1, 8, 4, OVERLAP=1)
+    tall_gluon, tall_triton = KernelConfig(128, 128, 128, 8, 8, 4, OVERLAP=1), KernelConfig(128, 128, 128, 8, 8, 4)
+
+    def bases(times):
+        j = Journal(tmp_path / "j.json", {"configs": {config_key(c): {"config": c.to_dict(), "us": us}
+                                                      for c, us in times.items()}})
+        return dict(gemm2_bases(j, tall=True))
+
+    assert bases({short: 40.0, tall_gluon: 44.0, tall_triton: 47.0}) == {"gemm2": short, "gemm2_tall": tall_gluon}
+    assert bases({short: 40.0, tall_gluon: 48.0, tall_triton: 47.0}) == {"gemm2": short, "gemm2_tall": tall_triton}
+    assert bases({short: 40.0, tall_gluon: 40.0 * WIDE_BASE_MARGIN + 1}) == {"gemm2": short}
+    assert bases({tall_gluon: 40.0, short: 41.0}) == {"gemm2": tall_gluon}  # the fastest is already tall
+
+
 def test_gemm2_search_off_and_under_search_space_none(tmp_path, tiny_model, monkeypatch):
     """--no-gemm2-search times no variant; a later run with --search-space none times only the
     variants of the best config found before."""
@@ -1093,18 +1114,27 @@ def test_sixteen_warps_only_on_wide_tiles():
 
 
 def test_overlapped_gemm1_searched_on_its_tile_for_its_schemes():
-    """space.OVERLAP_SEARCH_STAGES on KernelConfig.OVERLAP_TILE, every grouping, for the FP8 schemes with
-    per-token or 1x128-group activations only; it survives static pruning at prefill sizes."""
+    """space.OVERLAP_SEARCH_STAGES on KernelConfig.OVERLAP_TILE's 64 rows and
+    OVERLAP_TALL_SEARCH_STAGES on its 128, every grouping, for the FP8 schemes with per-token or
+    1x128-group activations only; they survive static pruning at prefill sizes."""
     for scheme in (FP8_CHANNEL_TOKEN, FP8_BLOCK128):
         for full, groups in ((False, 3), (True, 4)):
             overlap = [c for c in space.hopper_space(scheme, full=full) if c.OVERLAP]
-            assert len(overlap) == groups * len(space.OVERLAP_SEARCH_STAGES), (scheme.name, full)
-            assert all(c.problems(scheme) == [] and (c.BLOCK_M, c.BLOCK_N, c.num_warps) == (64, 128, 8) for c in overlap)
+            assert len(overlap) == groups * PER_GROUPING, (scheme.name, full)
+            assert all(c.problems(scheme) == [] and (c.BLOCK_N, c.num_warps) == (128, 8) for c in overlap)
+            assert sorted({(c.BLOCK_M, c.num_stages) for c in overlap}) == sorted(
+                [(64, s) for s in space.OVERLAP_SEARCH_STAGES] + [(128, s) for s in space.OVERLAP_TALL_SEARCH_STAGES])
     for scheme in (BF16, get_scheme("fp8-tensor-dynamic"), get_scheme("fp8-tensor-static")):
         assert not any(c.OVERLAP for c in space.hopper_space(scheme, full=True)), scheme.name
     deepseek = MoEShape(num_experts=256, hidden=7168, intermediate=256, top_k=8)
     kept, _ = space.static_prune(space.hopper_space(FP8_BLOCK128), deepseek, FP8_BLOCK128, 8192, space.HOPPER_SHARED_MEMORY)
-    assert sum(c.OVERLAP for c in kept) == 3 * len(space.OVERLAP_SEARCH_STAGES)
+    assert sum(c.OVERLAP for c in kept) == 3 * PER_GROUPING
+    kept, dropped = space.static_prune(space.hopper_space(FP8_BLOCK128), deepseek, FP8_BLOCK128, 64, space.HOPPER_SHARED_MEMORY)
+    assert {c.BLOCK_M for c in kept if c.OVERLAP} == {64}  # 64 tokens: no expert gets 128 rows
+
+
+# overlapped GEMM1 configs per grouping: 64-row and 128-row stage counts
+PER_GROUPING = len(space.OVERLAP_SEARCH_STAGES) + len(space.OVERLAP_TALL_SEARCH_STAGES)
 
 
 def test_overlapped_gemm1_dropped_where_it_runs_as_its_twin(monkeypatch):
@@ -1122,13 +1152,13 @@ def test_overlapped_gemm1_dropped_where_it_runs_as_its_twin(monkeypatch):
         kept, dropped = space.static_prune(space.hopper_space(scheme), shape, scheme, 4096, space.HOPPER_SHARED_MEMORY)
         return sum(c.OVERLAP for c in kept), [why for why in dropped.values() if "Triton twin" in why]
 
-    assert overlap_kept(glm, FP8_CHANNEL_TOKEN) == (3 * len(space.OVERLAP_SEARCH_STAGES), [])
+    assert overlap_kept(glm, FP8_CHANNEL_TOKEN) == (3 * PER_GROUPING, [])
     kept, why = overlap_kept(odd_hidden, FP8_CHANNEL_TOKEN)
     assert kept == 0 and "hidden 4160 is not a whole number" in why[0]
     monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
     kept, why = overlap_kept(glm, FP8_CHANNEL_TOKEN)
     assert kept == 0 and "quantizes this scheme's intermediate per row" in why[0]
-    assert overlap_kept(glm, FP8_BLOCK128)[0] == 3 * len(space.OVERLAP_SEARCH_STAGES)  # block scales: the same kernels
+    assert overlap_kept(glm, FP8_BLOCK128)[0] == 3 * PER_GROUPING  # block scales: the same kernels
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the space of a real GPU tune
     if launch.gk is not None:
         with assume_capability((9, 0)):

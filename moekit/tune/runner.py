@@ -108,10 +108,10 @@ def gemm2_bases(j: Journal, tall: bool = False) -> list[tuple[str, KernelConfig]
     """(journal field, config) of the configs the GEMM2 step starts from: the fastest measured
     tiled config without a GEMM2 launch of its own ("gemm2"), the fastest such on 16 warps when it
     is another and within WIDE_BASE_MARGIN of it ("gemm2_wide"), and with `tall` (the overlapped
-    GEMM2 runs on this problem) the fastest 128x128 one on 8 warps likewise ("gemm2_tall"): the
-    overlapped GEMM2 follows only a 128-row GEMM1, and where the Gluon GEMM1's 64-row tile is
-    the fastest alone, a 128-row GEMM1 with it was faster still (Mixtral-8x7B M = 512-4096,
-    BENCHMARKS.md fifteenth session)."""
+    GEMM2 runs on this problem) the fastest 128x128 one on 8 warps likewise ("gemm2_tall", GEMM1
+    in Triton or in Gluon): the overlapped GEMM2 follows only a 128-row GEMM1, and where the
+    Gluon GEMM1's 64-row tile is the fastest alone, a 128-row GEMM1 with it was faster still
+    (Mixtral-8x7B M = 512-4096, BENCHMARKS.md fifteenth session)."""
     plain = sorted((v["us"], k) for k, v in j.data["configs"].items() if "us" in v and not _has_gemm2(v))
     configs = {k: KernelConfig.from_dict(j.config(k)["config"]) for _, k in plain}
     if not plain or configs[plain[0][1]].GEMV:
@@ -122,7 +122,7 @@ def gemm2_bases(j: Journal, tall: bool = False) -> list[tuple[str, KernelConfig]
     if wide and wide[0][1] != best and wide[0][0] <= WIDE_BASE_MARGIN * best_us:
         bases.append(("gemm2_wide", configs[wide[0][1]]))
     tall_tiles = [(us, k) for us, k in plain if (configs[k].BLOCK_M, configs[k].BLOCK_N, configs[k].num_warps) ==
-                  (128, 128, 8) and not configs[k].GEMV and not configs[k].OVERLAP]
+                  (128, 128, 8) and not configs[k].GEMV]  # GEMM1 in Triton or in Gluon (OVERLAP on 128 rows)
     if tall and tall_tiles and tall_tiles[0][1] != best and tall_tiles[0][0] <= WIDE_BASE_MARGIN * best_us:
         bases.append(("gemm2_tall", configs[tall_tiles[0][1]]))
     return bases

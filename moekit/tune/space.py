@@ -136,6 +136,10 @@ WIDE_TILE_WARPS = 16
 # Qwen3 M = 512: the tuner decides per size. Where it would run as its Triton twin (fast mode's
 # per-row intermediate, K not in whole 128-long steps) static_prune drops it as equivalent.
 OVERLAP_SEARCH_STAGES = (3, 4, 5)
+# ... and on 128 rows (gemm1_overlap_tall_kernel), with the most stages it runs: 3 stages were
+# 9-16% slower than 4 at Mixtral-8x7B M = 1024-8192 and GLM-4.5V M = 4096 / 8192 (BENCHMARKS.md,
+# sixteenth session), 5 do not fit in shared memory
+OVERLAP_TALL_SEARCH_STAGES = (4,)
 
 
 def hopper_space(scheme: QuantScheme, full: bool = False, overlap: bool = True) -> list[KernelConfig]:
@@ -144,7 +148,8 @@ def hopper_space(scheme: QuantScheme, full: bool = False, overlap: bool = True) 
     Tiled configs: BLOCK_K 256 only for unquantized weights (FP8 token/group tiles are tied to
     128-wide groups; the GEMV path's K steps of 256 and 512 hold whole groups);
     GROUP_M 32 only in the full search (beyond 16 the L2 reuse it buys is rarely measurable);
-    16 warps only on 128x128 tiles (WIDE_TILE_WARPS); the overlapped GEMM1 (OVERLAP_SEARCH_STAGES) on
+    16 warps only on 128x128 tiles (WIDE_TILE_WARPS); the overlapped GEMM1 (OVERLAP_SEARCH_STAGES,
+    OVERLAP_TALL_SEARCH_STAGES) on
     FP8 schemes with per-token or 1x128-group activations, unless `overlap` is False (a GPU where
     it would run as its Triton twin: default_space)."""
     block_k = (64, 128) if scheme.is_fp8 else (64, 128, 256)
@@ -160,8 +165,9 @@ def hopper_space(scheme: QuantScheme, full: bool = False, overlap: bool = True) 
         for bk, g, s in itertools.product(block_k, group_m, (2, 3, 4, 5))
     ]
     if overlap:
-        tile = KernelConfig(OVERLAP=1, **KernelConfig.OVERLAP_TILE)
-        configs += [dataclasses.replace(tile, GROUP_M=g, num_stages=s) for g, s in itertools.product(group_m, OVERLAP_SEARCH_STAGES)]
+        for rows, stages in ((64, OVERLAP_SEARCH_STAGES), (128, OVERLAP_TALL_SEARCH_STAGES)):
+            tile = KernelConfig(BLOCK_M=rows, OVERLAP=1, **KernelConfig.OVERLAP_TILE)
+            configs += [dataclasses.replace(tile, GROUP_M=g, num_stages=s) for g, s in itertools.product(group_m, stages)]
     configs += gemv_space()
     return [c for c in configs if not c.problems(scheme)]
 

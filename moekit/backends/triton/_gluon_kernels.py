@@ -1,6 +1,6 @@
 """GEMM1 and GEMM2 of the `triton` backend written in Gluon, Triton's lower-level language (only
-@gluon.jit code lives here; launch.py runs them, for configs with KernelConfig.OVERLAP = 1 and
-OVERLAP2 = 1; GEMM2's tile and why it exists: gemm2_overlap_kernel's docstring).
+@gluon.jit code lives here; launch.py runs them, for configs with KernelConfig.OVERLAP = 1 (on
+64 or 128 rows) and OVERLAP2 = 1; GEMM2's tile and why it exists: gemm2_overlap_kernel's docstring).
 
 Why Gluon: precise mode adds each 128-long FP8 product of the tensor cores into a float32
 accumulator (the "promotion", _kernels._dot). Triton 3.6 emits "issue the product, wait for it,
@@ -10,15 +10,19 @@ the tensor cores work on the next product. On a dense FP8 GEMM of Mixtral's GEMM
 12% faster than Triton's own promotion and bitwise equal to it (scripts/diag_gluon_promote.py,
 BENCHMARKS.md fourteenth session).
 
-The tile: 64 rows (one warpgroup's wgmma height) by BLOCK_N = 128 gate and 128 up columns,
+GEMM1's tiles: 64 rows (one warpgroup's wgmma height) by BLOCK_N = 128 gate and 128 up columns,
 interleaved as in _kernels._gemm1_joined (B row j is gate column j // 2 when j is even, up when
-odd), one 256-wide product per K step split between two warpgroups. The accumulator, the product
-in flight and the product being added take 3 x 64 registers per thread, so a taller tile does
-not fit in the register file (64K per SM): 128 rows with the product in four column chunks
-spilled and ran 1.6x slower (BENCHMARKS.md, fourteenth session). The epilogue is
-_kernels._gemm1_tile's with OUT_MODE 3 (SiLU(gate) * up quantized per 1x128 group) and every
-operation in the same order, so the output is bitwise that of the Triton kernel at the same rows
-(tests/test_triton_overlap.py checks it on the GPU).
+odd), one 256-wide product per K step split between two warpgroups (gemm1_overlap_kernel). The
+accumulator, the product in flight and the product being added take 3 x 64 registers per
+thread, so 128 rows by the same columns do not fit in the register file (64K per SM): with the
+product in four column chunks it spilled and ran 1.6x slower (BENCHMARKS.md, fourteenth session).
+On 128 rows the program instead runs its 128 columns as two 64-column halves in turn, each
+128 x (64 + 64) on two warpgroups stacked along rows, and quantizes them together as one 1x128
+group (gemm1_overlap_tall_kernel: 7% faster than the Triton kernel's 128-row tile in Mixtral's
+layer at M = 4096 and 8192, sixteenth session). The epilogue is _kernels._gemm1_tile's with
+OUT_MODE 3 (SiLU(gate) * up quantized per 1x128 group) and every operation in the same order, so
+the output is bitwise that of the Triton kernel at the same rows (tests/test_triton_overlap.py
+checks it on the GPU).
 
 Gluon does not run under TRITON_INTERPRET=1: the CPU tests run the Triton kernels these
 mirror, and launch.py never sends an interpreted call here (launch._overlapped, _overlapped2).
@@ -180,6 +184,16 @@ def _tile_rows(row0, first_row, real_rows, BLOCK_M: gl.constexpr, BLOCK_K: gl.co
 
 
 @gluon.jit
+def _gathered_rows(a_ptr, sorted_ptr, row0, first_row, real_rows, K_TOP, stride_am, BLOCK_M: gl.constexpr,
+                   BLOCK_K: gl.constexpr, load_layout: gl.constexpr):
+    """(K offsets, addresses, mask) of GEMM1's A tile: the tokens of the tile's sorted rows (pair
+    // top-k), read in place (no permuted copy of the activations); padding rows zero-filled."""
+    ks, rows, row_ok = _tile_rows(row0, first_row, real_rows, BLOCK_M, BLOCK_K, load_layout)
+    token = (gl.load(sorted_ptr + rows, mask=row_ok, other=0) // K_TOP).to(gl.int64)
+    return ks, a_ptr + token[:, None] * stride_am + ks[None, :], row_ok[:, None] & (ks < BLOCK_K)[None, :]
+
+
+@gluon.jit
 def _quantize_groups(act, scale_of_row):
     """_kernels._quantize_tile in Gluon: a / scale per row, correctly rounded without a division
     per element (the row's reciprocal, then one Markstein correction), clamped, to e4m3."""
@@ -214,10 +228,8 @@ def gemm1_overlap_kernel(
 
     # ---- operand addresses: 16-byte cp.async vectors along K
     load_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_K // 16), BLOCK_K // 16], [num_warps, 1], [1, 0])
-    ks, rows, row_ok = _tile_rows(row0, first_row, real_rows, BLOCK_M, BLOCK_K, load_layout)
-    token = (gl.load(sorted_ptr + rows, mask=row_ok, other=0) // K_TOP).to(gl.int64)
-    a_ptrs = a_ptr + token[:, None] * stride_am + ks[None, :]
-    a_mask = row_ok[:, None] & (ks < BLOCK_K)[None, :]
+    ks, a_ptrs, a_mask = _gathered_rows(a_ptr, sorted_ptr, row0, first_row, real_rows, K_TOP, stride_am,
+                                        BLOCK_M, BLOCK_K, load_layout)
     j = gl.arange(0, 2 * BLOCK_N, gl.SliceLayout(1, load_layout))
     col = col0 + j // 2
     w_row = gl.minimum(col, N - 1) + (j % 2) * N
@@ -329,3 +341,107 @@ def gemm2_overlap_kernel(
     acc = acc * gl.load(topk_weights_ptr + pair, mask=m_row_ok, other=0.0)[:, None]
     gl.store(out_ptr + pair.to(gl.int64)[:, None] * stride_om + m_cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_row_ok[:, None] & col_ok[None, :])
+
+
+
+@gluon.jit
+def _gemm1_half(a_bufs, b_bufs, a_ptrs, a_mask, w_ptr, e64, ks, a_scale_ptr, w_scale_ptr, m_token, m_row_ok,
+                col0, N, k_steps, stride_as, stride_wn, stride_wse, stride_wsn,
+                A_SCALE: gl.constexpr, B_SCALE: gl.constexpr, ACT_DTYPE: gl.constexpr, BLOCK_M: gl.constexpr,
+                HALF: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, load_layout: gl.constexpr,
+                mma_layout: gl.constexpr, epi: gl.constexpr):
+    """SiLU(gate) * up of the tile's rows at HALF intermediate columns from col0 (ACT_DTYPE, in
+    layout `epi`): the K loop over w13's interleaved gate/up rows (as gemm1_overlap_kernel's),
+    then the per-token and per-channel scales and the activation, each as _kernels._gemm1_tile."""
+    j = gl.arange(0, 2 * HALF, gl.SliceLayout(1, load_layout))
+    col = col0 + j // 2
+    w_row = gl.minimum(col, N - 1) + (j % 2) * N
+    b_ptrs = w_ptr + w_row.to(gl.int64)[:, None] * stride_wn + ks[None, :]
+    b_mask = (col < N)[:, None] & (ks < BLOCK_K)[None, :]
+    zero = gl.zeros([BLOCK_M, 2 * HALF], gl.float32, mma_layout)
+    acc = _overlapped_sum(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, k_steps, zero,
+                          a_scale_ptr, w_scale_ptr, m_token, m_row_ok, e64, col0, N, stride_as, stride_wse, stride_wsn,
+                          A_SCALE, B_SCALE, HALF, True, BLOCK_K, STAGES, mma_layout)
+    if A_SCALE == 2:
+        acc = acc * gl.load(a_scale_ptr + m_token, mask=m_row_ok, other=0.0)[:, None]
+    if B_SCALE == 2:
+        jj = gl.arange(0, 2 * HALF, gl.SliceLayout(0, mma_layout))
+        w_col = col0 + jj // 2
+        acc = acc * gl.load(w_scale_ptr + e64 * stride_wse + w_col + (jj % 2) * N, mask=w_col < N, other=0.0)[None, :]
+    gate, up = gl.split(gl.reshape(acc, [BLOCK_M, HALF, 2]))
+    gate = gl.convert_layout(gate, epi)
+    up = gl.convert_layout(up, epi)
+    return (gate / (1.0 + gl.exp(-gate)) * up).to(ACT_DTYPE)
+
+
+@gluon.jit
+def gemm1_overlap_tall_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
+    sorted_ptr, count_ptr, start_ptr,
+    E, N, H, K_TOP,
+    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
+    A_SCALE: gl.constexpr, B_SCALE: gl.constexpr, ACT_DTYPE: gl.constexpr, E_POW2: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    """gemm1_overlap_kernel on 128 rows: the 128 x (128 gate + 128 up) tile of a 1x128 group does
+    not fit in registers with a product in flight, so the program runs it as two 64-column halves
+    in turn, each 128 x (64 + 64) (two warpgroups of 64 rows, 3 x 64 registers each, as
+    gemm2_overlap_kernel's tile), keeps the first half's activation in shared memory, and
+    quantizes both halves as one 1x128 group. The same operations in the same order per element
+    as the Triton kernel at BLOCK_M 128: bitwise its output. A last half with no columns (N an
+    odd multiple of 64) is skipped."""
+    HALF: gl.constexpr = BLOCK_N // 2
+    num_n_blocks = gl.cdiv(N, BLOCK_N)
+    pid_m, pid_n, num_m_blocks = _tile_of_program(start_ptr, E, num_n_blocks, GROUP_M, BLOCK_M)
+    if pid_m >= num_m_blocks or pid_n >= num_n_blocks:
+        return  # the grid is sized for the worst routing (see _kernels.gemm1_kernel)
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    e64, first_row, real_rows = _expert_rows(start_ptr, count_ptr, row0, E, E_POW2, num_warps)
+
+    load_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_K // 16), BLOCK_K // 16], [num_warps, 1], [1, 0])
+    ks, a_ptrs, a_mask = _gathered_rows(a_ptr, sorted_ptr, row0, first_row, real_rows, K_TOP, stride_am,
+                                        BLOCK_M, BLOCK_K, load_layout)
+    w_e = w_ptr + e64 * stride_we
+
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * HALF, BLOCK_K], gl.float8e4nv)
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * HALF, BLOCK_K], b_layout)
+
+    # two warpgroups stacked along rows, each 64 rows by the half's 2 * HALF interleaved columns
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, 2 * HALF, 32])
+    m_rows = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, mma_layout))
+    m_row_ok = m_rows - first_row < real_rows
+    m_token = (gl.load(sorted_ptr + m_rows, mask=m_row_ok, other=0) // K_TOP).to(gl.int64)
+
+    epi: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])
+    stash = gl.allocate_shared_memory(ACT_DTYPE, [BLOCK_M, HALF], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    k_steps = H // BLOCK_K
+    act0 = _gemm1_half(a_bufs, b_bufs, a_ptrs, a_mask, w_e, e64, ks, a_scale_ptr, w_scale_ptr, m_token, m_row_ok,
+                       col0, N, k_steps, stride_as, stride_wn, stride_wse, stride_wsn,
+                       A_SCALE, B_SCALE, ACT_DTYPE, BLOCK_M, HALF, BLOCK_K, STAGES, load_layout, mma_layout, epi)
+    if col0 + HALF < N:  # the first half waits in shared memory, out of the registers the second needs
+        stash.store(act0)
+        act1 = _gemm1_half(a_bufs, b_bufs, a_ptrs, a_mask, w_e, e64, ks, a_scale_ptr, w_scale_ptr, m_token,
+                           m_row_ok, col0 + HALF, N, k_steps, stride_as, stride_wn, stride_wse, stride_wsn,
+                           A_SCALE, B_SCALE, ACT_DTYPE, BLOCK_M, HALF, BLOCK_K, STAGES, load_layout, mma_layout, epi)
+        act0 = stash.load(epi)
+    else:
+        act1 = act0  # no columns: every element masked off below
+
+    # ---- one 1x128 group per row over both halves, as _kernels._gemm1_tile's OUT_MODE 3
+    out_rows = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, epi))
+    out_row_ok = out_rows - first_row < real_rows
+    cols = col0 + gl.arange(0, HALF, gl.SliceLayout(0, epi))
+    mask0 = out_row_ok[:, None] & (cols < N)[None, :]
+    mask1 = out_row_ok[:, None] & (cols + HALF < N)[None, :]
+    a32 = gl.where(mask0, act0.to(gl.float32), 0.0)
+    b32 = gl.where(mask1, act1.to(gl.float32), 0.0)
+    g_scale = _scale_from_amax(gl.maximum(gl.max(gl.abs(a32), axis=1), gl.max(gl.abs(b32), axis=1)))
+    out_ptrs = out_ptr + out_rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
+    gl.store(out_ptrs, _quantize_groups(a32, g_scale), mask=mask0)
+    gl.store(out_ptrs + HALF, _quantize_groups(b32, g_scale), mask=mask1)
+    gl.store(out_scale_ptr + out_rows.to(gl.int64) * stride_os + col0 // 128, g_scale, mask=out_row_ok)

@@ -66,12 +66,16 @@ class KernelConfig:
     GEMM2_FIELDS = ("BLOCK_N2", "num_warps2", "num_stages2", "GROUP_M2")
     GEMM2_ONLY = ("N_TILES2", "OVERLAP2")
 
-    # the one launch shape of the overlapped GEMM1 (its accumulator, the product in flight and the
-    # one being added fill the register file: _gluon_kernels module docstring)
-    OVERLAP_TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8}
-    # its pipeline: at least 2 stages (one loading while one is read), at most 5 (every stage is
-    # allocated, 40 KiB each, within Hopper's 227 KiB of shared memory)
-    OVERLAP_STAGES = (2, 5)
+    # the launch shape of the overlapped GEMM1 (its accumulator, the product in flight and the one
+    # being added fill the register file: _gluon_kernels module docstring), on 64 rows or on 128
+    # (gemm1_overlap_tall_kernel: two 64-column halves in turn)
+    OVERLAP_TILE = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8}
+    OVERLAP_ROWS = (64, 128)
+    # its pipeline by rows: at least 2 stages (one loading while one is read), at most what fits
+    # in Hopper's 227 KiB of shared memory with the epilogue's layout change (every stage is
+    # allocated: 40 KiB each on 64 rows; 32 KiB each on 128, with 16 KiB for the first half's
+    # activation and up to 64 KiB for the epilogue: 5 stages asked for 240 KiB on an H200)
+    OVERLAP_STAGES = {64: (2, 5), 128: (2, 4)}
     # the overlapped GEMM2's tile (BLOCK_M, GEMM2's BLOCK_N) on 8 warps, BLOCK_K 128: two
     # warpgroups on 64 rows each. 64 x 128 (warpgroups side by side) ran Mixtral-8x7B's layer
     # 10-13% slower than the Gluon GEMM1's table entries it would follow, and 64 x 256 spilled
@@ -174,19 +178,22 @@ class KernelConfig:
     def _overlap_problems(self, scheme: QuantScheme) -> list[str]:
         """Why OVERLAP=1 cannot run `scheme` with this tile: the overlapped kernel is GEMM1 for FP8
         weights and dynamic per-token or 1x128-group activations, whose intermediate it quantizes
-        per 1x128 group, on OVERLAP_TILE."""
+        per 1x128 group, on OVERLAP_TILE with OVERLAP_ROWS."""
         out = []
         if not gluon_scheme(scheme):
             out.append(f"OVERLAP=1 runs FP8 schemes with per-channel or block weights and dynamic per-token or "
                        f"1x128-group activations, not {scheme.name}")
         wrong = [f"{name}={getattr(self, name)}" for name, v in self.OVERLAP_TILE.items() if getattr(self, name) != v]
+        if self.BLOCK_M not in self.OVERLAP_ROWS:
+            wrong.insert(0, f"BLOCK_M={self.BLOCK_M}")
         if wrong:
-            want = ", ".join(f"{name}={v}" for name, v in self.OVERLAP_TILE.items())
-            out.append(f"OVERLAP=1 runs one tile, {want}; got {', '.join(wrong)}")
-        low, high = self.OVERLAP_STAGES
+            want = " or ".join(map(str, self.OVERLAP_ROWS)) + ", " + ", ".join(
+                f"{name}={v}" for name, v in self.OVERLAP_TILE.items())
+            out.append(f"OVERLAP=1 runs BLOCK_M={want}; got {', '.join(wrong)}")
+        low, high = self.OVERLAP_STAGES.get(self.BLOCK_M, (2, 5))
         if not low <= self.num_stages <= high:
-            out.append(f"OVERLAP=1 runs {low} to {high} pipeline stages (each 40 KiB of shared memory); got "
-                       f"num_stages={self.num_stages}")
+            out.append(f"OVERLAP=1 runs {low} to {high} pipeline stages on {self.BLOCK_M} rows (all are allocated in "
+                       f"shared memory); got num_stages={self.num_stages}")
         if self.JOIN or self.GEMV:
             out.append("OVERLAP=1 is a tiled GEMM1 of its own: JOIN and GEMV must be 0")
         return out

@@ -435,7 +435,8 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
     stride_wse, stride_wsn = _scale_strides(w_scale)
     stride_as = a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1  # per 1x128 group: its row
     if _overlapped(cfg, out_mode, H, dev, a, weights.w13):
-        _launch(gk.gemm1_overlap_kernel, _tiles(align, cfg, N),
+        kernel = gk.gemm1_overlap_tall_kernel if cfg.BLOCK_M == 128 else gk.gemm1_overlap_kernel
+        _launch(kernel, _tiles(align, cfg, N),
             a, a_scale, weights.w13, w_scale, out, scale, align.sorted_pairs, align.count, align.start,
             E, N, H, top_k,
             a.stride(0), stride_as,
