@@ -1,5 +1,5 @@
-"""Compile the overlapped GEMMs (moekit/backends/triton/_gluon_kernels.py: GEMM1 and GEMM2 each on
-its one tile) for sm_90a with the installed triton, without a GPU, and read ptxas's report: the overlap exists only if ptxas keeps
+"""Compile the overlapped GEMMs (moekit/backends/triton/_gluon_kernels.py: GEMM1 on 64 and on 128
+rows, GEMM2 on its tile) for sm_90a with the installed triton, without a GPU, and read ptxas's report: the overlap exists only if ptxas keeps
 each product in flight while the one before it is added. Where it cannot prove that safe (a
 product copied while in flight, a loop form it does not follow, register pressure) it waits after
 every wgmma and says so (warnings C7514 / C7517, seen with the chunked variants of the fourteenth

@@ -1,5 +1,6 @@
 """KernelConfig.OVERLAP / OVERLAP2: GEMM1 / GEMM2 in Gluon with the FP8 promotion overlapped with
-the next K step's product (_gluon_kernels.gemm1_overlap_kernel, gemm2_overlap_kernel). The config
+the next K step's product (_gluon_kernels.gemm1_overlap_kernel on 64 rows,
+gemm1_overlap_tall_kernel on 128, gemm2_overlap_kernel). The config
 rules and where the kernels run (CPU), and on a Hopper GPU (marked `gpu`) the layer at the preset
 shapes: bitwise equal to the Triton kernels on the same tiles (every operation of the product,
 the scales and the epilogue in the same order), against the reference, repeatable, and under
@@ -29,7 +30,7 @@ TILE = KernelConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8
 OVERLAP = dataclasses.replace(TILE, OVERLAP=1)
 # GEMM1 in Gluon on 128 rows (gemm1_overlap_tall_kernel: two 64-column halves in turn)
 TALL = dataclasses.replace(OVERLAP, BLOCK_M=128)
-# GEMM2 in Gluon on its 128 x 128 tile (after GEMM1 in Triton: the Gluon GEMM1's tile is 64 rows)
+# GEMM2 in Gluon on its 128 x 128 tile, after a 128-row GEMM1 (here in Triton)
 OVERLAP2 = KernelConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4).with_gemm2(OVERLAP=1)
 CUDA = torch.device("cuda", 0)
 
@@ -58,6 +59,7 @@ def test_overlap_refuses_other_tiles_naming_the_ones_it_runs():
     for change in ({"BLOCK_M": 32}, {"BLOCK_M": 256}, {"BLOCK_N": 64}, {"num_warps": 16}, {"BLOCK_M": 128, "BLOCK_N": 256}):
         problems = dataclasses.replace(OVERLAP, **change).problems(get_scheme("fp8-channel-token"))
         assert any("BLOCK_M=64 or 128, BLOCK_N=128, BLOCK_K=128, num_warps=8; got" in p for p in problems), problems
+        assert not any("pipeline stages" in p for p in problems), problems  # no stage rule for rows it has no kernel of
     assert any("JOIN and GEMV must be 0" in p
                for p in dataclasses.replace(OVERLAP, JOIN=1).problems(get_scheme("fp8-channel-token")))
     assert "OVERLAP=2 must be 0 or 1" in dataclasses.replace(TILE, OVERLAP=2).problems(get_scheme("fp8-block128"))
@@ -104,6 +106,34 @@ def test_overlapped_kernel_runs_only_where_it_can(monkeypatch):
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         with assume_capability(cap):
             assert not launch._overlapped(OVERLAP, 3, 4096, CUDA), cap
+
+
+@pytest.mark.parametrize("tile,kernel", [(OVERLAP, "gemm1_overlap_kernel"), (TALL, "gemm1_overlap_tall_kernel")])
+def test_gemm1_launches_the_gluon_kernel_of_its_rows(tile, kernel, device, monkeypatch):
+    """Where launch._overlapped allows (here made to, on the CPU), GEMM1 goes to the Gluon kernel
+    of the config's rows: 64 to gemm1_overlap_kernel, 128 to gemm1_overlap_tall_kernel (stopped
+    at the launch: Gluon does not run on the CPU)."""
+    if device.type != "cpu" or launch.gk is None:
+        pytest.skip("the CPU case, with a triton that has Gluon")
+
+    class Launched(Exception):
+        pass
+
+    real = launch._launch
+
+    def stop_at_gluon(fn, grid, *args, **kwargs):
+        if fn in (launch.gk.gemm1_overlap_kernel, launch.gk.gemm1_overlap_tall_kernel):
+            raise Launched(fn)
+        return real(fn, grid, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "_launch", stop_at_gluon)
+    monkeypatch.setattr(launch, "overlap_available", lambda device: True)
+    E, H, N, M, K = 3, 512, 256, 5, 2  # 4 K steps: more than the 3 the pipeline preloads
+    w = random_weights(E, H, N, "fp8-channel-token", device=device)
+    tw, ids = random_routing(M, E, K, device=device)
+    with pytest.raises(Launched) as launched:
+        run(random_x(M, H, device=device), w, tw, ids, tile)
+    assert launched.value.args[0] is getattr(launch.gk, kernel)
 
 
 @pytest.mark.parametrize("scheme", ["fp8-channel-token", "fp8-block128"])
@@ -401,18 +431,20 @@ def test_gpu_overlapped_gemm2_is_the_kernel_that_ran(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_overlapped_gemm1_is_the_kernel_that_ran(monkeypatch):
-    """The bitwise comparison above means something only if the Gluon kernel ran: at the GLM-4.5V
-    and DeepSeek-V3 shapes in precise mode, the launch goes to it."""
+    """The bitwise comparisons here mean something only if the Gluon kernels ran: at the GLM-4.5V
+    and DeepSeek-V3 shapes in precise mode, the launch goes to the 64-row kernel for OVERLAP and
+    to the 128-row one for TALL."""
     _hopper()
-    calls = []
-    real = launch.gk.gemm1_overlap_kernel
-    monkeypatch.setattr(launch.gk, "gemm1_overlap_kernel", _Spy(real, calls))
+    calls, tall_calls = [], []
+    monkeypatch.setattr(launch.gk, "gemm1_overlap_kernel", _Spy(launch.gk.gemm1_overlap_kernel, calls))
+    monkeypatch.setattr(launch.gk, "gemm1_overlap_tall_kernel", _Spy(launch.gk.gemm1_overlap_tall_kernel, tall_calls))
     for name in ("glm-4.5v-fp8 tp2", "deepseek-v3 tp8"):
         E, H, N, K, scheme = PRESET_SHAPES[name]
         w = random_weights(E, H, N, scheme, device="cuda")
         tw, ids = random_routing(64, E, K, device="cuda")
-        assert_matches_reference(run(x := random_x(64, H, device="cuda"), w, tw, ids, OVERLAP), x, w, tw, ids)
-    assert len(calls) == 2
+        for cfg in (OVERLAP, TALL):
+            assert_matches_reference(run(x := random_x(64, H, device="cuda"), w, tw, ids, cfg), x, w, tw, ids)
+    assert len(calls) == 2 and len(tall_calls) == 2
 
 
 class _Spy:
@@ -444,6 +476,7 @@ def test_gpu_tall_overlapped_gemm1_is_bitwise_the_triton_kernel(name, monkeypatc
 @pytest.mark.parametrize("scheme,E,H,N,stages", [
     ("fp8-channel-token", 5, 640, 208, 3),  # odd K tail; the second column tile's second half is partial
     ("fp8-channel-token", 5, 640, 192, 4),  # the second column tile has no second half
+    ("fp8-channel-token", 5, 640, 160, 4),  # ... and a partial first half
     ("fp8-channel-token", 5, 512, 320, 2),  # fewest stages
     ("fp8-block128", 6, 512, 256, 4),  # (H = 384 sits at the reference bound: the 64-row test's note)
     ("fp8-block128", 5, 640, 384, 3),

@@ -1129,7 +1129,7 @@ def test_overlapped_gemm1_searched_on_its_tile_for_its_schemes():
     deepseek = MoEShape(num_experts=256, hidden=7168, intermediate=256, top_k=8)
     kept, _ = space.static_prune(space.hopper_space(FP8_BLOCK128), deepseek, FP8_BLOCK128, 8192, space.HOPPER_SHARED_MEMORY)
     assert sum(c.OVERLAP for c in kept) == 3 * PER_GROUPING
-    kept, dropped = space.static_prune(space.hopper_space(FP8_BLOCK128), deepseek, FP8_BLOCK128, 64, space.HOPPER_SHARED_MEMORY)
+    kept, _ = space.static_prune(space.hopper_space(FP8_BLOCK128), deepseek, FP8_BLOCK128, 64, space.HOPPER_SHARED_MEMORY)
     assert {c.BLOCK_M for c in kept if c.OVERLAP} == {64}  # 64 tokens: no expert gets 128 rows
 
 

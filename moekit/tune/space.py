@@ -128,7 +128,7 @@ def config_from_key(key: str) -> KernelConfig:
 # Mixtral and 256x128 2-3x slower everywhere: only 128x128 tiles get 16 warps.)
 WIDE_TILE_WARPS = 16
 
-# GEMM1 in Gluon with the FP8 promotion overlapped (KernelConfig.OVERLAP): its one tile, every
+# GEMM1 in Gluon with the FP8 promotion overlapped (KernelConfig.OVERLAP): its 64-row tile, every
 # grouping and 3-5 stages (5 fill 200 of the 227 KiB). On an H200 (BENCHMARKS.md, fourteenth
 # session), whole layer, precise mode, against the tables' configs: 1-6% faster at 64-row sizes
 # (DeepSeek-V3 M = 1024-8192, GLM-4.5V 1448-2896, Qwen3-30B-A3B 1024-2048, Mixtral 512-728) and
@@ -136,8 +136,8 @@ WIDE_TILE_WARPS = 16
 # Qwen3 M = 512: the tuner decides per size. Where it would run as its Triton twin (fast mode's
 # per-row intermediate, K not in whole 128-long steps) static_prune drops it as equivalent.
 OVERLAP_SEARCH_STAGES = (3, 4, 5)
-# ... and on 128 rows (gemm1_overlap_tall_kernel), with the most stages it runs: 3 stages were
-# 9-16% slower than 4 at Mixtral-8x7B M = 1024-8192 and GLM-4.5V M = 4096 / 8192 (BENCHMARKS.md,
+# ... and on 128 rows (gemm1_overlap_tall_kernel), with the most stages it runs: 3 stages took
+# 8-15% more time than 4 at Mixtral-8x7B M = 1024-8192 and GLM-4.5V M = 4096 / 8192 (BENCHMARKS.md,
 # sixteenth session), 5 do not fit in shared memory
 OVERLAP_TALL_SEARCH_STAGES = (4,)
 

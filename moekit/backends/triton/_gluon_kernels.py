@@ -18,8 +18,8 @@ thread, so 128 rows by the same columns do not fit in the register file (64K per
 product in four column chunks it spilled and ran 1.6x slower (BENCHMARKS.md, fourteenth session).
 On 128 rows the program instead runs its 128 columns as two 64-column halves in turn, each
 128 x (64 + 64) on two warpgroups stacked along rows, and quantizes them together as one 1x128
-group (gemm1_overlap_tall_kernel: 7% faster than the Triton kernel's 128-row tile in Mixtral's
-layer at M = 4096 and 8192, sixteenth session). The epilogue is _kernels._gemm1_tile's with
+group (gemm1_overlap_tall_kernel: 7% less time than the tables' 128-row Triton GEMM1 configs in
+Mixtral's layer at M = 4096 and 8192, sixteenth session). The epilogue is _kernels._gemm1_tile's with
 OUT_MODE 3 (SiLU(gate) * up quantized per 1x128 group) and every operation in the same order, so
 the output is bitwise that of the Triton kernel at the same rows (tests/test_triton_overlap.py
 checks it on the GPU).
@@ -424,6 +424,8 @@ def gemm1_overlap_tall_kernel(
                        col0, N, k_steps, stride_as, stride_wn, stride_wse, stride_wsn,
                        A_SCALE, B_SCALE, ACT_DTYPE, BLOCK_M, HALF, BLOCK_K, STAGES, load_layout, mma_layout, epi)
     if col0 + HALF < N:  # the first half waits in shared memory, out of the registers the second needs
+        # (block weights: N is whole 128-row blocks, weights.py, so _promote's rows of col0 + HALF,
+        # // 128, are the Triton kernel's blocks of col0)
         stash.store(act0)
         act1 = _gemm1_half(a_bufs, b_bufs, a_ptrs, a_mask, w_e, e64, ks, a_scale_ptr, w_scale_ptr, m_token,
                            m_row_ok, col0 + HALF, N, k_steps, stride_as, stride_wn, stride_wse, stride_wsn,

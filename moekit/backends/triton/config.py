@@ -46,8 +46,9 @@ class KernelConfig:
     num_stages: int = 3
     JOIN: int = 0  # 1: GEMM1's gate and up columns in one wide tile (_kernels._gemm1_joined)
     GEMV: int = 0  # 1: the decode path of gemv.py (no alignment; BLOCK_M and GROUP_M unused)
-    # 1: GEMM1 runs _gluon_kernels.gemm1_overlap_kernel on Hopper, which adds each K step's FP8
-    # product into float32 while the next product runs (OVERLAP_TILE; launch.gemm1 says where)
+    # 1: GEMM1 runs _gluon_kernels.gemm1_overlap_kernel (64 rows) or gemm1_overlap_tall_kernel
+    # (128) on Hopper, which add each K step's FP8 product into float32 while the next product
+    # runs (OVERLAP_TILE, OVERLAP_ROWS; launch.gemm1 says where)
     OVERLAP: int = 0
     # GEMM2's own launch parameters on the tiled path (0: the same as GEMM1's; module docstring)
     BLOCK_N2: int = 0
@@ -190,7 +191,7 @@ class KernelConfig:
             want = " or ".join(map(str, self.OVERLAP_ROWS)) + ", " + ", ".join(
                 f"{name}={v}" for name, v in self.OVERLAP_TILE.items())
             out.append(f"OVERLAP=1 runs BLOCK_M={want}; got {', '.join(wrong)}")
-        low, high = self.OVERLAP_STAGES.get(self.BLOCK_M, (2, 5))
+        low, high = self.OVERLAP_STAGES.get(self.BLOCK_M, (1, 8))  # other rows: refused above
         if not low <= self.num_stages <= high:
             out.append(f"OVERLAP=1 runs {low} to {high} pipeline stages on {self.BLOCK_M} rows (all are allocated in "
                        f"shared memory); got num_stages={self.num_stages}")

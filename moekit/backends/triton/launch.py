@@ -471,8 +471,8 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
 
 def _overlapped(cfg: KernelConfig, out_mode: int, H: int, device: torch.device,
                 a: torch.Tensor | None = None, w13: torch.Tensor | None = None) -> bool:
-    """Whether GEMM1 runs the Gluon kernel (_gluon_kernels.gemm1_overlap_kernel) for a config
-    with OVERLAP = 1 (KernelConfig.problems has checked scheme, tile and stages): where its
+    """Whether GEMM1 runs a Gluon kernel (_gluon_kernels.gemm1_overlap_kernel on 64 rows,
+    gemm1_overlap_tall_kernel on 128) for a config with OVERLAP = 1 (KernelConfig.problems has checked scheme, tile and stages): where its
     promotion exists (the intermediate quantized per 1x128 group, OUT_MODE 3: not in fast mode's
     per-row rule for per-token schemes, where the tensor cores sum all of K), on a Hopper GPU
     (wgmma; never under the interpreter, which runs the Triton kernel it mirrors), with K in whole
