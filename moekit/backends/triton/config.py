@@ -180,10 +180,7 @@ class KernelConfig:
         """Why OVERLAP=1 cannot run `scheme` with this tile: the overlapped kernel is GEMM1 for FP8
         weights and dynamic per-token or 1x128-group activations, whose intermediate it quantizes
         per 1x128 group, on OVERLAP_TILE with OVERLAP_ROWS."""
-        out = []
-        if not gluon_scheme(scheme):
-            out.append(f"OVERLAP=1 runs FP8 schemes with per-channel or block weights and dynamic per-token or "
-                       f"1x128-group activations, not {scheme.name}")
+        out = _gluon_scheme_problems("OVERLAP", scheme)
         wrong = [f"{name}={getattr(self, name)}" for name, v in self.OVERLAP_TILE.items() if getattr(self, name) != v]
         if self.BLOCK_M not in self.OVERLAP_ROWS:
             wrong.insert(0, f"BLOCK_M={self.BLOCK_M}")
@@ -206,10 +203,7 @@ class KernelConfig:
         if self.OVERLAP2 != 1:
             return [f"OVERLAP2={self.OVERLAP2} must be 0 or 1"]
         g2 = self.gemm2()
-        out = []
-        if not gluon_scheme(scheme):
-            out.append(f"OVERLAP2=1 runs FP8 schemes with per-channel or block weights and dynamic per-token or "
-                       f"1x128-group activations, not {scheme.name}")
+        out = _gluon_scheme_problems("OVERLAP2", scheme)
         tiles = " or ".join(f"{m}x{n}" for m, n in self.OVERLAP2_TILES)
         if (g2.BLOCK_M, g2.BLOCK_N) not in self.OVERLAP2_TILES or g2.BLOCK_K != 128 or g2.num_warps != 8:
             out.append(f"OVERLAP2=1 runs BLOCK_M x GEMM2's BLOCK_N {tiles} with BLOCK_K 128 on 8 warps; got "
@@ -231,6 +225,14 @@ class KernelConfig:
     def from_dict(cls, d: dict) -> "KernelConfig":
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: int(v) for k, v in d.items() if k in names})
+
+
+def _gluon_scheme_problems(flag: str, scheme: QuantScheme) -> list[str]:
+    """Why `flag`=1 (OVERLAP or OVERLAP2) cannot run `scheme`, as far as the scheme goes."""
+    if gluon_scheme(scheme):
+        return []
+    return [f"{flag}=1 runs FP8 schemes with per-channel or block weights and dynamic per-token or "
+            f"1x128-group activations, not {scheme.name}"]
 
 
 def gluon_scheme(scheme: QuantScheme) -> bool:

@@ -482,7 +482,7 @@ def _overlapped(cfg: KernelConfig, out_mode: int, H: int, device: torch.device,
     (tests/test_triton_overlap.py)."""
     if not cfg.OVERLAP or out_mode != 3 or not overlap_available(device):
         return False
-    return H % cfg.BLOCK_K == 0 and H // cfg.BLOCK_K >= cfg.num_stages - 1 and _rows_aligned16(a, w13)
+    return _fills_gluon_pipeline(cfg, H) and _rows_aligned16(a, w13)
 
 
 def _overlapped2(cfg2: KernelConfig, a_mode: int, N: int, device: torch.device,
@@ -495,7 +495,13 @@ def _overlapped2(cfg2: KernelConfig, a_mode: int, N: int, device: torch.device,
     the Triton kernel runs the same tile, bitwise the same result (tests/test_triton_overlap.py)."""
     if not cfg2.OVERLAP2 or a_mode != 4 or not overlap_available(device):
         return False
-    return N % cfg2.BLOCK_K == 0 and N // cfg2.BLOCK_K >= cfg2.num_stages - 1 and _rows_aligned16(values, w2)
+    return _fills_gluon_pipeline(cfg2, N) and _rows_aligned16(values, w2)
+
+
+def _fills_gluon_pipeline(cfg: KernelConfig, K: int) -> bool:
+    """Whether an inner dimension K suits a Gluon GEMM's pipeline under `cfg`: whole K steps (its
+    loads have no K mask), at least as many as it preloads (num_stages - 1)."""
+    return K % cfg.BLOCK_K == 0 and K // cfg.BLOCK_K >= cfg.num_stages - 1
 
 
 def _rows_aligned16(*tensors: torch.Tensor | None) -> bool:
