@@ -1,5 +1,5 @@
 """Compile the overlapped GEMMs (moekit/backends/triton/_gluon_kernels.py: GEMM1 on 64 and on 128
-rows, GEMM2 on its tile) for sm_90a with the installed triton, without a GPU, and read ptxas's report: the overlap exists only if ptxas keeps
+rows, the latter with and without its half-height tile, GEMM2 on its tile) for sm_90a with the installed triton, without a GPU, and read ptxas's report: the overlap exists only if ptxas keeps
 each product in flight while the one before it is added. Where it cannot prove that safe (a
 product copied while in flight, a loop form it does not follow, register pressure) it waits after
 every wgmma and says so (warnings C7514 / C7517, seen with the chunked variants of the fourteenth
@@ -54,27 +54,78 @@ ALIGNED_INTS = ["N", "H", "stride_am", "stride_we", "stride_wn", "stride_om"]
 CASES = {
     "gemm1 per-token": (GEMM1, dict(A_SCALE=2, B_SCALE=2, ACT_DTYPE=tl.bfloat16, BLOCK_M=64, BLOCK_N=128)),
     "gemm1 block": (GEMM1, dict(A_SCALE=3, B_SCALE=3, ACT_DTYPE=tl.bfloat16, BLOCK_M=64, BLOCK_N=128)),
-    "gemm1 tall per-token": (GEMM1_TALL, dict(A_SCALE=2, B_SCALE=2, ACT_DTYPE=tl.bfloat16, BLOCK_M=128, BLOCK_N=128)),
-    "gemm1 tall block": (GEMM1_TALL, dict(A_SCALE=3, B_SCALE=3, ACT_DTYPE=tl.bfloat16, BLOCK_M=128, BLOCK_N=128)),
+    "gemm1 tall per-token": (GEMM1_TALL, dict(A_SCALE=2, B_SCALE=2, ACT_DTYPE=tl.bfloat16, BLOCK_M=128, BLOCK_N=128,
+                                              HALF_HEIGHT=0)),
+    "gemm1 tall block": (GEMM1_TALL, dict(A_SCALE=3, B_SCALE=3, ACT_DTYPE=tl.bfloat16, BLOCK_M=128, BLOCK_N=128,
+                                          HALF_HEIGHT=0)),
+    # with the 64-row tile of an expert's last block compiled into the same kernel (one register
+    # allocation for both)
+    "gemm1 tall half-height per-token": (GEMM1_TALL, dict(A_SCALE=2, B_SCALE=2, ACT_DTYPE=tl.bfloat16, BLOCK_M=128,
+                                                          BLOCK_N=128, HALF_HEIGHT=1)),
+    "gemm1 tall half-height block": (GEMM1_TALL, dict(A_SCALE=3, B_SCALE=3, ACT_DTYPE=tl.bfloat16, BLOCK_M=128,
+                                                      BLOCK_N=128, HALF_HEIGHT=1)),
     "gemm2 128x128 per-channel": (GEMM2, dict(B_SCALE=2, BLOCK_M=128, BLOCK_N=128)),
     "gemm2 128x128 block": (GEMM2, dict(B_SCALE=3, BLOCK_M=128, BLOCK_N=128)),
 }
 
 
+_LABEL = re.compile(r"^\s*(\$?[\w.$]+):")
+_BRANCH = re.compile(r"^\s*(@!?%\w+\s+)?bra(\.uni)?\s+(\$?[\w.$]+);")
+_COPY = re.compile(r"\bcp\.async\.c[ag]\.")  # a copy (cp.async.ca / .cg), not commit_group
+_BARRIER = re.compile(r"\b(bar|barrier)\.sync\b")
+
+
 def unbarriered_refills(ptx: str) -> int:
-    """cp.async copies that follow a wgmma wait with no CTA barrier between them, in program order.
-    A refill overwrites the stage the previous product read; wgmma.wait_group waits for this
-    warpgroup's products only, so the other warpgroup may still be reading that stage until a
-    barrier. The kernel relies on Triton's barrier-insertion pass for it (_refill's docstring)."""
-    count, waited = 0, False
+    """cp.async copies that some path through the kernel reaches after a wgmma wait with no CTA
+    barrier between them. A refill overwrites the stage the previous product read; wgmma.wait_group
+    waits for this warpgroup's products only, so the other warpgroup may still be reading that
+    stage until a barrier. The kernel relies on Triton's barrier-insertion pass for it (_refill's
+    docstring). Paths, not program text: the PTX is cut into basic blocks at labels and branches,
+    and "a wait with no barrier since" flows along branches and fall-throughs to a fixed point (a
+    branch into another block's text is not a path; a loop's back edge is)."""
+    blocks, labels = [[]], {}
     for line in ptx.splitlines():
-        if "wgmma.wait_group" in line:
-            waited = True
-        elif "bar.sync" in line or "barrier.sync" in line:
-            waited = False
-        elif "cp.async.c" in line and waited:
-            count, waited = count + 1, False
-    return count
+        label = _LABEL.match(line)
+        if label:
+            if blocks[-1]:
+                blocks.append([])
+            labels[label.group(1)] = len(blocks) - 1
+            continue
+        blocks[-1].append(line)
+        if _BRANCH.match(line) or re.match(r"^\s*(ret|exit)\b", line):
+            blocks.append([])
+
+    def successors(i: int) -> list[int]:
+        last = blocks[i][-1] if blocks[i] else ""
+        branch = _BRANCH.match(last)
+        fall = [i + 1] if i + 1 < len(blocks) else []
+        if re.match(r"^\s*(ret|exit)\b", last):
+            return []
+        if branch:
+            target = [labels[branch.group(3)]] if branch.group(3) in labels else []
+            return target if not branch.group(1) else target + fall  # unpredicated: no fall-through
+        return fall
+
+    def run(i: int, waited: bool, flagged: set) -> bool:
+        for j, line in enumerate(blocks[i]):
+            if "wgmma.wait_group" in line:
+                waited = True
+            elif _BARRIER.search(line):
+                waited = False
+            elif _COPY.search(line) and waited:
+                flagged.add((i, j))
+        return waited
+
+    entered = [False] * len(blocks)  # entered with a wait pending, on some path
+    work, flagged = list(range(len(blocks))), set()
+    while work:
+        i = work.pop()
+        out = run(i, entered[i], flagged)
+        for k in successors(i):
+            if out and not entered[k]:
+                entered[k] = True
+                work.append(k)
+    return len(flagged)
 
 
 def spilled(report: str) -> bool:

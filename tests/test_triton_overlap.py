@@ -108,11 +108,12 @@ def test_overlapped_kernel_runs_only_where_it_can(monkeypatch):
             assert not launch._overlapped(OVERLAP, 3, 4096, CUDA), cap
 
 
+@pytest.mark.parametrize("half_height", [False, True])
 @pytest.mark.parametrize("tile,kernel", [(OVERLAP, "gemm1_overlap_kernel"), (TALL, "gemm1_overlap_tall_kernel")])
-def test_gemm1_launches_the_gluon_kernel_of_its_rows(tile, kernel, device, monkeypatch):
+def test_gemm1_launches_the_gluon_kernel_of_its_rows(tile, kernel, half_height, device, monkeypatch):
     """Where launch._overlapped allows (here made to, on the CPU), GEMM1 goes to the Gluon kernel
-    of the config's rows: 64 to gemm1_overlap_kernel, 128 to gemm1_overlap_tall_kernel (stopped
-    at the launch: Gluon does not run on the CPU)."""
+    of the config's rows: 64 to gemm1_overlap_kernel, 128 to gemm1_overlap_tall_kernel, which is
+    told launch.GLUON_HALF_HEIGHT (stopped at the launch: Gluon does not run on the CPU)."""
     if device.type != "cpu" or launch.gk is None:
         pytest.skip("the CPU case, with a triton that has Gluon")
 
@@ -123,17 +124,21 @@ def test_gemm1_launches_the_gluon_kernel_of_its_rows(tile, kernel, device, monke
 
     def stop_at_gluon(fn, grid, *args, **kwargs):
         if fn in (launch.gk.gemm1_overlap_kernel, launch.gk.gemm1_overlap_tall_kernel):
-            raise Launched(fn)
+            raise Launched(fn, kwargs)
         return real(fn, grid, *args, **kwargs)
 
     monkeypatch.setattr(launch, "_launch", stop_at_gluon)
+    monkeypatch.setattr(launch, "GLUON_HALF_HEIGHT", half_height)
     monkeypatch.setattr(launch, "overlap_available", lambda device: True)
     E, H, N, M, K = 3, 512, 256, 5, 2  # 4 K steps: more than the 3 the pipeline preloads
     w = random_weights(E, H, N, "fp8-channel-token", device=device)
     tw, ids = random_routing(M, E, K, device=device)
     with pytest.raises(Launched) as launched:
         run(random_x(M, H, device=device), w, tw, ids, tile)
-    assert launched.value.args[0] is getattr(launch.gk, kernel)
+    fn, kwargs = launched.value.args
+    assert fn is getattr(launch.gk, kernel)
+    # the 64-row kernel has no such parameter; the 128-row one gets the switch as 0 or 1
+    assert kwargs.get("HALF_HEIGHT") == (int(half_height) if tile is TALL else None)
 
 
 @pytest.mark.parametrize("scheme", ["fp8-channel-token", "fp8-block128"])
@@ -273,7 +278,8 @@ def test_overlapped_kernel_keeps_its_products_in_flight_through_ptxas():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert done.stdout.count(": ok") == 6, done.stdout  # GEMM1 on 64 and 128 rows, GEMM2: 2 scale kinds each
+    # GEMM1 on 64 rows, on 128 rows with and without the half-height tile, GEMM2: 2 scale kinds each
+    assert done.stdout.count(": ok") == 8, done.stdout
 
 
 def _check_script():
@@ -298,13 +304,27 @@ def test_spill_check_reads_every_nonzero_count():
 
 
 def test_unbarriered_refill_check_sees_a_missing_barrier():
-    """check_overlap_ptxas.unbarriered_refills, on PTX shapes: a copy after a wgmma wait counts
-    unless a CTA barrier comes between."""
+    """check_overlap_ptxas.unbarriered_refills, on PTX shapes: a copy that some path reaches after
+    a wgmma wait counts unless a CTA barrier comes between; paths follow branches, not the text
+    (the half-height GEMM1's two tiles are two branches: the end of one is not followed by the
+    start of the other); commit_group is no copy."""
     module = _check_script()
-    wait, bar, copy = "wgmma.wait_group.sync.aligned 1;", "bar.sync 0;", "cp.async.cg.shared.global [ %r1 ], [ %rd1 ], 0x10;"
+    wait, bar = "wgmma.wait_group.sync.aligned 1;", "bar.sync 0;"
+    copy, commit = "cp.async.cg.shared.global [ %r1 ], [ %rd1 ], 0x10;", "cp.async.commit_group;"
+    add = "add.f32 %r2, %r2, %r3;"
     assert module.unbarriered_refills("\n".join([wait, bar, copy, copy])) == 0
-    assert module.unbarriered_refills("\n".join([copy, wait, "add.f32 %r2, %r2, %r3;", copy, copy])) == 1
+    assert module.unbarriered_refills("\n".join([copy, wait, add, copy, copy])) == 2
     assert module.unbarriered_refills("\n".join([wait, copy, bar, wait, copy])) == 2
+    assert module.unbarriered_refills("\n".join([wait, commit])) == 0
+    # two branches: the wait ends one, the copy starts the other
+    branches = ["@%p1 bra $L__BB0_2;", wait, "bra.uni $L__BB0_3;", "$L__BB0_2:", copy, "$L__BB0_3:", "ret;"]
+    assert module.unbarriered_refills("\n".join(branches)) == 0
+    # a conditional branch falls through too: wait, then maybe skip the add, then the copy
+    assert module.unbarriered_refills("\n".join([wait, "@%p1 bra $L__BB0_2;", add, "$L__BB0_2:", copy])) == 1
+    # a loop: the copy at its top is reached from the wait at its bottom through the back edge
+    loop = ["$L__BB0_1:", copy, bar, add, wait, "@%p1 bra $L__BB0_1;", "ret;"]
+    assert module.unbarriered_refills("\n".join(loop)) == 1
+    assert module.unbarriered_refills("\n".join([loop[0], bar, *loop[1:]])) == 0
 
 
 # ------------------------------------------------------------------------------ on the GPU
@@ -459,13 +479,17 @@ class _Spy:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("half_height", [False, True])
 @pytest.mark.parametrize("name", PRESET_SHAPES)
-def test_gpu_tall_overlapped_gemm1_is_bitwise_the_triton_kernel(name, monkeypatch):
+def test_gpu_tall_overlapped_gemm1_is_bitwise_the_triton_kernel(name, half_height, monkeypatch):
     """The 128-row Gluon GEMM1 (two 64-column halves, one 1x128 group) at each preset shape, alone
     and followed by the Gluon GEMM2 (where that runs): bitwise the Triton kernel's 128-row tile,
     against the reference, repeated, and under graph replay with fresh routing. GLM-4.5V's 704
-    intermediate columns end in a half with no columns, which the kernel skips."""
+    intermediate columns end in a half with no columns, which the kernel skips. With the
+    half-height tile (launch.GLUON_HALF_HEIGHT) on, M = 1 runs every block at 64 rows, and
+    DeepSeek-V3's and Qwen3's many experts get ~9 and ~19 rows each at M = 300."""
     E, H, N, K, w = _preset_in_mode(name, "precise", monkeypatch)
+    monkeypatch.setattr(launch, "GLUON_HALF_HEIGHT", half_height)
     both = TALL.with_gemm2(OVERLAP=1)
     routings = ((1, None), (300, None), (300, list(range(0, E, 3))[:max(K, 3)]))
     x, tw, ids = _assert_bitwise_twins(w, E, H, K, (TALL, both), "OVERLAP", routings)
@@ -481,19 +505,24 @@ def test_gpu_tall_overlapped_gemm1_is_bitwise_the_triton_kernel(name, monkeypatc
     ("fp8-block128", 6, 512, 256, 4),  # (H = 384 sits at the reference bound: the 64-row test's note)
     ("fp8-block128", 5, 640, 384, 3),
 ])
-def test_gpu_tall_overlapped_gemm1_odd_shapes(scheme, E, H, N, stages):
+@pytest.mark.parametrize("half_height", [False, True])
+def test_gpu_tall_overlapped_gemm1_odd_shapes(scheme, E, H, N, stages, half_height, monkeypatch):
     """The 128-row Gluon GEMM1 at small shapes: the loop's odd tail, partial and missing second
     halves, 2 to 4 stages, both scale kinds; bitwise the Triton kernel, against the reference,
-    idle experts, graph replay."""
+    idle experts, graph replay; with the half-height tile on and off (M = 1: every block at 64
+    rows; M = 252 on three experts: ~168 rows each, a full block then one of ~40 rows)."""
+    monkeypatch.setattr(launch, "GLUON_HALF_HEIGHT", half_height)
     _assert_small_shape_bitwise(dataclasses.replace(TALL, num_stages=stages), scheme, E, H, N)
 
 
 def _assert_small_shape_bitwise(cfg, scheme, E, H, N):
     """The Gluon GEMM1 of `cfg` runs here (launch._overlapped), and the layer is bitwise its Triton
-    twin's, against the reference, at M = 1, 300 and 300 with idle experts, and under graph replay."""
+    twin's, against the reference, at M = 1, 300, and 300 and 252 with idle experts, and under graph
+    replay."""
     _hopper()
     K = 2
     w = random_weights(E, H, N, scheme, device="cuda")
     assert cfg.problems(get_scheme(scheme)) == [] and launch._overlapped(cfg, 3, H, CUDA)
-    x, tw, ids = _assert_bitwise_twins(w, E, H, K, (cfg, ), "OVERLAP", ((1, None), (300, None), (300, [0, 2, 4])))
+    routings = ((1, None), (300, None), (300, [0, 2, 4]), (252, [0, 2, 4]))
+    x, tw, ids = _assert_bitwise_twins(w, E, H, K, (cfg, ), "OVERLAP", routings)
     assert_graph_replays_fresh_routing(lambda x, tw, ids: run(x, w, tw, ids, cfg), x, tw, ids, E)

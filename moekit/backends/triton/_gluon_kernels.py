@@ -42,12 +42,22 @@ _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
 
 
 @gluon.jit
+def _rows_of_stage(bufs, stage, ROWS: gl.constexpr):
+    """The first ROWS rows of a stage's A buffer: all of them, or the first 64 of the 128-row
+    GEMM1's buffers when it runs an expert's last block at half height (gemm1_overlap_tall_kernel)."""
+    buf = bufs.index(stage)
+    if ROWS < buf.shape[0]:
+        buf = buf.slice(0, ROWS)
+    return buf
+
+
+@gluon.jit
 def _issue_loads(a_bufs, b_bufs, a_ptrs, a_mask, b_ptrs, b_mask, k_step,
                  BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     """cp.async of K step k_step's A rows (gathered tokens) and B rows (interleaved gate/up) into
     its stage; masked rows are zero-filled."""
     stage = k_step % STAGES
-    _async_load(a_bufs.index(stage), a_ptrs + k_step * BLOCK_K, mask=a_mask)
+    _async_load(_rows_of_stage(a_bufs, stage, a_ptrs.shape[0]), a_ptrs + k_step * BLOCK_K, mask=a_mask)
     _async_load(b_bufs.index(stage), b_ptrs + k_step * BLOCK_K, mask=b_mask)
 
 
@@ -71,7 +81,7 @@ def _product(a_bufs, b_bufs, zero, k_step, STAGES: gl.constexpr):
     stage = k_step % STAGES
     cp.wait_group(STAGES - 2)
     fence_async_shared()  # cp.async wrote the stage through the generic proxy; wgmma reads it through the async one
-    return warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), zero, use_acc=False,
+    return warpgroup_mma(_rows_of_stage(a_bufs, stage, zero.shape[0]), b_bufs.index(stage).permute((1, 0)), zero, use_acc=False,
                          is_async=True)
 
 
@@ -382,15 +392,14 @@ def gemm1_overlap_tall_kernel(
     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
     A_SCALE: gl.constexpr, B_SCALE: gl.constexpr, ACT_DTYPE: gl.constexpr, E_POW2: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, HALF_HEIGHT: gl.constexpr, num_warps: gl.constexpr,
 ):
     """gemm1_overlap_kernel on 128 rows: the 128 x (128 gate + 128 up) tile of a 1x128 group does
     not fit in registers with a product in flight, so the program runs it as two 64-column halves
-    in turn, each 128 x (64 + 64) (two warpgroups of 64 rows, 3 x 64 registers each, as
-    gemm2_overlap_kernel's tile), keeps the first half's activation in shared memory, and
-    quantizes both halves as one 1x128 group. The same operations in the same order per element
-    as the Triton kernel at BLOCK_M 128: bitwise its output. A last half with no columns (N an
-    odd multiple of 64) is skipped."""
+    in turn (_gemm1_tall_tile). With HALF_HEIGHT, an expert's last row block holding at most 64
+    real rows runs the same tile code on 64 rows, in the first 64 rows of the same shared buffers,
+    so its padding rows cost no tensor-core work, as _kernels._half_tile does for the Triton
+    kernels (launch.GLUON_HALF_HEIGHT: off until measured on a GPU)."""
     HALF: gl.constexpr = BLOCK_N // 2
     num_n_blocks = gl.cdiv(N, BLOCK_N)
     pid_m, pid_n, num_m_blocks = _tile_of_program(start_ptr, E, num_n_blocks, GROUP_M, BLOCK_M)
@@ -400,42 +409,72 @@ def gemm1_overlap_tall_kernel(
     col0 = pid_n * BLOCK_N
     e64, first_row, real_rows = _expert_rows(start_ptr, count_ptr, row0, E, E_POW2, num_warps)
 
-    load_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_K // 16), BLOCK_K // 16], [num_warps, 1], [1, 0])
-    ks, a_ptrs, a_mask = _gathered_rows(a_ptr, sorted_ptr, row0, first_row, real_rows, K_TOP, stride_am,
-                                        BLOCK_M, BLOCK_K, load_layout)
-    w_e = w_ptr + e64 * stride_we
-
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * HALF, BLOCK_K], gl.float8e4nv)
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_layout)
     b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * HALF, BLOCK_K], b_layout)
+    stash = gl.allocate_shared_memory(ACT_DTYPE, [BLOCK_M, HALF], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    if HALF_HEIGHT and real_rows - (row0 - first_row) <= BLOCK_M // 2:
+        _gemm1_tall_tile(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, sorted_ptr,
+                         row0, col0, e64, first_row, real_rows, N, H, K_TOP,
+                         stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
+                         a_bufs, b_bufs, stash.slice(0, BLOCK_M // 2),
+                         A_SCALE, B_SCALE, ACT_DTYPE, BLOCK_M // 2, HALF, BLOCK_K, STAGES, num_warps)
+    else:
+        _gemm1_tall_tile(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, sorted_ptr,
+                         row0, col0, e64, first_row, real_rows, N, H, K_TOP,
+                         stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
+                         a_bufs, b_bufs, stash,
+                         A_SCALE, B_SCALE, ACT_DTYPE, BLOCK_M, HALF, BLOCK_K, STAGES, num_warps)
 
-    # two warpgroups stacked along rows, each 64 rows by the half's 2 * HALF interleaved columns
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, 2 * HALF, 32])
-    m_rows = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, mma_layout))
+
+@gluon.jit
+def _gemm1_tall_tile(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, sorted_ptr,
+    row0, col0, e64, first_row, real_rows, N, H, K_TOP,
+    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_os,
+    a_bufs, b_bufs, stash,
+    A_SCALE: gl.constexpr, B_SCALE: gl.constexpr, ACT_DTYPE: gl.constexpr, ROWS: gl.constexpr,
+    HALF: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    """GEMM1 of ROWS rows from row0 by 2 * HALF intermediate columns from col0, as two HALF-column
+    halves in turn, each ROWS x (HALF gate + HALF up) on the warpgroups (stacked along rows at 128
+    rows: 3 x 64 registers each, as gemm2_overlap_kernel's tile; side by side along columns at
+    64). The first half's activation waits in `stash` (shared memory); both halves are quantized
+    as one 1x128 group. The same operations in the same order per element as the Triton kernel
+    at BLOCK_M 128 (or its half-height tile): bitwise its output. A last half with no columns (N
+    an odd multiple of 64) is skipped. a_bufs and stash hold ROWS rows."""
+    load_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_K // 16), BLOCK_K // 16], [num_warps, 1], [1, 0])
+    ks, a_ptrs, a_mask = _gathered_rows(a_ptr, sorted_ptr, row0, first_row, real_rows, K_TOP, stride_am,
+                                        ROWS, BLOCK_K, load_layout)
+    w_e = w_ptr + e64 * stride_we
+
+    WARPS_M: gl.constexpr = 4 * (ROWS // 64)
+    WARPS_N: gl.constexpr = num_warps // WARPS_M
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N],
+                                                         instr_shape=[16, 2 * HALF // WARPS_N, 32])
+    m_rows = row0 + gl.arange(0, ROWS, gl.SliceLayout(1, mma_layout))
     m_row_ok = m_rows - first_row < real_rows
     m_token = (gl.load(sorted_ptr + m_rows, mask=m_row_ok, other=0) // K_TOP).to(gl.int64)
 
     epi: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])
-    stash = gl.allocate_shared_memory(ACT_DTYPE, [BLOCK_M, HALF], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     k_steps = H // BLOCK_K
     act0 = _gemm1_half(a_bufs, b_bufs, a_ptrs, a_mask, w_e, e64, ks, a_scale_ptr, w_scale_ptr, m_token, m_row_ok,
                        col0, N, k_steps, stride_as, stride_wn, stride_wse, stride_wsn,
-                       A_SCALE, B_SCALE, ACT_DTYPE, BLOCK_M, HALF, BLOCK_K, STAGES, load_layout, mma_layout, epi)
+                       A_SCALE, B_SCALE, ACT_DTYPE, ROWS, HALF, BLOCK_K, STAGES, load_layout, mma_layout, epi)
     if col0 + HALF < N:  # the first half waits in shared memory, out of the registers the second needs
         # (block weights: N is whole 128-row blocks, weights.py, so _promote's rows of col0 + HALF,
         # // 128, are the Triton kernel's blocks of col0)
         stash.store(act0)
         act1 = _gemm1_half(a_bufs, b_bufs, a_ptrs, a_mask, w_e, e64, ks, a_scale_ptr, w_scale_ptr, m_token,
                            m_row_ok, col0 + HALF, N, k_steps, stride_as, stride_wn, stride_wse, stride_wsn,
-                           A_SCALE, B_SCALE, ACT_DTYPE, BLOCK_M, HALF, BLOCK_K, STAGES, load_layout, mma_layout, epi)
+                           A_SCALE, B_SCALE, ACT_DTYPE, ROWS, HALF, BLOCK_K, STAGES, load_layout, mma_layout, epi)
         act0 = stash.load(epi)
     else:
         act1 = act0  # no columns: every element masked off below
 
     # ---- one 1x128 group per row over both halves, as _kernels._gemm1_tile's OUT_MODE 3
-    out_rows = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, epi))
+    out_rows = row0 + gl.arange(0, ROWS, gl.SliceLayout(1, epi))
     out_row_ok = out_rows - first_row < real_rows
     cols = col0 + gl.arange(0, HALF, gl.SliceLayout(0, epi))
     mask0 = out_row_ok[:, None] & (cols < N)[None, :]

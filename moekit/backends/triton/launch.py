@@ -369,6 +369,14 @@ def align_and_quantize(x, weights: MoEWeights, topk_ids, block_m: int):
 HALF_WIDTH_TAIL = True
 
 
+# The 128-row Gluon GEMM1 running an expert's last block at 64 rows when it holds at most 64
+# (_gluon_kernels.gemm1_overlap_tall_kernel's HALF_HEIGHT), as _kernels._half_tile does for the
+# Triton kernels. Off until measured and checked bitwise on a GPU (written in a session without
+# one; scripts/check_overlap_ptxas.py compiles it: no spills, products in flight): the GPU tests
+# run it on, and scripts/diag_half_tail.py --gluon-half-height times it on against off.
+GLUON_HALF_HEIGHT = False
+
+
 def _half_tail(width: int, block_n: int, joined: int) -> int:
     """GEMM1's HALF_TAIL argument: 1 when the last of the `block_n`-wide column blocks covering
     `width` holds at most block_n // 2 real columns, the tile is not JOIN's, and the half is
@@ -435,8 +443,9 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
     stride_wse, stride_wsn = _scale_strides(w_scale)
     stride_as = a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1  # per 1x128 group: its row
     if _overlapped(cfg, out_mode, H, dev, a, weights.w13):
-        kernel = gk.gemm1_overlap_tall_kernel if cfg.BLOCK_M == 128 else gk.gemm1_overlap_kernel
-        _launch(kernel, _tiles(align, cfg, N),
+        tall = cfg.BLOCK_M == 128
+        rows = dict(HALF_HEIGHT=int(GLUON_HALF_HEIGHT)) if tall else {}
+        _launch(gk.gemm1_overlap_tall_kernel if tall else gk.gemm1_overlap_kernel, _tiles(align, cfg, N),
             a, a_scale, weights.w13, w_scale, out, scale, align.sorted_pairs, align.count, align.start,
             E, N, H, top_k,
             a.stride(0), stride_as,
@@ -444,7 +453,7 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
             A_SCALE=A_SCALE_KIND[scheme.activation], B_SCALE=B_SCALE_KIND[scheme.weight],
             ACT_DTYPE=_TL_DTYPE[out_dtype], E_POW2=triton.next_power_of_2(E),
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-            STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+            STAGES=cfg.num_stages, num_warps=cfg.num_warps, **rows,
         )
         return Intermediate(out, scale, a_mode)
     joined = _joined(scheme, cfg)
