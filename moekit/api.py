@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .backends import get_backend
+from .backends.glue.ops import narrow_ids
 from .select import select_backend
 from .weights import MoEWeights
 
@@ -43,7 +44,7 @@ def fused_moe(
     if M == 0:
         return x.new_empty(0, weights.hidden)
     impl = get_backend(choice.backend)
-    if topk_ids.is_cuda and not impl.checks_expert_ids:
+    if _ids_checked_on_device(topk_ids) and not impl.checks_expert_ids:
         assert_ids_in_range(topk_ids, weights.num_experts)
     return impl.run(x, weights, topk_weights, topk_ids)
 
@@ -59,13 +60,22 @@ def assert_ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> None:
     torch._assert_async(ids_in_range(topk_ids, num_experts), f"moekit: topk_ids outside [0, {num_experts})")
 
 
+def _ids_checked_on_device(topk_ids: torch.Tensor) -> bool:
+    """Whether the ids' range check is a device-side assertion (GPU tensors) rather than a host
+    check (a test makes CPU tensors take the device path under the interpreter)."""
+    return topk_ids.device.type == "cuda"
+
+
 def validate_inputs(x, weights, topk_weights, topk_ids, *, device_check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Check every input of fused_moe; returns topk_weights as float32 and topk_ids as int32.
 
     Ids are range-checked on the host for CPU tensors. On a GPU the check is a device-side
     assertion (assert_ids_in_range), so it never makes the host wait and survives graph capture;
     `device_check=False` leaves it to the caller (fused_moe: to the backend, where the backend's
-    own kernels assert the ids, Backend.checks_expert_ids).
+    own kernels assert the ids, Backend.checks_expert_ids). int64 ids on the device are narrowed
+    to int32 by glue.narrow_ids, which writes an id outside [0, E) as -1, so that it stays out of
+    range for those checks (cast as it is, 2**32 + 3 would read as expert 3).
+    Unquantized weights must have x's dtype (float32 x excepted: computed in float32).
     """
     if not isinstance(weights, MoEWeights):
         raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
@@ -78,6 +88,7 @@ def validate_inputs(x, weights, topk_weights, topk_ids, *, device_check: bool = 
             raise ValueError(f"{name} is on {t.device} but the weights are on {weights.device}")
     if x.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"x has dtype {x.dtype}; expected bfloat16, float16 or float32")
+    check_weight_dtype(x.dtype, weights)
     if x.shape[1] != weights.hidden:
         raise ValueError(f"x has hidden size {x.shape[1]} but the weights expect {weights.hidden}")
     if topk_ids.shape != topk_weights.shape:
@@ -93,9 +104,11 @@ def validate_inputs(x, weights, topk_weights, topk_ids, *, device_check: bool = 
         raise ValueError(f"topk_ids has dtype {topk_ids.dtype}; expected int32 or int64")
     if not topk_weights.is_floating_point():
         raise ValueError(f"topk_weights has dtype {topk_weights.dtype}; expected a float dtype")
-    if topk_ids.numel() and topk_ids.device.type == "cuda":
+    if topk_ids.numel() and _ids_checked_on_device(topk_ids):
         if device_check:
             assert_ids_in_range(topk_ids, E)
+        if topk_ids.dtype == torch.int64:  # the one launch the cast would take, no host sync (docstring)
+            return topk_weights.float(), narrow_ids(topk_ids, E)
     elif topk_ids.numel():
         in_range = (topk_ids >= 0) & (topk_ids < E)
         if not bool(in_range.all()):
@@ -104,3 +117,16 @@ def validate_inputs(x, weights, topk_weights, topk_ids, *, device_check: bool = 
                 f"topk_ids must lie in [0, {E}); found {bad.numel()} outside, e.g. {bad[0].item()}"
             )
     return topk_weights.float(), topk_ids.to(torch.int32)
+
+
+def check_weight_dtype(x_dtype: torch.dtype, weights: MoEWeights) -> None:
+    """ValueError unless unquantized weights can meet activations of x_dtype: the same dtype, or
+    float32 activations (computed in float32). bf16 activations on fp16 weights (or the reverse)
+    would reach the kernels as two dtypes (triton's tensor-core dot takes one) or make the
+    `torch` backend keep a cast copy of the weights."""
+    w_dtype = weights.w13.dtype
+    if not weights.scheme.is_fp8 and x_dtype not in (w_dtype, torch.float32):
+        raise ValueError(
+            f"x has dtype {x_dtype} but the unquantized weights (scheme {weights.scheme.name}) are {w_dtype}: "
+            f"pass x as {w_dtype} (or float32), or weights in {x_dtype}"
+        )

@@ -270,7 +270,7 @@ def find_table(
     appended to `skipped` when given. Never raises."""
     try:
         accumulation = table_accumulation(scheme)
-    except ValueError as e:  # a bad MOEKIT_FP8_ACCUMULATION: the triton backend will say so itself
+    except ValueError as e:  # a bad MOEKIT_FP8_ACCUMULATION: select refuses it first; here, never raise
         warnings.warn(f"moekit: {e}; reading the precise-mode decision tables", BackendTableWarning, stacklevel=2)
         accumulation = "precise"
     precise = _first_valid(shape, scheme, device_name, "precise", skipped)

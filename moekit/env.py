@@ -36,3 +36,13 @@ def value(raw_value: bytes | str | None) -> str | None:
 def get(name: str) -> str | None:
     """The variable as a str, or None (raw, decoded)."""
     return value(raw(name))
+
+
+INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+def interpreting() -> bool:
+    """Whether moekit runs its Triton kernels in Triton's CPU interpreter: TRITON_INTERPRET is
+    exactly "1". One rule for every module (the triton backend's launch._interpreting reads it
+    the same way), so that supports(), the glue and the launch steps never disagree."""
+    return get(INTERPRET_ENV) == "1"

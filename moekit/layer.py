@@ -271,12 +271,12 @@ class MoELayer(torch.nn.Module):
             if self.parallel == "tp":
                 out = md.tp_fused_moe(
                     x2, self.weights, topk_weights, topk_ids, self.process_group, self.backend,
-                    apply_router_weight_on_input=on_input,
+                    apply_router_weight_on_input=on_input, allow_weight_copies=False,
                 )
             else:
                 out = md.ep_fused_moe(
                     x2, self.weights, topk_weights, topk_ids, self.num_experts, self.process_group,
-                    self.backend, apply_router_weight_on_input=on_input,
+                    self.backend, apply_router_weight_on_input=on_input, allow_weight_copies=False,
                 )
         return out if x.dim() == 2 else out.reshape(*lead, out.shape[-1])
 

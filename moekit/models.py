@@ -438,10 +438,11 @@ def _routing(text: dict, model_type: str, top_k: int) -> RoutingConfig:
             use_correction_bias=method == "noaux_tc",
             routed_scaling_factor=_scale(text),
         )
-    # Generic: softmax unless the config says otherwise.
+    # Generic: softmax unless the config says otherwise; another scoring function is refused (as
+    # in the DeepSeek branch), never computed as softmax
     scoring = text.get("scoring_func", "softmax")
     if scoring not in ("softmax", "sigmoid"):
-        scoring = "softmax"
+        raise _unsupported("scoring_func", scoring, "scoring_func 'softmax' or 'sigmoid'")
     method = text.get("topk_method")
     if method not in (None, "greedy", "noaux_tc"):
         raise _unsupported("topk_method", method, "topk_method 'greedy' or 'noaux_tc'")
@@ -460,8 +461,14 @@ def _routing(text: dict, model_type: str, top_k: int) -> RoutingConfig:
 
 
 def _flag(text: dict, key: str, default: bool) -> bool:
+    """A boolean of the config: absent or null gives `default`; anything but true / false (a
+    string "true", 1) is refused rather than guessed."""
     value = text.get(key)
-    return value if isinstance(value, bool) else default
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _unsupported(key, value, f"{key} true or false")
+    return value
 
 
 def _scale(text: dict) -> float:

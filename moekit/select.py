@@ -10,7 +10,7 @@ A backend asked for by name (argument or environment) that cannot run raises
   2. otherwise `HEURISTIC_RULES`: the first backend of a preference list that can run.
 Auto never picks a backend whose supports() refuses. With `allow_weight_copies=False` (what
 `moekit.MoELayer` passes) it also passes over backends that would keep a converted copy of the
-weights (`Backend.copies_weights`): the `torch` backend on FP8 schemes.
+weights (`Backend.copies_weights`): the `torch` backend on FP8 schemes, and for float32 activations.
 
 Cost per call: everything that does not depend on M (refusals, the table file, the device name)
 is resolved once per (shape, scheme, device, dtype, MOEKIT_CONFIG_DIR, TRITON_INTERPRET) and each
@@ -21,6 +21,7 @@ no GPU synchronisation). Tables written later in the same process are seen after
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 from typing import Literal
@@ -28,7 +29,7 @@ from typing import Literal
 import torch
 
 from . import decisions, env, tables
-from .accumulation import FP8_ACCUMULATION_ENV, table_accumulation
+from .accumulation import FP8_ACCUMULATION_ENV, fp8_accumulation, table_accumulation
 from .backends.base import assume_capability, backend_names, get_backend
 from .spec import MoEShape, QuantScheme
 
@@ -207,9 +208,8 @@ def select_backend(
         resolver = _resolver(shape, scheme, device, dtype, allow_weight_copies)
 
     if backend is None or backend == "auto":
-        if env_backend is not None:
-            env_backend = env.value(env_backend)  # the str (env.raw gave bytes on POSIX)
-        if env_backend is None or env_backend == "auto":
+        env_backend = _env_backend(env_backend)
+        if env_backend is None:
             choice = resolver.auto(num_tokens)
         else:
             choice = resolver.named(env_backend, "environment")
@@ -218,6 +218,14 @@ def select_backend(
     if log.isEnabledFor(logging.DEBUG):
         log.debug("moekit: M=%d %s %s -> %s", num_tokens, shape.describe(), scheme.name, choice)
     return choice
+
+
+@functools.lru_cache(maxsize=16)
+def _env_backend(raw_value) -> str | None:
+    """MOEKIT_BACKEND (its env.raw value) as a backend name, stripped as MOEKIT_PDL and
+    MOEKIT_FP8_ACCUMULATION are; unset, empty or "auto": None (auto decides). Parsed once per value."""
+    value = (env.value(raw_value) or "").strip()
+    return None if value in ("", "auto") else value
 
 
 def _resolver(shape, scheme, device, dtype, allow_weight_copies) -> "_Resolver":
@@ -306,13 +314,17 @@ class _Resolver:
     """Everything about one problem that does not depend on M, and the memoised choice per M."""
 
     def __init__(self, shape, scheme, device, dtype, allow_weight_copies):
+        # A bad MOEKIT_FP8_ACCUMULATION is refused (ValueError naming it) whatever the backend,
+        # not only by the triton kernels: it also picks the decision tables. Not cached: a
+        # resolver exists only for a valid value (it is part of the resolver's key).
+        fp8_accumulation()
         self.shape, self.scheme, self.device = shape, scheme, device
         reasons = refusals(shape, scheme, device, dtype)
         self.refused = {name: r for name, r in reasons.items() if r}
         self.runnable = [name for name, r in reasons.items() if not r]
         self.avoided = {}
         if not allow_weight_copies:
-            self.avoided = {n: COPY_REASON for n in self.runnable if get_backend(n).copies_weights(scheme)}
+            self.avoided = {n: COPY_REASON for n in self.runnable if get_backend(n).copies_weights(scheme, dtype)}
         self.eligible = [n for n in self.runnable if n not in self.avoided]
         self.skipped: list = []  # (path, problem) of tables that did not load
         name = device_name(device)
@@ -324,7 +336,12 @@ class _Resolver:
     def named(self, name: str, source: str) -> Choice:
         choice = self._named.get((name, source))
         if choice is None:
-            get_backend(name)  # unknown names raise, listing the valid ones
+            try:
+                get_backend(name)  # unknown names raise, listing the valid ones
+            except ValueError as e:
+                if source == "argument":
+                    raise
+                raise ValueError(f"{ENV_VAR}={name!r}: {e}") from None
             detail = "backend argument" if source == "argument" else f"{ENV_VAR}={name}"
             if self.refused.get(name):
                 where = "argument" if source == "argument" else f"{ENV_VAR}={name}"

@@ -30,8 +30,11 @@ class MoEWeights:
     w2_scale: torch.Tensor | None = None
     a13_scale: torch.Tensor | None = None
     a2_scale: torch.Tensor | None = None
-    # Per-backend derived state (e.g. a dequantized copy for the `torch` backend), built once.
+    # Per-backend derived state (e.g. a dequantized copy for the `torch` backend), built once per
+    # set of values: read it through prepared_state(), which drops it when a tensor was written.
     prepared: dict = dataclasses.field(default_factory=dict, repr=False)
+    # the values `prepared` was built from (_values_stamp); None: nothing built yet
+    _stamp: tuple | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         self.scheme = get_scheme(self.scheme)
@@ -85,6 +88,27 @@ class MoEWeights:
         """Bytes of the weights and scales (not of any backend's prepared copies)."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
+    def prepared_state(self, backend: str):
+        """self.prepared[backend] if it was built from the tensors' current values, else None.
+
+        Derived state (the `torch` backend's dequantized copy, cutlass's expanded scales) goes
+        stale when a tensor is written in place (load_state_dict into the same storage, copy_,
+        mul_, ...). torch counts every in-place write, through any view, in the tensor's
+        `_version`; when any tensor's version or storage differs from when `prepared` was
+        built, every backend's state is dropped (and rebuilt by the backend that asks)."""
+        stamp = self._values_stamp()
+        if stamp != self._stamp:
+            self.prepared.clear()
+            self._stamp = stamp
+        return self.prepared.get(backend)
+
+    def _values_stamp(self) -> tuple:
+        # Inference tensors (made under torch.inference_mode) keep no version counter; writes to
+        # them happen only inside inference_mode and cannot be seen here.
+        return tuple(
+            (t.data_ptr(), None if t.is_inference() else t._version) for t in self.tensors().values()
+        )
+
     def to(self, device: torch.device | str) -> "MoEWeights":
         moved = {k: v.to(device) for k, v in self.tensors().items()}
         return MoEWeights(self.scheme, **moved)
@@ -119,6 +143,22 @@ def _check_tensor(name: str, t, dtypes, shape, device) -> None:
         raise ValueError(f"MoEWeights.{name} is on {t.device} but w13 is on {device}")
 
 
+def _check_contiguous(name: str, t: torch.Tensor) -> None:
+    """Every backend reads the tensors in place, in the contiguous layout of the module docstring:
+    the triton kernels take only the outer strides and assume unit stride along the last
+    dimension (any other layout computes silently wrong results), cutlass uses the transposed
+    views of contiguous tensors without a copy. So another layout is refused here, by name."""
+    if t.is_contiguous():
+        return
+    want = torch.empty(t.shape, device="meta").stride()
+    raise ValueError(
+        f"MoEWeights.{name} is not contiguous: shape {tuple(t.shape)} with strides {t.stride()}, expected "
+        f"strides {want}; every backend reads the weights in place in that layout. Pass {name}.contiguous() "
+        f"(a copy); a tensor stored as [E, H, 2N] / [E, N, H] is transposed: transpose it to [E, 2N, H] / "
+        f"[E, H, N] and make it contiguous"
+    )
+
+
 def _validate(w: MoEWeights) -> None:
     s = w.scheme
     for name in ("w13", "w2"):
@@ -134,6 +174,9 @@ def _validate(w: MoEWeights) -> None:
     wdtypes = (quant.FP8_DTYPE,) if s.is_fp8 else UNQUANTIZED_DTYPES
     _check_tensor("w13", w.w13, wdtypes, None, device)
     _check_tensor("w2", w.w2, (w.w13.dtype,), (E, H, N), device)
+    for name, t in w.tensors().items():  # scales included: the kernels index them the same way
+        if isinstance(t, torch.Tensor):
+            _check_contiguous(name, t)
 
     if not s.is_fp8:
         extra = [k for k in ("w13_scale", "w2_scale", "a13_scale", "a2_scale") if getattr(w, k) is not None]
@@ -184,8 +227,9 @@ def quantize_weights(
         raise ValueError(f"quantize_weights needs float weights, got w13 of dtype {w13.dtype}")
     if not scheme.is_fp8:
         return MoEWeights(scheme, w13, w2)
-    q13, s13 = quant.quantize_weight(w13, scheme.weight)
-    q2, s2 = quant.quantize_weight(w2, scheme.weight)
+    # new tensors either way: made contiguous (the layout MoEWeights requires) whatever the input's
+    q13, s13 = quant.quantize_weight(w13.contiguous(), scheme.weight)
+    q2, s2 = quant.quantize_weight(w2.contiguous(), scheme.weight)
     a13 = a2 = None
     if scheme.static_activation:
         if input_scales is not None and calibration is not None:

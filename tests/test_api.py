@@ -120,3 +120,111 @@ def test_static_scales_from_checkpoint_and_calibration():
 def test_nbytes_is_the_fp8_size():
     w = random_weights(4, 128, 128, "fp8-channel-token")
     assert w.nbytes == 4 * 3 * 128 * 128 + 4 * (2 * 128 + 128) * 4
+
+
+# ---------------------------------------------------------------- MOEKIT_BACKEND's spelling
+
+
+@pytest.mark.parametrize("value", ["", "  ", "auto", " auto\n"])
+def test_empty_or_auto_environment_backend_is_auto(problem, monkeypatch, value):
+    """MOEKIT_BACKEND is stripped like MOEKIT_PDL and MOEKIT_FP8_ACCUMULATION; empty means unset
+    (before, "" raised "unknown backend ''")."""
+    x, w, tw, ids = problem
+    monkeypatch.setenv(ENV_VAR, value)
+    assert moekit.select_backend(w.shape(2), w.scheme, "cpu").source == "heuristic"
+    assert moekit.fused_moe(x, w, tw, ids).shape == x.shape
+
+
+def test_environment_backend_is_stripped(problem, monkeypatch):
+    w = problem[1]
+    monkeypatch.setenv(ENV_VAR, " reference\n")
+    choice = moekit.select_backend(w.shape(2), w.scheme, "cpu")
+    assert (choice.backend, choice.source) == ("reference", "environment")
+
+
+@pytest.mark.parametrize("value", ["Triton", "fast"])
+def test_unknown_environment_backend_names_the_variable(problem, monkeypatch, value):
+    x, w, tw, ids = problem
+    monkeypatch.setenv(ENV_VAR, value)
+    with pytest.raises(ValueError, match=f"^{ENV_VAR}='{value}': unknown backend '{value}'; expected one of: auto, "):
+        moekit.fused_moe(x, w, tw, ids)
+
+
+# ------------------------------------------------------------- MOEKIT_FP8_ACCUMULATION, any backend
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "auto"])
+def test_bad_fp8_accumulation_is_refused_whatever_the_backend(problem, monkeypatch, backend):
+    """README: any value but precise / fast is refused with an error. Before, only the triton
+    backend refused it; under auto the decision tables warned and another backend ran."""
+    x, w, tw, ids = problem
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "bogus")
+    with pytest.raises(ValueError, match=r"MOEKIT_FP8_ACCUMULATION='bogus': expected one of precise, fast"):
+        moekit.fused_moe(x, w, tw, ids, backend)
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", " Fast ")  # stripped, any case: valid
+    assert moekit.fused_moe(x, w, tw, ids, backend).shape == x.shape
+
+
+# ------------------------------------------------------------------ int64 ids on the device path
+
+
+def test_int64_ids_stay_out_of_range_when_narrowed(monkeypatch):
+    """On a GPU the ids are checked on the device, on the int32 ids the backends receive: an
+    int64 id 2**32 + 3 narrowed to 3 and ran expert 3. Now int64 ids are narrowed by
+    glue.narrow_ids, which writes an id out of range as -1 (one launch, as the cast). The device path is taken here on CPU tensors (the checking kernel runs in
+    the interpreter, where torch._assert_async raises at once)."""
+    from moekit.backends.glue import ops
+
+    if not ops.interpreting():
+        pytest.skip("the device-side check runs on CPU tensors only under TRITON_INTERPRET=1")
+    from moekit import api
+
+    monkeypatch.setattr(api, "_ids_checked_on_device", lambda ids: True)
+    w = random_weights(4, 128, 128, "fp8-channel-token")
+    tw, ids = random_routing(3, 4, 2)
+    x = random_x(3, 128)
+    bad = ids.long()
+    bad[1, 0] = 2**32 + 3  # int32: 3, in range
+    for backend in ("reference", "torch"):
+        with pytest.raises(RuntimeError, match=r"topk_ids outside \[0, 4\)"):
+            moekit.fused_moe(x, w, tw, bad, backend)
+    _, narrowed = api.validate_inputs(x, w, tw, bad, device_check=False)  # the backend checks these
+    assert narrowed.dtype == torch.int32 and int(narrowed[1, 0]) == -1  # out of range, not expert 3
+    assert torch.equal(narrowed.long()[bad < 4], bad[bad < 4])  # the others unchanged
+    bad[2, 1] = -(2**32) + 1  # int32: 1
+    assert int(api.validate_inputs(x, w, tw, bad, device_check=False)[1][2, 1]) == -1
+    with pytest.raises(RuntimeError, match=r"topk_ids outside \[0, 4\)"):
+        api.validate_inputs(x, w, tw, bad)
+    assert moekit.fused_moe(x, w, tw, ids.long(), "reference").shape == x.shape  # in range: runs
+
+
+def test_narrow_ids_keeps_every_id_in_range_and_marks_the_rest():
+    """glue.narrow_ids over several programs: ids in [0, E) unchanged, every other (negative,
+    E itself, beyond int32) -1; an empty input gives an empty int32 tensor."""
+    from moekit.backends.glue import ops
+
+    if not ops.interpreting():
+        pytest.skip("a Triton kernel: CUDA or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(5)
+    E = 7
+    ids = torch.randint(-3, E + 3, (2 * ops.NARROW_IDS_BLOCK + 5,), generator=g, dtype=torch.int64)
+    ids[::97] += 2**32  # wraps into [0, E) under a plain cast
+    out = ops.narrow_ids(ids.view(-1, 5) if ids.numel() % 5 == 0 else ids, E)
+    want = torch.where((ids >= 0) & (ids < E), ids, -1).to(torch.int32)
+    assert out.dtype == torch.int32 and torch.equal(out.reshape(-1), want)
+    assert ops.narrow_ids(torch.empty(0, 2, dtype=torch.int64), E).shape == (0, 2)
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("0", False), ("", False), ("yes", False), ("true", False)])
+def test_one_reading_of_triton_interpret(monkeypatch, value, expected):
+    """The glue read TRITON_INTERPRET as anything but "" / "0", the triton backend's launch steps
+    as exactly "1": with "yes" the glue launched interpreted kernels that the backend's supports()
+    said could not run. Both now follow moekit.env.interpreting (exactly "1")."""
+    from moekit import env
+    from moekit.backends.glue import ops
+    from moekit.backends.triton import launch
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert env.interpreting() is expected
+    assert ops.interpreting() is expected
+    assert launch._interpreting() is expected

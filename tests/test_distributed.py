@@ -439,6 +439,64 @@ def test_shard_ep_holds_whole_experts(scheme):
             assert torch.equal(s.a13_scale, W.a13_scale) and torch.equal(s.a2_scale, W.a2_scale)
 
 
+# ------------------------------------------------------------- one process, a one-rank group
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo group of this process alone: the layer's wiring and the checks before the
+    collectives, without spawning."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_parallel_layer_auto_keeps_no_weight_copy(one_rank_group, mode):
+    """README: a layer's auto never picks a backend that would copy the weights. Under parallel=
+    "tp" / "ep" the layer called tp_fused_moe / ep_fused_moe, which called fused_moe without
+    allow_weight_copies=False: on the CPU auto ran `torch`, which keeps a dequantized copy."""
+    W = random_weights(4, 128, 128, "fp8-channel-token")
+    tw, ids = random_routing(5, 4, 2)
+    x = random_x(5, 128)
+    layer = moekit.MoELayer.sharded(W, mode)  # backend="auto"
+    out = layer(x, tw, ids)
+    assert "torch" not in layer.weights.prepared
+    if mode == "tp":  # one rank: its partial is the output, computed by the backend auto chose
+        assert torch.equal(out, moekit.fused_moe(x, W, tw, ids, allow_weight_copies=False))
+
+
+def _no_collective(*args, **kwargs):
+    raise AssertionError("a collective started before the inputs were checked")
+
+
+def test_expert_parallel_checks_everything_before_the_first_collective(one_rank_group, monkeypatch):
+    """ep_fused_moe's own checks skipped x's dtype and the top-k limit (and a named backend that
+    cannot run was found only by the local fused_moe): those errors came after the count
+    exchange had started, leaving the other ranks waiting in the next collective."""
+    monkeypatch.setattr(dist, "all_to_all_single", _no_collective)
+    W = random_weights(4, 128, 128, "fp8-channel-token")
+    tw, ids = random_routing(5, 4, 2)
+    x = random_x(5, 128)
+    with pytest.raises(ValueError, match="x has dtype torch.float64"):
+        md.ep_fused_moe(x.double(), W, tw, ids, 4)
+    five = torch.zeros(5, 5, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"top-k must be between 1 and the number of experts \(4\), got 5"):
+        md.ep_fused_moe(x, W, torch.rand(5, 5), five, 4)
+    with pytest.raises(moekit.BackendUnavailableError, match="cutlass"):
+        if torch.cuda.is_available():
+            pytest.skip("cutlass may run on this GPU")
+        md.ep_fused_moe(x, W, tw, ids, 4, backend="cutlass")
+    b = moekit.MoEWeights("fp16", *(t.half() for t in random_weights(4, 128, 128, "bf16").tensors().values()))
+    with pytest.raises(ValueError, match="x has dtype torch.bfloat16 but the unquantized weights"):
+        md.ep_fused_moe(x, b, tw, ids, 4)
+
+
 # ---------------------------------------------------------------- the checks can fail (mutations)
 
 

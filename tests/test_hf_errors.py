@@ -144,3 +144,43 @@ def test_backend_that_cannot_run_fails_at_load(fp8_dir):
 def test_save_needs_moekit_experts(tmp_path):
     with pytest.raises(UnsupportedModelError, match="has no moekit experts"):
         mh.save_pretrained(tiny_model("mixtral"), tmp_path / "out")
+
+
+def test_experts_that_are_not_contiguous_are_refused_by_name():
+    """transformers' own experts parameters in another layout than contiguous [E, 2N, H] (the
+    triton kernels assume it and read wrong elements otherwise): an ExpertsError naming the
+    module and the tensor, not a silently wrong forward."""
+    from torch import nn
+
+    from moekit.hf.experts import ExpertsError, moekit_experts_forward
+
+    experts = tiny_model("qwen3_moe").model.layers[0].mlp.experts
+    gate_up = experts.gate_up_proj.detach()
+    experts.gate_up_proj = nn.Parameter(gate_up.transpose(1, 2).contiguous().transpose(1, 2), requires_grad=False)
+    assert torch.equal(experts.gate_up_proj, gate_up) and not experts.gate_up_proj.is_contiguous()
+    with pytest.raises(ExpertsError, match=r"Qwen3MoeExperts.*MoEWeights\.w13 is not contiguous"):
+        moekit_experts_forward(experts, torch.randn(3, 64).bfloat16(), torch.zeros(3, 2, dtype=torch.long),
+                               torch.ones(3, 2))
+
+
+def test_backend_check_at_load_uses_the_models_dtype(registry):
+    """patch_model / from_pretrained check a named backend at load; for FP8 experts the check
+    assumed bf16 activations whatever the model's dtype, so a backend refusing fp16 passed the
+    load check of an fp16 model and failed at its first forward."""
+    from moekit.backends.base import Backend
+
+    class Bf16Only(Backend):
+        name = "bf16-only-test"
+        description = "refuses every activation dtype but bf16"
+
+        def supports(self, shape, scheme, device, dtype=torch.bfloat16):
+            return [] if dtype == torch.bfloat16 else [f"activations must be bfloat16, got {dtype}"]
+
+        def run(self, x, weights, topk_weights, topk_ids):
+            return moekit.get_backend("reference").run(x, weights, topk_weights, topk_ids)
+
+    registry(Bf16Only())
+    model = tiny_model("qwen3_moe").to(torch.float16)
+    with pytest.raises(moekit.BackendUnavailableError, match="activations must be bfloat16, got torch.float16"):
+        mh.patch_model(model, scheme="fp8-tensor-dynamic", backend="bf16-only-test")
+    mh.patch_model(tiny_model("qwen3_moe"), scheme="fp8-tensor-dynamic", backend="bf16-only-test")  # bf16: runs

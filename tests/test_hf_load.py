@@ -382,3 +382,50 @@ def test_torch_backend_on_fp8_is_logged(bf16_dirs, caplog):
     with caplog.at_level(logging.INFO, logger="moekit.hf"), torch.no_grad():
         model(tokens())
     assert any("dequantized" in r.getMessage() for r in caplog.records)
+
+
+def test_transformers_fp8_experts_cache_follows_every_tensor():
+    """The MoEWeights cached on a transformers FP8 experts module was keyed without
+    down_proj_scale_inv: a new down scale kept running with the old one."""
+    from helpers import random_weights
+    from torch import nn
+
+    from moekit.hf.experts import _hf_weights
+
+    w = random_weights(2, 128, 128, "fp8-block128")
+    m = nn.Module()
+    m.block_size, m.activation_scheme = [128, 128], "dynamic"
+    for name, t in (("gate_up_proj", w.w13), ("down_proj", w.w2), ("gate_up_proj_scale_inv", w.w13_scale),
+                    ("down_proj_scale_inv", w.w2_scale)):
+        setattr(m, name, nn.Parameter(t, requires_grad=False))
+    first = _hf_weights(m, "experts")
+    assert _hf_weights(m, "experts") is first  # cached while nothing changes
+    m.down_proj_scale_inv = nn.Parameter(w.w2_scale * 2, requires_grad=False)
+    again = _hf_weights(m, "experts")
+    assert again.w2_scale.data_ptr() == m.down_proj_scale_inv.data_ptr()
+    assert torch.equal(again.w2_scale, w.w2_scale * 2)
+
+
+def test_moekit_experts_load_state_dict_in_place_refreshes_prepared_state():
+    """load_state_dict copies into the same buffers (same data_ptr): the cached MoEWeights is
+    kept, and the torch backend's dequantized copy of the old values must not be."""
+    from helpers import random_weights
+
+    import moekit
+    from moekit.hf.experts import MoekitExperts
+
+    old, new = (random_weights(4, 128, 128, "fp8-channel-token", seed=s) for s in (1, 2))
+    m = MoekitExperts(4, 128, 128)
+    m.load(old)
+    m.backend = "torch"
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0)).bfloat16()
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2]])
+    w = torch.rand(5, 2, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        m(x, ids, w)
+        weights = m.moe_weights()
+        m.load_state_dict(new.tensors())
+        assert m.moe_weights() is weights  # the same tensors, new values
+        got = m(x, ids, w)
+    # the same backend on the same values: bitwise; the stale copy gave the old weights' output
+    assert torch.equal(got, moekit.fused_moe(x, new, w, ids, "torch"))

@@ -670,3 +670,33 @@ def test_bad_paths_raise(tmp_path):
 def test_parse_config_tp_not_dividing_raises():
     with pytest.raises(ValueError, match="not divisible by tp"):
         parse_config(MIXTRAL, tp=3)
+
+
+GENERIC = {
+    "model_type": "some_new_moe", "hidden_size": 1024, "moe_intermediate_size": 512, "n_routed_experts": 32,
+    "num_experts_per_tok": 4, "num_hidden_layers": 10,
+}
+
+
+def test_generic_unknown_scoring_func_raises():
+    """An unknown family's scoring function was computed as softmax, silently (the DeepSeek
+    branch already refused); "sigmoid" and an absent key still parse."""
+    with pytest.raises(ValueError, match=r"scoring_func: 'sqrtsoftplus' is not supported; moekit supports "
+                                         r"scoring_func 'softmax' or 'sigmoid'"):
+        parse_config({**GENERIC, "scoring_func": "sqrtsoftplus"})
+    assert parse_config({**GENERIC, "scoring_func": "sigmoid"}).routing.scoring == "sigmoid"
+    assert parse_config(GENERIC).routing.scoring == "softmax"
+
+
+@pytest.mark.parametrize("base", [GENERIC, QWEN3_30B_FP8, DEEPSEEK_V3], ids=["generic", "qwen3", "deepseek"])
+@pytest.mark.parametrize("value", ["true", "false", 1, 0])
+def test_non_boolean_norm_topk_prob_raises(base, value):
+    """norm_topk_prob "false" (a string) read as the family's default (True for some): refused."""
+    with pytest.raises(ValueError, match=rf"norm_topk_prob: {value!r} is not supported; moekit supports "
+                                         r"norm_topk_prob true or false"):
+        parse_config({**base, "norm_topk_prob": value})
+
+
+def test_null_norm_topk_prob_is_the_family_default():
+    assert parse_config({**QWEN3_30B_FP8, "norm_topk_prob": None}).routing.renormalize is False
+    assert parse_config({**GENERIC, "norm_topk_prob": False}).routing.renormalize is False

@@ -396,3 +396,41 @@ def test_shipped_heuristic_puts_cutlass_first_only_for_wide_experts_with_many_ro
     assert [pick(wide, m) for m in (1, 512, 1020)] == ["triton"] * 3  # <= 255 rows per expert
     assert [pick(wide, m) for m in (1024, 8192)] == ["cutlass"] * 2
     assert [pick(narrow, m) for m in (1, 4096, 8192)] == ["triton"] * 3
+
+
+def test_bad_fp8_accumulation_is_an_error_of_select_and_explain(monkeypatch, capsys):
+    """A bad MOEKIT_FP8_ACCUMULATION was only warned about by the decision tables (auto then
+    ran another backend) and reached explain() from a table-name helper; now select_backend and
+    explain refuse it first, naming the variable, and `moekit select` prints that one line."""
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "bogus")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no BackendTableWarning on the way: refused before any table
+        for backend in ("auto", "reference"):
+            with pytest.raises(ValueError, match="MOEKIT_FP8_ACCUMULATION='bogus': expected one of precise, fast"):
+                h100(4, backend)
+        with pytest.raises(ValueError, match="MOEKIT_FP8_ACCUMULATION='bogus'"):
+            select.explain(SHAPE, FP8, DeviceSpec.from_name(H100), torch.bfloat16, 4)
+    code, out = run_select(capsys, "--model", "glm-4.5v-fp8", "--batch-size", "4", "--device-name", H100)
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "MOEKIT_FP8_ACCUMULATION='bogus'" in lines[0], out
+
+
+def test_a_triton_table_with_a_non_positive_batch_size_never_breaks_a_forward_pass(tmp_path, monkeypatch, caplog):
+    """A tuned triton table's batch size "0" or "-4" passed int() and then failed nearest()'s
+    log(size / M) inside a forward pass. Such entries are skipped with a warning naming the file
+    and the key; the table's other entries are used."""
+    import logging
+
+    from moekit.backends.triton import config
+
+    path = tmp_path / "triton" / tables.table_name(SHAPE, FP8, H100)
+    good = config.KernelConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2)
+    entries = {"0": good.to_dict(), "-4": good.to_dict(), "64": good.to_dict()}
+    tables.write_json_atomically(path, {"meta": {}, "configs": entries})
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path))
+    config._load_table.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="moekit.triton"):
+        for m in (1, 64, 5000):
+            assert config.get_config(SHAPE, FP8, m, H100) == good
+    skipped = [r.getMessage() for r in caplog.records if "ignoring the entry" in r.getMessage()]
+    assert any(str(path) in s and "'0'" in s for s in skipped) and any("'-4'" in s for s in skipped), skipped

@@ -41,9 +41,10 @@ class Backend(abc.ABC):
     ) -> torch.Tensor:  # [M, H], x's dtype
         ...
 
-    def copies_weights(self, scheme: QuantScheme) -> bool:
-        """True if running `scheme` keeps a converted second copy of the weights (in
-        weights.prepared). `auto` in a `moekit.MoELayer` never picks such a backend; naming it does."""
+    def copies_weights(self, scheme: QuantScheme, dtype: torch.dtype = torch.bfloat16) -> bool:
+        """True if running `scheme` with activations of `dtype` keeps a converted second copy of
+        the weights (in weights.prepared). `auto` in a `moekit.MoELayer` never picks such a
+        backend; naming it does."""
         return False
 
 

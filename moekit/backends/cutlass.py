@@ -17,7 +17,8 @@ sorted by expert with each group padded to 16 rows (older torch kernels assert i
 `offs` (int32 cumulative group ends) computed on the GPU: no host sync, capturable into CUDA graphs.
 
 Weights are used in the layout the kernel wants without any copy: mat_b must be column-major
-[E, K, N], which `w13.transpose(1, 2)` of the contiguous [E, 2N, H] checkpoint tensor already is.
+[E, K, N], which `w13.transpose(1, 2)` of the contiguous [E, 2N, H] tensor already is (MoEWeights
+refuses tensors that are not contiguous).
 What is derived (expanded scales, the transposed views) is built once in weights.prepared["cutlass"].
 
 Numerics, compared with `reference`: identical FP8 inputs of GEMM1; the kernel accumulates in
@@ -120,20 +121,21 @@ class Prepared:
 
 
 def prepare(weights: MoEWeights) -> Prepared:
-    """Derived state of the weights, built once and kept in weights.prepared["cutlass"]."""
-    p = weights.prepared.get("cutlass")
+    """Derived state of the weights, built once per set of values (MoEWeights.prepared_state:
+    per-tensor scales written in place are expanded again) and kept in weights.prepared["cutlass"].
+    MoEWeights holds contiguous tensors only, so the transposed views are column-major as they
+    are: no copy of the weights is ever made here."""
+    p = weights.prepared_state("cutlass")
     if p is None:
         E, two_n, H = weights.w13.shape
 
         def per_column(scale, cols):
             if weights.scheme.weight == "tensor":  # [E] -> [E, cols]
                 return scale[:, None].expand(E, cols).contiguous()
-            return scale.contiguous()  # channel: [E, cols] already
+            return scale  # channel: [E, cols] already (contiguous, as MoEWeights requires)
 
-        w13 = weights.w13 if weights.w13.is_contiguous() else weights.w13.contiguous()
-        w2 = weights.w2 if weights.w2.is_contiguous() else weights.w2.contiguous()
         p = Prepared(
-            w13.transpose(1, 2), w2.transpose(1, 2),
+            weights.w13.transpose(1, 2), weights.w2.transpose(1, 2),
             per_column(weights.w13_scale, two_n), per_column(weights.w2_scale, H),
         )
         weights.prepared["cutlass"] = p

@@ -2,7 +2,8 @@
 calls its `grouped_mm` experts implementation), on unquantized weights.
 
 Every scheme runs, so every scheme has a second opinion and the FP8 backends' gain can be seen:
-  - bf16/fp16 weights are used as they are (cast once if x has another dtype);
+  - bf16/fp16 weights are used as they are for x of their dtype (fused_moe refuses the other
+    one); float32 x gets a float32 copy, cast once (copies_weights says so);
   - FP8 weights are dequantized ONCE, at the first call, to x's dtype and kept in
     `weights.prepared["torch"]` (the path transformers takes for compressed-tensors FP8 experts).
     The activations are NOT quantized: bf16 activations meet the dequantized weights. So results
@@ -41,8 +42,11 @@ def grouped_mm_fn():
 
 def prepared_weights(weights: MoEWeights, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(w13 [E, 2N, H], w2 [E, H, N]) in `dtype`, contiguous; built once per dtype and cached in
-    weights.prepared["torch"]. FP8 weights are dequantized one expert at a time (bounded memory)."""
-    cache = weights.prepared.setdefault("torch", {})
+    weights.prepared["torch"] (rebuilt after an in-place write to the weights: MoEWeights.prepared_state).
+    FP8 weights are dequantized one expert at a time (bounded memory)."""
+    cache = weights.prepared_state("torch")
+    if cache is None:
+        cache = weights.prepared["torch"] = {}
     if dtype not in cache:
         if not weights.scheme.is_fp8:
             w13, w2 = weights.w13.to(dtype).contiguous(), weights.w2.to(dtype).contiguous()
@@ -87,8 +91,11 @@ class TorchBackend(Backend):
         # grouped_mm; everything else the per-expert loop (float32 computes in float32).
         return []
 
-    def copies_weights(self, scheme: QuantScheme) -> bool:
-        return scheme.is_fp8  # the dequantized copy in weights.prepared["torch"]
+    def copies_weights(self, scheme: QuantScheme, dtype: torch.dtype = torch.bfloat16) -> bool:
+        # the dequantized copy in weights.prepared["torch"]; unquantized (bf16/fp16) weights are
+        # used as they are for x of their dtype (fused_moe refuses the other half-precision one)
+        # but cast to a float32 copy for float32 activations
+        return scheme.is_fp8 or dtype == torch.float32
 
     def run(self, x, weights: MoEWeights, topk_weights, topk_ids):
         w13, w2 = prepared_weights(weights, x.dtype)

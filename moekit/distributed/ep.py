@@ -55,7 +55,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..api import assert_ids_in_range, fused_moe
+from ..api import ACTIVATION_DTYPES, assert_ids_in_range, check_weight_dtype, fused_moe
+from ..select import select_backend
 from ..weights import MoEWeights
 from .tp import _check_rank
 
@@ -108,6 +109,11 @@ def _check_inputs(x, local_weights, topk_weights, topk_ids, num_experts, rank, w
             raise ValueError(f"{name} must be a 2-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
         if t.device != local_weights.device:
             raise ValueError(f"{name} is on {t.device} but the weights are on {local_weights.device}")
+    # Everything fused_moe would refuse on the received rows is refused here, before the first
+    # collective, so that every rank raises instead of some waiting for the others forever.
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"x has dtype {x.dtype}; expected bfloat16, float16 or float32")
+    check_weight_dtype(x.dtype, local_weights)
     if x.shape[1] != local_weights.hidden:
         raise ValueError(f"x has hidden size {x.shape[1]} but the weights expect {local_weights.hidden}")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
@@ -115,6 +121,8 @@ def _check_inputs(x, local_weights, topk_weights, topk_ids, num_experts, rank, w
             f"x {tuple(x.shape)}, topk_weights {tuple(topk_weights.shape)} and topk_ids "
             f"{tuple(topk_ids.shape)} disagree (expected [M, H], [M, K], [M, K])"
         )
+    if not 1 <= topk_ids.shape[1] <= num_experts:
+        raise ValueError(f"top-k must be between 1 and the number of experts ({num_experts}), got {topk_ids.shape[1]}")
     if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
         raise ValueError("topk_ids must be int32/int64 and topk_weights a float tensor")
     if apply_on_input and topk_ids.shape[1] != 1:
@@ -140,6 +148,7 @@ def ep_fused_moe(
     backend: str | None = "auto",
     *,
     apply_router_weight_on_input: bool = False,
+    allow_weight_copies: bool = True,
 ) -> torch.Tensor:
     """The MoE layer under expert parallelism (see the module docstring for the steps).
 
@@ -148,9 +157,15 @@ def ep_fused_moe(
     this rank's experts (`shard_weights_ep(weights, rank, world)`). Returns [M, H] in x's dtype:
     the layer's output for this rank's tokens. `backend`: the single-device backend of the local
     experts. A collective: every rank of `group` must call it, also with M = 0.
+    `allow_weight_copies` as for fused_moe (a MoELayer passes False: auto keeps no converted copy).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     _check_inputs(x, local_weights, topk_weights, topk_ids, num_experts, rank, world, apply_router_weight_on_input)
+    # the local backend, chosen now for the rows this rank sends (a named backend that cannot run,
+    # a bad environment variable): an error after the first collective would leave the other
+    # ranks waiting in it
+    select_backend(local_weights.shape(1), local_weights.scheme, x.device, x.dtype, max(topk_ids.numel(), 1),
+                   backend, allow_weight_copies=allow_weight_copies)
     M, K = topk_ids.shape
     H = x.shape[1]
 
@@ -175,6 +190,7 @@ def ep_fused_moe(
         _byte_view(recv, 0, 4, torch.int32).contiguous(),
         backend,
         apply_router_weight_on_input=apply_router_weight_on_input,
+        allow_weight_copies=allow_weight_copies,
     )
 
     # 5. return the results to where the rows came from (the inverse splits).

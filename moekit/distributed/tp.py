@@ -121,6 +121,7 @@ def tp_fused_moe(
     *,
     apply_router_weight_on_input: bool = False,
     reduce_dtype: torch.dtype | None = torch.float32,
+    allow_weight_copies: bool = True,
 ) -> torch.Tensor:
     """The MoE layer under tensor parallelism: `fused_moe` on this rank's shard
     (`shard_weights_tp`), then an all-reduce (SUM) of the partial outputs over `group`.
@@ -129,11 +130,12 @@ def tp_fused_moe(
     rank gets the same output [M, H] in x's dtype. `backend` is the single-device backend of the
     local experts. `reduce_dtype`: the dtype of the all-reduce (float32 by default: exact and
     order-independent, see the module docstring); None reduces in x's dtype.
+    `allow_weight_copies` as for fused_moe (a MoELayer passes False: auto keeps no converted copy).
     Every rank must call this (it is a collective), also with M = 0.
     """
     partial = fused_moe(
         x, local_weights, topk_weights, topk_ids, backend,
-        apply_router_weight_on_input=apply_router_weight_on_input,
+        apply_router_weight_on_input=apply_router_weight_on_input, allow_weight_copies=allow_weight_copies,
     )
     if dist.get_world_size(group) == 1:
         return partial

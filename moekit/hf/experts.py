@@ -21,7 +21,6 @@ Inference only: gradients do not flow through moekit's kernels.
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import torch
@@ -36,12 +35,6 @@ from ..weights import MoEWeights
 log = logging.getLogger("moekit.hf")
 
 IMPLEMENTATION = "moekit"
-# Auto never picks a backend that would keep a converted (dequantized) copy of the experts, where
-# this moekit has that switch: FP8 experts stay FP8 unless a backend is named explicitly.
-_NO_COPIES = {"allow_weight_copies": False} if "allow_weight_copies" in inspect.signature(fused_moe).parameters else {}
-_SELECT_NO_COPIES = (
-    {"allow_weight_copies": False} if "allow_weight_copies" in inspect.signature(select_backend).parameters else {}
-)
 WEIGHT_NAMES = ("w13", "w2", "w13_scale", "w2_scale", "a13_scale", "a2_scale")
 
 
@@ -78,20 +71,23 @@ def run_experts(
     apply_on_input: bool = False,
     label: str = "experts",
 ) -> torch.Tensor:
-    """The routed experts of one layer through moekit.fused_moe; returns hidden_states' shape."""
+    """The routed experts of one layer through moekit.fused_moe; returns hidden_states' shape.
+    Auto never picks a backend that would keep a converted (dequantized) copy of the experts
+    (allow_weight_copies=False): FP8 experts stay FP8 unless a backend is named explicitly."""
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
     ids, w = _routing(top_k_index, top_k_weights, x.shape[0], label)
     _note_backend(module, weights, x, ids.shape[1], backend, label)
     if not apply_on_input:
-        out = fused_moe(x, weights, w, ids, backend=backend, **_NO_COPIES)
+        out = fused_moe(x, weights, w, ids, backend=backend, allow_weight_copies=False)
     elif ids.shape[1] == 1:
-        out = fused_moe(x, weights, w, ids, backend=backend, apply_router_weight_on_input=True, **_NO_COPIES)
+        out = fused_moe(x, weights, w, ids, backend=backend, apply_router_weight_on_input=True,
+                        allow_weight_copies=False)
     else:  # weight on the input with top-k > 1: one top-1 call per slot, summed in float32
         out = None
         for j in range(ids.shape[1]):
             part = fused_moe(x, weights, w[:, j : j + 1], ids[:, j : j + 1], backend=backend,
-                             apply_router_weight_on_input=True, **_NO_COPIES).float()
+                             apply_router_weight_on_input=True, allow_weight_copies=False).float()
             out = part if out is None else out + part
         out = (out if out is not None else x.float() * 0).to(x.dtype)
     return out.reshape(shape)
@@ -105,7 +101,7 @@ def _note_backend(module, weights: MoEWeights, x, top_k, backend, label) -> None
     if key in seen:
         return
     choice = select_backend(weights.shape(top_k), weights.scheme, x.device, x.dtype, max(x.shape[0], 1), backend,
-                            **_SELECT_NO_COPIES)
+                            allow_weight_copies=False)
     if weights.scheme.is_fp8 and choice.backend == "torch":
         msg = (
             "%s: FP8 experts (%s) run on the `torch` backend (%s), which keeps a dequantized "
@@ -156,26 +152,35 @@ def check_hf_experts(module: nn.Module, label: str | None = None) -> None:
 
 
 def _hf_weights(module: nn.Module, label: str) -> MoEWeights:
-    """A MoEWeights over the module's own parameters (no copy), cached on the module."""
+    """A MoEWeights over the module's own parameters (no copy), cached on the module while every
+    tensor it wraps is the same (values written in place are seen: the MoEWeights reads these
+    tensors, and its backends' prepared state follows their versions, MoEWeights.prepared_state)."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
         raise ExpertsError(f"{label} ({type(module).__name__}) has no gate_up_proj / down_proj tensors")
-    scale13 = getattr(module, "gate_up_proj_scale_inv", None)
-    key = (gate_up.data_ptr(), down.data_ptr(), gate_up.device, gate_up.dtype, tuple(gate_up.shape),
-           None if scale13 is None else scale13.data_ptr())
+    key = tuple(
+        None if not isinstance(t, torch.Tensor) else (t.data_ptr(), t.device, t.dtype, tuple(t.shape))
+        for t in (gate_up, down, getattr(module, "gate_up_proj_scale_inv", None),
+                  getattr(module, "down_proj_scale_inv", None))
+    )
     cached = module.__dict__.get("_moekit_weights")
     if cached is not None and cached[0] == key:
         return cached[1]
     check_hf_experts(module, label)
-    if gate_up.dtype == torch.float8_e4m3fn:
-        weights = _hf_fp8_weights(module, gate_up, down, label)
-    elif gate_up.dtype in (torch.bfloat16, torch.float16):
-        weights = MoEWeights(BF16, gate_up.detach(), down.detach())
-    else:
+    if gate_up.dtype not in (torch.float8_e4m3fn, torch.bfloat16, torch.float16):
         raise ExpertsError(
             f"{label}: moekit runs bf16/fp16 or FP8 experts, but gate_up_proj is {gate_up.dtype}; "
             "load the model with dtype=torch.bfloat16"
         )
+    try:  # MoEWeights' own refusals (e.g. tensors that are not contiguous), named by module
+        if gate_up.dtype == torch.float8_e4m3fn:
+            weights = _hf_fp8_weights(module, gate_up, down, label)
+        else:
+            weights = MoEWeights(BF16, gate_up.detach(), down.detach())
+    except ExpertsError:
+        raise
+    except ValueError as e:
+        raise ExpertsError(f"{label} ({type(module).__name__}): {e}") from None
     module.__dict__["_moekit_weights"] = (key, weights)
     return weights
 
@@ -286,7 +291,9 @@ class MoekitExperts(nn.Module):
         if not self.loaded:
             raise ExpertsError(f"{self.label}: the experts' weights were never loaded")
         tensors = {k: self._buffers[k] for k in WEIGHT_NAMES if self._buffers.get(k) is not None}
-        key = tuple((k, t.data_ptr(), t.device, t.dtype) for k, t in tensors.items())
+        # values written in place (load_state_dict into the same storage) need no new MoEWeights:
+        # it reads these tensors, and its prepared state follows their versions (prepared_state)
+        key = tuple((k, t.data_ptr(), t.device, t.dtype, tuple(t.shape)) for k, t in tensors.items())
         cached = self.__dict__.get("_moekit_cached")
         if cached is None or cached[0] != key:
             cached = (key, MoEWeights(self.scheme, **tensors))

@@ -395,14 +395,24 @@ def _set_implementation(model: nn.Module) -> None:
             log.debug("set_experts_implementation('moekit') not applied: %s", e)
 
 
-def _check_backend(modules: dict[str, MoekitExperts], backend: str | None) -> None:
-    """Raise BackendUnavailableError now (not at the first forward) for a backend that cannot run."""
+def _check_backend(modules: dict[str, MoekitExperts], backend: str | None, dtype: torch.dtype) -> None:
+    """Raise BackendUnavailableError now (not at the first forward) for a backend that cannot run
+    the experts with activations of `dtype`, the model's (what its layers hand the experts)."""
     if backend in (None, "auto") or not modules:
         return
     m = next(iter(modules.values()))
     w = m.moe_weights()
-    dtype = w.w13.dtype if not w.scheme.is_fp8 else torch.bfloat16
     select_backend(w.shape(1), w.scheme, w.device, dtype, 1, backend)
+
+
+def _model_dtype(model: nn.Module, modules: dict[str, MoekitExperts]) -> torch.dtype:
+    """The dtype of the model's activations: transformers' `model.dtype` (its first floating
+    parameter's), else unquantized experts' dtype, else bf16."""
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype != torch.float8_e4m3fn:
+        return dtype
+    return next((m.moe_weights().w13.dtype for m in modules.values() if m.loaded and not m.scheme.is_fp8),
+                torch.bfloat16)
 
 
 def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backend: str | None = "auto", *,
@@ -443,7 +453,7 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
         if scheme is not None:
             quantize_model(model, scheme, calibration)
     set_backend(model, backend)
-    _check_backend(modules, backend)
+    _check_backend(modules, backend, _model_dtype(model, modules))
     _set_implementation(model)
     return model
 
@@ -552,7 +562,7 @@ def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str 
     if want is not None and want.static_activation and not ckpt_scheme.is_fp8:
         quantize_model(model, want, _tokens(calibration, folder))
     set_backend(model, backend)
-    _check_backend(modules, backend)
+    _check_backend(modules, backend, _model_dtype(model, modules))
     return model
 
 

@@ -324,6 +324,15 @@ def _combine_kernel(
 
 
 @triton.jit
+def _narrow_ids_kernel(ids_ptr, out_ptr, P, E, BLOCK: tl.constexpr):
+    """int64 expert ids to int32, each id outside [0, E) written as -1: narrowed as it is, an id of
+    2**32 + 3 would read as expert 3, and the range checks after this pass would not see it."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + offs, mask=offs < P, other=0)
+    tl.store(out_ptr + offs, tl.where((ids >= 0) & (ids < E), ids, -1).to(tl.int32), mask=offs < P)
+
+
+@triton.jit
 def _ids_in_range_kernel(ids_ptr, ok_ptr, P, E, BLOCK: tl.constexpr, ONE_PROGRAM: tl.constexpr):
     """ok[0] = 0 if any of the P ids lies outside [0, E). ONE_PROGRAM (few ids, decode): one
     program reads them all and writes ok (1 or 0), so the check is one launch inside a CUDA graph.

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 
 import torch
 
+from ... import env
 from ... import quant as _quant
 from ..triton_options import compile_options
 
@@ -80,7 +80,8 @@ def num_permuted_rows(num_pairs: int, num_experts: int, align: int = ALIGN_M) ->
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """TRITON_INTERPRET as every part of moekit reads it (moekit.env.interpreting)."""
+    return env.interpreting()
 
 
 def _options() -> dict:
@@ -403,3 +404,22 @@ def ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     with torch.cuda.device(ids.device) if ids.is_cuda else contextlib.nullcontext():
         k._ids_in_range_kernel[grid](ids, ok, P, num_experts, BLOCK=IDS_CHECK_BLOCK, ONE_PROGRAM=one, **_options())
     return ok
+
+
+NARROW_IDS_BLOCK = 1024  # ids per program
+
+
+def narrow_ids(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 topk_ids as int32 in one launch, with no host synchronisation: an id outside
+    [0, num_experts) becomes -1, so that the device-side range checks after it still see it
+    (`.to(torch.int32)` would wrap 2**32 + 3 to expert 3). Same launch count as that cast. Needs
+    CUDA or TRITON_INTERPRET=1, like the triton glue."""
+    from . import _kernels as k
+
+    ids = topk_ids.contiguous()
+    out = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
+    if ids.numel():
+        with torch.cuda.device(ids.device) if ids.is_cuda else contextlib.nullcontext():
+            k._narrow_ids_kernel[(_cdiv(ids.numel(), NARROW_IDS_BLOCK),)](
+                ids, out, ids.numel(), num_experts, BLOCK=NARROW_IDS_BLOCK, **_options())
+    return out

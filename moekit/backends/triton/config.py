@@ -266,7 +266,15 @@ def _load_table(path: Path, mtime: float) -> dict[int, KernelConfig] | None:
         mismatch = accumulation_mismatch(path.name, data.get("meta", {}))
         if mismatch:
             raise ValueError(mismatch)
-        return {int(m): KernelConfig.from_dict(c) for m, c in data["configs"].items()}
+        configs = {}
+        for key, c in data["configs"].items():
+            m = int(key)
+            if m < 1:  # nearest() takes log(size / M): a forward pass would fail on it
+                log.warning("moekit: tuned table %s: ignoring the entry of batch size %r (not a positive "
+                            "integer)", path, key)
+                continue
+            configs[m] = KernelConfig.from_dict(c)
+        return configs
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         log.warning("moekit: ignoring tuned table %s: %s", path, e)
         return None
@@ -295,7 +303,8 @@ def tuned_configs(shape: MoEShape, scheme: QuantScheme, device_name: str) -> tup
 def nearest(table: dict[int, KernelConfig], num_tokens: int) -> KernelConfig:
     """The config measured at the batch size nearest to num_tokens in log space (tuned sizes are
     powers of two, and the regime changes with the ratio, not the difference); ties: the smaller
-    size. The same rule as the backend decision tables (moekit.decisions)."""
+    size. (The backend decision tables interpolate between the two measured sizes around M
+    instead: moekit.decisions.)"""
     m = max(num_tokens, 1)
     return table[min(table, key=lambda size: (abs(math.log(size / m)), size))]
 

@@ -72,7 +72,7 @@ def _joined(scheme: QuantScheme, cfg: KernelConfig) -> int:
 
 
 def _interpreting() -> bool:
-    return env.get("TRITON_INTERPRET") == "1"
+    return env.interpreting()  # one rule for every module (exactly "1")
 
 
 _COMPILE_ONLY = contextvars.ContextVar("moekit_triton_compile_only", default=False)

@@ -1,0 +1,173 @@
+"""MoEWeights' layout and dtype rules, and backends' prepared state after in-place writes.
+
+- Layout: the triton kernels take only the outer strides of w13 / w2 (and of the scales) and
+  assume the last dimension contiguous; cutlass used to copy what was not contiguous. Tensors
+  that are not contiguous are refused by MoEWeights itself, naming the tensor and its strides.
+- dtype: unquantized weights meet x of their own dtype (or float32 x, computed in float32).
+- Prepared state (torch's dequantized copy, cutlass's expanded per-tensor scales) follows the
+  weights' values: an in-place write (copy_, mul_, load_state_dict) makes it be rebuilt.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import random_routing, random_weights, random_x, rel_l2
+
+import moekit
+from moekit.backends import cutlass
+from moekit.backends.torch_backend import TorchBackend
+from moekit.select import select_backend
+
+E, H, N, K, M = 4, 64, 32, 2, 8
+
+
+def _bf16_experts(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, 2 * N, H, generator=g) / H**0.5).bfloat16()
+    w2 = (torch.randn(E, H, N, generator=g) / N**0.5).bfloat16()
+    return w13, w2
+
+
+# ------------------------------------------------------------------------------------ layout
+
+
+def test_transposed_views_are_refused_with_tensor_and_strides():
+    """The reviewer's case: experts stored [E, H, 2N] / [E, N, H] passed as transposed views ran
+    on the triton backend with a relative error of 1.3 (any layout but the contiguous one read
+    the wrong elements). Now MoEWeights refuses it, naming the tensor, its strides and the fix."""
+    w13, w2 = _bf16_experts()
+    gu, dn = w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()  # [E, H, 2N], [E, N, H]
+    with pytest.raises(ValueError, match=r"MoEWeights\.w13 is not contiguous: shape \(4, 64, 64\) with strides "
+                                         r"\(4096, 1, 64\), expected strides \(4096, 64, 1\).*w13\.contiguous\(\)"):
+        moekit.MoEWeights("bf16", gu.transpose(1, 2), dn.transpose(1, 2))
+    with pytest.raises(ValueError, match=r"MoEWeights\.w2 is not contiguous"):
+        moekit.MoEWeights("bf16", w13, dn.transpose(1, 2))
+    # rows of a larger tensor (last dimension contiguous, not the whole): refused too, so that
+    # no backend copies the weights behind the caller's back (cutlass did)
+    wide = torch.cat([w13, w13], dim=1)
+    with pytest.raises(ValueError, match=r"MoEWeights\.w13 is not contiguous"):
+        moekit.MoEWeights("bf16", wide[:, : 2 * N], w2)
+
+
+def test_scales_that_are_not_contiguous_are_refused():
+    w = random_weights(E, 128, 128, "fp8-channel-token")
+    scale = w.w13_scale.t().contiguous().t()  # [E, 2N] with swapped strides
+    assert not scale.is_contiguous()
+    with pytest.raises(ValueError, match=r"MoEWeights\.w13_scale is not contiguous"):
+        moekit.MoEWeights.from_fp8("fp8-channel-token", w.w13, w.w2, scale, w.w2_scale)
+
+
+def test_contiguous_copy_of_a_transposed_checkpoint_runs_right_on_triton():
+    """What the error message asks for gives the right result on the backend that was wrong."""
+    w13, w2 = _bf16_experts()
+    gu, dn = w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+    w = moekit.MoEWeights("bf16", gu.transpose(1, 2).contiguous(), dn.transpose(1, 2).contiguous())
+    tw, ids = random_routing(M, E, K)
+    x = random_x(M, H)
+    ref = moekit.fused_moe(x, w, tw, ids, "reference")
+    if select_backend(w.shape(K), w.scheme, x.device, x.dtype, M).refused.get("triton"):
+        pytest.skip("triton cannot run here (no GPU, no TRITON_INTERPRET=1)")
+    out = moekit.fused_moe(x, w, tw, ids, "triton")
+    # bf16 problem: triton rounds GEMM1's output, the intermediate and each pair's output to bf16
+    # (2**-8 relative each) where reference keeps float32; three such roundings stay well under
+    # 1e-2 relative L2. The transposed-view bug gave 1.25.
+    assert rel_l2(out, ref) < 1e-2
+
+
+# -------------------------------------------------------------------------------------- dtype
+
+
+def test_unquantized_weights_of_another_half_dtype_are_refused():
+    """bf16 x on fp16 weights: before, triton's supports() accepted it (the GPU kernel's dot takes
+    one dtype) and torch silently kept a cast copy while copies_weights said False."""
+    w13, w2 = _bf16_experts()
+    w = moekit.MoEWeights("fp16", w13.half(), w2.half())
+    tw, ids = random_routing(M, E, K)
+    x = random_x(M, H)  # bf16
+    for backend in ("torch", "reference", "auto"):
+        with pytest.raises(ValueError, match="x has dtype torch.bfloat16 but the unquantized weights "
+                                             r"\(scheme bf16\) are torch.float16"):
+            moekit.fused_moe(x, w, tw, ids, backend)
+    assert w.prepared == {}  # nothing was cast
+
+
+def test_float32_activations_on_bf16_weights_are_a_copy_a_layer_avoids():
+    """float32 x stays allowed (computed in float32), and the torch backend's float32 cast of
+    the weights is now reported by copies_weights, so a MoELayer's auto passes over it."""
+    w13, w2 = _bf16_experts()
+    w = moekit.MoEWeights("bf16", w13, w2)
+    bf16 = moekit.get_scheme("bf16")
+    assert TorchBackend().copies_weights(bf16, torch.float32)
+    assert not TorchBackend().copies_weights(bf16, torch.bfloat16)
+    tw, ids = random_routing(M, E, K)
+    x = random_x(M, H, dtype=torch.float32)
+    layer = moekit.MoELayer(w)
+    out = layer(x, tw, ids)
+    assert out.dtype == torch.float32 and "torch" not in w.prepared
+    choice = select_backend(w.shape(K), bf16, x.device, torch.float32, M, allow_weight_copies=False)
+    assert choice.backend != "torch" and "torch" in choice.avoided
+
+
+# ------------------------------------------------------------------------------ prepared state
+
+
+def test_torch_backend_sees_weights_written_in_place():
+    """The torch backend's dequantized copy was kept after the FP8 weights changed in place
+    (a load_state_dict into the same storage): the next call computed with the old weights."""
+    w = random_weights(E, 128, 128, "fp8-channel-token", seed=1)
+    new = random_weights(E, 128, 128, "fp8-channel-token", seed=2)
+    tw, ids = random_routing(M, E, K)
+    x = random_x(M, 128)
+    moekit.fused_moe(x, w, tw, ids, "torch")  # builds the copy of the old values
+    for name, t in new.tensors().items():
+        getattr(w, name).copy_(t)
+    # the same backend on the same values through a fresh MoEWeights: the same computation,
+    # bitwise the same result; the stale copy gives the old weights' output (rel_l2 ~ 1.4)
+    want = moekit.fused_moe(x, new, tw, ids, "torch")
+    assert torch.equal(moekit.fused_moe(x, w, tw, ids, "torch"), want)
+    # a write through a view of one tensor counts too (views share the version counter)
+    w.w2_scale[0].mul_(2)
+    twice = moekit.MoEWeights.from_fp8("fp8-channel-token", new.w13, new.w2, new.w13_scale, w.w2_scale.clone())
+    assert torch.equal(moekit.fused_moe(x, w, tw, ids, "torch"), moekit.fused_moe(x, twice, tw, ids, "torch"))
+
+
+def test_cutlass_expanded_scales_follow_the_scales():
+    """cutlass expands per-tensor scales to per-column ones once; a scale written in place must
+    be expanded again (prepare() runs on the CPU: it only builds views and the expansion)."""
+    w = random_weights(E, 128, 128, "fp8-tensor-dynamic")
+    p = cutlass.prepare(w)
+    assert p is cutlass.prepare(w)  # built once while nothing changes
+    assert p.w13_t.data_ptr() == w.w13.data_ptr()  # a view of the weights, no copy
+    w.w13_scale.mul_(3)
+    fresh = cutlass.prepare(w)
+    assert torch.equal(fresh.w13_scale, w.w13_scale[:, None].expand(E, 256))
+
+
+def test_layer_in_place_write_reaches_the_backend():
+    """MoELayer dropped its backends' state on load_state_dict only: an in-place write to a
+    buffer (layer.w13.copy_(...)) kept the torch backend's stale copy."""
+    w = random_weights(E, 128, 128, "fp8-channel-token", seed=1)
+    new = random_weights(E, 128, 128, "fp8-channel-token", seed=2)
+    layer = moekit.MoELayer(w, backend="torch")
+    tw, ids = random_routing(M, E, K)
+    x = random_x(M, 128)
+    layer(x, tw, ids)
+    with torch.no_grad():
+        for name, t in new.tensors().items():
+            getattr(layer, name).copy_(t)
+    assert torch.equal(layer(x, tw, ids), moekit.fused_moe(x, new, tw, ids, "torch"))
+
+
+def test_quantizing_a_transposed_view_gives_contiguous_fp8_weights():
+    """quantize_weights makes new tensors anyway: from a transposed view it used to make FP8
+    tensors with the view's strides (wrong on triton); now the same tensors as from a copy."""
+    g = torch.Generator().manual_seed(3)
+    gu, dn = torch.randn(E, H, 2 * N, generator=g), torch.randn(E, N, H, generator=g)
+    views = moekit.quantize_weights(gu.transpose(1, 2), dn.transpose(1, 2), "fp8-channel-token")
+    copies = moekit.quantize_weights(gu.transpose(1, 2).contiguous(), dn.transpose(1, 2).contiguous(),
+                                     "fp8-channel-token")
+    for name, t in copies.tensors().items():
+        got = getattr(views, name)
+        assert got.is_contiguous() and torch.equal(got.view(torch.uint8) if got.dtype != torch.float32 else got,
+                                                   t.view(torch.uint8) if t.dtype != torch.float32 else t), name
