@@ -1,10 +1,11 @@
 """`moekit bench`: every backend on real model shapes, against the roofline, with accuracy.
 
 For each model, batch size M and backend, one point: the layer (or its expert GEMMs alone) timed
-by the shared harness (`moekit.timing.time_graph`: CUDA graphs, L2 flushed before each replay and
-its time subtracted, median of repeated replays), the flops and bytes of `moekit.roofline`, the
-floor of the measured ceilings, the speedup against a baseline backend, and the relative error of
-the backend's output against `reference` on the same inputs.
+by the shared harness (`moekit.timing.time_graphs`: CUDA graphs, L2 flushed before each replay and
+its time subtracted, median of repeated replays, the backends of one batch size interleaved), the
+flops and bytes of `moekit.roofline`, the floor of the measured ceilings, the speedup against a
+baseline backend, and the relative error of the backend's output against `reference` on the same
+inputs.
 
 Inputs are random (never zeros); routing is precomputed and shared by every backend of a point:
     uniform  K distinct experts per token, uniformly at random
@@ -260,6 +261,12 @@ class BackendPlan:
     skipped: dict[str, dict[str, list[str]]]  # problem name -> backend -> reasons
 
 
+# Why `reference` is left out of a default run on a GPU: plan_backends' reference_note.
+REFERENCE_NOT_TIMED = (
+    "the float32 ground truth: too slow to time on real shapes by default (name it in --backends to time it)"
+)
+
+
 def plan_backends(
     problems: Sequence[Problem],
     requested: Sequence[str] | None,
@@ -268,16 +275,18 @@ def plan_backends(
     *,
     include_auto: bool = True,
     extra: Sequence[str] = (),
+    reference_note: str = REFERENCE_NOT_TIMED,
 ) -> BackendPlan:
     """Default: every registered backend that can run the problem here (plus `auto`); a backend
-    named explicitly that cannot run is bad input, with its reasons."""
+    named explicitly that cannot run is bad input, with its reasons. `include_auto=False` is for
+    callers that refuse 'auto' in `requested` (check, tune); `reference_note` says why reference
+    is skipped by default on a GPU, in the caller's terms."""
     known = backend_names()
     if requested:
         for name in requested:
             if name != "auto" and name not in known:
-                raise BenchInputError(
-                    f"--backends: unknown backend {name!r}; expected auto or one of: {', '.join(known)}"
-                )
+                expected = f"auto or one of: {', '.join(known)}" if include_auto else f"one of: {', '.join(known)}"
+                raise BenchInputError(f"--backends: unknown backend {name!r}; expected {expected}")
     per_problem: dict[str, list[str]] = {}
     skipped: dict[str, dict[str, list[str]]] = {}
     interpreting = device.type == "cpu"
@@ -305,10 +314,7 @@ def plan_backends(
                     "(name it in --backends to include it anyway)"
                 ]
             elif name == "reference" and device.type == "cuda" and not explicit:
-                skipped[p.name][name] = [
-                    "the float32 ground truth: used for the rel_err column, too slow to time on real "
-                    "shapes by default (name it in --backends to time it)"
-                ]
+                skipped[p.name][name] = [reference_note]
             else:
                 names.append(name)
         if (not requested and include_auto) or (requested and "auto" in requested):
@@ -529,15 +535,31 @@ def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
 # ------------------------------------------------------------------------------------ outputs
 
 
-def prepare_out_dir(out: str | os.PathLike | None, prefix: str) -> tuple[Path, bool]:
-    """The output folder, created and proven writable now (before any work): (path, created)."""
+def prepare_out_dir(
+    out: str | os.PathLike | None, prefix: str, *, results: Sequence[str] = (), overwrite: bool = False
+) -> tuple[Path, bool]:
+    """The output folder, created and proven writable now (before any work): (path, created).
+
+    `results`: the names of the files this run writes there. An earlier run's are never replaced
+    silently (nothing already written is lost): if any is present, this is bad input unless
+    `overwrite`. Without `out`, a new timestamped folder under moekit-results/."""
     if out is None or str(out) == "":
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         path = Path("moekit-results") / f"{prefix}-{stamp}"
+        suffix = 1
+        while path.exists():  # two runs in one second: each gets a folder of its own
+            suffix += 1
+            path = Path("moekit-results") / f"{prefix}-{stamp}-{suffix}"
     else:
         path = Path(out).expanduser()
     if path.exists() and not path.is_dir():
         raise BenchInputError(f"--out {path}: exists and is not a folder")
+    earlier = [name for name in results if (path / name).exists()]
+    if earlier and not overwrite:
+        raise BenchInputError(
+            f"--out {path}: already holds the results of an earlier run ({', '.join(earlier)}); "
+            "pass --overwrite to replace them, or give another --out"
+        )
     created = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -549,16 +571,24 @@ def prepare_out_dir(out: str | os.PathLike | None, prefix: str) -> tuple[Path, b
         os.unlink(probe)
     except OSError as e:
         if created:
-            _remove_empty_dirs(path)
+            remove_if_empty([path])
         raise BenchInputError(f"--out {path}: folder is not writable ({e.strerror or _one_line(e)})") from None
     return path, created
 
 
-def _remove_empty_dirs(path: Path) -> None:
-    try:
-        path.rmdir()
-    except OSError:
-        pass
+def input_seed(seed: int, M: int) -> int:
+    """The seed of the inputs (activations, routing) at batch size M from --seed: bench, check and
+    tune draw the same inputs for the same --seed."""
+    return seed * 1_000_003 + M
+
+
+def remove_if_empty(folders: Sequence[Path]) -> None:
+    """Remove folders this run created, if nothing was written into them."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
 
 
 def write_atomically(out_dir: Path, writers: dict[str, Callable[[Path], None]]) -> list[Path]:
@@ -683,6 +713,7 @@ class BenchOptions:
     model_estimate: bool = False
     plots: bool = True
     refresh_ceilings: bool = False
+    overwrite: bool = False  # replace an earlier run's results in `out`
     argv: list[str] | None = None
 
 
@@ -694,6 +725,14 @@ class BenchResult:
     rows: list[dict]
     metadata: dict
     errors: int
+    interrupted: bool = False  # Ctrl-C: `files` are the PARTIAL_FILES, with the rows measured before it
+
+
+# What a complete run writes (bench.json last: its presence says the run completed), and what an
+# interrupted one writes instead: names of their own, so that a partial file is never taken for
+# a complete one.
+RESULT_FILES = ("bench.csv", "latency.png", "efficiency.png", "bench.json")
+PARTIAL_FILES = ("bench.partial.csv", "bench.partial.json")
 
 
 @dataclasses.dataclass
@@ -750,7 +789,8 @@ def _validate(opts: BenchOptions, device: torch.device) -> _Plan:
     if opts.model_estimate:
         columns.append("model_moe_us")
     columns += ["note", *PROVENANCE_COLUMNS]
-    out_dir, created = prepare_out_dir(opts.out, "bench")
+    out_dir, created = prepare_out_dir(opts.out, "bench", results=RESULT_FILES + PARTIAL_FILES,
+                                       overwrite=opts.overwrite)
     return _Plan(problems, batch_sizes, plan, baseline, dtype, device, routing_kind, recorded, out_dir, created, columns)
 
 
@@ -841,7 +881,7 @@ def run_bench(opts: BenchOptions, console=None) -> BenchResult:
         return _run(opts, plan, console, Progress, (BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn))
     except BaseException:
         if plan.created:
-            _remove_empty_dirs(plan.out_dir)
+            remove_if_empty([plan.out_dir])
         raise
 
 
@@ -876,54 +916,60 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
     )
     # gemm mode aligns its routing before timing, and a recorded routing is the file's: one routing
     routings = opts.routings if opts.mode == "layer" and plan.routing_kind != "file" else 1
-    with progress:
-        task = progress.add_task("bench", total=total)
-        for pi, p in enumerate(plan.problems):
-            names = plan.backends.per_problem[p.name]
-            if not names:
-                continue
-            weights = make_weights(p.shape, p.scheme, device, seed=opts.seed + 1000 * pi, dtype=dtype)
-            for M in plan.batch_sizes:
-                seed = opts.seed * 1_000_003 + M
-                x = make_x(M, p.shape.hidden, device, seed=seed, dtype=dtype)
-                rotation = make_routings(plan.routing_kind, M, p.shape, routings, seed=seed,
-                                         recorded=plan.recorded.get(p.name), device=device)
-                tw, ids = rotation.topk_weights, rotation.topk_ids
-                cache: dict[str | None, torch.Tensor] = {}
+    interrupted = False
+    try:
+        with progress:
+            task = progress.add_task("bench", total=total)
+            for pi, p in enumerate(plan.problems):
+                names = plan.backends.per_problem[p.name]
+                if not names:
+                    continue
+                weights = make_weights(p.shape, p.scheme, device, seed=opts.seed + 1000 * pi, dtype=dtype)
+                for M in plan.batch_sizes:
+                    seed = input_seed(opts.seed, M)
+                    x = make_x(M, p.shape.hidden, device, seed=seed, dtype=dtype)
+                    rotation = make_routings(plan.routing_kind, M, p.shape, routings, seed=seed,
+                                             recorded=plan.recorded.get(p.name), device=device)
+                    tw, ids = rotation.topk_weights, rotation.topk_ids
+                    cache: dict[str | None, torch.Tensor] = {}
 
-                def reference_out(backend_name: str):
-                    # the reference with the backend's documented intermediate rounding (triton's
-                    # 1x128 groups for the token rule), so rel_err measures errors, not design
-                    from .check import intermediate_granularity  # check imports bench
+                    def reference_out(backend_name: str):
+                        # the reference with the backend's documented intermediate rounding (triton's
+                        # 1x128 groups for the token rule), so rel_err measures errors, not design
+                        from .check import intermediate_granularity  # check imports bench
 
-                    granularity = intermediate_granularity(backend_name, p.scheme)
-                    if granularity not in cache:
-                        vtw, vids = validate_inputs(x, weights, tw, ids)
-                        cache[granularity] = reference_moe(
-                            x, weights, vtw, vids, intermediate_granularity=granularity
-                        )
-                    return cache[granularity]
+                        granularity = intermediate_granularity(backend_name, p.scheme)
+                        if granularity not in cache:
+                            vtw, vids = validate_inputs(x, weights, tw, ids)
+                            cache[granularity] = reference_moe(
+                                x, weights, vtw, vids, intermediate_granularity=granularity
+                            )
+                        return cache[granularity]
 
-                # every backend at this M is timed in the same interleaved rounds (time_graphs)
-                progress.update(task, description=f"{p.name} M={M}: {', '.join(names)}")
-                prepared = [_layer_fn(p, name, opts.mode, M, x, weights, tw, ids, device) for name in names]
-                fns = {row["backend"]: fn for row, fn in prepared if fn is not None}
-                with torch.no_grad():
-                    timings = time_graphs(fns, reps=opts.reps, warmup=opts.warmup, device=device,
-                                          before_each=rotation if len(rotation) > 1 else None) if fns else {}
-                rotation.reset()  # the accuracy check and the counts below use the first routing
-                for row, fn in prepared:
-                    timing = timings.get(row["backend"])
-                    if isinstance(timing, Exception):
-                        row = _failed(row, timing)
-                    elif timing is not None:
-                        row = _finish_row(row, timing, p, M, x, weights, tw, ids, opts, ceilings, reference_out)
-                    rows.append(row)
-                    progress.advance(task)
-                x = tw = ids = cache = None  # freed before the next size (reference_out names them)
-            weights = None  # freed before the next model (reference_out names it)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+                    # every backend at this M is timed in the same interleaved rounds (time_graphs)
+                    progress.update(task, description=f"{p.name} M={M}: {', '.join(names)}")
+                    prepared = [_layer_fn(p, name, opts.mode, M, x, weights, tw, ids, device) for name in names]
+                    fns = {row["backend"]: fn for row, fn in prepared if fn is not None}
+                    with torch.no_grad():
+                        timings = time_graphs(fns, reps=opts.reps, warmup=opts.warmup, device=device,
+                                              before_each=rotation if len(rotation) > 1 else None) if fns else {}
+                    rotation.reset()  # the accuracy check and the counts below use the first routing
+                    for row, fn in prepared:
+                        timing = timings.get(row["backend"])
+                        if isinstance(timing, Exception):
+                            row = _failed(row, timing)
+                        elif timing is not None:
+                            row = _finish_row(row, timing, p, M, x, weights, tw, ids, opts, ceilings, reference_out)
+                        rows.append(row)
+                        progress.advance(task)
+                    x = tw = ids = cache = None  # freed before the next size (reference_out names them)
+                weights = None  # freed before the next model (reference_out names it)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    except KeyboardInterrupt:  # keep what was measured: written below under the partial names
+        if not rows:
+            raise
+        interrupted = True
 
     _add_speedups(rows, plan.baseline)
     _add_auto_choice_cost(rows)
@@ -954,13 +1000,19 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
         ceilings=dataclasses.asdict(ceilings) if ceilings else None,
         models=[p.to_json() for p in plan.problems],
         skipped_backends=plan.backends.skipped,
+        complete=not interrupted,
+        points_planned=total,
     )
-    files = _write(plan, rows, meta, opts)
+    files = _write(plan, rows, meta, opts, partial=interrupted)
     print_table(console, rows, plan.columns, opts.model_estimate)
     for line in auto_summary(rows):
         console.print(line, highlight=False)
-    console.print(f"wrote {', '.join(str(f) for f in files)}", highlight=False)
-    return BenchResult(plan.out_dir, files, plan.columns, rows, meta, errors)
+    if interrupted:
+        console.print(f"interrupted: {len(rows)} of {total} points measured; wrote them to "
+                      f"{', '.join(str(f) for f in files)} (partial: no plots)", highlight=False, soft_wrap=True)
+    else:
+        console.print(f"wrote {', '.join(str(f) for f in files)}", highlight=False)
+    return BenchResult(plan.out_dir, files, plan.columns, rows, meta, errors, interrupted)
 
 
 def _add_speedups(rows: list[dict], baseline: str) -> None:
@@ -1004,7 +1056,7 @@ def auto_summary(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _write(plan: _Plan, rows: list[dict], meta: dict, opts: BenchOptions) -> list[Path]:
+def _write(plan: _Plan, rows: list[dict], meta: dict, opts: BenchOptions, partial: bool = False) -> list[Path]:
     from . import plots
 
     columns = plan.columns
@@ -1028,6 +1080,8 @@ def _write(plan: _Plan, rows: list[dict], meta: dict, opts: BenchOptions) -> lis
     title = f"moekit bench: {what}, {plan.routing_kind} routing\n{meta['device']}"
     if meta["cpu_scaled_down"]:
         title += " (scaled-down CPU shape)"
+    if partial:
+        return write_atomically(plan.out_dir, dict(zip(PARTIAL_FILES, (write_csv, write_json))))
     writers: dict[str, Callable[[Path], None]] = {"bench.csv": write_csv}
     if opts.plots:
         writers["latency.png"] = lambda path: plots.latency_plot(rows, path, title=title)
@@ -1035,7 +1089,10 @@ def _write(plan: _Plan, rows: list[dict], meta: dict, opts: BenchOptions) -> lis
             rows, path, title=title, has_ceilings=meta["ceilings"] is not None
         )
     writers["bench.json"] = write_json  # last: its presence says the run completed
-    return write_atomically(plan.out_dir, writers)
+    files = write_atomically(plan.out_dir, writers)
+    for name in PARTIAL_FILES:  # an earlier interrupted run's (--overwrite): superseded now
+        (plan.out_dir / name).unlink(missing_ok=True)
+    return files
 
 
 def _fmt(value, spec: str) -> str:
@@ -1054,7 +1111,7 @@ def _print_wide(console, renderable) -> None:
     Console(file=console.file, width=160, no_color=console.no_color).print(renderable)
 
 
-def _us(value) -> str:
+def format_us(value) -> str:
     """A time in µs with 3-4 significant digits."""
     if value is None:
         return "-"
@@ -1090,9 +1147,10 @@ def print_table(console, rows: list[dict], columns: list[str], model_estimate: b
                 table.add_row(str(r["batch_size"]), backend, r.get("note") or "-", *["-"] * (len(heads) - 3))
                 continue
             cells = [
-                str(r["batch_size"]), backend, _us(r["median_us"]), f"{_us(r['p20_us'])}-{_us(r['p80_us'])}",
+                str(r["batch_size"]), backend, format_us(r["median_us"]),
+                f"{format_us(r['p20_us'])}-{format_us(r['p80_us'])}",
                 _sig(r.get("tflops")), _sig(r.get("gbps")),
-                _us(r.get("floor_us")), _fmt(r.get("efficiency"), ".2f"), _fmt(r.get(speedup), ".2f"),
+                format_us(r.get("floor_us")), _fmt(r.get("efficiency"), ".2f"), _fmt(r.get(speedup), ".2f"),
                 _fmt(r.get("rel_err"), ".1e"),
             ]
             if model_estimate:

@@ -34,7 +34,6 @@ from .bench import (
     Problem,
     _one_line,
     _print_wide,
-    _remove_empty_dirs,
     cpu_banner,
     default_device,
     environment,
@@ -45,7 +44,9 @@ from .bench import (
     parse_dtype,
     parse_names,
     plan_backends,
+    input_seed,
     prepare_out_dir,
+    remove_if_empty,
     resolve_problems,
     uniform_routing,
     write_atomically,
@@ -55,7 +56,15 @@ from .weights import MoEWeights
 
 DEFAULT_BATCH_SIZES = (1, 7, 64)
 DEFAULT_SEEDS = 3
+# check.json is written only by a complete run; an interrupted one writes what it measured under
+# the other name, so that a partial report is never taken for a verdict
+RESULT_FILE, PARTIAL_FILE = "check.json", "check.partial.json"
 IDLE_EXPERTS_M = 8  # the case where only half of the experts may receive tokens
+# Why `reference` is left out of a default check on a GPU (bench's reason, its timing, is not check's)
+REFERENCE_NOT_CHECKED = (
+    "the float32 ground truth, not a kernel a model runs: on the GPU checked against float64 only when "
+    "named in --backends (the CPU tests check it)"
+)
 
 # ----------------------------------------------------------------------------- the thresholds
 #
@@ -355,6 +364,7 @@ class CheckOptions:
     seed: int = 0
     out: str | None = None
     dtype: str = "bf16"
+    overwrite: bool = False  # replace an earlier run's report in `out`
     argv: list[str] | None = None
 
 
@@ -364,6 +374,7 @@ class CheckReport:
     out_dir: Path
     files: list[Path]
     report: dict
+    interrupted: bool = False  # Ctrl-C: `files` is PARTIAL_FILE, with the cases checked before it
 
 
 def run_check(opts: CheckOptions, console=None) -> CheckReport:
@@ -383,13 +394,13 @@ def run_check(opts: CheckOptions, console=None) -> CheckReport:
     requested = parse_names(opts.backends)
     if requested and "auto" in requested:
         raise BenchInputError("--backends: check runs named backends; 'auto' is not one (it runs one of them)")
-    plan = plan_backends(problems, requested, device, dtype, include_auto=False)
-    out_dir, created = prepare_out_dir(opts.out, "check")
+    plan = plan_backends(problems, requested, device, dtype, include_auto=False, reference_note=REFERENCE_NOT_CHECKED)
+    out_dir, created = prepare_out_dir(opts.out, "check", results=(RESULT_FILE, PARTIAL_FILE), overwrite=opts.overwrite)
     try:
         return _run(opts, console, device, dtype, batch_sizes, problems, plan, out_dir)
     except BaseException:
         if created:
-            _remove_empty_dirs(out_dir)
+            remove_if_empty([out_dir])
         raise
 
 
@@ -403,13 +414,13 @@ def _run(opts, console, device, dtype, batch_sizes, problems: list[Problem], pla
 
     models_out = []
     all_passed = True
+    interrupted = False
     for pi, p in enumerate(problems):
         names = plan.per_problem[p.name]
         console.print(f"{p.describe()}: checking {', '.join(names) or 'no backend'}", highlight=False)
         for name, reasons in plan.skipped[p.name].items():
             console.print(f"  skipped {name}: {'; '.join(reasons)}", highlight=False)
         cases = make_cases(batch_sizes, opts.seeds, opts.seed, p.shape.num_experts, p.shape.top_k)
-        weights = make_weights(p.shape, p.scheme, device, seed=opts.seed + 1000 * pi, dtype=dtype)
         per_backend: dict[str, dict[str, Any]] = {
             name: {"class": backend_class(name, p.scheme),
                    "problem": {"intermediate_granularity": intermediate_granularity(name, p.scheme),
@@ -420,43 +431,50 @@ def _run(opts, console, device, dtype, batch_sizes, problems: list[Problem], pla
         pair_worst: dict[tuple[str, str], float] = {}
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                             console=console, transient=True)
-        with progress:
-            task = progress.add_task(p.name, total=len(cases) * len(names))
-            for case in cases:
-                x = make_x(case.batch_size, p.shape.hidden, device, seed=case.seed * 1_000_003 + case.batch_size, dtype=dtype)
-                tw, ids = uniform_routing(case.batch_size, p.shape.num_experts, p.shape.top_k,
-                                          seed=case.seed * 1_000_003 + case.batch_size, pool=case.pool)
-                tw, ids = tw.to(device), ids.to(device)
-                truths: dict[tuple, torch.Tensor] = {}
-                outputs: dict[str, torch.Tensor] = {}
-                for name in names:
-                    progress.update(task, description=f"{p.name} {case.label} {name}")
-                    info = per_backend[name]
-                    variant = (info["problem"]["intermediate_granularity"], info["problem"]["gemm1_output_rounded"])
-                    if variant not in truths:
-                        truths[variant] = float64_moe(x, weights, tw, ids, *variant)
-                    try:
-                        with torch.no_grad():
-                            out = fused_moe(x, weights, tw, ids, backend=name)
-                    except Exception as e:  # noqa: BLE001 - a backend that raises fails the check
-                        info["errors"].append(f"{case.label}: {type(e).__name__}: {_one_line(e)[:200]}")
+        weights = None
+        try:
+            weights = make_weights(p.shape, p.scheme, device, seed=opts.seed + 1000 * pi, dtype=dtype)
+            with progress:
+                task = progress.add_task(p.name, total=len(cases) * len(names))
+                for case in cases:
+                    x = make_x(case.batch_size, p.shape.hidden, device, seed=input_seed(case.seed, case.batch_size), dtype=dtype)
+                    tw, ids = uniform_routing(case.batch_size, p.shape.num_experts, p.shape.top_k,
+                                              seed=input_seed(case.seed, case.batch_size), pool=case.pool)
+                    tw, ids = tw.to(device), ids.to(device)
+                    truths: dict[tuple, torch.Tensor] = {}
+                    outputs: dict[str, torch.Tensor] = {}
+                    for name in names:
+                        progress.update(task, description=f"{p.name} {case.label} {name}")
+                        info = per_backend[name]
+                        variant = (info["problem"]["intermediate_granularity"], info["problem"]["gemm1_output_rounded"])
+                        if variant not in truths:
+                            truths[variant] = float64_moe(x, weights, tw, ids, *variant)
+                        try:
+                            with torch.no_grad():
+                                out = fused_moe(x, weights, tw, ids, backend=name)
+                        except Exception as e:  # noqa: BLE001 - a backend that raises fails the check
+                            info["errors"].append(f"{case.label}: {type(e).__name__}: {_one_line(e)[:200]}")
+                            progress.advance(task)
+                            continue
+                        m = metrics(out, truths[variant])
+                        thr = threshold_for(p.scheme.name, info["class"])
+                        m["passed"] = m["rel_l2"] <= thr.rel_l2 and m["max_rel"] <= thr.max_rel and m["cos"] >= thr.min_cos
+                        info["cases"].append({"batch_size": case.batch_size, "seed": case.seed,
+                                              "experts_used": len(case.pool) if case.pool else p.shape.num_experts,
+                                              **m})
+                        outputs[name] = out
                         progress.advance(task)
-                        continue
-                    m = metrics(out, truths[variant])
-                    thr = threshold_for(p.scheme.name, info["class"])
-                    m["passed"] = m["rel_l2"] <= thr.rel_l2 and m["max_rel"] <= thr.max_rel and m["cos"] >= thr.min_cos
-                    info["cases"].append({"batch_size": case.batch_size, "seed": case.seed,
-                                          "experts_used": len(case.pool) if case.pool else p.shape.num_experts,
-                                          **m})
-                    outputs[name] = out
-                    progress.advance(task)
-                done = list(outputs)
-                for i, a in enumerate(done):
-                    for b in done[i + 1 :]:
-                        d = metrics(outputs[a], outputs[b])["rel_l2"]
-                        pair_worst[(a, b)] = max(pair_worst.get((a, b), 0.0), d)
-                del x, tw, ids, truths, outputs
-        del weights
+                    done = list(outputs)
+                    for i, a in enumerate(done):
+                        for b in done[i + 1 :]:
+                            d = metrics(outputs[a], outputs[b])["rel_l2"]
+                            pair_worst[(a, b)] = max(pair_worst.get((a, b), 0.0), d)
+                    del x, tw, ids, truths, outputs
+        except KeyboardInterrupt:  # report the cases checked so far (under PARTIAL_FILE), then stop
+            interrupted = True
+        weights = None
+        if interrupted and not any(info["cases"] or info["errors"] for info in per_backend.values()):
+            break  # nothing of this model was checked
 
         backends_out = []
         for name, info in per_backend.items():
@@ -483,13 +501,18 @@ def _run(opts, console, device, dtype, batch_sizes, problems: list[Problem], pla
             "skipped_backends": plan.skipped[p.name],
         })
         _print_model(console, p, backends_out, pair_worst)
+        if interrupted:
+            break
+    if interrupted and not models_out:
+        raise KeyboardInterrupt  # nothing checked, nothing to write
 
     meta.update(tool="moekit check", dtype=opts.dtype, seeds=opts.seeds, seed=opts.seed, batch_sizes=batch_sizes,
+                complete=not interrupted,
                 cpu_scaled_down=device.type != "cuda", idle_experts_batch_size=IDLE_EXPERTS_M,
                 max_experts_on_cpu=CPU_MAX_EXPERTS, block=BLOCK)
     report = {
         "metadata": meta,
-        "passed": all_passed,
+        "passed": None if interrupted else all_passed,  # no verdict on part of the cases
         "thresholds": {s: {c: t.to_json() for c, t in d.items()} for s, d in THRESHOLDS.items()},
         "threshold_derivation": DERIVATION,
         "metrics": {
@@ -505,7 +528,13 @@ def _run(opts, console, device, dtype, batch_sizes, problems: list[Problem], pla
             json.dump(json_safe(report), f, indent=2, ensure_ascii=False, allow_nan=False)
             f.write("\n")
 
-    files = write_atomically(out_dir, {"check.json": write_json})
+    if interrupted:
+        files = write_atomically(out_dir, {PARTIAL_FILE: write_json})
+        console.print(f"interrupted: wrote the cases checked so far to {files[0]} (no verdict)", highlight=False,
+                      soft_wrap=True)
+        return CheckReport(False, out_dir, files, report, interrupted=True)
+    files = write_atomically(out_dir, {RESULT_FILE: write_json})
+    (out_dir / PARTIAL_FILE).unlink(missing_ok=True)  # an earlier interrupted run's (--overwrite): superseded
     verdict = "[green]all backends pass[/]" if all_passed else "[red]some backends FAIL[/]"
     console.print(f"{verdict}; wrote {files[0]}", highlight=False)
     return CheckReport(all_passed, out_dir, files, report)

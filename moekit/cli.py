@@ -15,6 +15,10 @@ class UsageError(Exception):
     """Bad command-line input: printed as one line, exit status 2."""
 
 
+INTERRUPTED = 130  # the shell's status for a process ended by Ctrl-C (128 + SIGINT)
+OVERWRITE_HELP = "replace the results of an earlier run in --out (default: refuse, so that none is lost)"
+
+
 def cmd_info(args) -> int:
     import torch
     import triton
@@ -76,18 +80,25 @@ def cmd_models(args) -> int:
     return 0
 
 
+# vLLM's spellings too (--tensor-parallel-size in vllm serve; --tp-size and -tp in its
+# benchmark_moe.py and tuning scripts), so that their command lines carry over unchanged.
+TP_FLAGS = ("--tp", "--tp-size", "-tp", "--tensor-parallel-size")
+
+
 def _add_model_args(
     p: argparse.ArgumentParser,
     batch_help: str,
     backends_help: str,
     out_help: str = "output folder (default: a timestamped one under moekit-results/)",
+    scheme_help: str = "quantization scheme (default: the model's own)",
 ) -> None:
     p.add_argument("--model", action="append", required=True, metavar="NAME|PATH",
                    help="a preset name (see `moekit models`) or a config.json / model folder; repeatable")
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+    p.add_argument(*TP_FLAGS, dest="tp", type=int, default=1,
                    help="tensor parallelism: the experts' intermediate size is split over this many GPUs")
-    p.add_argument("--scheme", default=None, help="quantization scheme (default: the model's own)")
-    p.add_argument("--batch-sizes", nargs="+", metavar="M", default=None, help=batch_help)
+    p.add_argument("--scheme", default=None, help=scheme_help)
+    p.add_argument("--batch-sizes", "--batch-size", dest="batch_sizes", nargs="+", metavar="M", default=None,
+                   help=batch_help)
     p.add_argument("--backends", nargs="+", metavar="NAME", default=None, help=backends_help)
     p.add_argument("--out", default=None, help=out_help)
     p.add_argument("--seed", type=int, default=0, help="random seed of weights, inputs and routing")
@@ -102,12 +113,14 @@ def cmd_bench(args) -> int:
         backends=args.backends, baseline=args.baseline, mode=args.mode, routing=args.routing,
         check=not args.no_check, out=args.out, seed=args.seed, dtype=args.dtype, reps=args.reps,
         warmup=args.warmup, routings=args.routings, model_estimate=args.model_estimate, plots=not args.no_plots,
-        refresh_ceilings=args.refresh_ceilings, argv=getattr(args, "argv", None),
+        refresh_ceilings=args.refresh_ceilings, overwrite=args.overwrite, argv=getattr(args, "argv", None),
     )
     try:
         result = run_bench(opts, console)
     except BenchInputError as e:
         raise UsageError(str(e)) from None
+    if result.interrupted:
+        return INTERRUPTED
     return 1 if result.errors else 0
 
 
@@ -118,12 +131,14 @@ def cmd_check(args) -> int:
     opts = CheckOptions(
         models=args.model, tp=args.tp, scheme=args.scheme, batch_sizes=args.batch_sizes,
         backends=args.backends, seeds=args.seeds, seed=args.seed, out=args.out, dtype=args.dtype,
-        argv=getattr(args, "argv", None),
+        overwrite=args.overwrite, argv=getattr(args, "argv", None),
     )
     try:
         report = run_check(opts, console)
     except BenchInputError as e:
         raise UsageError(str(e)) from None
+    if report.interrupted:
+        return INTERRUPTED
     return 0 if report.passed else 1
 
 
@@ -206,12 +221,18 @@ def cmd_eval(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moekit", description=__import__("moekit").__doc__)
+    # allow_abbrev=False: a prefix of a flag is an error, not the flag. With prefixes accepted, a
+    # new flag sharing one (--batch-size beside --batch-sizes) changes or breaks old command lines.
+    parser = argparse.ArgumentParser(prog="moekit", description=__import__("moekit").__doc__, allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="device, versions, and which backends can run here").set_defaults(func=cmd_info)
-    sub.add_parser("models", help="list the model presets").set_defaults(func=cmd_models)
 
-    bench = sub.add_parser("bench", help="time every backend on real model shapes, against the roofline")
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, allow_abbrev=False)
+
+    command("info", "device, versions, and which backends can run here").set_defaults(func=cmd_info)
+    command("models", "list the model presets").set_defaults(func=cmd_models)
+
+    bench = command("bench", "time every backend on real model shapes, against the roofline")
     _add_model_args(
         bench,
         "batch sizes in tokens (default: 1 2 4 ... 8192 on a GPU; 1 4 16 64 on the CPU)",
@@ -234,23 +255,27 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-plots", action="store_true", help="write no PNG plots (no matplotlib needed)")
     bench.add_argument("--refresh-ceilings", action="store_true",
                        help="measure the device's copy bandwidth and matmul rates again")
+    bench.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     bench.set_defaults(func=cmd_bench)
 
-    check = sub.add_parser("check", help="accuracy of every backend against a float64 computation")
+    check = command("check", "accuracy of every backend against a float64 computation")
     _add_model_args(
         check,
         "batch sizes in tokens (default: 1 7 64); a case with idle experts (M=8, half the experts) is added",
         "backends to check (default: every one that can run the model's scheme here)",
     )
     check.add_argument("--seeds", type=int, default=3, help="number of seeds per batch size")
+    check.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     check.set_defaults(func=cmd_check)
 
-    tune = sub.add_parser("tune", help="search the triton backend's configs and time every backend; write the tables auto reads")
+    tune = command("tune", "search the triton backend's configs and time every backend; write the tables auto reads")
     _add_model_args(
         tune,
         "batch sizes in tokens (default: 1 2 4 ... 8192 on a GPU; 1 4 on the CPU)",
         "backends to time besides triton (default: every one that can run here; reference only when named)",
         "output folder: tables, and the journal a rerun resumes from (default: moekit-results/tune)",
+        "quantization scheme, or several comma-separated (e.g. fp8-channel-token,fp8-block128), each tuned "
+        "with its own weights and scales (default: the model's own)",
     )
     tune.add_argument("--budget", default=None, metavar="TIME",
                       help="stop cleanly after this long (90s, 10m, 1h), keeping the best found so far")
@@ -279,9 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also write the configs as vLLM fused_moe config files into DIR")
     tune.set_defaults(func=cmd_tune)
 
-    select = sub.add_parser("select", help="which backend auto runs for a model and batch size, and why")
+    select = command("select", "which backend auto runs for a model and batch size, and why")
     select.add_argument("--model", default=None, metavar="NAME|PATH", help="a preset name or a config.json / model folder")
-    select.add_argument("--tp", "--tensor-parallel-size", dest="tp", default="1", help="tensor parallelism")
+    select.add_argument(*TP_FLAGS, dest="tp", default="1", help="tensor parallelism")
     select.add_argument("--scheme", default=None, help="quantization scheme (default: the model's own)")
     select.add_argument("--batch-size", default=None, metavar="M", help="tokens in the batch")
     select.add_argument("--device-name", default=None, metavar="NAME",
@@ -289,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     select.add_argument("--backend", default=None, help="a backend name, as the backend argument would give it")
     select.add_argument("--dtype", default="bf16", help="activation dtype: bf16 or fp16")
     select.set_defaults(func=cmd_select)
-    ev = sub.add_parser("eval", help="a local transformers MoE model on each backend: perplexity, KL and top-1 vs reference, tokens/s")
+    ev = command("eval", "a local transformers MoE model on each backend: perplexity, KL and top-1 vs reference, tokens/s")
     ev.add_argument("--model", required=True, metavar="PATH", help="a local model folder (config.json, safetensors, tokenizer)")
     ev.add_argument("--backends", nargs="+", metavar="NAME", default=None,
                     help="backends to evaluate (default: every one that can run here); reference is always added")
@@ -313,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
 
         console.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return 2
+    except KeyboardInterrupt:  # bench and check save what they measured first (*.partial.*)
+        console.print("interrupted", highlight=False)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

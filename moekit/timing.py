@@ -1,4 +1,7 @@
-"""The one timing harness of moekit: `moekit bench` and the tuner both time through `time_graph`.
+"""The one timing harness of moekit: `time_graph` times one closure, `time_graphs` several,
+interleaved (the same measurement for each). `moekit bench` times every backend of a batch size
+through `time_graphs`; the tuner times its configs through `time_graph`, and its decision timing
+(every backend at once) through `time_graphs`.
 
 On a CUDA GPU (the method of shared/anchors/README.md):
   1. `fn` runs eagerly a few times on a side stream (compilation, autotuning, allocator warm-up;

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from moekit import bench, plots
+from moekit import bench, plots, timing
 from moekit.backends.reference import ReferenceBackend
 from moekit.cli import main
 
@@ -404,3 +404,146 @@ def test_git_commit_says_when_the_code_differs_from_head(monkeypatch, head, stat
 
     monkeypatch.setattr(bench.subprocess, "run", fake_run)
     assert bench.git_commit() == want
+
+
+# ------------------------------------------------------------------ Ctrl-C, earlier results
+
+
+def run_main(argv) -> int:
+    """main(argv), failing the test (rather than ending the session) if a Ctrl-C escapes it."""
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped main: a traceback for the user")
+
+
+def interrupt_at_call(monkeypatch, n: int) -> None:
+    """Ctrl-C during the n-th time_graphs call of the run (1: before anything is measured)."""
+    original, calls = bench.time_graphs, []
+
+    def timed(fns, **kw):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return original(fns, **kw)
+
+    monkeypatch.setattr(bench, "time_graphs", timed)
+
+
+def test_bench_ctrl_c_keeps_what_was_measured_as_partial(tmp_path, tiny_config, monkeypatch, capsys):
+    out = tmp_path / "o"
+    argv = ["bench", "--model", str(tiny_config), "--batch-sizes", "1", "4", "--backends", "reference",
+            "--baseline", "reference", "--out", str(out), *FAST]
+    interrupt_at_call(monkeypatch, 2)  # M=1 measured, M=4 interrupted
+    assert run_main(argv) == 130
+    text = " ".join(capsys.readouterr().out.split())
+    assert "interrupted: 1 of 2 points measured" in text and str(out / "bench.partial.json") in text
+    # partial results under names of their own: bench.json's presence still means a complete run
+    assert sorted(p.name for p in out.iterdir()) == ["bench.partial.csv", "bench.partial.json"]
+    _, rows = read_csv(out / "bench.partial.csv")
+    assert [(r["backend"], r["batch_size"]) for r in rows] == [("reference", "1")]
+    assert float(rows[0]["median_us"]) > 0
+    doc = json.loads((out / "bench.partial.json").read_text())
+    assert doc["metadata"]["complete"] is False and doc["metadata"]["points_planned"] == 2
+    assert len(doc["rows"]) == 1
+
+    # the partial results are results: not replaced without --overwrite
+    monkeypatch.setattr(bench, "time_graphs", timing.time_graphs)  # no more Ctrl-C
+    assert run_main(argv) == 2
+    assert "bench.partial.csv, bench.partial.json" in one_line_error(capsys)
+    # a complete run with --overwrite supersedes them
+    assert run_main([*argv, "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["bench.csv", "bench.json", "efficiency.png", "latency.png"]
+    assert json.loads((out / "bench.json").read_text())["metadata"]["complete"] is True
+
+
+def test_bench_ctrl_c_before_any_point_is_exit_130_and_leaves_nothing(tmp_path, tiny_config, monkeypatch, capsys):
+    out = tmp_path / "o"
+    interrupt_at_call(monkeypatch, 1)
+    assert run_main(["bench", "--model", str(tiny_config), "--batch-sizes", "1", "--backends", "reference",
+                     "--out", str(out), *FAST]) == 130
+    assert capsys.readouterr().out.splitlines()[-1] == "interrupted"
+    assert not out.exists()  # created by the run, nothing written in it: removed
+
+
+def test_bench_refuses_to_replace_earlier_results_without_overwrite(tmp_path, tiny_config, capsys):
+    out = tmp_path / "o"
+    argv = ["bench", "--model", str(tiny_config), "--batch-sizes", "2", "--backends", "reference", "--no-plots",
+            "--out", str(out), *FAST]
+    assert main(argv) == 0
+    before = (out / "bench.json").read_bytes()
+    capsys.readouterr()
+    assert main(argv) == 2
+    line = one_line_error(capsys)
+    assert "already holds the results of an earlier run (bench.csv, bench.json)" in line and "--overwrite" in line
+    assert (out / "bench.json").read_bytes() == before
+    assert main([*argv, "--overwrite"]) == 0
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["metadata"]["command"].endswith("--overwrite")
+
+    shared = tmp_path / "shared"  # a folder holding other files is fine: only results are protected
+    shared.mkdir()
+    (shared / "check.json").write_text("mine")
+    assert main(["bench", "--model", str(tiny_config), "--batch-sizes", "2", "--backends", "reference",
+                 "--no-plots", "--out", str(shared), *FAST]) == 0
+    assert (shared / "check.json").read_text() == "mine" and (shared / "bench.json").is_file()
+
+
+def test_default_out_folders_of_runs_in_the_same_second_differ(tmp_path, monkeypatch):
+    import datetime
+    import types
+
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 1, 2, 3, 4, 5)
+
+    monkeypatch.setattr(bench, "datetime", types.SimpleNamespace(datetime=Frozen))
+    monkeypatch.chdir(tmp_path)
+    first, _ = bench.prepare_out_dir(None, "bench", results=bench.RESULT_FILES)
+    (first / "bench.json").write_text("{}")
+    second, created = bench.prepare_out_dir(None, "bench", results=bench.RESULT_FILES)
+    assert first.name == "bench-20260102-030405" and second.name == "bench-20260102-030405-2"
+    assert created and (first / "bench.json").read_text() == "{}"
+
+
+# ------------------------------------------------------------------------------- messages
+
+
+def test_unknown_backend_message_offers_auto_only_where_it_is_accepted(tmp_path, tiny_config, capsys):
+    args = ["--model", str(tiny_config), "--backends", "bogus", "--out", str(tmp_path / "o")]
+    assert main(["bench", *args]) == 2
+    assert "expected auto or one of: reference" in one_line_error(capsys)
+    for command in ("tune", "check"):  # both refuse auto
+        assert main([command, *args]) == 2
+        line = one_line_error(capsys)
+        assert "unknown backend 'bogus'; expected one of: reference" in line and "auto" not in line
+
+
+def test_reference_skip_reason_is_the_commands_own(tmp_path, tiny_config, monkeypatch):
+    """On a GPU reference is left out by default: bench and tune do not time it, check does not
+    check it; each says so in its own terms (bench's rel_err means nothing to check)."""
+    monkeypatch.setattr(bench, "backend_names", lambda: ["reference"])
+    problems = bench.resolve_problems([str(tiny_config)], 1, None, torch.device("cpu"))
+    cuda = torch.device("cuda")  # only the plan: nothing runs there
+
+    def reason(**kw):
+        plan = bench.plan_backends(problems, None, cuda, torch.bfloat16, include_auto=False, **kw)
+        return plan.skipped["tiny-moe"]["reference"][0]
+
+    assert "too slow to time" in reason() and "rel_err" not in reason()
+    from moekit import check
+
+    checked = reason(reference_note=check.REFERENCE_NOT_CHECKED)
+    assert "checked against float64 only when named in --backends" in checked and "time" not in checked
+    seen = {}
+    original = check.plan_backends
+
+    def spy(*args, **kw):
+        seen.update(kw)
+        return original(*args, **kw)
+
+    monkeypatch.setattr(check, "plan_backends", spy)
+    assert main(["check", "--model", str(tiny_config), "--backends", "reference", "--seeds", "1",
+                 "--batch-sizes", "1", "--out", str(tmp_path / "c")]) == 0
+    assert seen["reference_note"] == check.REFERENCE_NOT_CHECKED

@@ -261,3 +261,55 @@ def test_backend_is_compared_with_its_own_rounding_points(tmp_path, tiny_config,
     assert main([*argv, "--out", str(tmp_path / "b")]) == 1
     report = json.loads((tmp_path / "b" / "check.json").read_text())
     assert 1e-2 < report["models"][0]["backends"][0]["worst"]["rel_l2"] < 5e-2
+
+
+# ------------------------------------------------------------------ Ctrl-C, earlier results
+
+
+def test_check_ctrl_c_writes_the_cases_checked_so_far_as_partial(tmp_path, tiny_config, monkeypatch, capsys):
+    calls = []
+    original = check.fused_moe
+
+    def interrupted_at_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(check, "fused_moe", interrupted_at_third)
+    out = tmp_path / "c"
+    argv = ["check", "--model", str(tiny_config), "--backends", "reference", "--seeds", "1",
+            "--batch-sizes", "1", "5", "9", "--out", str(out)]
+    try:
+        assert main(argv) == 130
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped main: a traceback, and the cases checked lost")
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"interrupted: wrote the cases checked so far to {out / 'check.partial.json'}" in text
+    assert [p.name for p in out.iterdir()] == ["check.partial.json"]  # no check.json: no verdict
+    report = json.loads((out / "check.partial.json").read_text())
+    assert report["passed"] is None and report["metadata"]["complete"] is False
+    (result,) = report["models"][0]["backends"]
+    assert [c["batch_size"] for c in result["cases"]] == [1, 5]
+
+    monkeypatch.setattr(check, "fused_moe", original)
+    assert main(argv) == 2  # an earlier run's report is not replaced without --overwrite
+    assert "already holds the results of an earlier run (check.partial.json)" in one_line_error(capsys)
+    assert main([*argv, "--overwrite"]) == 0
+    assert [p.name for p in out.iterdir()] == ["check.json"]  # the partial report superseded
+    assert json.loads((out / "check.json").read_text())["passed"] is True
+
+
+def test_check_refuses_to_replace_an_earlier_report_without_overwrite(tmp_path, tiny_config, capsys):
+    out = tmp_path / "c"
+    argv = ["check", "--model", str(tiny_config), "--backends", "reference", "--seeds", "1",
+            "--batch-sizes", "1", "--out", str(out)]
+    assert main(argv) == 0
+    before = (out / "check.json").read_bytes()
+    capsys.readouterr()
+    assert main(argv) == 2
+    line = one_line_error(capsys)
+    assert "already holds the results of an earlier run (check.json)" in line and "--overwrite" in line
+    assert (out / "check.json").read_bytes() == before
+    assert main([*argv, "--seed", "5", "--overwrite"]) == 0
+    assert json.loads((out / "check.json").read_text())["metadata"]["seed"] == 5

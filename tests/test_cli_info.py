@@ -37,3 +37,47 @@ def test_a_bad_setting_is_an_error_naming_it(name, value, expected, capsys, monk
     monkeypatch.setenv(name, value)
     code, out = info(capsys)
     assert code == 2 and f"{name}='{value}'" in out and expected in out
+
+
+# -------------------------------------------------------------------------- the flags
+
+
+def parse(*argv):
+    from moekit.cli import build_parser
+
+    return build_parser().parse_args(list(argv))
+
+
+@pytest.mark.parametrize("command", ["bench", "check", "tune", "select"])
+@pytest.mark.parametrize("flag", ["--tp", "--tp-size", "-tp", "--tensor-parallel-size"])
+def test_vllm_spellings_of_tp_are_aliases(command, flag):
+    model = ["--model", "mixtral-8x7b"]
+    assert int(parse(command, *model, flag, "4").tp) == 4
+
+
+@pytest.mark.parametrize("command", ["bench", "check", "tune"])
+def test_batch_size_is_an_alias_of_batch_sizes(command):
+    args = parse(command, "--model", "mixtral-8x7b", "--batch-size", "8", "64")
+    assert args.batch_sizes == ["8", "64"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--model", "mixtral-8x7b", "--batch", "8"],  # a prefix of --batch-size(s)
+    ["bench", "--model", "mixtral-8x7b", "--refresh"],
+    ["tune", "--model", "mixtral-8x7b", "--search", "full"],
+    ["select", "--model", "mixtral-8x7b", "--device", "H100"],
+    ["eval", "--model", "x", "--max", "10"],
+])
+def test_abbreviated_flags_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_tune_scheme_help_names_the_comma_separated_list():
+    from moekit.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["tune"]
+    (scheme,) = [a for a in sub._actions if a.dest == "scheme"]
+    assert "comma-separated" in scheme.help

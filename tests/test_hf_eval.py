@@ -16,10 +16,18 @@ from test_hf_tiny import fp8_checkpoint, tiny_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    out, _ = fp8_checkpoint(tmp_path_factory, "mixtral")
-    tiny_tokenizer(DEFAULT_TEXT.read_text()).save_pretrained(out)
-    return out
+def checkpoints(tmp_path_factory):
+    """(FP8 checkpoint folder, the bf16 one it was quantized from), each with a tokenizer."""
+    fp8, bf16 = fp8_checkpoint(tmp_path_factory, "mixtral")
+    tokenizer = tiny_tokenizer(DEFAULT_TEXT.read_text())
+    for folder in (fp8, bf16):
+        tokenizer.save_pretrained(folder)
+    return fp8, bf16
+
+
+@pytest.fixture
+def model_dir(checkpoints):
+    return checkpoints[0]
 
 
 def test_eval_writes_report(model_dir, tmp_path):
@@ -44,3 +52,50 @@ def test_eval_bad_input(model_dir, tmp_path, capsys):
     assert "not a local model folder" in capsys.readouterr().out
     assert main(["eval", "--model", str(model_dir), "--backends", "nope"]) == 2
     assert "unknown backend 'nope'" in capsys.readouterr().out
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Loading the model fails the test: what is checked here must be refused before it."""
+    import moekit.hf
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(moekit.hf, "from_pretrained", load)
+
+
+def one_line_error(capsys) -> str:
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), lines
+    return lines[0]
+
+
+def test_eval_options_are_refused_before_the_model_loads(checkpoints, tmp_path, no_load, capsys):
+    fp8, bf16 = checkpoints
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    cases = [
+        ([fp8, "--backends", "torch", "tirton"], "--backends: unknown backend 'tirton'"),
+        ([fp8, "--scheme", "bogus"], "--scheme: unknown quantization scheme 'bogus'; expected one of: bf16"),
+        # an FP8 checkpoint is loaded as stored: the command line's words, not from_pretrained's scheme=None
+        ([fp8, "--scheme", "fp8-block128"],
+         "the checkpoint is fp8-channel-token, and FP8 experts are loaded as stored; leave out --scheme"),
+        # static scales need calibration text, which no flag gives: say so, and what to do instead
+        ([bf16, "--scheme", "fp8-tensor-static"], "which moekit eval does not take; use --scheme fp8-tensor-dynamic"),
+        ([fp8, "--out", str(tmp_path)], f"--out {tmp_path}: is a folder"),
+        ([fp8, "--out", str(a_file / "report.json")], "cannot write there"),
+    ]
+    for args, expected in cases:
+        assert main(["eval", "--model", str(args[0]), *args[1:]]) == 2, args
+        line = " ".join(one_line_error(capsys).split())
+        assert expected in line, line
+
+
+def test_eval_quantizes_a_bf16_checkpoint_on_load(checkpoints, tmp_path):
+    out = tmp_path / "new" / "report.json"  # the folder is created
+    assert main(["eval", "--model", str(checkpoints[1]), "--scheme", "fp8-channel-token", "--backends", "torch",
+                 "--max-tokens", "20", "--seq-len", "20", "--gen-tokens", "0", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["scheme"] == "fp8-channel-token" and list(report["backends"]) == ["reference", "torch"]
+    assert [p.name for p in out.parent.iterdir()] == ["report.json"]  # no temporary left beside it

@@ -9,6 +9,7 @@ the layer, optionally failing, killing the run, or advancing a fake clock.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import io
 import json
@@ -16,22 +17,28 @@ import re
 
 import pytest
 import torch
+from helpers import tiny_mixtral
 from rich.console import Console
 
 from moekit.backends import backend_names
 from moekit.backends.triton import launch
 from moekit.backends.triton.config import KernelConfig, default_config, get_config
+from moekit.bench import make_weights
 from moekit.cli import main
 from moekit.spec import BF16, FP8_BLOCK128, FP8_CHANNEL_TOKEN, MoEShape, get_scheme
 from moekit.tables import CONFIG_DIR_ENV
 from moekit.timing import Timing
-from moekit.tune import TuneOptions, parse_budget, run_tune
-from moekit.bench import make_weights
-from moekit.tune import output, precompile, runner, space
+from moekit.tune import (
+    TuneOptions,
+    output,
+    parse_budget,
+    precompile,
+    run_tune,
+    runner,
+    space,
+)
 from moekit.tune.plan import TuneInputError, between_sizes
 from moekit.tune.space import NeighbourResult, config_key, interpreter_space
-
-from helpers import tiny_mixtral
 
 CUDA = torch.cuda.is_available()
 SHAPE = MoEShape(4, 128, 128, 2)  # the tiny model's layer (the same on the CPU: no scaling needed)
@@ -85,9 +92,15 @@ def read(path):
 
 
 def only_file(folder):
-    files = sorted(p for p in folder.iterdir() if p.is_file())
+    """The one table in `folder` (copies of earlier tables kept by output._write_keeping aside)."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and ".bak-" not in p.name)
     assert len(files) == 1, files
     return files[0]
+
+
+def backups_of(path):
+    """The copies kept of `path` before it was replaced (output._backup_name), oldest first."""
+    return sorted(path.parent.glob(path.name + ".bak-*"), key=lambda p: p.stat().st_mtime_ns)
 
 
 def journals(out):
@@ -372,6 +385,95 @@ def test_journal_of_other_conditions_is_set_aside(tmp_path, tiny_model, monkeypa
     assert len(list((out / ".progress").glob("*/M=1.stale.json"))) == 1
 
 
+def test_journals_of_other_conditions_never_feed_the_tables(tmp_path, tiny_model, monkeypatch):
+    """A run's tables hold only journals measured under its conditions: a rerun with another
+    seed at M=1 alone leaves the seed-0 journals of M=2 and 4 out (and says so), keeps them as they
+    are, and a run back at seed 0 has them again; each set-aside of M=1 is kept."""
+    FakeTimer().install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out)
+    result, text = tune(tiny_model, out, batch_sizes=["1"], seed=7)
+    assert result.exit_code == 0, text
+    assert "left out of the tables" in text and "M=2, 4" in text and "seed: 0 -> 7" in text
+    assert list(read(only_file(out / "backends"))["batch_sizes"]) == ["1"]
+    triton_table = read(only_file(out / "triton"))
+    assert list(triton_table["configs"]) == ["1"] and triton_table["meta"]["seed"] == 7
+    assert {M: j["fingerprint"]["seed"] for M, j in journals(out).items()} == {1: 7, 2: 0, 4: 0}
+
+    result, text = tune(tiny_model, out, batch_sizes=["1"], seed=0)  # M=1 set aside a second time
+    assert result.exit_code == 0, text
+    folder = only_file_dir(out / ".progress")
+    assert read(folder / "M=1.stale.json")["fingerprint"]["seed"] == 0
+    assert read(folder / "M=1.stale-2.json")["fingerprint"]["seed"] == 7
+    assert list(read(only_file(out / "backends"))["batch_sizes"]) == ["1", "2", "4"]
+
+
+def test_sizes_between_take_neighbour_configs_of_the_run_conditions_only(tmp_path, tiny_model, monkeypatch):
+    """A size between (4, between 1 and 16) is timed with the best configs of its neighbours
+    measured under the run's conditions, not with one a journal of another seed found nearer (2)."""
+    FakeTimer(us={triton(OTHER_CFG): 10.0}).install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out, batch_sizes=["2"])
+    FakeTimer(us={triton(FAST_CFG): 10.0}).install(monkeypatch)
+    result, text = tune(tiny_model, out, batch_sizes=["1", "16"], seed=7)
+    assert result.exit_code == 0, text
+    js = journals(out)
+    assert js[2]["fingerprint"]["seed"] == 0 and js[4]["fingerprint"]["seed"] == 7
+    assert js[4]["between_configs"] == [config_key(FAST_CFG)]
+
+
+def test_a_budget_cut_sets_aside_only_what_it_measured_again(tmp_path, tiny_model, monkeypatch):
+    """Other conditions and a budget used up by the first measurement: M=1's journal is set
+    aside when its new one is saved, M=4's is left as it was (not measured, nothing lost), and
+    the tables the first run wrote, which the new ones lack sizes of, are kept."""
+    FakeTimer().install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out)
+    table = only_file(out / "triton")
+    before = {"triton": table.read_text(), "backends": (out / "backends" / table.name).read_text()}
+    four = (only_file_dir(out / ".progress") / "M=4.json").read_text()
+
+    again = FakeTimer(step=10.0).install(monkeypatch)
+    result, text = tune(tiny_model, out, seed=7, budget="5s")
+    assert result.exit_code == 0, text
+    assert len(again.calls) == 1
+    folder = only_file_dir(out / ".progress")
+    assert (folder / "M=4.json").read_text() == four and not list(folder.glob("M=4.stale*"))
+    assert read(folder / "M=1.stale.json")["fingerprint"]["seed"] == 0
+    for kind, text_before in before.items():
+        kept = backups_of(out / kind / table.name)
+        assert [k.read_text() for k in kept] == [text_before], kind
+    assert "kept the previous" in text
+
+
+def test_a_table_tune_did_not_write_is_kept_before_it_is_replaced(tmp_path, tiny_model, monkeypatch):
+    """A rerun replaces the tables it wrote itself without copies; a table edited since, or a vLLM
+    file of its own in the export folder, is first kept, each time, never over an earlier copy."""
+    FakeTimer().install(monkeypatch)
+    out, export = tmp_path / "out", tmp_path / "vllm"
+    tune(tiny_model, out, export_vllm=str(export))
+    vllm_file, table = only_file(export), only_file(out / "triton")
+    result, text = tune(tiny_model, out, export_vllm=str(export))  # a resume: nothing of its own kept
+    assert result.exit_code == 0 and "kept the previous" not in text
+    assert not list(out.glob("*/*.bak-*")) and not list(export.glob("*.bak-*"))
+
+    edits = []
+    for n in (1, 2):
+        doc = read(table)
+        doc["configs"]["8192"] = {**doc["configs"]["4"], "us": float(n)}  # a size tune never measured here
+        table.write_text(json.dumps(doc))
+        edits.append(table.read_text())
+        vllm_file.write_text(json.dumps({"8192": {"BLOCK_SIZE_M": 64 * n}}))  # as if vLLM's own
+        vllm_own = vllm_file.read_text()
+        result, text = tune(tiny_model, out, export_vllm=str(export))
+        assert result.exit_code == 0, text
+        assert f"kept the previous {table}" in text and f"kept the previous {vllm_file}" in text
+        assert [k.read_text() for k in backups_of(table)] == edits
+        assert backups_of(vllm_file)[-1].read_text() == vllm_own and len(backups_of(vllm_file)) == n
+        assert "8192" not in read(table)["configs"] and "8192" not in read(vllm_file)
+        assert not backups_of(out / "backends" / table.name)  # its own, unchanged since: replaced
+
+
 def test_fast_fp8_accumulation_tunes_a_table_of_its_own(tmp_path, tiny_model, monkeypatch):
     """Fast mode changes which config is fastest (moekit.accumulation): its measurements go to
     journals and tables of their own, and the precise ones stay as they were."""
@@ -403,7 +505,12 @@ def test_fast_mode_leaves_the_tables_of_schemes_it_does_not_change(tmp_path, tin
     FakeTimer().install(monkeypatch)
     out = tmp_path / "out"
     tune(tiny_model, out, "fp8-block128", batch_sizes=["1"])
-    measured = lambda: {p.relative_to(out): {k: v for k, v in read(p).items() if k != "meta"} for p in out.glob("*/*.json")}  # noqa: E731
+    def tables():
+        return [*out.glob("triton/*.json"), *out.glob("backends/*.json")]
+
+    def measured():
+        return {p.relative_to(out): {k: v for k, v in read(p).items() if k != "meta"} for p in tables()}
+
     before = measured()
     assert len(before) == 2
     monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
@@ -411,7 +518,7 @@ def test_fast_mode_leaves_the_tables_of_schemes_it_does_not_change(tmp_path, tin
     result, text = tune(tiny_model, out, "fp8-block128", batch_sizes=["1"])
     assert result.exit_code == 0 and "set aside" not in text and not again.calls
     assert measured() == before  # the same files (no fast names), the same measurements
-    assert all("fp8_accumulation" not in read(p)["meta"] for p in out.glob("*/*.json"))
+    assert all("fp8_accumulation" not in read(p)["meta"] for p in tables())
 
 
 def test_pdl_off_is_a_condition_of_the_measurements(tmp_path, tiny_model, monkeypatch):
@@ -647,7 +754,7 @@ def test_gemm2_step_keeps_to_the_size_share_of_the_budget(tmp_path, tiny_model, 
     monkeypatch.setattr(space, "GEMM2_GRID_CPU", ((32, 4, 2), (64, 4, 3), (32, 2, 3), (64, 2, 2), (32, 4, 4)))
     FakeTimer(us={triton(FAST_CFG): 50.0}, step=10.0).install(monkeypatch)
     out = tmp_path / "out"
-    result, text = tune(tiny_model, out, budget="100s", backends=["torch", "reference"], gemm2=True, between=False)
+    result, _text = tune(tiny_model, out, budget="100s", backends=["torch", "reference"], gemm2=True, between=False)
     assert result.exit_code == 0
     js = journals(out)
     for M in (1, 4):
@@ -677,6 +784,37 @@ def test_a_search_that_fills_its_share_leaves_the_gemm2_step_its_reserve(tmp_pat
     searched = [k for k, v in j["configs"].items() if "+" not in k and "us" in v and k != j["default"]]
     variants = [k for k, v in j["configs"].items() if "+" in k and "us" in v]
     assert len(searched) == 3 and len(variants) == 1, sorted(j["configs"])
+
+
+def test_a_search_stopped_by_its_budget_cancels_its_queued_compiles(tmp_path, tiny_model, monkeypatch):
+    """Compiles submitted for configs a search did not get to are cancelled when it stops, so
+    the next batch size's compiles do not wait behind them."""
+
+    class Helpers:  # runner.Precompiler with helpers that never start: every compile stays queued
+        def __init__(self, *args, **kwargs):
+            self.queued: list[tuple[int, str, concurrent.futures.Future]] = []
+
+        def submit(self, shape, scheme, M, configs):
+            futures = [concurrent.futures.Future() for _ in configs]
+            self.queued += [(M, config_key(c), f) for c, f in zip(configs, futures)]
+            return futures
+
+        cancel = staticmethod(precompile.Precompiler.cancel)
+
+        def close(self):
+            pass
+
+    made = []
+    monkeypatch.setattr(runner, "Precompiler", lambda *a, **k: made.append(Helpers()) or made[-1])
+    FakeTimer(us={triton(FAST_CFG): 50.0}, step=10.0).install(monkeypatch)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out, budget="100s", backends=["torch", "reference"], between=False,
+                        space=six_config_space)
+    assert result.exit_code == 0, text
+    js = journals(out)
+    queued = [(M, key, f) for helpers in made for M, key, f in helpers.queued]
+    not_measured = [f for M, key, f in queued if key not in js[M]["configs"]]
+    assert not_measured and all(f.cancelled() for f in not_measured)
 
 
 def test_the_cli_turns_the_gemm2_search_off():
@@ -800,7 +938,7 @@ def test_decision_timing_follows_a_better_config_and_reports_failures(tmp_path, 
     data["configs"][config_key(FAST_CFG)]["us"] = 1.0  # as if a later search had found it
     path.write_text(json.dumps(data))
     again = FakeTimer(fail={"backend torch": "out of memory"}).install(monkeypatch)
-    result, text = tune(tiny_model, out, backends=["torch"], search_space="none", between=False)
+    _result, text = tune(tiny_model, out, backends=["torch"], search_space="none", between=False)
     assert sorted(again.calls) == sorted([f"decision: {triton(FAST_CFG)} at M=1", "decision: backend torch at M=1"])
     entry = read(only_file(out / "backends"))["batch_sizes"]["1"]
     assert entry["winner"] == "triton" and entry["errors"] == {"torch": "RuntimeError: out of memory"}
@@ -1051,15 +1189,19 @@ def test_precompiler_reports_errors_and_runs_the_space(tmp_path):
     """The helper pool runs every config it is given and returns the error of one that cannot run."""
     pool = precompile.Precompiler(torch.device("cpu"), torch.bfloat16, helpers=1)
     try:
-        assert pool.active
         good = interpreter_space(FP8_CHANNEL_TOKEN)
         bad = KernelConfig(16, 48, 128, 1, 4, 2)  # BLOCK_N not a power of two
         results = [f.result(timeout=120) for f in pool.submit(SHAPE, FP8_CHANNEL_TOKEN, 4, [*good, bad])]
+        # one helper takes one compile and queues one more (ProcessPoolExecutor): the rest can be cancelled
+        queued = pool.submit(SHAPE, FP8_CHANNEL_TOKEN, 4, [*good, *good, *good])
+        pool.cancel(queued)
+        assert sum(f.cancelled() for f in queued) >= len(queued) - 2
+        assert all(f.cancelled() or f.result(timeout=120) is None for f in queued)
     finally:
         pool.close()
     assert results[:-1] == [None] * len(good)
     assert "BLOCK_N=48" in results[-1]
-    assert not pool.active and pool.submit(SHAPE, FP8_CHANNEL_TOKEN, 4, good) == []
+    assert pool.submit(SHAPE, FP8_CHANNEL_TOKEN, 4, good) == []
 
 
 def test_tune_with_compile_helpers_writes_the_same_tables(tmp_path, tiny_model, monkeypatch):
@@ -1272,7 +1414,7 @@ def test_static_prune_reasons():
     assert kept == [c for c in configs if c is not configs[0]]
     tiny = MoEShape(4, 128, 128, 2)
     _, dropped = space.static_prune([KernelConfig(16, 256, 64, 1, 4, 2)], tiny, BF16, 4, limit)
-    assert list(dropped.values())[0].startswith("dominated: tile wider")
+    assert next(iter(dropped.values())).startswith("dominated: tile wider")
 
 
 def test_shared_memory_estimate_is_a_lower_bound_of_the_pipeline():
@@ -1336,6 +1478,20 @@ def test_vllm_config_mapping():
     assert cfg is None and "num_warps 16" in why
 
 
+def test_vllm_export_says_where_group_size_m_is_not_one_vllm_searches(tmp_path, tiny_model, monkeypatch):
+    """A measured GROUP_M of 8 is exported as is (vLLM's kernel takes any GROUP_SIZE_M), with a
+    note that vLLM's own tuner would not have produced it; none where the values are vLLM's."""
+    assert OTHER_CFG.GROUP_M not in output.VLLM_GROUP_SIZE_M and FAST_CFG.GROUP_M in output.VLLM_GROUP_SIZE_M
+    for winner, noted in ((OTHER_CFG, True), (FAST_CFG, False)):
+        FakeTimer(us={triton(winner): 10.0}).install(monkeypatch)
+        export = tmp_path / f"vllm-{winner.GROUP_M}"
+        result, text = tune(tiny_model, tmp_path / f"out-{winner.GROUP_M}", export_vllm=str(export))
+        assert result.exit_code == 0, text
+        exported = read(only_file(export))
+        assert {c["GROUP_SIZE_M"] for c in exported.values()} == {winner.GROUP_M}
+        assert (f"GROUP_SIZE_M {winner.GROUP_M} exported as measured" in text) == noted, text
+
+
 # ---------------------------------------------------------------------------- bad input
 
 
@@ -1378,6 +1534,36 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_model, capsys, args, me
     assert len(lines) == 1 and lines[0].startswith("error:"), lines
     assert message in lines[0]
     assert not out.exists()  # nothing left behind
+
+
+def test_an_unknown_backend_is_refused_without_offering_auto(tmp_path, tiny_model, capsys):
+    """tune refuses --backends auto, so its message for an unknown name must not offer it."""
+    assert main(["tune", "--model", str(tiny_model), "--out", str(tmp_path / "out"), "--backends", "bogus"]) == 2
+    line = capsys.readouterr().out.strip()
+    assert "unknown backend 'bogus'" in line and "auto" not in line
+    assert all(name in line for name in backend_names())
+
+
+def test_tune_shares_bench_batch_sizes_and_input_seeds(tmp_path, tiny_model, monkeypatch):
+    """The default GPU batch sizes are bench's own list; every input tune makes (the separate
+    timings' and the decision timing's routings) comes from the one seed helper."""
+    import moekit.bench
+    import moekit.check
+    import moekit.tune.plan
+
+    assert moekit.tune.plan.GPU_BATCH_SIZES is moekit.bench.DEFAULT_BATCH_SIZES
+    assert runner.input_seed is moekit.bench.input_seed is moekit.check.input_seed
+    decisions_on(monkeypatch)
+    FakeTimer().install(monkeypatch)
+    seeds = []
+    real = runner.input_seed
+    monkeypatch.setattr(runner, "input_seed", lambda seed, M: seeds.append((seed, M)) or real(seed, M))
+    made = []
+    real_routings = runner.make_routings
+    monkeypatch.setattr(runner, "make_routings", lambda *a, seed, **k: made.append(seed) or real_routings(*a, seed=seed, **k))
+    tune(tiny_model, tmp_path / "out", batch_sizes=["1"], seed=3)
+    assert made and all(seed == real(3, 1) for seed in made)
+    assert len(seeds) > len(made)  # the separate timings' inputs too
 
 
 def test_compile_helpers_are_shared_out_among_gpu_workers(tmp_path, tiny_model, monkeypatch):

@@ -9,6 +9,11 @@ For every backend (the experts change, nothing else does):
   - tokens/s of greedy generation (--gen-tokens new tokens after a 16-token prompt of the text,
     after one warm-up generation), and how many generated tokens match the reference's.
 A rich table on the console; the whole report as JSON with --out.
+
+The options (backend names, scheme, --out) are checked before the model loads, so that a typo
+costs no load and an unwritable --out no evaluation; whether a named backend can run the model is
+known only once it is loaded. `--scheme fp8-tensor-static` applies only to checkpoints stored so:
+quantizing a bf16 checkpoint to it needs calibration text, which the command line does not take.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,6 +56,74 @@ def _device(opts: EvalOptions) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _check_backend_names(requested) -> None:
+    from ..backends import backend_names
+
+    names = backend_names()
+    unknown = [b for b in requested or () if b not in names]
+    if unknown:
+        raise EvalInputError(f"--backends: unknown backend {unknown[0]!r}; expected one of: {', '.join(names)}")
+
+
+def _check_scheme(name: str | None, folder: Path):
+    """The scheme --scheme names (None: the checkpoint's own), refused now, in the command line's
+    terms, where from_pretrained would refuse it in its own (scheme=None, calibration=)."""
+    from ..spec import get_scheme
+    from .families import UnsupportedModelError
+    from .load import _checkpoint_scheme, _raw_config
+
+    if name is None:
+        return None
+    try:
+        scheme = get_scheme(name)
+    except ValueError as e:
+        raise EvalInputError(f"--scheme: {e}") from None
+    try:
+        stored = _checkpoint_scheme(_raw_config(folder), folder)
+    except (UnsupportedModelError, ValueError) as e:
+        raise EvalInputError(" ".join(str(e).split())) from None
+    if stored.is_fp8 and scheme != stored:
+        raise EvalInputError(
+            f"--scheme {scheme.name}: the checkpoint is {stored.name}, and FP8 experts are loaded as stored; "
+            "leave out --scheme"
+        )
+    if scheme.static_activation and not stored.is_fp8:
+        raise EvalInputError(
+            f"--scheme {scheme.name}: quantizing an unquantized checkpoint to it needs calibration text for "
+            "its static activation scales, which moekit eval does not take; use --scheme fp8-tensor-dynamic, "
+            f"or quantize in Python (moekit.hf.from_pretrained(path, scheme={scheme.name!r}, calibration=text), "
+            "then moekit.hf.save_pretrained) and evaluate the saved folder"
+        )
+    return scheme
+
+
+def _check_out(out: str | None) -> Path | None:
+    """The report's path, proven writable now: not after the whole evaluation, losing it."""
+    if not out:
+        return None
+    path = Path(out).expanduser()
+    if path.is_dir():
+        raise EvalInputError(f"--out {path}: is a folder; give the report's file name, e.g. {path / 'eval.json'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=".moekit-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise EvalInputError(f"--out {path}: cannot write there ({e.strerror or e})") from None
+    return path
+
+
+def _write_report(path: Path, report: dict) -> None:
+    """Through a temporary file: an existing report is replaced whole or not at all."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(report, indent=2))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _plan_backends(requested, weights, device, dtype) -> list[str]:
     """reference first, then the requested backends (default: every one that can run here)."""
     from ..backends import backend_names, get_backend
@@ -56,9 +131,6 @@ def _plan_backends(requested, weights, device, dtype) -> list[str]:
     shape = weights.shape(1)
     names = backend_names()
     if requested:
-        unknown = [b for b in requested if b not in names]
-        if unknown:
-            raise EvalInputError(f"unknown backend {unknown[0]!r}; expected one of: {', '.join(names)}")
         for b in requested:
             reasons = get_backend(b).supports(shape, weights.scheme, device, dtype)
             if reasons:
@@ -115,6 +187,7 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
     import moekit.hf as mh
     from transformers import AutoTokenizer
 
+    from .experts import ExpertsError
     from .families import UnsupportedModelError
 
     if opts.max_tokens < 2:
@@ -124,6 +197,8 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
     folder = Path(opts.model)
     if not (folder / "config.json").is_file():
         raise EvalInputError(f"--model {opts.model!r} is not a local model folder (no config.json)")
+    _check_backend_names(opts.backends)
+    scheme = _check_scheme(opts.scheme, folder)
     text_path = Path(opts.text) if opts.text else DEFAULT_TEXT
     if not text_path.is_file():
         raise EvalInputError(f"--text {str(text_path)!r}: no such file")
@@ -135,13 +210,14 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
     ids = torch.tensor(tokenizer(text).input_ids[: opts.max_tokens], dtype=torch.long)
     if ids.numel() < 2:
         raise EvalInputError(f"{text_path}: fewer than 2 tokens to score")
+    out = _check_out(opts.out)  # last: bad input above leaves no folder behind
 
     device = _device(opts)
     kwargs = {"device_map": str(device)} if device.type == "cuda" else {}
     try:
-        model = mh.from_pretrained(folder, backend="reference", scheme=opts.scheme, **kwargs)
-    except UnsupportedModelError as e:
-        raise EvalInputError(str(e)) from None
+        model = mh.from_pretrained(folder, backend="reference", scheme=scheme, **kwargs)
+    except (UnsupportedModelError, ExpertsError) as e:  # a model moekit cannot run, named with the reason
+        raise EvalInputError(" ".join(str(e).split())) from None
     model.to(device)
     modules = mh.experts_modules(model)
     first = next(iter(modules.values())).moe_weights()
@@ -197,10 +273,8 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
             for k, v in pairwise.items():
                 pt.add_row(k.replace("|", " vs "), f"{v['kl_mean']:.2e}", f"{v['top1_agreement']:.1%}")
             console.print(pt)
-    if opts.out:
-        out = Path(opts.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
+    if out is not None:
+        _write_report(out, report)
         if console is not None:
             console.print(f"report: {out}")
     return report

@@ -20,11 +20,30 @@ import torch
 import torch.multiprocessing as mp
 
 from ..bench import _print_wide, default_device
-from .journal import load_journals
-from .plan import TuneInputError, TuneOptions, TunePlan, build_plan, parse_budget, remove_if_empty
-from .progress import ProgressView, between_summary, summary_table, uncovered, uncovered_between
 from . import runner
-from .runner import DeviceBroken, Worker, problem_table_name, run_workers, write_problem_tables
+from .plan import (
+    TuneInputError,
+    TuneOptions,
+    TunePlan,
+    build_plan,
+    parse_budget,
+    remove_if_empty,
+)
+from .progress import (
+    ProgressView,
+    between_summary,
+    summary_table,
+    uncovered,
+    uncovered_between,
+)
+from .runner import (
+    DeviceBroken,
+    Worker,
+    problem_table_name,
+    run_journals,
+    run_workers,
+    write_problem_tables,
+)
 from .space import hopper_space, interpreter_space
 
 
@@ -105,15 +124,20 @@ def run_tune(opts: TuneOptions, console=None) -> TuneResult:
 
 
 def _finish(plan: TunePlan, console, device_names: list[str]) -> tuple[list[Path], list[str]]:
-    """Rebuild every table from the journals, print the summary and what was not covered."""
+    """Rebuild every table from the journals of this run's conditions, print the summary and what
+    was not covered."""
     files: list[Path] = []
     not_covered: list[str] = []
+
+    def log(text: str) -> None:
+        console.print(f"  {text}", highlight=False, markup=False, soft_wrap=True)
+
     for p in plan.problems:
         for name in device_names:
             table_file = problem_table_name(p, name)
-            written, notes = write_problem_tables(plan, table_file)
+            written, notes = write_problem_tables(plan, p, name, log)
             files += written
-            journals = load_journals(plan.out_dir, table_file)
+            journals, _ = run_journals(plan, p, name)
             by_size = {j["batch_size"]: j for j in journals if j["batch_size"] in plan.batch_sizes}
             backend_doc = _read_backend_table(plan.out_dir / "backends" / table_file)
             shown = [by_size[M] for M in plan.batch_sizes if M in by_size]
@@ -146,5 +170,11 @@ def _read_backend_table(path: Path) -> dict | None:
 
 
 __all__ = [
-    "run_tune", "TuneOptions", "TuneResult", "TuneInputError", "parse_budget", "hopper_space", "interpreter_space",
+    "TuneInputError",
+    "TuneOptions",
+    "TuneResult",
+    "hopper_space",
+    "interpreter_space",
+    "parse_budget",
+    "run_tune",
 ]

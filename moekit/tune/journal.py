@@ -6,8 +6,12 @@ goes through `moekit.tables.write_json_atomically`: a kill leaves the previous v
 one, never half of one. The tables of `moekit tune` are rebuilt from these files only, so a rerun
 of the same command skips what is already here and loses nothing.
 
-A journal whose fingerprint (device, dtype, routing, seed, versions) differs from the current
-run's measured something else; it is set aside (renamed *.stale.json), not mixed in.
+A journal whose fingerprint (device, dtype, routing, seed, versions) or problem differs from the
+current run's measured something else: it never feeds the run's tables (`load_journals` leaves it
+out), and when the run measures that size again it is set aside first (renamed M=<M>.stale.json,
+or .stale-2.json and so on: an earlier set-aside is never replaced). It is set aside only then, at
+the first save of the new journal, so that a size the run does not get to (a budget cut, other
+--batch-sizes) keeps its journal as it was.
 
 A measurement in progress is marked in `in_flight` before it starts and unmarked after (whether it
 succeeded or failed). A mark that survives means the process died during that measurement (a
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 from ..tables import write_json_atomically
@@ -27,6 +33,7 @@ FORMAT = "moekit-tune-journal"
 VERSION = 1
 PROGRESS_DIR = ".progress"
 MAX_DEATHS = 2  # deaths during one measurement before it is recorded as failed
+JOURNAL_NAME = re.compile(r"M=(\d+)\.json")  # a journal; set-aside ones are M=<M>.stale[-n].json
 
 
 def journal_dir(out_dir: Path, table_file_name: str) -> Path:
@@ -56,13 +63,18 @@ class Journal:
      "in_flight": {"<what>": deaths}}
     """
 
-    def __init__(self, path: Path, data: dict):
+    def __init__(self, path: Path, data: dict, replaces: str | None = None,
+                 log: Callable[[str], None] | None = None):
         self.path, self.data = Path(path), data
+        self._replaces = replaces  # why the file at `path` is set aside at the first save (see open)
+        self._log = log or (lambda text: None)
 
     @classmethod
-    def open(cls, path: Path, fingerprint: dict, problem: dict, batch_size: int) -> tuple["Journal", str | None]:
-        """The journal at `path` if it matches this run, else a fresh one; and a note when an
-        existing file was set aside."""
+    def open(cls, path: Path, fingerprint: dict, problem: dict, batch_size: int,
+             log: Callable[[str], None] | None = None) -> Journal:
+        """The journal at `path` if it matches this run, else a fresh one; an existing file that
+        does not match is set aside at the fresh journal's first save (module docstring), said
+        through `log`."""
         path = Path(path)
         fresh = {
             "format": FORMAT, "version": VERSION, "fingerprint": fingerprint, "problem": problem,
@@ -70,24 +82,18 @@ class Journal:
             "search": None, "in_flight": {},
         }
         if not path.exists():
-            return cls(path, fresh), None
+            return cls(path, fresh, log=log)
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            ok = (
-                isinstance(data, dict) and data.get("format") == FORMAT and data.get("version") == VERSION
-                and isinstance(data.get("configs"), dict) and isinstance(data.get("backends"), dict)
-            )
-            why = "not a journal of this version" if not ok else None
+            why = None if _is_journal(data) else "not a journal of this version"
         except (OSError, ValueError) as e:
             data, why = None, f"unreadable ({e})"
-        if why is None and (data.get("fingerprint") != fingerprint or data.get("problem") != problem):
-            why = "measured under other conditions (" + _differences(data.get("fingerprint") or {}, fingerprint) + ")"
+        if why is None:
+            why = mismatch(data, fingerprint, problem)
         if why is None:
             data.setdefault("in_flight", {})
-            return cls(path, data), None
-        stale = path.with_name(path.stem + ".stale.json")
-        path.replace(stale)
-        return cls(path, fresh), f"set aside {path} as {stale.name}: {why}"
+            return cls(path, data, log=log)
+        return cls(path, fresh, replaces=why, log=log)
 
     # ------------------------------------------------------------------------------ reading
 
@@ -114,8 +120,21 @@ class Journal:
     # ------------------------------------------------------------------------------ writing
 
     def save(self) -> None:
+        if self._replaces is not None:
+            self._set_aside()
         self.data["updated"] = _now()
         write_json_atomically(self.path, self.data)
+
+    def _set_aside(self) -> None:
+        why, self._replaces = self._replaces, None
+        if not self.path.exists():
+            return
+        n, stale = 1, self.path.with_name(f"{self.path.stem}.stale.json")
+        while stale.exists():  # never replace an earlier set-aside
+            n += 1
+            stale = self.path.with_name(f"{self.path.stem}.stale-{n}.json")
+        self.path.replace(stale)
+        self._log(f"set aside {self.path} as {stale.name}: {why}")
 
     def begin(self, what: str) -> None:
         """Mark `what` as being measured (see the module docstring), on disk before it starts."""
@@ -142,20 +161,44 @@ def _differences(old: dict, new: dict) -> str:
     return ", ".join(diffs) or "a different problem"
 
 
-def load_journals(out_dir: Path, table_file_name: str) -> list[dict]:
-    """Every valid journal of one table, sorted by batch size (stale and broken files skipped)."""
+def _is_journal(data) -> bool:
+    return (
+        isinstance(data, dict) and data.get("format") == FORMAT and data.get("version") == VERSION
+        and isinstance(data.get("configs"), dict) and isinstance(data.get("backends"), dict)
+    )
+
+
+def mismatch(data: dict, fingerprint: dict, problem: dict) -> str | None:
+    """Why a journal was measured under other conditions than `fingerprint` and `problem`, or None."""
+    if data.get("fingerprint") == fingerprint and data.get("problem") == problem:
+        return None
+    if data.get("fingerprint") != fingerprint:
+        return "measured under other conditions (" + _differences(data.get("fingerprint") or {}, fingerprint) + ")"
+    return "measured for another problem (" + _differences(data.get("problem") or {}, problem) + ")"
+
+
+def load_journals(out_dir: Path, table_file_name: str, fingerprint: dict, problem: dict
+                  ) -> tuple[list[dict], dict[int, str]]:
+    """The journals of one table measured under `fingerprint` and `problem`, sorted by batch size;
+    and {batch size: why} of those measured under other conditions, which must not feed this
+    run's tables (set-aside and broken files skipped)."""
     folder = journal_dir(out_dir, table_file_name)
-    found = []
+    found, others = [], {}
     for path in folder.glob("M=*.json"):
-        if path.name.endswith(".stale.json"):
-            continue
+        if not JOURNAL_NAME.fullmatch(path.name):
+            continue  # M=<M>.stale.json and the like
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if isinstance(data, dict) and data.get("format") == FORMAT and data.get("version") == VERSION:
+        if not _is_journal(data):
+            continue
+        why = mismatch(data, fingerprint, problem)
+        if why is None:
             found.append(data)
-    return sorted(found, key=lambda d: d["batch_size"])
+        else:
+            others[data["batch_size"]] = why
+    return sorted(found, key=lambda d: d["batch_size"]), dict(sorted(others.items()))
 
 
-__all__ = ["Journal", "journal_dir", "journal_path", "load_journals", "PROGRESS_DIR", "MAX_DEATHS"]
+__all__ = ["MAX_DEATHS", "PROGRESS_DIR", "Journal", "journal_dir", "journal_path", "load_journals", "mismatch"]

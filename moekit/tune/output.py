@@ -7,6 +7,13 @@ OUT/backends/<table name>   the backend decision table: per batch size every bac
 DIR/<vLLM name>             with --export-vllm: the same configs in vLLM's fused_moe file format
                             (DIR/fast/<vLLM name> for a fast-mode table: vLLM's names have no mode)
 
+Nothing already written is lost: a file about to be replaced is first copied to
+<name>.bak-<date>-<time> (never over an earlier copy) unless it is exactly what tune last wrote
+there and the new one keeps all its batch sizes (`_write_keeping`). So a table edited by hand, one
+from elsewhere, vLLM's own file in its config folder, or a table whose journals were measured under
+other conditions (left out of the rebuild: moekit.tune.journal) is kept, while the rewrites of a
+run and its resumes add no copies. OUT/.progress/written.json holds what tune last wrote (sha256).
+
 Decision table, version 1 (moekit.decisions reads exactly this):
     {"format": "moekit-backend-table", "version": 1,
      "meta": {"device_name", "num_experts", "hidden", "intermediate" (per GPU), "top_k", "scheme",
@@ -21,6 +28,11 @@ through meta.routings routings: moekit.tune.runner); otherwise from the separate
 
 from __future__ import annotations
 
+import datetime
+import hashlib
+import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from ..backends.triton.config import KernelConfig
@@ -34,8 +46,12 @@ TRITON_TABLE_FORMAT = "moekit-triton-configs"
 # vLLM's own tuner (benchmarks/kernels/benchmark_moe.py) searches BLOCK_SIZE_N up to 256 and, for
 # 128x128 block-quantized weights, only multiples of 128 for BLOCK_SIZE_N and BLOCK_SIZE_K.
 VLLM_MAX_BLOCK_SIZE_N = 256
-# and num_warps 4 and 8 (CUDA)
+# and num_warps 4 and 8 (CUDA), and GROUP_SIZE_M 1, 16, 32, 64. moekit searches GROUP_M 1/8/16 (32):
+# a measured GROUP_M of 8 is exported as is, with a note (vLLM's kernel takes any GROUP_SIZE_M, which
+# only orders the tiles; another value would be a config nobody timed).
 VLLM_NUM_WARPS = (4, 8)
+VLLM_GROUP_SIZE_M = (1, 16, 32, 64)
+WRITTEN_RECORD = "written.json"  # under OUT/.progress: sha256 of what tune last wrote to each file
 
 
 # ------------------------------------------------------------------------- reading journals
@@ -102,7 +118,7 @@ def triton_table(journals: list[dict], run_meta: dict | None = None) -> dict | N
         best = best_config(j)
         if best is None:
             continue
-        key, entry = best
+        _, entry = best
         default = j["configs"].get(j.get("default") or "", {})
         configs[str(j["batch_size"])] = {
             **KernelConfig.from_dict(entry["config"]).to_dict(),
@@ -250,6 +266,12 @@ def vllm_table(journals: list[dict]) -> tuple[str, dict, list[str]] | None:
                 notes.append(f"M={j['batch_size']}: no measured config that vLLM can take")
     if not table:
         return None
+    other_group = [m for m, c in table.items() if c["GROUP_SIZE_M"] not in VLLM_GROUP_SIZE_M]
+    if other_group:
+        values = sorted({table[m]["GROUP_SIZE_M"] for m in other_group})
+        notes.append(f"M={', '.join(other_group)}: GROUP_SIZE_M {', '.join(map(str, values))} exported as measured, "
+                     f"though vLLM's tuner searches only {', '.join(map(str, VLLM_GROUP_SIZE_M))} "
+                     "(its kernel takes any: the value only orders the tiles)")
     name = vllm_file_name(problem["num_experts"], problem["intermediate"], fp["device_name"], scheme)
     return name, table, notes
 
@@ -258,16 +280,24 @@ def vllm_table(journals: list[dict]) -> tuple[str, dict, list[str]] | None:
 
 
 def write_tables(
-    out_dir: Path, table_file: str, journals: list[dict], run_meta: dict | None = None, export_dir: Path | None = None
+    out_dir: Path, table_file: str, journals: list[dict], run_meta: dict | None = None, export_dir: Path | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> tuple[list[Path], list[str]]:
-    """Write the tables of one (device, shape, scheme) from its journals: (paths, notes)."""
+    """Write the tables of one (device, shape, scheme) from its journals: (paths, notes). A file
+    replaced is first kept where something of it would be lost (module docstring), said to `log`."""
+    log = log or (lambda text: None)
+    record_path = Path(out_dir) / ".progress" / WRITTEN_RECORD
+    try:
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        record = {}
     written, notes = [], []
     triton = triton_table(journals, run_meta)
     if triton is not None:
-        written.append(write_json_atomically(Path(out_dir) / "triton" / table_file, triton))
+        written.append(_write_keeping(Path(out_dir) / "triton" / table_file, triton, "configs", record, log))
     backends = backend_table(journals)
     if backends is not None:
-        written.append(write_json_atomically(Path(out_dir) / "backends" / table_file, backends))
+        written.append(_write_keeping(Path(out_dir) / "backends" / table_file, backends, "batch_sizes", record, log))
     if export_dir is not None:
         exported = vllm_table(journals)
         if exported is not None:
@@ -275,12 +305,67 @@ def write_tables(
             ordered = dict(sorted(table.items(), key=lambda kv: int(kv[0])))
             # vLLM's file names have no accumulation mode: a fast-mode tune's export goes to fast/
             fast = journals[-1]["fingerprint"].get("fp8_accumulation") == "fast"
-            written.append(write_json_atomically(Path(export_dir) / ("fast" if fast else "") / name, ordered))
+            written.append(_write_keeping(Path(export_dir) / ("fast" if fast else "") / name, ordered, None, record, log))
             notes += [f"vLLM export: {n}" for n in vllm_notes]
+    write_json_atomically(record_path, record)
     return written, notes
 
 
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_keeping(path: Path, doc: dict, sizes_field: str | None, record: dict, log: Callable[[str], None]) -> Path:
+    """Write `doc` to `path`, first copying the file there to <name>.bak-<date>-<time> if anything of
+    it would be lost: it is not what tune last wrote there (`record`: path -> sha256), or it has
+    batch sizes that `doc` has not (the keys of doc[sizes_field], of doc itself when None)."""
+    key = str(path.resolve())
+    try:
+        old = path.read_bytes()
+    except FileNotFoundError:
+        old = None
+    if old is not None:
+        why = None
+        if record.get(key) != _sha256(old):
+            why = "not the file tune last wrote there (edited, or from elsewhere)"
+        else:
+            lost = sorted(_sizes(json.loads(old), sizes_field) - _sizes(doc, sizes_field), key=int)
+            if lost:
+                why = f"the new one lacks M={', '.join(lost)}"
+        if why is not None:
+            kept = _backup_name(path)
+            shutil.copy2(path, kept)
+            log(f"kept the previous {path} as {kept.name}: {why}")
+    write_json_atomically(path, doc)
+    record[key] = _sha256(path.read_bytes())
+    return path
+
+
+def _sizes(doc: dict, field: str | None) -> set[str]:
+    """The batch sizes of a table: the keys of doc[field], of doc itself (the vLLM file) when None."""
+    return set(doc if field is None else doc.get(field, {}))
+
+
+def _backup_name(path: Path) -> Path:
+    """<name>.bak-<date>-<time>, -2, -3... if taken: never an earlier copy. Not *.json, so that no
+    table lookup (moekit.tables.find_tables) takes it for a table."""
+    stem = f"{path.name}.bak-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    n, kept = 1, path.with_name(stem)
+    while kept.exists():
+        n += 1
+        kept = path.with_name(f"{stem}-{n}")
+    return kept
+
+
 __all__ = [
-    "triton_table", "backend_table", "vllm_table", "vllm_config", "vllm_file_name", "vllm_device_name",
-    "write_tables", "best_config", "BACKEND_TABLE_FORMAT", "BACKEND_TABLE_VERSION",
+    "BACKEND_TABLE_FORMAT",
+    "BACKEND_TABLE_VERSION",
+    "backend_table",
+    "best_config",
+    "triton_table",
+    "vllm_config",
+    "vllm_device_name",
+    "vllm_file_name",
+    "vllm_table",
+    "write_tables",
 ]

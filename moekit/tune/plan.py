@@ -4,24 +4,35 @@ one line and exit status 2), and turned into a `TunePlan` that worker processes 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from ..backends import get_backend
 from ..backends.triton.launch import fp8_accumulation, pdl_wanted
 from ..bench import (
-    DEFAULT_ROUTINGS, BenchInputError, ROUTINGS, load_routing_file, parse_batch_sizes, parse_dtype, parse_names, plan_backends,
-    prepare_out_dir, resolve_problems,
+    DEFAULT_BATCH_SIZES,
+    DEFAULT_ROUTINGS,
+    ROUTINGS,
+    BenchInputError,
+    load_routing_file,
+    parse_batch_sizes,
+    parse_dtype,
+    parse_names,
+    plan_backends,
+    prepare_out_dir,
+    remove_if_empty,
+    resolve_problems,
 )
 from ..spec import MoEShape, QuantScheme
 from .precompile import default_helpers
 from .space import NEIGHBOUR_MARGIN, SEARCH_SPACES, SpaceFn, default_space, gemm2_grid
 
-GPU_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-CPU_BATCH_SIZES = (1, 4)  # the Triton interpreter takes ~0.3 s per layer call
+GPU_BATCH_SIZES = DEFAULT_BATCH_SIZES  # moekit bench's: tables cover the sizes bench times
+CPU_BATCH_SIZES = (1, 4)  # the Triton interpreter takes ~0.3 s per layer call (bench's CPU sizes are more)
 DEFAULT_REPS = 20  # per config: medians of 20 flushed replays are stable to ~1% on an H200
 DEFAULT_WARMUP = 3  # the first call compiles; the others settle the allocator
 
@@ -124,7 +135,7 @@ def between_sizes(batch_sizes: Sequence[int]) -> list[int]:
     64 tokens up (the sizes serving engines capture CUDA graphs for)."""
     sizes = sorted(set(batch_sizes))
     out = []
-    for low, high in zip(sizes, sizes[1:]):
+    for low, high in itertools.pairwise(sizes):
         mid = (low * high) ** 0.5
         mid = round(mid / 8) * 8 if mid >= 64 else round(mid)
         if low < mid < high:
@@ -240,13 +251,4 @@ def build_plan(opts: TuneOptions, device: torch.device) -> TunePlan:
     )
 
 
-def remove_if_empty(folders: Sequence[Path]) -> None:
-    """Remove folders this run created, if nothing was written into them."""
-    for folder in folders:
-        try:
-            folder.rmdir()
-        except OSError:
-            pass
-
-
-__all__ = ["TuneOptions", "TuneProblem", "TunePlan", "TuneInputError", "build_plan", "parse_budget", "between_sizes"]
+__all__ = ["TuneInputError", "TuneOptions", "TunePlan", "TuneProblem", "between_sizes", "build_plan", "parse_budget"]

@@ -13,9 +13,9 @@ helper only costs the speed-up: the worker compiles what the helpers did not, as
 
 from __future__ import annotations
 
-import concurrent.futures as futures
 import os
-from typing import Sequence
+from collections.abc import Sequence
+from concurrent import futures
 
 import torch
 
@@ -102,12 +102,9 @@ class Precompiler:
         except Exception as e:  # noqa: BLE001 - e.g. no children allowed here: compile in the worker
             self._log(f"compiling in this process only (helper processes unavailable: {e})")
 
-    @property
-    def active(self) -> bool:
-        return self._pool is not None
-
     def submit(self, shape: MoEShape, scheme: QuantScheme, M: int, configs: Sequence[KernelConfig]) -> list:
-        """Queue the configs (in order); returns their futures (each: None, or the error met)."""
+        """Queue the configs (in order); returns their futures (each: None, or the error met), for
+        `cancel` once the worker stops measuring them."""
         if self._pool is None:
             return []
         submitted = []
@@ -118,6 +115,14 @@ class Precompiler:
             self._log(f"helper processes stopped ({type(e).__name__}: {e}); compiling in this process")
             self.close()
         return submitted
+
+    @staticmethod
+    def cancel(submitted: Sequence[futures.Future]) -> None:
+        """Drop the compiles not started yet: a search that stopped (its share of the budget used
+        up) must not leave a backlog that the next batch size's compiles wait behind. Started or
+        finished ones are left alone (Future.cancel refuses them)."""
+        for future in submitted:
+            future.cancel()
 
     def close(self) -> None:
         if self._pool is not None:

@@ -3,19 +3,29 @@ configs left, ETA), and at the end a summary per table and what the run did not 
 
 from __future__ import annotations
 
+from typing import Self
+
 from rich import box
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from ..backends.triton.config import KernelConfig
+from ..bench import format_us
 from .output import best_config
 
 
 class LocalReporter:
     """The Reporter of a worker running in this process."""
 
-    def __init__(self, view: "ProgressView", worker: int):
+    def __init__(self, view: ProgressView, worker: int):
         self.view, self.worker = view, worker
 
     def device(self, name: str) -> None:
@@ -50,7 +60,7 @@ class ProgressView:
         self.done: dict[int, int] = {}
         self.device_names: dict[int, str] = {}
 
-    def __enter__(self) -> "ProgressView":
+    def __enter__(self) -> Self:
         self.progress.start()
         for worker, label in enumerate(self.labels):
             self.tasks[worker] = self.progress.add_task(label, total=None)
@@ -102,12 +112,6 @@ def _config_text(cfg: dict) -> str:
     return text
 
 
-def _us(value) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 1000 else f"{value:.0f}"
-
-
 def summary_table(title: str, journals: list[dict], backend_doc: dict | None) -> Table:
     """Per batch size: the best config, its µs, the default config's, the gain, the winner."""
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
@@ -133,11 +137,11 @@ def summary_table(title: str, journals: list[dict], backend_doc: dict | None) ->
         table.add_row(
             str(j["batch_size"]),
             _config_text(best[1]["config"]) if best else "-",
-            _us(best[1]["us"]) if best else "-",
-            _us(default.get("us")),
+            format_us(best[1]["us"]) if best else "-",
+            format_us(default.get("us")),
             gain or "-",
             winner or "-",
-            _us(decision.get("us", {}).get(winner)) if winner else "-",
+            format_us(decision.get("us", {}).get(winner)) if winner else "-",
             status,
         )
     return table
@@ -178,7 +182,7 @@ def between_summary(journals_by_size: dict[int, dict], backend_doc: dict | None)
     for M in sorted(journals_by_size):
         decision = decisions.get(str(M), {})
         winner = decision.get("winner")
-        parts.append(f"M={M} {winner} {_us(decision['us'][winner])}" if winner else f"M={M} -")
+        parts.append(f"M={M} {winner} {format_us(decision['us'][winner])}" if winner else f"M={M} -")
     return ", ".join(parts)
 
 
@@ -194,4 +198,4 @@ def uncovered_between(journals_by_size: dict[int, dict], sizes: list[int], backe
     return lines
 
 
-__all__ = ["ProgressView", "LocalReporter", "summary_table", "uncovered", "between_summary", "uncovered_between"]
+__all__ = ["LocalReporter", "ProgressView", "between_summary", "summary_table", "uncovered", "uncovered_between"]

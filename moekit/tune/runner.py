@@ -51,20 +51,21 @@ import contextlib
 import dataclasses
 import math
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
 from .. import __version__ as moekit_version
 from .. import select
+from ..accumulation import table_accumulation
 from ..api import validate_inputs
 from ..backends import get_backend
-from ..backends.triton.config import KernelConfig, default_config
 from ..backends.triton import launch
+from ..backends.triton.config import KernelConfig, default_config
 from ..backends.triton.launch import fp8_accumulation, pdl_wanted
-from ..bench import make_routing, make_routings, make_weights, make_x, rel_l2
-from ..accumulation import table_accumulation
+from ..bench import input_seed, make_routing, make_routings, make_weights, make_x, rel_l2
 from ..spec import QuantScheme
 from ..tables import table_name
 from ..timing import Timing, time_graph, time_graphs
@@ -73,8 +74,16 @@ from .output import best_config, is_between, neighbour_configs, write_tables
 from .plan import TunePlan, TuneProblem
 from .precompile import Precompiler
 from .space import (
-    GEMV_START, WIDE_TILE_WARPS, NeighbourResult, config_key, gemm2_partial_accumulator, gemm2_variants,
-    neighbour_prune, overlap2_idle, shared_memory_limit, static_prune,
+    GEMV_START,
+    WIDE_TILE_WARPS,
+    NeighbourResult,
+    config_key,
+    gemm2_partial_accumulator,
+    gemm2_variants,
+    neighbour_prune,
+    overlap2_idle,
+    shared_memory_limit,
+    static_prune,
 )
 
 # A config whose output differs from the default config's by more than this (relative L2) is
@@ -234,14 +243,35 @@ def _table_lock(out_dir: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def write_problem_tables(plan: TunePlan, table_file: str) -> tuple[list[Path], list[str]]:
+def run_journals(plan: TunePlan, p: TuneProblem, name: str) -> tuple[list[dict], dict[int, str]]:
+    """The journals of a problem's table on device `name` measured under this run's conditions,
+    and {batch size: why} of the others (journal.load_journals): those never feed its tables."""
+    return load_journals(plan.out_dir, problem_table_name(p, name), fingerprint(plan, name, p.scheme), problem_fields(p))
+
+
+def write_problem_tables(plan: TunePlan, p: TuneProblem, name: str,
+                         log: Callable[[str], None] | None = None) -> tuple[list[Path], list[str]]:
+    """Rebuild a problem's tables on device `name` from the journals of this run's conditions:
+    (files written, notes). `log` hears at once of an earlier file kept before it is replaced
+    (output.write_tables)."""
     with _table_lock(plan.out_dir):
-        journals = load_journals(plan.out_dir, table_file)
+        journals, others = run_journals(plan, p, name)
+        notes = _left_out(others)
         if not journals:
-            return [], []
-        written = write_tables(plan.out_dir, table_file, journals, plan.run_meta, plan.export_dir)
+            return [], notes
+        written, more = write_tables(plan.out_dir, problem_table_name(p, name), journals, plan.run_meta,
+                                     plan.export_dir, log)
     select.clear_cache()  # lookups in this process (auto, the triton configs) now see these tables
-    return written
+    return written, notes + more
+
+
+def _left_out(others: dict[int, str]) -> list[str]:
+    """One line per reason: the journals of other conditions left out of the tables."""
+    by_why: dict[str, list[int]] = {}
+    for M, why in others.items():
+        by_why.setdefault(why, []).append(M)
+    return [f"left out of the tables: the journals of M={', '.join(map(str, sizes))}, {why}; "
+            "a run measuring those sizes measures them again" for why, sizes in by_why.items()]
 
 
 def order_candidates(configs: Sequence[KernelConfig], neighbour: NeighbourResult | None, default: KernelConfig):
@@ -326,11 +356,8 @@ class Worker:
     def _problem(self, p: TuneProblem) -> None:
         table_file = problem_table_name(p, self.name)
         fp = fingerprint(self.plan, self.name, p.scheme)
-        journals: dict[int, Journal] = {}
-        for M in self.sizes:
-            journals[M], note = Journal.open(journal_path(self.plan.out_dir, table_file, M), fp, problem_fields(p), M)
-            if note:
-                self.reporter.log(note)
+        journals = {M: Journal.open(journal_path(self.plan.out_dir, table_file, M), fp, problem_fields(p), M,
+                                    self.reporter.log) for M in self.sizes}
         searching = self.plan.search_space != "none"
         estimate = {M: self._static_candidates(p, M, journals[M]) if searching else 0 for M in self.sizes}
         self.reporter.add_total(sum(estimate.values()) + sum(len(self._baseline_todo(p, j)) for j in journals.values()))
@@ -340,7 +367,7 @@ class Worker:
                 if self.deadline.passed():
                     break
                 self._baseline(p, journals[M])
-            write_problem_tables(self.plan, table_file)
+            self._write_tables(p)
             previous = None
             for M in self.sizes if searching else []:
                 if self.deadline.passed():
@@ -354,17 +381,20 @@ class Worker:
                 if previous is not None:
                     self._between(p, [b for b in self.plan.between if previous.batch_size < b < M])
                 previous = journals[M]
-                write_problem_tables(self.plan, table_file)
+                self._write_tables(p)
             for i, M in enumerate(self.sizes):  # what is left: --search-space none, or decisions of an older run
                 if self.deadline.passed():
                     break
                 self._search_gemm2(p, journals[M], self.deadline.share(len(self.sizes) - i))
                 self._decide(p, journals[M])
-            write_problem_tables(self.plan, table_file)
+            self._write_tables(p)
         finally:
             self._weights = self._target = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+    def _write_tables(self, p: TuneProblem) -> None:
+        write_problem_tables(self.plan, p, self.name, self.reporter.log)
 
     def run_between(self) -> None:
         """Every problem's between sizes not yet measured with the current configs (see the
@@ -382,8 +412,8 @@ class Worker:
 
     def _between(self, p: TuneProblem, sizes: list[int]) -> None:
         table_file = problem_table_name(p, self.name)
-        tuned: dict[int, KernelConfig] = {}  # the best config of every searched size
-        for data in load_journals(self.plan.out_dir, table_file):
+        tuned: dict[int, KernelConfig] = {}  # the best config of every searched size (this run's conditions)
+        for data in run_journals(self.plan, p, self.name)[0]:
             best = best_config(data)
             if best is not None and not is_between(data):
                 tuned[data["batch_size"]] = KernelConfig.from_dict(best[1]["config"])
@@ -393,10 +423,8 @@ class Worker:
         todo: list[tuple[Journal, list[KernelConfig], list[str]]] = []
         opened: list[Journal] = []
         for M in sizes:
-            j, note = Journal.open(journal_path(self.plan.out_dir, table_file, M), fp, problem_fields(p), M)
+            j = Journal.open(journal_path(self.plan.out_dir, table_file, M), fp, problem_fields(p), M, self.reporter.log)
             opened.append(j)
-            if note:
-                self.reporter.log(note)
             cfgs = neighbour_configs(tuned, M)
             keys = [config_key(c) for c in cfgs]
             if j.data.get("between_configs") != keys or "between_config" in j.data:
@@ -429,7 +457,7 @@ class Worker:
             if self.deadline.passed():
                 break
             self._decide(p, j)
-        write_problem_tables(self.plan, table_file)
+        self._write_tables(p)
 
     def _baseline_todo(self, p: TuneProblem, j: Journal) -> list[tuple[str, object]]:
         default = default_config(p.shape, p.scheme, j.batch_size)
@@ -496,16 +524,19 @@ class Worker:
         self.reporter.add_total(len(todo) - estimated)
         if not todo:
             return
-        self.precompiler.submit(p.shape, p.scheme, M, todo)
+        compiles = self.precompiler.submit(p.shape, p.scheme, M, todo)
         inputs = self._inputs(p, M)
         done = 0
-        for cfg in todo:
-            if self.deadline.reached(share_end):
-                break
-            self.reporter.describe(f"{p.label} M={M}: {len(todo) - done} configs left")
-            self._measure_config(p, j, cfg, inputs)
-            self.reporter.advance()
-            done += 1
+        try:
+            for cfg in todo:
+                if self.deadline.reached(share_end):
+                    break
+                self.reporter.describe(f"{p.label} M={M}: {len(todo) - done} configs left")
+                self._measure_config(p, j, cfg, inputs)
+                self.reporter.advance()
+                done += 1
+        finally:  # a search stopped by its share leaves no compiles queued ahead of the next size's
+            self.precompiler.cancel(compiles)
         if done < len(todo):
             self.reporter.add_total(done - len(todo))
         j.data["search"]["complete"] = done == len(todo)
@@ -547,15 +578,18 @@ class Worker:
         if self.deadline.reached(share_end):
             return False
         self.reporter.add_total(len(todo))
-        self.precompiler.submit(p.shape, p.scheme, j.batch_size, todo)
+        compiles = self.precompiler.submit(p.shape, p.scheme, j.batch_size, todo)
         inputs = self._inputs(p, j.batch_size)
-        for done, cfg in enumerate(todo):
-            if self.deadline.reached(share_end):
-                self.reporter.add_total(done - len(todo))
-                return False
-            self.reporter.describe(f"{p.label} M={j.batch_size}: GEMM2 launch, {len(todo) - done} left")
-            self._measure_config(p, j, cfg, inputs)
-            self.reporter.advance()
+        try:
+            for done, cfg in enumerate(todo):
+                if self.deadline.reached(share_end):
+                    self.reporter.add_total(done - len(todo))
+                    return False
+                self.reporter.describe(f"{p.label} M={j.batch_size}: GEMM2 launch, {len(todo) - done} left")
+                self._measure_config(p, j, cfg, inputs)
+                self.reporter.advance()
+        finally:  # as in _search: nothing left queued behind a step that stopped
+            self.precompiler.cancel(compiles)
         j.data[field]["complete"] = True
         j.save()
         return True
@@ -566,7 +600,7 @@ class Worker:
         if self._weights is None:  # once per problem, reused by every batch size and config
             self._weights = make_weights(p.shape, p.scheme, self.device, seed=p.weights_seed, dtype=self.plan.dtype)
         weights = self._weights
-        seed = self.plan.seed * 1_000_003 + M  # as moekit bench: the same inputs for the same seed
+        seed = input_seed(self.plan.seed, M)
         x = make_x(M, p.shape.hidden, self.device, seed=seed, dtype=self.plan.dtype)
         tw, ids = make_routing(self.plan.routing_kind, M, p.shape, seed=seed, recorded=p.recorded)
         tw, ids = validate_inputs(x, weights, tw.to(self.device), ids.to(self.device))
@@ -664,12 +698,15 @@ class Worker:
             return
         self.reporter.describe(f"{p.label} M={M}: every backend over {routings} routings")
         inputs = self._inputs(p, M)
-        rotation = make_routings(self.plan.routing_kind, M, p.shape, routings, seed=self.plan.seed * 1_000_003 + M,
+        rotation = make_routings(self.plan.routing_kind, M, p.shape, routings, seed=input_seed(self.plan.seed, M),
                                  recorded=p.recorded, device=self.device)
         x, w, tw, ids = inputs.x, inputs.weights, rotation.topk_weights, rotation.topk_ids
         config = KernelConfig.from_dict(best[1]["config"])
-        fns = {name: (lambda b=get_backend(name), kw={"config": config} if name == "triton" else {}:
-                      b.run(x, w, tw, ids, **kw)) for name in names}
+
+        def layer(backend, kwargs: dict):
+            return lambda: backend.run(x, w, tw, ids, **kwargs)
+
+        fns = {name: layer(get_backend(name), {"config": config} if name == "triton" else {}) for name in names}
         whats = {name: f"{'triton ' + key if name == 'triton' else 'backend ' + name} at M={M}" for name in names}
         j.begin(what)
         try:
@@ -833,6 +870,15 @@ def run_workers(plan: TunePlan, devices: list[str], deadline_end: float | None, 
 
 
 __all__ = [
-    "Worker", "DeviceBroken", "measure_time", "run_workers", "split_batch_sizes", "write_problem_tables",
-    "device_name", "order_candidates", "OUTPUT_TOLERANCE", "output_tolerance",
+    "OUTPUT_TOLERANCE",
+    "DeviceBroken",
+    "Worker",
+    "device_name",
+    "measure_time",
+    "order_candidates",
+    "output_tolerance",
+    "run_journals",
+    "run_workers",
+    "split_batch_sizes",
+    "write_problem_tables",
 ]

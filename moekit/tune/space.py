@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -309,14 +309,14 @@ def shared_memory_limit(device: torch.device) -> tuple[int, str]:
     optin = getattr(props, "shared_memory_per_block_optin", None)  # torch >= 2.6 reports it
     if optin:
         return int(optin), "torch device properties"
+    cap = (props.major, props.minor)
+    known = SHARED_MEMORY_BY_CAPABILITY.get(cap, HOPPER_SHARED_MEMORY), f"table for sm{cap[0]}{cap[1]}"
     try:  # what Triton itself checks compiled kernels against
         import triton
 
         return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]), "triton driver"
-    except Exception:  # noqa: BLE001 - any failure falls back to the table below
-        pass
-    cap = (props.major, props.minor)
-    return SHARED_MEMORY_BY_CAPABILITY.get(cap, HOPPER_SHARED_MEMORY), f"table for sm{cap[0]}{cap[1]}"
+    except Exception:  # noqa: BLE001 - any failure falls back to the table
+        return known
 
 
 # ------------------------------------------------------------------------------ estimates
@@ -486,7 +486,22 @@ def neighbour_prune(
 
 
 __all__ = [
-    "SEARCH_SPACES", "NEIGHBOUR_MARGIN", "SpaceFn", "config_key", "hopper_space", "interpreter_space",
-    "default_space", "HopperSpace", "shared_memory_limit", "shared_memory_bytes", "accumulator_registers",
-    "static_prune", "neighbour_prune", "NeighbourResult", "gemm2_grid", "gemm2_variants", "gemm2_partial_accumulator", "overlap2_idle",
+    "NEIGHBOUR_MARGIN",
+    "SEARCH_SPACES",
+    "HopperSpace",
+    "NeighbourResult",
+    "SpaceFn",
+    "accumulator_registers",
+    "config_key",
+    "default_space",
+    "gemm2_grid",
+    "gemm2_partial_accumulator",
+    "gemm2_variants",
+    "hopper_space",
+    "interpreter_space",
+    "neighbour_prune",
+    "overlap2_idle",
+    "shared_memory_bytes",
+    "shared_memory_limit",
+    "static_prune",
 ]
