@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import moekit
+from moekit.accumulation import accumulation_matters
 from moekit.backends.reference import reference_moe
 from moekit.backends.triton import KernelConfig
 from moekit.backends.triton.launch import align_pairs
@@ -14,17 +15,36 @@ from helpers import assert_graph_replays_fresh_routing, max_rel, random_routing,
 SCHEMES = ["bf16", "fp8-tensor-static", "fp8-tensor-dynamic", "fp8-channel-token", "fp8-block128"]
 
 # Tolerances. The reference multiplies the same quantized inputs in float32, so the differences
-# are roundings, not quantization: each pair's weighted output is stored in bf16 before the
-# combine (2**-9 relative per element at most), the two final outputs are each rounded to bf16
-# (2**-9 each), and the float32 sums run in another order, which now and then moves an
-# intermediate value across an FP8 rounding boundary (one element off by one FP8 step, 2**-4 of
-# itself, diluted over N terms). Three bf16 roundings bound the per-element error by
-# 3 * 2**-9 ~ 6e-3 of |ref| at worst; random roundings give an L2 error near 2e-3 (measured
-# 2.6e-3 to 3.1e-3 on the CPU). A wrong scale or a wrong row moves the error to 1e-1 or more.
+# are roundings, not quantization. bf16 keeps 8 significant bits: one round-to-nearest moves a
+# value by at most half a unit, 2**-8 (3.9e-3) of itself (fp16, 11 bits: 2**-11). Three such
+# roundings separate the two results: each pair's weighted output is stored in bf16 before the
+# combine (the reference sums in float32), and the two final outputs are each rounded to bf16.
+#  - rel L2: a round-to-nearest error is uniform within +-half a unit, and a unit is 2**-7..2**-8
+#    of the value over a binade, so one rounding's RMS relative error is
+#    2**-7 * sqrt(E[1/m**2] = 0.541) / sqrt(12) = 1.66e-3; three independent ones: sqrt(3) x 1.66e-3
+#    = 2.9e-3 (measured 2.6e-3 to 3.2e-3 on the CPU). The float32 sums also run in another order,
+#    which now and then moves an intermediate value across an FP8 rounding boundary (one element
+#    off by one FP8 step, at most 2**-3 of itself): a fraction f of such flips adds ~2**-3 * sqrt(f)
+#    (moekit/check.py), measured up to 5e-3 in all on the GPU (BENCHMARKS.md, precise mode).
+#    REL_L2_TOL = 1e-2 is 2x that and 3x the rounding estimate, yet below the 3 * 2**-8 = 1.2e-2
+#    that three worst-case roundings of every element would reach; a wrong scale, row or expert
+#    gives 1e-1 or more.
+#  - max rel (|out - ref| over max |ref|): the three roundings bound each element by
+#    3 * 2**-8 = 1.17e-2 of max |ref| (the K pair terms' magnitudes at the largest outputs sum to
+#    at most ~max |ref| on these data: measured <= 1.04). One FP8 flip moves an output by
+#    2**-3 * |weight * a_j * w2_ij|: on average 3e-4..1.6e-3 of max |ref| on these data (6e-2 for
+#    the very largest a_j and w2_ij, too rare to bound). MAX_REL_TOL = 2e-2 is the rounding bound
+#    plus 8e-3, five times an average flip (measured <= 7.1e-3 on the CPU); a wrong scale or row
+#    moves max rel to 1e-1 or more.
 REL_L2_TOL = 1e-2
 MAX_REL_TOL = 2e-2
-# MOEKIT_FP8_ACCUMULATION=fast on a GPU, for the schemes the mode changes: see
-# test_gpu_fast_accumulation_at_preset_shapes (1.5-1.6e-2 measured at the preset shapes).
+# MOEKIT_FP8_ACCUMULATION=fast on a GPU, for the schemes the mode changes: the tensor cores' own
+# FP8 accumulator makes GEMM1's sums less exact, and more intermediate values cross an FP8
+# rounding boundary. Measured on an H200 (BENCHMARKS.md, fifth session) against the reference of
+# the mode's own intermediate rule at the preset shapes with 64+ row tiles: 1.49e-2 to 1.62e-2
+# rel L2 (1.69e-2 against float64, `moekit check`, Mixtral-8x7B). FAST_REL_L2_TOL = 3e-2 is ~1.85x
+# the worst of those (moekit check's `kernel-fast` class) and 3x below what a wrong scale or row
+# gives (1e-1).
 FAST_REL_L2_TOL = 3e-2
 
 
@@ -72,9 +92,27 @@ def test_intermediate_not_a_multiple_of_the_tiles(scheme, device):
 
 
 def test_fp16_activations(device):
-    w = random_weights(3, 128, 128, "bf16", dtype=torch.float16, device=device)
+    # "fp16", the README's name of the unquantized scheme for fp16 weights (the bf16 scheme itself)
+    assert moekit.get_scheme("fp16") is moekit.get_scheme("bf16")
+    w = random_weights(3, 128, 128, "fp16", dtype=torch.float16, device=device)
+    assert w.w13.dtype == torch.float16
     tw, ids = random_routing(4, 3, 2, device=device)
     check(random_x(4, 128, dtype=torch.float16, device=device), w, tw, ids)
+
+
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES if s != "bf16"])
+@pytest.mark.parametrize("M", [1, 5])
+def test_fp16_activations_with_fp8_weights(scheme, M, device):
+    """fp16 activations for every FP8 scheme (supports() accepts them) on the tiled path: the
+    reference rounds its intermediate and output to fp16 as the kernels do; fp16's roundings are
+    8x finer than bf16's, so the bf16-derived tolerances hold a fortiori. Hidden 144: a partial K
+    tile; top-2 of 3 experts (the GEMV path: test_triton_gemv)."""
+    w = random_weights(3, 144, 128, scheme, device=device, seed=M)
+    tw, ids = random_routing(M, 3, 2, device=device, seed=M)
+    x = random_x(M, 144, dtype=torch.float16, device=device, seed=M)
+    cfg = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1)
+    assert not cfg.GEMV
+    assert_matches_reference(moekit.get_backend("triton").run(x, w, tw.float(), ids, config=cfg), x, w, tw, ids)
 
 
 @pytest.mark.parametrize("scheme", ["fp8-channel-token", "fp8-block128"])
@@ -100,9 +138,33 @@ def test_m_zero_and_apply_on_input(device):
     tw, ids = random_routing(4, 3, 1, device=device)
     assert moekit.fused_moe(x[:0], w, tw[:0], ids[:0], backend="triton").shape == (0, 128)
     out = moekit.fused_moe(x, w, tw, ids, backend="triton", apply_router_weight_on_input=True)
-    ref = moekit.fused_moe(x, w, tw, ids, backend="reference", apply_router_weight_on_input=True)
-    # the reference quantizes per row what the backend quantizes per group: compare loosely
-    assert rel_l2(out, ref) < 5e-2
+    # the weight scales x (rounded back to x's dtype) and the experts' outputs are summed with
+    # weight 1: the reference of the backend's own intermediate rule on that input, standard bounds
+    scaled = (x.float() * tw.float()).to(x.dtype)
+    assert_matches_reference(out, scaled, w, torch.ones_like(tw), ids)
+    # and the weight really reached the input: applied after the experts instead, the result
+    # differs (SiLU is not linear, so expert(t * x) != t * expert(x) for weights t in [0.1, 1.1))
+    assert not torch.equal(out, moekit.fused_moe(x, w, tw, ids, backend="triton"))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("config", [None, KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128),
+                                    KernelConfig(16, 64, 256, 1, 2, 1, GEMV=1)], ids=["default", "tiled", "gemv"])
+def test_run_with_no_tokens(scheme, config, device):
+    """The backend's run() itself with zero rows (fused_moe returns before it at M = 0), given
+    what fused_moe gives it (validate_inputs: float32 weights, int32 ids), for every scheme it
+    claims: the default config for M = 0, the tiled path and the GEMV path."""
+    from moekit.api import validate_inputs
+    from moekit.spec import MoEShape
+
+    w = random_weights(3, 144, 128, scheme, device=device)
+    x = random_x(0, 144, device=device)
+    tw, ids = random_routing(0, 3, 2, device=device)
+    backend = moekit.get_backend("triton")
+    assert backend.supports(MoEShape(3, 144, 128, 2), w.scheme, x.device, x.dtype) == []
+    tw, ids = validate_inputs(x, w, tw, ids, device_check=False)
+    out = backend.run(x, w, tw, ids, config=config)
+    assert out.shape == (0, 144) and out.dtype == x.dtype and out.device == x.device
 
 
 @pytest.mark.parametrize("P,E,block_m", [(7, 3, 16), (128, 5, 16), (300, 7, 32), (129, 130, 16)])
@@ -251,12 +313,21 @@ def test_fast_mode_quantizes_the_intermediate_per_row(M, K, experts, join, devic
         assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < MAX_REL_TOL
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "fp8-tensor-static", "fp8-tensor-dynamic", "fp8-channel-token"])
-@pytest.mark.parametrize("accumulation", ["precise", "fast"])
+def with_accumulation_modes(schemes):
+    """(scheme, mode) pairs: both modes where the mode changes the scheme's kernels
+    (moekit.accumulation.accumulation_matters), precise alone where it does not (bf16,
+    fp8-block128: the same kernels run in either mode)."""
+    return [(s, mode) for s in schemes for mode in ("precise", "fast")
+            if mode == "precise" or accumulation_matters(moekit.get_scheme(s))]
+
+
+@pytest.mark.parametrize("scheme,accumulation", with_accumulation_modes(["bf16", "fp8-tensor-static", "fp8-tensor-dynamic",
+                                                                       "fp8-channel-token"]))
 def test_joined_gemm1_tile(scheme, accumulation, device, monkeypatch):
     """JOIN=1 (gate and up interleaved in one wide tile) against the reference, every scheme that
-    allows it and both accumulation modes. N = 208: the last tile is partial (BLOCK_N 64 and 128,
-    the latter fusing the 1x128 group quantization); experts 1 and 3 receive no tokens."""
+    allows it, in both accumulation modes where the mode matters. N = 208: the last tile is
+    partial (BLOCK_N 64 and 128, the latter fusing the 1x128 group quantization); experts 1 and 3
+    receive no tokens."""
     monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", accumulation)
     w = random_weights(5, 160, 208, scheme, device=device)
     tw, ids = random_routing(9, 5, 2, device=device, experts=[0, 2, 4])
@@ -291,10 +362,10 @@ def test_joined_tile_refuses_per_k_step_scales():
 @pytest.mark.parametrize("name", ["glm-4.5v-fp8 tp2", "mixtral-8x7b"])
 @pytest.mark.parametrize("M", [7, 300])
 def test_gpu_fast_accumulation_at_preset_shapes(name, M, monkeypatch):
-    """Tolerance: fast accumulation was measured at 1.4e-2 relative L2 against float64 at worst
-    (`moekit check`, Mixtral M = 64, H200): GEMM1's less exact sums move the intermediate values
-    that lie near an FP8 rounding boundary by one FP8 step (up to 2**-3 of themselves).
-    FAST_REL_L2_TOL allows twice that and stays 3x below what a wrong scale or row gives (1e-1)."""
+    """Tolerance: FAST_REL_L2_TOL (derived at its definition): fast accumulation measured 1.49e-2
+    to 1.62e-2 relative L2 at these shapes with 64+ row tiles (H200): GEMM1's less exact sums move
+    the intermediate values that lie near an FP8 rounding boundary by one FP8 step (up to 2**-3 of
+    themselves). 3e-2 is ~1.85x the worst measured and 3x below what a wrong scale or row gives (1e-1)."""
     monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
     E, H, N, K, scheme = PRESET_SHAPES[name]
     w = random_weights(E, H, N, scheme, device="cuda")
@@ -341,7 +412,9 @@ def test_gemm2_reads_an_fp8_intermediate_with_one_scale_per_row(device):
         pairs = align.sorted_pairs.long()[rows]
         _, w2 = _expert_weights64(w, e)
         want = (values[rows].double() * scale[rows].double()) @ w2.T * tw.reshape(-1)[pairs].double()[:, None]
-        # float32 accumulation, then one bf16 rounding (2**-9 relative): far below a wrong scale
+        # float32 accumulation (~2**-24 * sqrt(N) relative), then one bf16 rounding: at most 2**-8
+        # (3.9e-3) of every element, so of the L2 norm too (measured 1.5e-3 to 1.7e-3, the RMS of
+        # one rounding); 4e-3 is that worst case, far below a wrong scale (1e-1)
         assert rel_l2(out[pairs].double(), want) < 4e-3
 
 

@@ -1,6 +1,6 @@
 """GEMM2's own launch (KernelConfig.BLOCK_N2 / num_warps2 / num_stages2 / GROUP_M2, and N_TILES2:
 runs of column tiles per program): the config rules, and the layer against `reference` with GEMM2 tiled unlike GEMM1, for every scheme, in both
-accumulation modes, at odd sizes and with idle experts (CPU interpreter; preset shapes on a GPU)."""
+accumulation modes where the mode changes the scheme's kernels, at odd sizes and with idle experts (CPU interpreter; preset shapes on a GPU)."""
 
 import dataclasses
 import json
@@ -18,7 +18,8 @@ from moekit.tune.output import vllm_config
 from moekit.tune.space import config_key
 
 from helpers import assert_graph_replays_fresh_routing, random_routing, random_weights, random_x, rel_l2
-from test_triton_backend import FAST_REL_L2_TOL, PRESET_SHAPES, SCHEMES, assert_matches_reference, reference_for
+from test_triton_backend import (FAST_REL_L2_TOL, PRESET_SHAPES, SCHEMES, assert_matches_reference, reference_for,
+                                 with_accumulation_modes)
 
 BASE = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=2)
 
@@ -98,12 +99,11 @@ def test_a_table_entry_with_gemm2_fields_is_what_the_backend_runs(tmp_path, monk
 # ------------------------------------------------------------------------------ the kernels
 
 
-@pytest.mark.parametrize("accumulation", ["precise", "fast"])
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme,accumulation", with_accumulation_modes(SCHEMES))
 def test_gemm2_tiled_unlike_gemm1_matches_reference(scheme, accumulation, device, monkeypatch):
     """GEMM1 128 wide (fp8-channel-token's group-quantized intermediate, precise) or 64, GEMM2 32
     wide with other warps, stages and grouping: hidden 208 (a partial GEMM2 column block), an
-    idle expert, M = 7 with top-2."""
+    idle expert, M = 7 with top-2. On the CPU also bitwise equal to GEMM2 tiled as GEMM1."""
     monkeypatch.setenv(FP8_ACCUMULATION_ENV, accumulation)
     gemm1_n = 64 if scheme == "fp8-block128" else 128
     cfg = dataclasses.replace(BASE, BLOCK_N=gemm1_n).with_gemm2(BLOCK_N=32, num_warps=2, num_stages=3, GROUP_M=1)
@@ -111,12 +111,11 @@ def test_gemm2_tiled_unlike_gemm1_matches_reference(scheme, accumulation, device
     tw, ids = random_routing(7, 4, 2, device=device, experts=[0, 1, 3])
     x = random_x(7, 208, device=device)
     out = assert_matches_reference(run(x, w, tw, ids, cfg), x, w, tw, ids)
-    if device == "cpu":  # the interpreter sums each element's K in the same order whatever the tiles
+    if device.type == "cpu":  # the interpreter sums each element's K in the same order whatever the tiles
         assert torch.equal(out, run(x, w, tw, ids, dataclasses.replace(BASE, BLOCK_N=gemm1_n)))
 
 
-@pytest.mark.parametrize("accumulation", ["precise", "fast"])
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme,accumulation", with_accumulation_modes(SCHEMES))
 def test_runs_of_column_tiles_match_one_tile_per_program(scheme, accumulation, device, monkeypatch):
     """GEMM2 programs running 2, 3 and all 7 of its 32-wide column blocks (hidden 208: the last
     one partial; runs of 2 and 3 end short) against reference, and bitwise equal to one tile per
