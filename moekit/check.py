@@ -101,7 +101,7 @@ REFERENCE_NOT_CHECKED = (
 #                many times float32's, and far more intermediate values cross an FP8 rounding
 #                boundary: measured 1.5-1.7e-2 rel L2 against float64 (H200, Mixtral-8x7B and
 #                GLM-4.5V, 64+ row tiles; BENCHMARKS.md fifth session), 1.5-2.1e-2 for vLLM's and
-#                CUTLASS's paths (shared/anchors). 3e-2 is 1.4x the worst of those; a wrong expert,
+#                CUTLASS's paths (BENCHMARKS.md, Reference points). 3e-2 is 1.4x the worst of those; a wrong expert,
 #                scale or row (>= 1e-1) still fails. A missing intermediate quantization (~2.6e-2)
 #                would not: the CPU tests check fast mode's code path at the kernel budget (the
 #                interpreter sums exactly).
@@ -180,7 +180,7 @@ BACKEND_CLASS = {"reference": "reference", "torch": "dequantized"}
 #       cutlass backend (its grouped GEMM writes bf16, backends/cutlass.py). Compared with the
 #       problem WITHOUT that rounding, it moves the intermediate by ~2^-9 and flips ~1-2 % of its
 #       FP8 roundings by one step: rel L2 ~2e-2 (1.8e-2 to 2.6e-2 measured on random layers; what
-#       shared/anchors/README.md reports for the vLLM and CUTLASS paths), above a kernel's budget.
+#       the anchors report for the vLLM and CUTLASS paths: BENCHMARKS.md, Reference points), above a kernel's budget.
 BACKEND_NUMERICS: dict[str, dict[str, Any]] = {
     "cutlass": {"gemm1_output_rounded": True},
 }

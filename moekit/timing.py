@@ -3,7 +3,7 @@ interleaved (the same measurement for each). `moekit bench` times every backend 
 through `time_graphs`; the tuner times its configs through `time_graph`, and its decision timing
 (every backend at once) through `time_graphs`.
 
-On a CUDA GPU (the method of shared/anchors/README.md):
+On a CUDA GPU (the method of BENCHMARKS.md and its reference points):
   1. `fn` runs eagerly a few times on a side stream (compilation, autotuning, allocator warm-up;
      torch requires the warm-up before a capture to happen off the default stream);
   2. one call of `fn` is captured into a `torch.cuda.CUDAGraph`;

@@ -1,4 +1,4 @@
-"""Time moekit's backends at the anchor points of shared/anchors/README.md (H100 reference table):
+"""Time moekit's backends at the anchor points (BENCHMARKS.md, Reference points: the H100 table):
 GLM-4.5V-FP8 TP2, Mixtral-8x7B FP8 (channel weights, token activations) and DeepSeek-V3 TP8
 (128x128 blocks), M = 1, 8, 64, 192, 1024, 4096, 8192. Both the whole layer (routing excluded) and
 the two expert GEMMs alone. Prints a table and writes JSON rows to the path given (or stdout).

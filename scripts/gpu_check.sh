@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|fast|decode|gemm2|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
-# bench: `moekit bench` at the anchor points of shared/anchors/README.md: the expert GEMMs alone
+# bench: `moekit bench` at the anchor points (BENCHMARKS.md, Reference points): the expert GEMMs alone
 #        (--mode gemm) and the whole layer, for GLM-4.5V-FP8 TP2, Mixtral-8x7B FP8 and
 #        DeepSeek-V3 TP8, every backend plus auto.
 # auto:  the whole layer on every backend plus auto, at the sizes the shipped decision tables
