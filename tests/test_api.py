@@ -228,3 +228,24 @@ def test_one_reading_of_triton_interpret(monkeypatch, value, expected):
     assert env.interpreting() is expected
     assert ops.interpreting() is expected
     assert launch._interpreting() is expected
+
+
+def test_a_layer_runs_on_its_tensors_gpu_whichever_gpu_is_current(monkeypatch):
+    """Triton launches on the current GPU whatever device the tensors are on, so fused_moe makes
+    x's GPU current for the call where another one is (a model spread over GPUs). Checked without
+    a GPU: on_device's choice, and that fused_moe runs inside it."""
+    from moekit import api
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    guard = api.on_device(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    for same in (torch.device("cuda", 0), torch.device("cuda"), torch.device("cpu")):
+        assert not isinstance(api.on_device(same), torch.cuda.device), same
+    entered = []
+    real = api.on_device
+    monkeypatch.setattr(api, "on_device", lambda device: entered.append(device) or real(device))
+    w = random_weights(3, 64, 32, "bf16")
+    tw, ids = random_routing(4, 3, 2)
+    x = random_x(4, 64)
+    assert moekit.fused_moe(x, w, tw, ids, "reference").shape == x.shape
+    assert entered == [x.device]

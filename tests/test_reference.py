@@ -158,3 +158,25 @@ def test_intermediate_granularity_override_changes_only_the_intermediate():
     # differing). 4e-2 is that ceiling plus 7% for the sampling spread.
     assert not torch.equal(token, group)
     assert rel_l2(group, token) < 4e-2
+
+
+def test_reference_runs_whatever_tf32_api_the_caller_used():
+    """The reference keeps float32 matmuls exact by switching TF32 off for its own matmuls. It read
+    the legacy `allow_tf32` flag, which raises once a caller has set torch's new `fp32_precision`
+    ("mix of the legacy and new APIs"), so the ground truth failed. Now it goes through the new
+    setting and restores the caller's."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("this torch has only the legacy TF32 flag")
+    saved = matmul.fp32_precision
+    g = torch.Generator().manual_seed(11)
+    w = random_weights(3, 64, 32, "bf16")
+    tw, ids = random_routing(5, 3, 2)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    try:
+        matmul.fp32_precision = "tf32"
+        out = moekit.fused_moe(x, w, tw, ids, "reference")
+        assert matmul.fp32_precision == "tf32"  # the caller's setting, restored
+    finally:
+        matmul.fp32_precision = saved
+    assert torch.equal(out, moekit.fused_moe(x, w, tw, ids, "reference"))  # the same exact float32 path

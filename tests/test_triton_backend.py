@@ -1,6 +1,8 @@
 """The triton backend against `reference`: under TRITON_INTERPRET=1 on the CPU (small shapes),
 and at the real preset shapes on a GPU (marked `gpu`)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -192,6 +194,36 @@ def test_config_problems_are_reported():
         backend = moekit.get_backend("triton")
         backend.run(random_x(2, 128), w, tw, ids, config=KernelConfig(BLOCK_K=64))
     assert "BLOCK_N=256 must divide 128" in " ".join(KernelConfig(BLOCK_N=256).problems(moekit.get_scheme("fp8-block128")))
+
+
+@pytest.mark.parametrize("scheme", ["fp8-tensor-static", "fp8-tensor-dynamic"])
+def test_fp8_tiles_need_k_steps_of_32(scheme):
+    """Triton compiles 8-bit tensor-core dots with K >= 32 only: a table entry with BLOCK_K 16
+    passed problems() for the per-tensor FP8 schemes (the others need 128) and would have failed
+    to compile in a forward pass on a GPU. bf16 tiles may still step by 16."""
+    problems = KernelConfig(BLOCK_K=16).problems(moekit.get_scheme(scheme))
+    assert problems == ["BLOCK_K=16 must be at least 32 for FP8 tensor-core dots"]
+    assert KernelConfig(BLOCK_K=32).problems(moekit.get_scheme(scheme)) == []
+    assert KernelConfig(BLOCK_K=16).problems(moekit.get_scheme("bf16")) == []
+
+
+def test_config_checks_are_remembered_per_config_and_scheme(monkeypatch):
+    """launch._check_config runs on every layer call: its answer (and GEMM2's launch) is computed
+    once per (config, scheme), so a config with a GEMM2 launch of its own costs no 40 µs of host
+    time per call; a different scheme is checked afresh."""
+    from moekit.backends.triton import launch
+
+    cfg = KernelConfig(BLOCK_M=128, BLOCK_K=128).with_gemm2(BLOCK_N=64, num_stages=3)
+    calls = []
+    real = KernelConfig.problems
+    monkeypatch.setattr(KernelConfig, "problems", lambda self, scheme: calls.append(scheme.name) or real(self, scheme))
+    launch._config_problems.cache_clear()
+    for _ in range(3):
+        launch._check_config(cfg, moekit.get_scheme("fp8-channel-token"))
+    assert calls == ["fp8-channel-token"]
+    with pytest.raises(ValueError, match="must be 128"):
+        launch._check_config(dataclasses.replace(cfg, BLOCK_K=64), moekit.get_scheme("fp8-block128"))
+    assert launch._gemm2_launch(cfg) == cfg.gemm2() and launch._gemm2_launch(cfg) is launch._gemm2_launch(cfg)
 
 
 def test_supports_names_every_reason():

@@ -22,14 +22,17 @@ from .base import Backend
 
 @contextlib.contextmanager
 def _exact_fp32_matmul():
-    """Keep float32 matmuls in full float32 even if the caller allowed TF32."""
+    """Keep float32 matmuls in full float32 even if the caller allowed TF32. Through
+    `fp32_precision` where torch has it (2.9+): once a caller sets that, reading the legacy
+    `allow_tf32` raises ("mix of the legacy and new APIs"), and the ground truth would fail."""
     matmul = torch.backends.cuda.matmul
-    saved = matmul.allow_tf32
-    matmul.allow_tf32 = False
+    name, exact = ("fp32_precision", "ieee") if hasattr(matmul, "fp32_precision") else ("allow_tf32", False)
+    saved = getattr(matmul, name)
+    setattr(matmul, name, exact)
     try:
         yield
     finally:
-        matmul.allow_tf32 = saved
+        setattr(matmul, name, saved)
 
 
 class ReferenceBackend(Backend):

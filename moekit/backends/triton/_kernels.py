@@ -377,7 +377,7 @@ def gemm1_kernel(
     a_scale_ptr,  # (1,) | (M,) | (M, ceil(H/128)) float32
     w_ptr,  # (E, 2N, H) weights, gate rows then up rows
     w_scale_ptr,  # (E,) | (E, 2N) | (E, 2N/128, ceil(H/128)) float32
-    out_ptr,  # (rows, N) bf16/fp16 SiLU(gate) * up, or fp8 when OUT_SCALE is static
+    out_ptr,  # (rows, N) bf16/fp16 SiLU(gate) * up, or fp8 (OUT_MODE 2: a static scale; 3: 1x128 group scales)
     out_scale_ptr,  # (1,) float32 static scale of the output (fp8-tensor-static), or
     # (rows, ceil(N/128)) float32 scales of the output's 1x128 groups (OUT_MODE 3)
     amax_ptr,  # (1,) float32 shared maximum of |output| (fp8-tensor-dynamic)

@@ -152,6 +152,9 @@ class KernelConfig:
             v = getattr(self, name)
             if v < least or v & (v - 1):
                 out.append(f"{name}={v} must be a power of two >= {least}{path if name == 'BLOCK_K' else ''}")
+        if scheme.is_fp8 and not self.GEMV and self.BLOCK_K < 32:
+            # Triton's NVIDIA backend compiles 8-bit tensor-core dots with K >= 32 only
+            out.append(f"BLOCK_K={self.BLOCK_K} must be at least 32 for FP8 tensor-core dots")
         if scheme.is_fp8 and scheme.activation in ("group", "token") and self.BLOCK_K != 128 and not self.GEMV:
             # the intermediate (and block activations) are quantized per 1x128 group of K
             out.append(f"BLOCK_K={self.BLOCK_K} must be 128 for {scheme.name}")

@@ -12,7 +12,7 @@ import triton
 from ...weights import MoEWeights
 from . import _gemv_kernels as gk
 from .config import KernelConfig
-# launch.py imports this module only inside TritonBackend.run, so launch is fully loaded here
+# launch.py imports this module only inside functions (run, prepare_gemm_only): launch is loaded here
 from .launch import A_SCALE_KIND, B_SCALE_KIND, _TL_DTYPE, _interpreting, _launch, _scale_strides, quantize_input
 
 
