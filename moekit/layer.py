@@ -72,6 +72,18 @@ def weight_memory(weights: MoEWeights) -> dict:
     return {"weights": weights.nbytes, "prepared": prepared, "total": weights.nbytes + sum(prepared.values())}
 
 
+def apply_keeping_dtypes(module: torch.nn.Module, fn, *args, **kwargs):
+    """`Module._apply` for modules holding FP8 weights and float32 scales: Module.to(dtype) /
+    .half() would convert every floating point tensor, FP8 included (and lose the scales'
+    precision), so each tensor keeps its dtype and takes only fn's device (probed on an empty
+    tensor). Shared by MoELayer and moekit.hf's MoekitExperts."""
+    def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+        probe = fn(t.new_empty(0))
+        return fn(t) if probe.dtype == t.dtype else t.to(device=probe.device)
+
+    return torch.nn.Module._apply(module, keep_dtype, *args, **kwargs)
+
+
 class MoELayer(torch.nn.Module):
     """The routed experts of one MoE layer; see the module docstring.
 
@@ -214,19 +226,22 @@ class MoELayer(torch.nn.Module):
         return weight_memory(self.weights)
 
     def _apply(self, fn, *args, **kwargs):
-        # Module.to(dtype) / .half() convert every floating point buffer, FP8 included: keep the
-        # weights' and scales' dtypes and take only the device (probed on an empty tensor).
-        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
-            probe = fn(t.new_empty(0))
-            return fn(t) if probe.dtype == t.dtype else t.to(device=probe.device)
-
-        out = super()._apply(keep_dtype, *args, **kwargs)
+        out = apply_keeping_dtypes(self, fn, *args, **kwargs)
         self._weights = None
         return out
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         for name, buf in self._buffers.items():
             t = state_dict.get(prefix + name)
+            if name == BIAS and isinstance(t, torch.Tensor) and t.dtype != torch.float32:
+                # checkpoints store the router bias in float32 or bf16 (what their model holds): a
+                # float bias becomes float32 (exact from bf16 / fp16), also under assign=True.
+                # torch's load_state_dict copies the dict so that this method may modify it.
+                if t.is_floating_point() and t.dtype.itemsize > 1:
+                    state_dict[prefix + name] = t.to(torch.float32)
+                else:
+                    error_msgs.append(f"{prefix}{name} must be a float32 (or bf16 / fp16) tensor, got {t.dtype}")
+                continue
             if isinstance(t, torch.Tensor) and buf is not None and t.dtype != buf.dtype:
                 error_msgs.append(
                     f"{prefix}{name} has dtype {t.dtype} in the state dict but {buf.dtype} in this layer "

@@ -240,13 +240,18 @@ _TEXT_CONFIG_FAMILIES = ("llama4", "glm4v_moe")
 _DEEPSEEK_FAMILIES = ("deepseek_v3", "kimi_k2", "deepseek_v2")
 _GLM_FAMILIES = ("glm4_moe", "glm4v_moe")
 _QWEN_FAMILIES = ("qwen2_moe", "qwen3_moe")
+# The language model's own model_type, as a text sub-config or a text-only model saves it: it
+# routes like its family (a "llama4_text" config read as generic would be softmax, renormalized).
+_TEXT_MODEL_TYPES = {"llama4_text": "llama4", "glm4v_moe_text": "glm4v_moe"}
+_KNOWN_FAMILIES = ("mixtral", "olmoe", "llama4") + _DEEPSEEK_FAMILIES + _GLM_FAMILIES + _QWEN_FAMILIES
 
 
 def parse_config(source: Mapping[str, Any] | str | os.PathLike, tp: int = 1) -> ModelSpec:
     """Read a Hugging Face config (a dict, a config.json path, or a model folder) into a ModelSpec.
 
     The MoE fields are read by `model_type` (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3,
-    kimi_k2, glm4_moe, glm4v_moe, llama4), with a fallback on the usual keys for other families.
+    kimi_k2, glm4_moe, glm4v_moe, llama4, and the text-only llama4_text, glm4v_moe_text), with a
+    fallback on the usual keys for other families.
     `quantization_config` gives the scheme (none: bf16); an unsupported one raises ValueError
     naming the field and the value found. The config has no tensor parallelism: `tp` sets it.
     """
@@ -254,13 +259,19 @@ def parse_config(source: Mapping[str, Any] | str | os.PathLike, tp: int = 1) -> 
     model_type = config.get("model_type")
     model_type = model_type if isinstance(model_type, str) and model_type else "unknown"
 
-    text = _text_config(config, model_type)
+    family = _TEXT_MODEL_TYPES.get(model_type, model_type)
+
+    text = _text_config(config, family)
     where = "text_config" if text is not config else "top level"
+    sub = text.get("model_type") if text is not config else None
+    if family not in _KNOWN_FAMILIES and isinstance(sub, str):  # an unknown wrapper of a known language model
+        sub = _TEXT_MODEL_TYPES.get(sub, sub)
+        family = sub if sub in _KNOWN_FAMILIES else family
 
     num_experts = _get_int(text, _EXPERT_KEYS)
     top_k = _get_int(text, _TOPK_KEYS)
     hidden = _get_int(text, _HIDDEN_KEYS)
-    if model_type in ("mixtral", "olmoe", "llama4"):
+    if family in ("mixtral", "olmoe", "llama4"):
         # these call the expert size intermediate_size (Llama-4 dense MLP: intermediate_size_mlp)
         intermediate = _get_int(text, ("intermediate_size",))
     else:
@@ -283,7 +294,7 @@ def parse_config(source: Mapping[str, Any] | str | os.PathLike, tp: int = 1) -> 
 
     num_layers = _count_moe_layers(text, where)
     shared = _shared_experts(text)
-    routing = _routing(text, model_type, top_k)
+    routing = _routing(text, family, top_k)
     quant = config.get("quantization_config")
     if quant is None and text is not config:
         quant = text.get("quantization_config")

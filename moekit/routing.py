@@ -152,6 +152,12 @@ def _mask_unkept_groups(choice: torch.Tensor, num_groups: int, topk_groups: int)
     return masked.reshape(num_tokens, num_experts)
 
 
+def _check_on_device(device: torch.device) -> bool:
+    """Whether route()'s value checks run as device-side assertions (no host sync, so routing
+    can be captured in a CUDA graph) rather than as host-side checks with a counted message."""
+    return device.type == "cuda"
+
+
 def _check_logits(router_logits) -> torch.Tensor:
     if not isinstance(router_logits, torch.Tensor):
         raise ValueError(
@@ -172,7 +178,7 @@ def _check_logits(router_logits) -> torch.Tensor:
     # Non-finite logits would route silently to arbitrary experts. On a GPU the check is a
     # device-side assertion: it never makes the host wait, so routing can be graph-captured.
     finite = torch.isfinite(logits)
-    if logits.device.type == "cuda":
+    if _check_on_device(logits.device):
         torch._assert_async(finite.all(), "moekit.route: router_logits has NaN or inf values")
     elif not bool(finite.all()):
         bad = int((~finite).sum())
@@ -236,6 +242,9 @@ def _check_bias(correction_bias, num_experts, device) -> torch.Tensor | None:
             f"logits: expected ({num_experts},)"
         )
     bias = correction_bias.to(device=device, dtype=torch.float32)
-    if not bool(torch.isfinite(bias).all()):
+    finite = torch.isfinite(bias).all()
+    if _check_on_device(bias.device):  # every call of a MoELayer with a bias comes here: no host sync
+        torch._assert_async(finite, "moekit.route: correction_bias has NaN or inf values")
+    elif not bool(finite):
         raise ValueError("correction_bias has non-finite values (NaN or inf); expected all finite")
     return bias

@@ -184,3 +184,38 @@ def test_backend_check_at_load_uses_the_models_dtype(registry):
     with pytest.raises(moekit.BackendUnavailableError, match="activations must be bfloat16, got torch.float16"):
         mh.patch_model(model, scheme="fp8-tensor-dynamic", backend="bf16-only-test")
     mh.patch_model(tiny_model("qwen3_moe"), scheme="fp8-tensor-dynamic", backend="bf16-only-test")  # bf16: runs
+
+
+def test_experts_of_a_layer_the_model_skips_are_not_read(tmp_path_factory, tmp_path, monkeypatch, caplog):
+    """DeepSeek-V3 / GLM-4.5 FP8 checkpoints carry a multi-token-prediction layer (model.layers.61
+    / 46 / 92) that transformers skips (_keys_to_ignore_on_load_unexpected): its experts raised
+    "belong to no experts module of the model". Here the tiny model's extra layer 2 stands for it."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    src, _ = fp8_checkpoint(tmp_path_factory, "deepseek_v3", "fp8-block128")
+    ckpt = _copy(src, tmp_path)
+    _edit_tensors(ckpt, lambda t: {**t, **{k.replace("layers.1.", "layers.2."): v.clone()
+                                           for k, v in t.items() if k.startswith("model.layers.1.")}})
+    monkeypatch.setattr(ds.DeepseekV3PreTrainedModel, "_keys_to_ignore_on_load_unexpected", [r"model\.layers\.2.*"])
+    with caplog.at_level(logging.INFO, logger="moekit.hf"):
+        model = mh.from_pretrained(ckpt, backend="reference")
+    said = [r for r in caplog.records if "model.layers.2.mlp.experts" in r.getMessage()]
+    assert said and {r.levelno for r in said} == {logging.INFO}, [r.getMessage() for r in caplog.records]
+    want = mh.experts_modules(mh.from_pretrained(src, backend="reference"))
+    got = mh.experts_modules(model)
+    assert list(got) == list(want) == ["model.layers.1.mlp.experts"]
+    assert torch.equal(got["model.layers.1.mlp.experts"].w13.view(torch.uint8),
+                       want["model.layers.1.mlp.experts"].w13.view(torch.uint8))
+
+    # experts that transformers does not know to skip: loaded all the same, with a warning
+    monkeypatch.setattr(ds.DeepseekV3PreTrainedModel, "_keys_to_ignore_on_load_unexpected", [])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="moekit.hf"):
+        mh.from_pretrained(ckpt, backend="reference")
+    said = [r for r in caplog.records if "model.layers.2.mlp.experts" in r.getMessage()]
+    assert said and {r.levelno for r in said} == {logging.WARNING}
+
+    # the opposite case still raises: an experts module of the model without checkpoint tensors
+    _edit_tensors(ckpt, lambda t: {k: v for k, v in t.items() if not k.startswith("model.layers.1.mlp.experts.")})
+    with pytest.raises(UnsupportedModelError, match=r"has no expert tensors for model\.layers\.1\.mlp\.experts"):
+        mh.from_pretrained(ckpt)

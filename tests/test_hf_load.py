@@ -429,3 +429,233 @@ def test_moekit_experts_load_state_dict_in_place_refreshes_prepared_state():
         got = m(x, ids, w)
     # the same backend on the same values: bitwise; the stale copy gave the old weights' output
     assert torch.equal(got, moekit.fused_moe(x, new, w, ids, "torch"))
+
+
+def test_half_keeps_fp8_experts_and_their_scales():
+    """model.half() / model.to(torch.float16) cast MoekitExperts' FP8 weights to fp16 and their
+    float32 scales to fp16 (MoELayer already kept them): FP8 experts now keep every dtype and
+    value; bf16 experts follow the model's dtype, as transformers' own experts do."""
+    model = mh.patch_model(tiny_model("qwen3_moe"), scheme="fp8-channel-token", backend="reference")
+    before = {n: {k: t.clone() for k, t in m.moe_weights().tensors().items()}
+              for n, m in mh.experts_modules(model).items()}
+    assert model.half() is model
+    model.to(torch.float16)
+    for name, m in mh.experts_modules(model).items():
+        for key, t in m.moe_weights().tensors().items():
+            want = before[name][key]
+            assert t.dtype == want.dtype, (name, key, t.dtype)
+            assert torch.equal(t.view(torch.uint8) if t.dtype.itemsize == 1 else t,
+                               want.view(torch.uint8) if want.dtype.itemsize == 1 else want), (name, key)
+    assert next(model.lm_head.parameters()).dtype == torch.float16  # the rest of the model did change
+    with torch.no_grad():
+        logits = model(tokens()).logits
+    assert logits.dtype == torch.float16 and bool(logits.isfinite().all())
+
+    bf16 = mh.patch_model(tiny_model("qwen3_moe"), backend="reference").half()
+    assert {m.w13.dtype for m in mh.experts_modules(bf16).values()} == {torch.float16}
+
+
+def _fp8_linear(linear, block_size, activation_scheme):
+    """transformers' FP8Linear (what quant_method "fp8" puts in place of a dense Linear on a GPU)
+    holding `linear`'s weight quantized: FP8 weight, weight_scale_inv (a multiplier), and for
+    static activations activation_scale."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    from moekit import quant
+
+    q, s = quant.quantize_weight(linear.weight.detach().float()[None], "tensor" if block_size is None else "block")
+    fp8 = FP8Linear(linear.in_features, linear.out_features, block_size=block_size, activation_scheme=activation_scheme)
+    fp8.weight = torch.nn.Parameter(q[0], requires_grad=False)
+    fp8.weight_scale_inv = torch.nn.Parameter(s[0].reshape(fp8.weight_scale_inv.shape), requires_grad=False)
+    if activation_scheme == "static":
+        fp8.activation_scale = torch.nn.Parameter(torch.tensor(0.02), requires_grad=False)
+    return fp8
+
+
+@pytest.mark.parametrize("scheme, block_size, activation_scheme", [
+    ("fp8-block128", (128, 128), "dynamic"), ("fp8-tensor-static", None, "static")])
+def test_save_gives_fp8_dense_layers_compressed_tensors_names(tmp_path, scheme, block_size, activation_scheme):
+    """A model loaded from a quant_method "fp8" checkpoint on a GPU keeps dense FP8 layers
+    (FP8Linear: weight_scale_inv, activation_scale); the saved compressed-tensors config makes
+    loaders look for weight_scale / input_scale, so these layers reloaded without their scales."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    calibration = {"calibration": tokens(32, 1, seed=5)} if scheme == "fp8-tensor-static" else {}
+    model = mh.patch_model(tiny_model("deepseek_v3"), scheme=scheme, backend="reference", **calibration)
+    mlp = model.model.layers[0].mlp  # layer 0 is dense (first_k_dense_replace=1)
+    mlp.gate_proj = fp8 = _fp8_linear(mlp.gate_proj, block_size, activation_scheme)
+    mh.save_pretrained(model, tmp_path / "out")
+
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    key = "model.layers.0.mlp.gate_proj"
+    assert not any(k.endswith(("weight_scale_inv", "activation_scale")) for k in saved)
+    assert torch.equal(saved[f"{key}.weight"].view(torch.uint8), fp8.weight.view(torch.uint8))
+    assert torch.equal(saved[f"{key}.weight_scale"], fp8.weight_scale_inv.reshape(saved[f"{key}.weight_scale"].shape))
+    if activation_scheme == "static":
+        assert torch.equal(saved[f"{key}.input_scale"], torch.tensor([0.02]))
+
+    # transformers' compressed-tensors loader finds every tensor, the dense layer's scales included
+    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16, output_loading_info=True)
+    # (transformers' fused bf16 experts have no use for the experts' static input scales)
+    assert not info["missing_keys"] and not [k for k in info["unexpected_keys"] if ".experts." not in k], info
+    layer = reloaded.get_submodule(key)
+    assert torch.equal(layer.weight.view(torch.uint8), fp8.weight.view(torch.uint8))
+    assert torch.equal(layer.weight_scale.float().flatten(),
+                       fp8.weight_scale_inv.to(layer.weight_scale.dtype).float().flatten())
+    if activation_scheme == "static":
+        assert torch.equal(layer.input_scale.float().flatten(), torch.tensor([0.02]).to(layer.input_scale.dtype).float())
+
+
+def test_save_refuses_fp8_dense_layers_of_another_scheme(tmp_path):
+    """One compressed-tensors config group describes every Linear: dense FP8 layers whose scheme
+    is not the experts' cannot be described, and are refused by name."""
+    model = mh.patch_model(tiny_model("deepseek_v3"), scheme="fp8-channel-token", backend="reference")
+    mlp = model.model.layers[0].mlp
+    mlp.up_proj = _fp8_linear(mlp.up_proj, (128, 128), "dynamic")
+    with pytest.raises(mh.UnsupportedModelError, match=r"model\.layers\.0\.mlp\.up_proj \(FP8Linear\).*scheme "
+                                                       r"fp8-block128 but the experts are fp8-channel-token"):
+        mh.save_pretrained(model, tmp_path / "out")
+
+
+def test_save_copies_one_shard_at_a_time_to_host(tmp_path, monkeypatch):
+    """save_pretrained moved every tensor to the CPU before writing the first shard (the whole
+    model in host memory); now only the shard being written is: at each write, the bytes copied
+    to the host so far are exactly those of the shards written so far. Same files, same tensors."""
+    import safetensors.torch as st
+    from safetensors.torch import load_file
+
+    from moekit.hf import save
+
+    model = mh.patch_model(tiny_model("qwen3_moe"), scheme="fp8-channel-token", backend="reference")
+    mh.save_pretrained(model, tmp_path / "one")
+    copied, writes = [], []
+    host_copy, save_file = save._host_copy, st.save_file
+
+    def spy_copy(t):
+        copied.append(t.numel() * t.element_size())
+        return host_copy(t)
+
+    def spy_save(tensors, *args, **kwargs):
+        writes.append((sum(copied), sum(t.numel() * t.element_size() for t in tensors.values())))
+        return save_file(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(save, "_host_copy", spy_copy)
+    monkeypatch.setattr(st, "save_file", spy_save)
+    mh.save_pretrained(model, tmp_path / "many", max_shard_size=64 * 1024)
+    assert len(writes) > 2
+    written = 0
+    for copied_by_then, shard_bytes in writes:
+        written += shard_bytes
+        assert copied_by_then == written
+    index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert shards == [f"model-{i:05d}-of-{len(writes):05d}.safetensors" for i in range(1, len(writes) + 1)]
+    assert index["metadata"]["total_size"] == written
+    one = load_file(tmp_path / "one" / "model.safetensors")
+    many = {k: v for name in shards for k, v in load_file(tmp_path / "many" / name).items()}
+    assert one.keys() == many.keys()
+    for k, v in one.items():
+        assert torch.equal(v.view(torch.uint8), many[k].view(torch.uint8)), k
+
+
+def _fbgemm_llama4_checkpoint(folder, fp8_model):
+    """`folder` (a bf16 Llama-4 checkpoint) rewritten as fbgemm_fp8 stores Llama-4's experts
+    (transformers' FbgemmFp8Llama4TextExperts): fused FP8 gate_up_proj [E, H, 2N] with
+    gate_up_proj_scale [E, 1, 2N], down_proj [E, N, H] with down_proj_scale [E, H, 1]."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    for name, m in mh.experts_modules(fp8_model).items():
+        assert f"{name}.gate_up_proj" in tensors  # the bf16 fused experts, replaced
+        tensors[f"{name}.gate_up_proj"] = m.w13.transpose(1, 2).contiguous()
+        tensors[f"{name}.gate_up_proj_scale"] = m.w13_scale[:, None, :].contiguous()
+        tensors[f"{name}.down_proj"] = m.w2.transpose(1, 2).contiguous()
+        tensors[f"{name}.down_proj_scale"] = m.w2_scale[:, :, None].contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                     "modules_to_not_convert": ["lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_fbgemm_fp8_llama4_fused_experts(bf16_dirs, tmp_path):
+    """Llama-4 fbgemm_fp8 checkpoints store the experts fused, in FP8, with *_proj_scale: read_fp8
+    knew only per-expert tensors and asked for '...experts.0.gate_proj.weight'. They load as stored
+    (bitwise), and a missing scale is named."""
+    from safetensors.torch import load_file, save_file
+
+    fp8 = mh.patch_model(tiny_model("llama4"), scheme="fp8-channel-token", backend="reference")
+    folder = tmp_path / "fbgemm"
+    shutil.copytree(bf16_dirs("llama4"), folder)
+    _fbgemm_llama4_checkpoint(folder, fp8)
+
+    # transformers' fbgemm_fp8 loader needs a GPU (fbgemm-gpu): the experts go in through patch_model
+    model = mh.patch_model(tiny_model("llama4"), checkpoint=folder, backend="reference")
+    want, got = mh.experts_modules(fp8), mh.experts_modules(model)
+    assert list(got) == list(want) and len(got) == 2
+    for name, m in got.items():
+        assert m.scheme == get_scheme("fp8-channel-token")
+        for key, t in want[name].moe_weights().tensors().items():
+            u = getattr(m, key)
+            assert u.dtype == t.dtype and torch.equal(u.view(torch.uint8), t.view(torch.uint8)), (name, key)
+    ids = tokens()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, fp8(ids).logits)
+
+    key = f"{next(iter(got))}.down_proj_scale"
+    tensors = load_file(folder / "model.safetensors")
+    del tensors[key]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(mh.UnsupportedModelError, match=rf"checkpoint has no tensor '{key}' \(fbgemm_fp8 fused experts\)"):
+        mh.patch_model(tiny_model("llama4"), checkpoint=folder)
+
+
+def test_fused_fp8_experts_of_another_layout_are_named(bf16_dirs, tmp_path):
+    """Fused FP8 experts other than fbgemm_fp8's Llama-4 layout: a clear error naming the layout,
+    not a missing '...experts.0.gate_proj.weight'."""
+    from safetensors.torch import load_file, save_file
+
+    fp8 = mh.patch_model(tiny_model("qwen3_moe"), scheme="fp8-channel-token", backend="reference")
+    folder = tmp_path / "fused"
+    shutil.copytree(bf16_dirs("qwen3_moe"), folder)
+    tensors = {k: v for k, v in load_file(folder / "model.safetensors").items() if ".experts." not in k}
+    for name, m in mh.experts_modules(fp8).items():
+        tensors.update({f"{name}.gate_up_proj": m.w13, f"{name}.gate_up_proj_scale": m.w13_scale,
+                        f"{name}.down_proj": m.w2, f"{name}.down_proj_scale": m.w2_scale})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fbgemm_fp8"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(mh.UnsupportedModelError, match=r"fused FP8 experts .* are supported only in fbgemm_fp8's "
+                                                       r"Llama-4 layout.*family qwen3_moe"):
+        mh.patch_model(tiny_model("qwen3_moe"), checkpoint=folder)
+
+
+def test_static_quantization_on_load_is_one_expert_at_a_time(monkeypatch):
+    """fp8-tensor-static on load went through quantize_weights, which converts the whole layer to
+    float32 at once (README: "one expert at a time"): every weight quantization now sees one
+    expert, and the result is bitwise quantize_weights' (the same scales, a13 and a2)."""
+    from moekit import quant
+    from moekit.hf.experts import MoekitExperts
+    from moekit.hf.load import _quantize_module
+    from moekit.weights import MoEWeights, quantize_weights
+
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) / 8).bfloat16()
+    w2 = (torch.randn(EXPERTS, HIDDEN, INTER, generator=g) / 11).bfloat16()
+    x = torch.randn(40, HIDDEN, generator=g)
+    m = MoekitExperts(EXPERTS, HIDDEN, INTER)
+    m.load(MoEWeights(get_scheme("bf16"), w13, w2))
+    experts_per_call = []
+    real = quant.quantize_weight
+    monkeypatch.setattr(quant, "quantize_weight", lambda w, granularity: experts_per_call.append(w.shape[0]) or real(w, granularity))
+    _quantize_module(m, get_scheme("fp8-tensor-static"), x)
+    assert experts_per_call == [1] * (2 * EXPERTS)
+    monkeypatch.undo()
+    want = quantize_weights(w13, w2, "fp8-tensor-static", calibration=x)
+    got = m.moe_weights()
+    assert got.scheme == want.scheme
+    for key, t in want.tensors().items():
+        u = got.tensors()[key]
+        assert u.dtype == t.dtype and torch.equal(u.view(torch.uint8), t.view(torch.uint8)), key

@@ -144,6 +144,25 @@ def test_load_state_dict_refuses_another_dtype():
         moekit.MoELayer.random(spec(), seed=1).load_state_dict(state)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_load_state_dict_takes_a_float_correction_bias(dtype):
+    """Checkpoints hold e_score_correction_bias in bf16 too: it was refused ("load weights of the
+    same scheme"); a float bias is now converted to the float32 buffer, also with assign=True."""
+    a = moekit.MoELayer.random(spec(), seed=0, backend="reference")
+    x, logits = inputs(5)
+    state = {k: v.to(dtype) if k == "e_score_correction_bias" else v for k, v in a.state_dict().items()}
+    for assign in (False, True):
+        b = moekit.MoELayer.random(spec(), seed=0, backend="reference")
+        b.load_state_dict(state, assign=assign)
+        assert b.e_score_correction_bias.dtype == torch.float32
+        assert torch.equal(b.e_score_correction_bias, state["e_score_correction_bias"].float())
+        tw, ids = moekit.route(logits, config=GLM_LIKE, correction_bias=state["e_score_correction_bias"].float())
+        assert torch.equal(b(x, logits), moekit.fused_moe(x, b.weights, tw, ids, "reference"))
+    state["e_score_correction_bias"] = torch.zeros(E, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=r"e_score_correction_bias must be a float32 \(or bf16 / fp16\) tensor, got torch.int64"):
+        b.load_state_dict(state)
+
+
 def test_to_dtype_keeps_fp8_weights_and_float32_scales():
     layer = moekit.MoELayer.random(spec(), backend="reference")
     x, logits = inputs(3)

@@ -390,6 +390,20 @@ def test_sample_config_via_file_and_dict(tmp_path, folder_name, config, preset):
     assert from_dict.name == config["model_type"]  # no _name_or_path, no folder
 
 
+@pytest.mark.parametrize("parent, preset", [(LLAMA4_SCOUT, "llama-4-scout"), (GLM45V_FP8, "glm-4.5v-fp8")])
+def test_text_sub_config_alone_routes_like_its_family(parent, preset):
+    """A text-only config (model_type "llama4_text" / "glm4v_moe_text", as Llama4TextConfig or a
+    sub-config saves it) fell to the generic rule: softmax and renormalized, silently wrong."""
+    text = copy.deepcopy(parent["text_config"])
+    spec = parse_config(text)
+    assert spec.routing == PRESETS[preset].routing
+    assert spec.shape == PRESETS[preset].shape
+    assert spec.model_type == text["model_type"]
+    # the same language model under a multimodal wrapper moekit does not know by name
+    wrapped = parse_config({"model_type": "some_vlm", "text_config": text})
+    assert wrapped.routing == PRESETS[preset].routing and wrapped.shape == PRESETS[preset].shape
+
+
 def test_glm45v_fp8_details(tmp_path):
     spec = parse_config(_write_folder(tmp_path, "GLM-4.5V-FP8", GLM45V_FP8), tp=4)
     assert spec.model_type == "glm4v_moe"

@@ -442,3 +442,27 @@ def test_config_fields_are_validated_too():
         route(L, config=RoutingConfig(top_k=9))
     with pytest.raises(ValueError, match=r"unknown scoring 'relu'"):
         route(L, config=RoutingConfig(top_k=2, scoring="relu"))  # type: ignore[arg-type]
+
+
+def test_no_host_sync_where_checks_run_on_the_device(monkeypatch):
+    """On a GPU, route() must not read a value back to the host (a MoELayer with a correction bias
+    is captured in CUDA graphs): the bias check did `bool(isfinite(bias).all())` on every call.
+    Simulated on the CPU: the device-side branch forced, and any host read of a tensor raises."""
+    import moekit.routing as routing
+
+    cfg, e = FAMILIES["deepseek_v3"]
+    logits, bias = make_logits(5, e, seed=3), make_bias(e, 3)
+    want = route(logits, config=cfg, correction_bias=bias)
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("route() read a tensor's value on the host")
+
+    monkeypatch.setattr(routing, "_check_on_device", lambda device: True)
+    with monkeypatch.context() as m:
+        for name in ("__bool__", "item", "tolist", "__int__", "__float__"):
+            m.setattr(torch.Tensor, name, host_read)
+        got = route(logits, config=cfg, correction_bias=bias)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # the device-side assertion still refuses a non-finite bias (on a GPU: when the stream runs)
+    with pytest.raises(RuntimeError):
+        route(logits, config=cfg, correction_bias=torch.full((e,), float("nan")))

@@ -8,6 +8,8 @@ and unquantized per-expert checkpoints), for expert e of the experts module at P
     PREFIX.{e}.{proj}.input_scale             static activation scale (fp8-tensor-static)
 Fused unquantized checkpoints (transformers v5 / Llama-4) hold PREFIX.gate_up_proj and
 PREFIX.down_proj instead; they are read one expert at a time through safetensors slices.
+fbgemm_fp8 Llama-4 checkpoints hold them fused in FP8 ([E, H, 2N] and [E, N, H]) with per-channel
+PREFIX.gate_up_proj_scale [E, 1, 2N] and PREFIX.down_proj_scale [E, H, 1] (`_read_fused_fp8`).
 
 Scale shapes accepted per Linear [out, in]: tensor [] or [1]; channel [out] or [out, 1];
 block [ceil(out/128), ceil(in/128)]. Scales of any float dtype are read as float32.
@@ -45,6 +47,8 @@ _SCALE_NAMES = ("weight_scale", "weight_scale_inv")
 _TENSOR_NAMES = ("weight", "weight_scale", "weight_scale_inv", "input_scale", "weight_zero_point",
                  "input_zero_point")
 ROLES = ("gate", "up", "down")
+# fused experts: unquantized (transformers v5, Llama-4) or fbgemm_fp8 Llama-4 (with the scales)
+FUSED_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_scale", "down_proj_scale")
 
 
 class CheckpointError(UnsupportedModelError):
@@ -113,7 +117,7 @@ def find_experts(ckpt: Checkpoint, family: Family) -> dict[str, dict]:
         r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>" + "|".join(map(re.escape, roles))
         + r")\.(?P<tensor>[A-Za-z_]+)$"
     )
-    fused = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<name>gate_up_proj|down_proj)$")
+    fused = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<name>" + "|".join(FUSED_NAMES) + r")$")
     found: dict[str, dict] = {}
     for key in ckpt.keys():
         m = per_expert.match(key)
@@ -188,8 +192,10 @@ def experts_dtype(ckpt: Checkpoint, entry: dict, prefix: str) -> torch.dtype:
             key = entry["experts"][e].get(role, {}).get("weight")
             if key:
                 return ckpt.info(key)[1]
-    if "fused" in entry:
-        return ckpt.info(next(iter(entry["fused"].values())))[1]
+    fused = entry.get("fused", {})
+    for name in ("gate_up_proj", "down_proj"):
+        if name in fused:
+            return ckpt.info(fused[name])[1]
     raise CheckpointError(f"checkpoint holds no expert weights under {prefix!r}")
 
 
@@ -223,6 +229,8 @@ def _expert_keys(entry: dict, prefix: str, E: int, projections, needed: tuple[st
 def read_fp8(ckpt: Checkpoint, entry: dict, prefix: str, family: Family, scheme: QuantScheme,
              E: int, H: int, N: int, device) -> MoEWeights:
     """The FP8 experts of one module, as stored (the tensor rule above aside)."""
+    if entry.get("fused") and not entry.get("experts"):
+        return _read_fused_fp8(ckpt, entry["fused"], prefix, family, scheme, E, H, N, device)
     needed = ("weight", "weight_scale") + (("input_scale",) if scheme.static_activation else ())
     experts = _expert_keys(entry, prefix, E, family.projections, needed)
     for key in entry.get("_zero_points", []):
@@ -281,6 +289,47 @@ def read_fp8(ckpt: Checkpoint, entry: dict, prefix: str, family: Family, scheme:
     return MoEWeights.from_fp8(scheme, w13, w2, s13, s2, a13, a2)
 
 
+def _read_fused_fp8(ckpt: Checkpoint, fused: dict, prefix: str, family: Family, scheme: QuantScheme,
+                    E: int, H: int, N: int, device) -> MoEWeights:
+    """fbgemm_fp8's Llama-4 experts (transformers' FbgemmFp8Llama4TextExperts), one expert at a
+    time: gate_up_proj FP8 [E, H, 2N] (gate columns, then up), gate_up_proj_scale [E, 1, 2N] (one
+    scale per output column), down_proj FP8 [E, N, H], down_proj_scale [E, H, 1]; activations
+    dynamic per token. In moekit's layout: w13[e] = gate_up_proj[e].T, w13_scale[e] = the 2N scales."""
+    if not family.transposed or scheme.weight != "channel" or scheme.static_activation:
+        raise CheckpointError(
+            f"{prefix!r}: fused FP8 experts ({', '.join(sorted(fused))}) are supported only in fbgemm_fp8's "
+            f"Llama-4 layout (gate_up_proj [E, H, 2N] + per-channel gate_up_proj_scale, down_proj [E, N, H] + "
+            f"down_proj_scale); this is family {family.name} with scheme {scheme.name}"
+        )
+    for name in FUSED_NAMES:
+        if name not in fused:
+            raise CheckpointError(f"checkpoint has no tensor {prefix + '.' + name!r} (fbgemm_fp8 fused experts)")
+    fp8 = quant.FP8_DTYPE
+    for name, shape in (("gate_up_proj", (E, H, 2 * N)), ("down_proj", (E, N, H))):
+        got_shape, got_dtype = ckpt.info(fused[name])
+        if got_shape != shape or got_dtype != fp8:
+            raise CheckpointError(
+                f"checkpoint tensor {fused[name]!r} is {got_dtype} {got_shape}; the model expects {fp8} {shape}"
+            )
+    for name, shape in (("gate_up_proj_scale", (E, 1, 2 * N)), ("down_proj_scale", (E, H, 1))):
+        got_shape, got_dtype = ckpt.info(fused[name])
+        if got_shape != shape or got_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise CheckpointError(
+                f"checkpoint tensor {fused[name]!r} is {got_dtype} {got_shape}; the per-channel scales of these "
+                f"experts are float {shape}"
+            )
+    w13 = torch.empty(E, 2 * N, H, dtype=fp8, device=device)
+    w2 = torch.empty(E, H, N, dtype=fp8, device=device)
+    s13 = torch.empty(E, 2 * N, dtype=torch.float32, device=device)
+    s2 = torch.empty(E, H, dtype=torch.float32, device=device)
+    for e in range(E):
+        w13[e].copy_(ckpt.get_row(fused["gate_up_proj"], e).t())
+        w2[e].copy_(ckpt.get_row(fused["down_proj"], e).t())
+        s13[e] = ckpt.get_row(fused["gate_up_proj_scale"], e).float().reshape(2 * N)
+        s2[e] = ckpt.get_row(fused["down_proj_scale"], e).float().reshape(H)
+    return MoEWeights.from_fp8(scheme, w13, w2, s13, s2)
+
+
 def read_unquantized(ckpt: Checkpoint, entry: dict, prefix: str, family: Family, E: int, H: int, N: int,
                      dtype: torch.dtype, device, scheme: QuantScheme) -> MoEWeights:
     """bf16/fp16 experts of one module (per-expert or fused tensors), quantized to `scheme` one
@@ -328,8 +377,10 @@ def read_unquantized(ckpt: Checkpoint, entry: dict, prefix: str, family: Family,
     return quantize_per_expert(expert, E, H, N, scheme, device)
 
 
-def quantize_per_expert(expert, E: int, H: int, N: int, scheme: QuantScheme, device) -> MoEWeights:
-    """Quantize experts given by `expert(e) -> (w13_e [2N, H], w2_e [H, N])` one at a time."""
+def quantize_per_expert(expert, E: int, H: int, N: int, scheme: QuantScheme, device,
+                        input_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> MoEWeights:
+    """Quantize experts given by `expert(e) -> (w13_e [2N, H], w2_e [H, N])` one at a time
+    (fp8-tensor-static: with its measured `input_scales` (a13 [1], a2 [1]))."""
     g = scheme.weight
     if g == "block" and N % BLOCK:
         raise UnsupportedModelError(
@@ -345,4 +396,4 @@ def quantize_per_expert(expert, E: int, H: int, N: int, scheme: QuantScheme, dev
         w13[e], s13[e] = q[0], s[0]
         q, s = quant.quantize_weight(d.to(device)[None], g)
         w2[e], s2[e] = q[0], s[0]
-    return MoEWeights.from_fp8(scheme, w13, w2, s13, s2)
+    return MoEWeights.from_fp8(scheme, w13, w2, s13, s2, *(input_scales or ()))

@@ -28,6 +28,7 @@ from torch import nn
 
 from .. import env
 from ..api import fused_moe
+from ..layer import apply_keeping_dtypes
 from ..select import ENV_VAR, select_backend
 from ..spec import BF16, BLOCK, FP8_BLOCK128
 from ..weights import MoEWeights
@@ -240,6 +241,7 @@ class MoekitExperts(nn.Module):
     Buffers (moved by .to() / .cuda() with the model, part of its state_dict):
         w13 [E, 2N, H], w2 [E, H, N] (FP8 e4m3fn, or bf16/fp16 for the bf16 scheme),
         w13_scale, w2_scale (float32, by granularity), a13_scale, a2_scale (fp8-tensor-static).
+        .half() / .to(dtype) keep FP8 experts' dtypes (as MoELayer does); bf16 experts follow.
     forward(hidden_states, top_k_index, top_k_weights) is the contract of transformers'
     experts modules. `backend` picks the moekit backend ("auto": MOEKIT_BACKEND, then auto).
     """
@@ -285,6 +287,14 @@ class MoekitExperts(nn.Module):
         self.scheme = weights.scheme
         self.__dict__.pop("_moekit_cached", None)
         self.__dict__.pop("_moekit_checked", None)
+
+    def _apply(self, fn, *args, **kwargs):
+        # model.half() / model.to(torch.float16) must not cast FP8 weights or float32 scales; bf16
+        # experts follow the model's dtype as transformers' own experts would (activations and
+        # unquantized weights must share a dtype)
+        if self.scheme is not None and self.scheme.is_fp8:
+            return apply_keeping_dtypes(self, fn, *args, **kwargs)
+        return super()._apply(fn, *args, **kwargs)
 
     def moe_weights(self) -> MoEWeights:
         """The MoEWeights over the current buffers (rebuilt after the module moves)."""

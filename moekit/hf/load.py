@@ -28,7 +28,8 @@ from torch import nn
 from ..models import parse_quantization_config
 from ..select import select_backend
 from ..spec import BF16, QuantScheme, get_scheme
-from ..weights import MoEWeights, quantize_weights
+from ..weights import MoEWeights
+from ..weights import _calibrate  # quantize_weights' own measurement of static activation scales
 from . import checkpoint as ckpt_mod
 from .experts import ExpertsError, MoekitExperts, check_hf_experts, experts_modules, register, set_backend
 from .families import Family, UnsupportedModelError, family_of_config, family_of_module
@@ -187,6 +188,13 @@ def _renamings(model):
     return [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
 
 
+def _ignored_by_transformers(model: nn.Module, prefix: str) -> bool:
+    """Whether transformers' own load ignores this checkpoint prefix's tensors
+    (the model's _keys_to_ignore_on_load_unexpected, searched as transformers does)."""
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+    return any(re.search(p, f"{prefix}.") for p in patterns)
+
+
 def _device_of(model: nn.Module, name: str) -> torch.device:
     parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
     for p in parent.parameters():
@@ -214,14 +222,22 @@ def fill_from_checkpoint(model: nn.Module, folder: str | Path, family: Family, c
         renamings = _renamings(model)
         base = getattr(model, "base_model_prefix", "model")
         by_module: dict[str, str] = {}
+        ignored, unused = [], []
         for prefix in found:
             name = _module_of_prefix(prefix, family, renamings, set(modules), base)
             if name is None:
-                raise ckpt_mod.CheckpointError(
-                    f"checkpoint experts {prefix!r} belong to no experts module of the model "
-                    f"(it has {', '.join(sorted(modules)[:3])}{', ...' if len(modules) > 3 else ''})"
-                )
+                # e.g. DeepSeek-V3's / GLM-4.5's multi-token-prediction layer (model.layers.61 / 46 / 92):
+                # the model has no such layer, and transformers skips its tensors
+                (ignored if _ignored_by_transformers(model, prefix) else unused).append(prefix)
+                continue
             by_module[name] = prefix
+        if ignored:
+            log.info("%s: experts %s are not part of the model (transformers skips these layers): not read",
+                     folder, ", ".join(sorted(ignored)))
+        if unused:  # transformers reports checkpoint tensors the model has no place for, and loads the rest
+            log.warning("%s: checkpoint experts %s belong to no experts module of the model (it has %s): not read",
+                        folder, ", ".join(sorted(unused)),
+                        ", ".join(sorted(modules)[:3]) + (", ..." if len(modules) > 3 else ""))
         unfilled = sorted(set(modules) - set(by_module))
         if unfilled:
             raise ckpt_mod.CheckpointError(
@@ -285,7 +301,14 @@ def _quantize_module(module: MoekitExperts, scheme: QuantScheme, calibration: to
                 f"{module.label}: scheme {scheme.name} needs static activation scales: pass calibration= "
                 "(token ids, or text with a tokenizer in the model folder) to measure them"
             )
-        new = quantize_weights(w.w13, w.w2, scheme, calibration=calibration)
+        # quantize_weights would convert the whole layer to float32 at once: one expert at a time,
+        # with the activation scales measured as quantize_weights measures them (bitwise the same)
+        a13, a2 = _calibrate(w.w13, w.w2, calibration)
+        if not (bool(torch.isfinite(a13).all()) and bool(torch.isfinite(a2).all())):
+            raise UnsupportedModelError(f"{module.label}: the calibration gave non-finite activation scales "
+                                        f"(a13 {float(a13)}, a2 {float(a2)})")
+        new = ckpt_mod.quantize_per_expert(lambda e: (w.w13[e], w.w2[e]), w.num_experts, w.hidden, w.n,
+                                           scheme, w.device, input_scales=(a13, a2))
     elif scheme.is_fp8:
         new = ckpt_mod.quantize_per_expert(lambda e: (w.w13[e], w.w2[e]), w.num_experts, w.hidden, w.n,
                                            scheme, w.device)
@@ -566,7 +589,7 @@ def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str 
     return model
 
 
-_EXPERT_KEY = re.compile(r"\.experts\.(\d+\.[^.]+\.[a-z_]+|gate_up_proj|down_proj)$")
+_EXPERT_KEY = re.compile(r"\.experts\.(\d+\.[^.]+\.[a-z_]+|" + "|".join(ckpt_mod.FUSED_NAMES) + ")$")
 
 
 def _report(info: dict, folder) -> None:

@@ -9,7 +9,10 @@ What is written:
   block [out/128, in/128]) and, for fp8-tensor-static, `.input_scale` [1] (gate and up carry
   the layer's a13, down its a2);
 - everything else as the model holds it (bf16 stays bf16; layers that transformers kept in FP8
-  keep their FP8 weight and scales), under transformers' checkpoint names;
+  keep their FP8 weight and scales), under transformers' checkpoint names, except that the scales
+  of quant_method "fp8" layers (FP8Linear: `weight_scale_inv`, `activation_scale`) take
+  compressed-tensors' names (`weight_scale`, `input_scale`); such a layer must have the experts'
+  scheme, the one scheme the config describes;
 - config.json with a compressed-tensors `quantization_config`: one config group targeting
   "Linear" with the scheme's weights and input_activations, format "float-quantized", status
   "compressed", and `ignore` listing every non-expert Linear whose weight is not FP8 (so the
@@ -94,13 +97,51 @@ def _expert_tensors(module, prefix: str, projections) -> dict[str, torch.Tensor]
     return out
 
 
-def _non_expert_state(model: nn.Module, expert_names: list[str]) -> dict[str, torch.Tensor]:
+def _fp8_linear_names(model: nn.Module, state: dict[str, torch.Tensor], scheme: QuantScheme) -> None:
+    """Give the dense FP8 layers that transformers' quant_method "fp8" keeps (FP8Linear, on a GPU)
+    compressed-tensors' tensor names, in place: their scales are `weight_scale_inv` (a multiplier,
+    like compressed-tensors' `weight_scale`) and `activation_scale` (static: compressed-tensors'
+    `input_scale`), and a loader of the written compressed-tensors config looks only for the latter
+    names (the layers would load with missing scales). The config has one scheme for every Linear,
+    the experts': a dense layer of another scheme is refused."""
+    from ..models import parse_quantization_config
+
+    for name, module in model.named_modules():
+        weight, scale = getattr(module, "weight", None), getattr(module, "weight_scale_inv", None)
+        at = f"{name}." if name else ""
+        if (not isinstance(scale, torch.Tensor) or not isinstance(weight, torch.Tensor)
+                or weight.dtype != torch.float8_e4m3fn or f"{at}weight_scale_inv" not in state):
+            continue
+        block, act = getattr(module, "block_size", None), getattr(module, "activation_scheme", "dynamic")
+        fp8_config = {"quant_method": "fp8", "activation_scheme": act, "weight_block_size": block}
+        try:
+            dense = parse_quantization_config(fp8_config)
+        except ValueError as e:
+            raise UnsupportedModelError(f"cannot save {name} ({type(module).__name__}, block_size={block!r}, "
+                                        f"activation_scheme={act!r}): {e}") from None
+        if dense != scheme:
+            raise UnsupportedModelError(
+                f"cannot save {name} ({type(module).__name__}): it is an FP8 layer of scheme {dense.name} but "
+                f"the experts are {scheme.name}, and a compressed-tensors quantization_config written by "
+                "moekit has one scheme for every Linear"
+            )
+        # float8_e8m0 (ue8m0) scales are powers of two: exact in float32, what compressed-tensors reads
+        scale = state.pop(f"{at}weight_scale_inv").float()
+        state[f"{at}weight_scale"] = scale.reshape(1) if dense.weight == "tensor" else scale
+        activation = state.pop(f"{at}activation_scale", None)
+        if activation is not None:
+            state[f"{at}input_scale"] = activation.float().reshape(1)
+
+
+def _non_expert_state(model: nn.Module, expert_names: list[str], scheme: QuantScheme) -> dict[str, torch.Tensor]:
     """The rest of the model under its checkpoint names (tied copies dropped)."""
     from transformers.core_model_loading import revert_weight_conversion
 
     state = model.state_dict()
     inside = tuple(f"{n}." for n in expert_names)
     state = {k: v for k, v in state.items() if not k.startswith(inside)}
+    if scheme.is_fp8:
+        _fp8_linear_names(model, state, scheme)
     seen: dict[tuple, str] = {}
     for k in list(state):  # tied weights (embeddings / lm_head) are stored once
         v = state[k]
@@ -112,37 +153,45 @@ def _non_expert_state(model: nn.Module, expert_names: list[str]) -> dict[str, to
     return revert_weight_conversion(model, state)
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """The tensor on the CPU, holding only its own elements (safetensors writes whole storages)."""
+    t = t.detach().to("cpu")
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():  # a view (one expert of w13)
+        t = t.clone()
+    return t
+
+
 def _write_shards(tensors: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> None:
+    """Write the tensors in shards of at most max_shard_bytes (a larger tensor alone), one shard at
+    a time: the shards are planned from the tensors' sizes, and only one shard's tensors are ever
+    copied to host memory (not the whole model)."""
     from safetensors.torch import save_file
 
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    shards: list[list[str]] = [[]]
     size = 0
     for k in sorted(tensors):
-        t = tensors[k].detach().to("cpu")
-        if t.untyped_storage().nbytes() != t.numel() * t.element_size():  # a view (one expert of w13)
-            t = t.clone()
-        nbytes = t.numel() * t.element_size()
+        nbytes = tensors[k].numel() * tensors[k].element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1][k] = t
+        shards[-1].append(k)
         size += nbytes
     for old in folder.glob("model*.safetensors"):
         old.unlink()
     index = folder / "model.safetensors.index.json"
     if index.exists():
         index.unlink()
-    if len(shards) == 1:
-        save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
-        return
     weight_map, total = {}, 0
-    for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+    for i, keys in enumerate(shards, 1):
+        name = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        shard = {k: _host_copy(tensors[k]) for k in keys}
         save_file(shard, folder / name, metadata={"format": "pt"})
         for k, t in shard.items():
             weight_map[k] = name
             total += t.numel() * t.element_size()
-    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        del shard  # this shard's host copies go before the next shard's are made
+    if len(shards) > 1:
+        index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
 def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int = DEFAULT_SHARD_BYTES) -> Path:
@@ -162,7 +211,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
 
-    tensors = _non_expert_state(model, list(modules))
+    tensors = _non_expert_state(model, list(modules), scheme)
     for name, m in modules.items():
         family = family_of(m.family)
         projections = family.projections if family else ("gate_proj", "up_proj", "down_proj")
