@@ -12,6 +12,8 @@ Static activation scales (fp8-tensor-static): a13_scale and a2_scale, float32 [1
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -30,11 +32,11 @@ class MoEWeights:
     w2_scale: torch.Tensor | None = None
     a13_scale: torch.Tensor | None = None
     a2_scale: torch.Tensor | None = None
-    # Per-backend derived state (e.g. a dequantized copy for the `torch` backend), built once per
-    # set of values: read it through prepared_state(), which drops it when a tensor was written.
+    # Per-backend derived state (e.g. a dequantized copy for the `torch` backend), built once and
+    # refreshed in place after a tensor is written: read it through prepared_state().
     prepared: dict = dataclasses.field(default_factory=dict, repr=False)
-    # the values `prepared` was built from (_values_stamp); None: nothing built yet
-    _stamp: tuple | None = dataclasses.field(default=None, repr=False)
+    # per backend, the values its state was made from (_values_stamp)
+    _stamps: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         self.scheme = get_scheme(self.scheme)
@@ -88,19 +90,26 @@ class MoEWeights:
         """Bytes of the weights and scales (not of any backend's prepared copies)."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
-    def prepared_state(self, backend: str):
-        """self.prepared[backend] if it was built from the tensors' current values, else None.
+    def prepared_state(self, backend: str, build: Callable[[], Any], refresh: Callable[[Any], None]):
+        """The backend's derived state of the tensors' current values (the `torch` backend's
+        dequantized copy, cutlass's expanded scales), kept in self.prepared[backend]: build()
+        makes it.
 
-        Derived state (the `torch` backend's dequantized copy, cutlass's expanded scales) goes
-        stale when a tensor is written in place (load_state_dict into the same storage, copy_,
-        mul_, ...). torch counts every in-place write, through any view, in the tensor's
-        `_version`; when any tensor's version or storage differs from when `prepared` was
-        built, every backend's state is dropped (and rebuilt by the backend that asks)."""
+        It goes stale when a tensor is written in place (load_state_dict into the same storage,
+        copy_, mul_, an RL weight sync ...): torch counts every in-place write, through any view,
+        in the tensor's `_version`. Stale state is refreshed in place, refresh(state), into its
+        own memory: a CUDA graph captured with it must never read freed memory, and so reads the
+        new values. Where a tensor's storage changed (an attribute replaced by another tensor),
+        build() runs again."""
         stamp = self._values_stamp()
-        if stamp != self._stamp:
-            self.prepared.clear()
-            self._stamp = stamp
-        return self.prepared.get(backend)
+        state, made_from = self.prepared.get(backend), self._stamps.get(backend)
+        if state is None or made_from != stamp:
+            if state is not None and [ptr for ptr, _ in made_from] == [ptr for ptr, _ in stamp]:
+                refresh(state)
+            else:
+                state = self.prepared[backend] = build()
+            self._stamps[backend] = stamp
+        return state
 
     def _values_stamp(self) -> tuple:
         # Inference tensors (made under torch.inference_mode) keep no version counter; writes to

@@ -249,3 +249,25 @@ def test_a_layer_runs_on_its_tensors_gpu_whichever_gpu_is_current(monkeypatch):
     x = random_x(4, 64)
     assert moekit.fused_moe(x, w, tw, ids, "reference").shape == x.shape
     assert entered == [x.device]
+
+
+@pytest.mark.gpu
+def test_gpu_narrow_ids_in_a_cuda_graph():
+    """On the GPU, int64 ids are narrowed by glue.narrow_ids (fused_moe's path for HF routers):
+    in range unchanged, out of range -1, also replayed in a CUDA graph with new ids."""
+    from moekit.backends.glue import ops
+
+    E = 7
+    ids = torch.randint(-3, E + 3, (64, 8), device="cuda", dtype=torch.int64)
+    ids[::5, 0] += 2**32
+    want = lambda t: torch.where((t >= 0) & (t < E), t, -1).to(torch.int32)  # noqa: E731
+    assert torch.equal(ops.narrow_ids(ids, E), want(ids))
+    static = ids.clone()
+    ops.narrow_ids(static, E)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.narrow_ids(static, E)
+    static.copy_(torch.randint(-3, E + 3, static.shape, device="cuda", dtype=torch.int64))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want(static))

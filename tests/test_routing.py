@@ -466,3 +466,29 @@ def test_no_host_sync_where_checks_run_on_the_device(monkeypatch):
     # the device-side assertion still refuses a non-finite bias (on a GPU: when the stream runs)
     with pytest.raises(RuntimeError):
         route(logits, config=cfg, correction_bias=torch.full((e,), float("nan")))
+
+
+def test_a_constant_bias_is_checked_on_the_device_once_per_version(monkeypatch):
+    """The device-side bias check is three launches; a MoELayer's bias is constant, so it runs at
+    a bias's first call and again only after an in-place write (its version), not inside every
+    captured layer. A new bias tensor is checked afresh."""
+    import moekit.routing as routing
+
+    cfg, e = FAMILIES["deepseek_v3"]
+    logits, bias = make_logits(5, e, seed=3), make_bias(e, 3)
+    checks = []
+    real = torch._assert_async
+    monkeypatch.setattr(routing, "_check_on_device", lambda device: True)
+    monkeypatch.setattr(torch, "_assert_async", lambda *a: checks.append(a[-1]) or real(*a))
+    for _ in range(3):
+        route(logits, config=cfg, correction_bias=bias)
+    bias_checks = lambda: sum("correction_bias" in m for m in checks)  # noqa: E731
+    assert bias_checks() == 1 and len(checks) == 4  # the logits are checked every call
+    bias.add_(0.01)
+    route(logits, config=cfg, correction_bias=bias)
+    assert bias_checks() == 2
+    route(logits, config=cfg, correction_bias=bias.clone())
+    assert bias_checks() == 3
+    with pytest.raises(RuntimeError):  # a NaN written in place is seen
+        bias[0] = float("nan")
+        route(logits, config=cfg, correction_bias=bias)

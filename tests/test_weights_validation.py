@@ -120,12 +120,16 @@ def test_torch_backend_sees_weights_written_in_place():
     tw, ids = random_routing(M, E, K)
     x = random_x(M, 128)
     moekit.fused_moe(x, w, tw, ids, "torch")  # builds the copy of the old values
+    copy = w.prepared["torch"][x.dtype][0]
     for name, t in new.tensors().items():
         getattr(w, name).copy_(t)
     # the same backend on the same values through a fresh MoEWeights: the same computation,
     # bitwise the same result; the stale copy gives the old weights' output (rel_l2 ~ 1.4)
     want = moekit.fused_moe(x, new, tw, ids, "torch")
     assert torch.equal(moekit.fused_moe(x, w, tw, ids, "torch"), want)
+    # written again into the same memory: a CUDA graph captured with the old copy reads the new
+    # values, and never memory the copy's replacement would have freed
+    assert w.prepared["torch"][x.dtype][0] is copy
     # a write through a view of one tensor counts too (views share the version counter)
     w.w2_scale[0].mul_(2)
     twice = moekit.MoEWeights.from_fp8("fp8-channel-token", new.w13, new.w2, new.w13_scale, w.w2_scale.clone())
@@ -139,9 +143,15 @@ def test_cutlass_expanded_scales_follow_the_scales():
     p = cutlass.prepare(w)
     assert p is cutlass.prepare(w)  # built once while nothing changes
     assert p.w13_t.data_ptr() == w.w13.data_ptr()  # a view of the weights, no copy
+    expanded = p.w13_scale
     w.w13_scale.mul_(3)
     fresh = cutlass.prepare(w)
     assert torch.equal(fresh.w13_scale, w.w13_scale[:, None].expand(E, 256))
+    assert fresh.w13_scale is expanded  # written again in place (graphs captured with it stay valid)
+    # a scale tensor replaced by another one (new storage) is prepared afresh
+    w.w2_scale = w.w2_scale.clone() * 2
+    again = cutlass.prepare(w)
+    assert again is not p and torch.equal(again.w2_scale, w.w2_scale[:, None].expand(E, 128))
 
 
 def test_layer_in_place_write_reaches_the_backend():

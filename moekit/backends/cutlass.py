@@ -121,25 +121,28 @@ class Prepared:
 
 
 def prepare(weights: MoEWeights) -> Prepared:
-    """Derived state of the weights, built once per set of values (MoEWeights.prepared_state:
-    per-tensor scales written in place are expanded again) and kept in weights.prepared["cutlass"].
+    """Derived state of the weights, built once and kept in weights.prepared["cutlass"] (per-tensor
+    scales written in place are expanded again into the same memory: MoEWeights.prepared_state).
     MoEWeights holds contiguous tensors only, so the transposed views are column-major as they
     are: no copy of the weights is ever made here."""
-    p = weights.prepared_state("cutlass")
-    if p is None:
-        E, two_n, H = weights.w13.shape
+    E, two_n, H = weights.w13.shape
+    per_tensor = weights.scheme.weight == "tensor"
 
-        def per_column(scale, cols):
-            if weights.scheme.weight == "tensor":  # [E] -> [E, cols]
-                return scale[:, None].expand(E, cols).contiguous()
-            return scale  # channel: [E, cols] already (contiguous, as MoEWeights requires)
+    def per_column(scale, cols):
+        if per_tensor:  # [E] -> [E, cols]
+            return scale[:, None].expand(E, cols).contiguous()
+        return scale  # channel: [E, cols] already (contiguous, as MoEWeights requires)
 
-        p = Prepared(
-            weights.w13.transpose(1, 2), weights.w2.transpose(1, 2),
-            per_column(weights.w13_scale, two_n), per_column(weights.w2_scale, H),
-        )
-        weights.prepared["cutlass"] = p
-    return p
+    def build() -> Prepared:
+        return Prepared(weights.w13.transpose(1, 2), weights.w2.transpose(1, 2),
+                        per_column(weights.w13_scale, two_n), per_column(weights.w2_scale, H))
+
+    def refresh(p: Prepared) -> None:
+        if per_tensor:  # the expanded scales are copies; everything else is a view of the weights
+            p.w13_scale.copy_(weights.w13_scale[:, None].expand_as(p.w13_scale))
+            p.w2_scale.copy_(weights.w2_scale[:, None].expand_as(p.w2_scale))
+
+    return weights.prepared_state("cutlass", build, refresh)
 
 
 # --------------------------------------------------------------------------------- backend

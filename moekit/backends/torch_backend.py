@@ -42,23 +42,37 @@ def grouped_mm_fn():
 
 def prepared_weights(weights: MoEWeights, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(w13 [E, 2N, H], w2 [E, H, N]) in `dtype`, contiguous; built once per dtype and cached in
-    weights.prepared["torch"] (rebuilt after an in-place write to the weights: MoEWeights.prepared_state).
-    FP8 weights are dequantized one expert at a time (bounded memory)."""
-    cache = weights.prepared_state("torch")
-    if cache is None:
-        cache = weights.prepared["torch"] = {}
+    weights.prepared["torch"], written again in place after an in-place write to the weights
+    (MoEWeights.prepared_state). Unquantized weights already in `dtype` are used as they are."""
+
+    def refresh(cache: dict) -> None:
+        for w13, w2 in cache.values():
+            if w13 is not weights.w13:  # a copy, not the weights themselves
+                _write_weights(weights, w13, w2)
+
+    cache = weights.prepared_state("torch", dict, refresh)
     if dtype not in cache:
-        if not weights.scheme.is_fp8:
-            w13, w2 = weights.w13.to(dtype).contiguous(), weights.w2.to(dtype).contiguous()
+        if not weights.scheme.is_fp8 and weights.w13.dtype == dtype:
+            cache[dtype] = (weights.w13, weights.w2)
         else:
             w13 = torch.empty(weights.w13.shape, dtype=dtype, device=weights.device)
             w2 = torch.empty(weights.w2.shape, dtype=dtype, device=weights.device)
-            for e in range(weights.num_experts):
-                d13, d2 = weights.dequantize_expert(e)
-                w13[e].copy_(d13[0])
-                w2[e].copy_(d2[0])
-        cache[dtype] = (w13, w2)
+            cache[dtype] = _write_weights(weights, w13, w2)
     return cache[dtype]
+
+
+def _write_weights(weights: MoEWeights, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights' values written into w13 and w2 (of another dtype); FP8 weights dequantized one
+    expert at a time (bounded memory)."""
+    if not weights.scheme.is_fp8:
+        w13.copy_(weights.w13)
+        w2.copy_(weights.w2)
+    else:
+        for e in range(weights.num_experts):
+            d13, d2 = weights.dequantize_expert(e)
+            w13[e].copy_(d13[0])
+            w2[e].copy_(d2[0])
+    return w13, w2
 
 
 def _glue_impl(device: torch.device) -> str:
