@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from .backends import get_backend
-from .backends.glue.ops import narrow_ids
+from .backends.glue.ops import narrow_ids, on_device
 from .select import select_backend
 from .weights import MoEWeights
 
@@ -37,17 +35,6 @@ def fused_moe(
     with on_device(x.device):
         return _fused_moe(x, weights, topk_weights, topk_ids, backend, apply_router_weight_on_input,
                           allow_weight_copies)
-
-
-def on_device(device: torch.device):
-    """torch.cuda.device(device) where `device` is a GPU other than the current one, else a no-op.
-    Triton launches a kernel on the current GPU and its stream, whatever device the tensors are on
-    (its JIT asks the driver for the current device): a layer whose tensors are on cuda:1, called
-    while cuda:0 is current (a model spread over GPUs with device_map="auto"), would launch its
-    kernels on cuda:0 with cuda:1's pointers, unordered with the torch ops on cuda:1's stream."""
-    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device)
 
 
 def _fused_moe(x, weights, topk_weights, topk_ids, backend, apply_router_weight_on_input, allow_weight_copies):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from typing import Literal
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,23 +247,15 @@ def _check_bias(correction_bias, num_experts, device) -> torch.Tensor | None:
         # once per bias and version: a layer's bias is constant, and the check is 3 launches
         # inside every captured layer (an inference tensor keeps no version: checked every call)
         version = None if correction_bias.is_inference() else correction_bias._version
-        seen, seen_version = _checked_biases.get(id(correction_bias), (None, None))
-        if version is None or seen is None or seen() is not correction_bias or seen_version != version:
+        if version is None or _checked_biases.get(correction_bias) != version:
             torch._assert_async(torch.isfinite(bias).all(), "moekit.route: correction_bias has NaN or inf values")
             if version is not None:
-                _remember_checked(correction_bias, version)
+                _checked_biases[correction_bias] = version
     elif not bool(torch.isfinite(bias).all()):
         raise ValueError("correction_bias has non-finite values (NaN or inf); expected all finite")
     return bias
 
 
-# the correction biases checked on the device: id -> (a weak reference to the tensor, so that an id
-# reused by another tensor is not taken for it; the version checked)
-_checked_biases: dict[int, tuple[weakref.ref, int]] = {}
-
-
-def _remember_checked(bias: torch.Tensor, version: int) -> None:
-    if len(_checked_biases) >= 256:  # drop the entries of biases that no longer exist
-        for key in [k for k, (ref, _) in _checked_biases.items() if ref() is None]:
-            del _checked_biases[key]
-    _checked_biases[id(bias)] = (weakref.ref(bias), version)
+# the correction biases checked on the device -> the version checked (by identity; an entry goes
+# with its tensor)
+_checked_biases = WeakIdKeyDictionary()

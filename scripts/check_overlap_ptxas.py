@@ -73,6 +73,7 @@ _LABEL = re.compile(r"^\s*(\$?[\w.$]+):")
 _BRANCH = re.compile(r"^\s*(@!?%\w+\s+)?bra(\.uni)?\s+(\$?[\w.$]+);")
 _COPY = re.compile(r"\bcp\.async\.c[ag]\.")  # a copy (cp.async.ca / .cg), not commit_group
 _BARRIER = re.compile(r"\b(bar|barrier)\.sync\b")
+_END = re.compile(r"^\s*(ret|exit)\b")
 
 
 def unbarriered_refills(ptx: str) -> int:
@@ -92,14 +93,14 @@ def unbarriered_refills(ptx: str) -> int:
             labels[label.group(1)] = len(blocks) - 1
             continue
         blocks[-1].append(line)
-        if _BRANCH.match(line) or re.match(r"^\s*(ret|exit)\b", line):
+        if _BRANCH.match(line) or _END.match(line):
             blocks.append([])
 
     def successors(i: int) -> list[int]:
         last = blocks[i][-1] if blocks[i] else ""
         branch = _BRANCH.match(last)
         fall = [i + 1] if i + 1 < len(blocks) else []
-        if re.match(r"^\s*(ret|exit)\b", last):
+        if _END.match(last):
             return []
         if branch:
             target = [labels[branch.group(3)]] if branch.group(3) in labels else []

@@ -140,7 +140,9 @@ def test_weights_prepared_once():
     # unquantized weights of the right dtype are used as they are, not copied
     wb = random_weights(3, 64, 32, "bf16")
     moekit.fused_moe(x, wb, tw, ids, backend="torch")
-    assert wb.prepared["torch"][torch.bfloat16][0].data_ptr() == wb.w13.data_ptr()
+    from moekit.backends.torch_backend import prepared_weights
+
+    assert prepared_weights(wb, torch.bfloat16)[0] is wb.w13 and "torch" not in wb.prepared
 
 
 def test_deterministic():

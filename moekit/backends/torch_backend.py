@@ -44,20 +44,18 @@ def prepared_weights(weights: MoEWeights, dtype: torch.dtype) -> tuple[torch.Ten
     """(w13 [E, 2N, H], w2 [E, H, N]) in `dtype`, contiguous; built once per dtype and cached in
     weights.prepared["torch"], written again in place after an in-place write to the weights
     (MoEWeights.prepared_state). Unquantized weights already in `dtype` are used as they are."""
+    if not weights.scheme.is_fp8 and weights.w13.dtype == dtype:
+        return weights.w13, weights.w2
 
     def refresh(cache: dict) -> None:
         for w13, w2 in cache.values():
-            if w13 is not weights.w13:  # a copy, not the weights themselves
-                _write_weights(weights, w13, w2)
+            _write_weights(weights, w13, w2)
 
     cache = weights.prepared_state("torch", dict, refresh)
     if dtype not in cache:
-        if not weights.scheme.is_fp8 and weights.w13.dtype == dtype:
-            cache[dtype] = (weights.w13, weights.w2)
-        else:
-            w13 = torch.empty(weights.w13.shape, dtype=dtype, device=weights.device)
-            w2 = torch.empty(weights.w2.shape, dtype=dtype, device=weights.device)
-            cache[dtype] = _write_weights(weights, w13, w2)
+        w13 = torch.empty(weights.w13.shape, dtype=dtype, device=weights.device)
+        w2 = torch.empty(weights.w2.shape, dtype=dtype, device=weights.device)
+        cache[dtype] = _write_weights(weights, w13, w2)
     return cache[dtype]
 
 

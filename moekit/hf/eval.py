@@ -19,7 +19,6 @@ quantizing a bf16 checkpoint to it needs calibration text, which the command lin
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import tempfile
@@ -27,6 +26,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from ..tables import write_json_atomically
 
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "eval.txt"
 PROMPT_TOKENS = 16
@@ -114,14 +115,6 @@ def _check_out(out: str | None) -> Path | None:
     return path
 
 
-def _write_report(path: Path, report: dict) -> None:
-    """Through a temporary file: an existing report is replaced whole or not at all."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(report, indent=2))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _plan_backends(requested, weights, device, dtype) -> list[str]:
@@ -274,7 +267,7 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
                 pt.add_row(k.replace("|", " vs "), f"{v['kl_mean']:.2e}", f"{v['top1_agreement']:.1%}")
             console.print(pt)
     if out is not None:
-        _write_report(out, report)
+        write_json_atomically(out, report)  # an existing report is replaced whole or not at all
         if console is not None:
             console.print(f"report: {out}")
     return report

@@ -307,11 +307,9 @@ def _quantize_module(module: MoekitExperts, scheme: QuantScheme, calibration: to
         if not (bool(torch.isfinite(a13).all()) and bool(torch.isfinite(a2).all())):
             raise UnsupportedModelError(f"{module.label}: the calibration gave non-finite activation scales "
                                         f"(a13 {float(a13)}, a2 {float(a2)})")
-        new = ckpt_mod.quantize_per_expert(lambda e: (w.w13[e], w.w2[e]), w.num_experts, w.hidden, w.n,
-                                           scheme, w.device, input_scales=(a13, a2))
-    elif scheme.is_fp8:
-        new = ckpt_mod.quantize_per_expert(lambda e: (w.w13[e], w.w2[e]), w.num_experts, w.hidden, w.n,
-                                           scheme, w.device)
+    if scheme.is_fp8:
+        new = ckpt_mod.quantize_per_expert(lambda e: (w.w13[e], w.w2[e]), w.num_experts, w.hidden, w.n, scheme,
+                                           w.device, input_scales=(a13, a2) if scheme.static_activation else None)
     else:
         new = MoEWeights(scheme, w.w13, w.w2)
     module.load(new)

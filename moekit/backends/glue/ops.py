@@ -79,6 +79,17 @@ def num_permuted_rows(num_pairs: int, num_experts: int, align: int = ALIGN_M) ->
     return num_pairs + min(num_experts, num_pairs) * (align - 1)
 
 
+def on_device(device: torch.device):
+    """torch.cuda.device(device) where `device` is a GPU other than the current one, else a no-op.
+    Triton launches a kernel on the current GPU and its stream, whatever device the tensors are on
+    (its JIT asks the driver for the current device): a layer whose tensors are on cuda:1, called
+    while cuda:0 is current (a model spread over GPUs with device_map="auto"), would launch its
+    kernels on cuda:0 with cuda:1's pointers, unordered with the torch ops on cuda:1's stream."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
 def interpreting() -> bool:
     """TRITON_INTERPRET as every part of moekit reads it (moekit.env.interpreting)."""
     return env.interpreting()
@@ -401,7 +412,7 @@ def ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     one = P <= IDS_ONE_PROGRAM_MAX
     ok = torch.empty(1, dtype=torch.int32, device=ids.device) if one else torch.ones(1, dtype=torch.int32, device=ids.device)
     grid = (1,) if one else (_cdiv(P, IDS_CHECK_BLOCK),)
-    with torch.cuda.device(ids.device) if ids.is_cuda else contextlib.nullcontext():
+    with on_device(ids.device):
         k._ids_in_range_kernel[grid](ids, ok, P, num_experts, BLOCK=IDS_CHECK_BLOCK, ONE_PROGRAM=one, **_options())
     return ok
 
@@ -419,7 +430,7 @@ def narrow_ids(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     ids = topk_ids.contiguous()
     out = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
     if ids.numel():
-        with torch.cuda.device(ids.device) if ids.is_cuda else contextlib.nullcontext():
+        with on_device(ids.device):
             k._narrow_ids_kernel[(_cdiv(ids.numel(), NARROW_IDS_BLOCK),)](
                 ids, out, ids.numel(), num_experts, BLOCK=NARROW_IDS_BLOCK, **_options())
     return out
