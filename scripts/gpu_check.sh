@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|fast|decode|gemm2|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|fast|decode|gemm2|unmarked|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points (BENCHMARKS.md, Reference points): the expert GEMMs alone
@@ -33,6 +33,8 @@
 #        of its width, warps, stages and grouping (would GEMM2 gain from a config of its own?), and
 #        the combine pass alone (GEMM2_ARGS adds arguments: "--points glm-4.5v-fp8:2:4096"); not
 #        part of `all`.
+# unmarked: the tests WITHOUT the gpu mark, on the GPU (those taking the `device` fixture run on
+#        CUDA there, not under the interpreter; `-- -k EXPR` narrows them); not part of `all`.
 # FAST_ARGS adds arguments to the fast step's diag_fast.py ("--batch-sizes 1 2 4 8").
 #
 # A step after `tune` in the same call (auto, bench, check) uses the tables just tuned
@@ -134,6 +136,12 @@ if [[ " ${steps[*]} " == *" fast "* ]]; then
 fi
 if [[ " ${steps[*]} " == *" gemm2 "* ]]; then
   python3 scripts/diag_gemm2.py ${GEMM2_ARGS:-} --json "$WORK/diag_gemm2.json" || status=1
+fi
+if [[ " ${steps[*]} " == *" unmarked "* ]]; then
+  # the tests without the gpu mark that take the `device` fixture run on CUDA here (on the CPU they
+  # run under the interpreter): run() at M = 0, fp16 with FP8 weights, much of the glue
+  python3 -m pytest -q -m "not gpu" -p no:cacheprovider tests "${pytest_args[@]}" 2>&1 | tee "$WORK/unmarked_tests.log"
+  ((PIPESTATUS[0] == 0)) || status=1
 fi
 if [[ " ${steps[*]} " == *" decode "* ]]; then
   python3 scripts/diag_decode.py --pdl ${DECODE_ARGS:-} --json "$WORK/diag_decode.json" || status=1
