@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import torch
 
+from . import custom_ops
 from .backends import get_backend
 from .backends.glue.ops import narrow_ids, on_device
 from .select import select_backend
@@ -30,9 +34,22 @@ def fused_moe(
     `apply_router_weight_on_input` (Llama-4, top-1): the weight scales x before the experts.
     `allow_weight_copies=False`: auto never picks a backend that keeps a converted copy of the
     weights (what `moekit.MoELayer` passes); a backend named explicitly still runs.
-    Runs on x's GPU whichever GPU is current (on_device).
+    Inference only: runs under torch.no_grad (a warning says so when an input requires grad).
+    Runs on x's GPU whichever GPU is current (on_device). Inside a function torch.compile traces,
+    the call is one custom op (custom_ops; `weights` made outside that function).
     """
-    with on_device(x.device):
+    if custom_ops.compiling():
+        return custom_ops.fused_moe(x, weights, topk_weights, topk_ids, backend,
+                                    apply_router_weight_on_input=apply_router_weight_on_input,
+                                    allow_weight_copies=allow_weight_copies)
+    grad = torch.is_grad_enabled()
+    if grad and isinstance(weights, MoEWeights) and (
+        x.requires_grad or any(t.requires_grad for t in weights.tensors().values())
+    ):
+        warnings.warn("moekit.fused_moe is inference only: its output carries no gradient (it runs under "
+                      "torch.no_grad)", stacklevel=2)
+    # no_grad only where grad is on: entering it costs ~1 µs of host time per call
+    with on_device(x.device), torch.no_grad() if grad else contextlib.nullcontext():
         return _fused_moe(x, weights, topk_weights, topk_ids, backend, apply_router_weight_on_input,
                           allow_weight_copies)
 

@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 
+from . import custom_ops
 from .api import fused_moe
 from .models import ModelSpec, get_model
 from .routing import RoutingConfig, route
@@ -252,7 +253,14 @@ class MoELayer(torch.nn.Module):
 
     # ---------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, *routing: torch.Tensor) -> torch.Tensor:
-        """`(x, router_logits)` or `(x, topk_weights, topk_ids)`; x [..., H] -> [..., H] in x's dtype."""
+        """`(x, router_logits)` or `(x, topk_weights, topk_ids)`; x [..., H] -> [..., H] in x's dtype.
+        Inside a function torch.compile traces, the call is one custom op running this same code
+        (custom_ops)."""
+        if custom_ops.compiling():
+            return custom_ops.module_forward(self, "moekit.MoELayer", x, routing)
+        return self._forward_eager(x, *routing)
+
+    def _forward_eager(self, x: torch.Tensor, *routing: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         if len(routing) == 1:
@@ -300,3 +308,6 @@ class MoELayer(torch.nn.Module):
         top_k = f", top_k={self.routing.top_k}" if self.routing is not None else ""
         par = "" if self.parallel is None else f", parallel={self.parallel} ({w.num_experts} of {self.num_experts} experts here)"
         return f"E={w.num_experts}, H={w.hidden}, N={w.n}{top_k}, scheme={w.scheme.name}, backend={self.backend!r}{par}"
+
+
+custom_ops.register_eager_forward("moekit.MoELayer", MoELayer._forward_eager)

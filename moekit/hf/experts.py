@@ -26,7 +26,7 @@ import logging
 import torch
 from torch import nn
 
-from .. import env
+from .. import custom_ops, env
 from ..api import fused_moe
 from ..layer import apply_keeping_dtypes
 from ..select import ENV_VAR, select_backend
@@ -203,9 +203,17 @@ def _hf_fp8_weights(module, gate_up, down, label) -> MoEWeights:
 
 
 def moekit_experts_forward(self: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
-    """The `experts_implementation="moekit"` forward of a transformers experts module."""
+    """The `experts_implementation="moekit"` forward of a transformers experts module (inside a
+    function torch.compile traces, one op running _hf_experts_forward_eager: custom_ops)."""
     if isinstance(self, MoekitExperts):
         return self(hidden_states, top_k_index, top_k_weights)
+    if custom_ops.compiling():
+        return custom_ops.module_forward(self, "moekit.hf.experts_implementation", hidden_states,
+                                         (top_k_index, top_k_weights))
+    return _hf_experts_forward_eager(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _hf_experts_forward_eager(self: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
     label = getattr(self, "moekit_name", None) or type(self).__name__
     weights = _hf_weights(self, label)
     backend = getattr(self, "moekit_backend", "auto")
@@ -317,6 +325,11 @@ class MoekitExperts(nn.Module):
         )
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
+        if custom_ops.compiling():  # one op in a compiled graph, running _forward_eager
+            return custom_ops.module_forward(self, "moekit.hf.MoekitExperts", hidden_states, (top_k_index, top_k_weights))
+        return self._forward_eager(hidden_states, top_k_index, top_k_weights)
+
+    def _forward_eager(self, hidden_states, top_k_index, top_k_weights):
         config = getattr(self, "config", None)
         requested = getattr(config, "_experts_implementation", IMPLEMENTATION) if config is not None else IMPLEMENTATION
         if requested not in (None, IMPLEMENTATION) and not self.__dict__.get("_moekit_said_impl"):
@@ -347,3 +360,7 @@ def set_backend(model: nn.Module, backend: str | None) -> int:
 
 def experts_modules(model: nn.Module) -> dict[str, MoekitExperts]:
     return {name: m for name, m in model.named_modules() if isinstance(m, MoekitExperts)}
+
+
+custom_ops.register_eager_forward("moekit.hf.MoekitExperts", MoekitExperts._forward_eager)
+custom_ops.register_eager_forward("moekit.hf.experts_implementation", _hf_experts_forward_eager)

@@ -1,0 +1,143 @@
+"""torch.compile support: moekit's calls as opaque torch.library custom ops.
+
+Inside a function torch.compile traces, `moekit.fused_moe`, `moekit.MoELayer` and moekit's
+transformers experts each become one custom op (`torch.ops.moekit.fused_moe`,
+`torch.ops.moekit.forward`) instead of Python the compiler would trace: backend choice, input
+checks, table lookups and Triton launches are host code that reads values (routing sizes, the
+environment, the tensors' versions), which would break the graph or fail under
+`fullgraph=True`. At run time each op calls the same eager code, so a compiled model's output
+is bitwise its eager output, whatever the backend. The compiler sees each op's output shape
+and dtype (x's) from its fake implementation.
+
+The object an op runs (a MoEWeights, a module) cannot be an argument of an op, so it is named
+by an integer handle: handle_of() gives one to the object at trace time (the compiler calls it
+on the real object and keeps the result as a constant) and _OBJECTS finds the object again
+when the op runs. The registry holds objects weakly: a deleted layer leaves nothing behind.
+The tensors the object holds are passed too, so the compiler knows the op reads them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .weights import MoEWeights
+
+_OBJECTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count(1)
+_HANDLE_ATTR = "_moekit_handle"
+
+# kind -> the eager forward of that kind of module, (module, x, *args) -> Tensor of x's shape
+_EAGER_FORWARDS: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def compiling() -> bool:
+    """Whether torch.compile is tracing the caller (False in eager mode and inside an op)."""
+    return torch.compiler.is_compiling()
+
+
+@torch.compiler.assume_constant_result
+def handle_of(obj) -> int:
+    """obj's handle (given on first use). Called by the compiler at trace time on the real
+    object; the handle becomes a constant of the compiled graph."""
+    if isinstance(obj, MoEWeights) and "w13" not in obj.__dict__:
+        # what the compiler passes for a MoEWeights built inside the traced function: an empty shell
+        raise TypeError(
+            "moekit.fused_moe under torch.compile needs its MoEWeights made outside the compiled "
+            "function (once, like a module's weights), not inside it"
+        )
+    handle = obj.__dict__.get(_HANDLE_ATTR)
+    # a copy (copy.deepcopy of a model) carries its original's handle in its __dict__: not its own
+    if handle is None or _OBJECTS.get(handle) is not obj:
+        handle = obj.__dict__[_HANDLE_ATTR] = next(_NEXT_HANDLE)
+        _OBJECTS[handle] = obj
+    return handle
+
+
+def _object(handle: int):
+    obj = _OBJECTS.get(handle)
+    if obj is None:
+        raise RuntimeError(
+            f"moekit: the layer this compiled graph was traced with (handle {handle}) no longer "
+            "exists; compile the model again"
+        )
+    return obj
+
+
+def register_eager_forward(kind: str, fn: Callable[..., torch.Tensor]) -> None:
+    """Name the eager forward that torch.ops.moekit.forward runs for modules of `kind`."""
+    _EAGER_FORWARDS[kind] = fn
+
+
+# ------------------------------------------------------------------------------ fused_moe
+
+
+@torch.library.custom_op("moekit::fused_moe", mutates_args=())
+def _fused_moe_op(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    weight_tensors: list[torch.Tensor],
+    handle: int,
+    backend: str | None,
+    apply_router_weight_on_input: bool,
+    allow_weight_copies: bool,
+) -> torch.Tensor:
+    from .api import fused_moe
+
+    return fused_moe(
+        x, _object(handle), topk_weights, topk_ids, backend,
+        apply_router_weight_on_input=apply_router_weight_on_input, allow_weight_copies=allow_weight_copies,
+    )
+
+
+@_fused_moe_op.register_fake
+def _(x, topk_weights, topk_ids, weight_tensors, handle, backend, apply_router_weight_on_input, allow_weight_copies):
+    hidden = weight_tensors[0].shape[2]  # w13 [E, 2N, H]
+    return x.new_empty(x.shape[0], hidden)
+
+
+def fused_moe(x, weights, topk_weights, topk_ids, backend, *, apply_router_weight_on_input, allow_weight_copies):
+    """moekit.fused_moe as one op of a compiled graph. `weights` must be a MoEWeights made
+    outside the compiled function (the compiler passes the real object to handle_of)."""
+    if not isinstance(weights, MoEWeights):
+        raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
+    return torch.ops.moekit.fused_moe(
+        x.detach(), topk_weights.detach(), topk_ids, _detached(weights.tensors().values()), handle_of(weights),
+        backend, apply_router_weight_on_input, allow_weight_copies,
+    )
+
+
+# -------------------------------------------------------------------------------- modules
+
+
+@torch.library.custom_op("moekit::forward", mutates_args=())
+def _forward_op(
+    x: torch.Tensor, args: list[torch.Tensor], state: list[torch.Tensor], handle: int, kind: str
+) -> torch.Tensor:
+    return _EAGER_FORWARDS[kind](_object(handle), x, *args)
+
+
+@_forward_op.register_fake
+def _(x, args, state, handle, kind):
+    return torch.empty_like(x)  # every moekit module returns x's shape in x's dtype
+
+
+def module_forward(module: torch.nn.Module, kind: str, x: torch.Tensor, args: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A moekit module's forward as one op of a compiled graph; the op runs the module's eager
+    forward registered as `kind` (register_eager_forward)."""
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor):
+            raise TypeError(f"argument {i + 1} after x must be a torch.Tensor, got {type(a).__name__}")
+    state = _detached([*module.parameters(recurse=False), *module.buffers(recurse=False)])
+    return torch.ops.moekit.forward(x.detach(), _detached(args), state, handle_of(module), kind)
+
+
+def _detached(tensors) -> list[torch.Tensor]:
+    """The ops' inputs without autograd history: moekit is inference only and its eager calls run
+    under torch.no_grad, so a compiled call's output carries no gradient either (the compiler
+    would otherwise ask the ops for a backward formula)."""
+    return [t.detach() for t in tensors]

@@ -1,0 +1,245 @@
+"""torch.compile: moekit's calls are custom ops (moekit.custom_ops), so a compiled model traces
+through them with fullgraph=True and its output is bitwise the eager output (the ops run the
+eager code). Most tests compile with backend="aot_eager" (Dynamo and AOTAutograd, no code
+generation: fast, and no C++ compiler needed); one runs inductor where a compiler exists."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import shutil
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+
+import moekit
+from moekit import custom_ops
+from moekit.routing import RoutingConfig
+
+from helpers import random_routing, random_weights, random_x
+
+E, H, N, K = 5, 144, 128, 2  # odd E; H not a multiple of the 128-wide blocks (of 16, as triton asks)
+
+# (scheme, backend) pairs: every backend that runs on the CPU, the triton one interpreted
+CASES = [("fp8-channel-token", "reference"), ("bf16", "torch"), ("fp8-block128", "triton")]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _compiled(fn, backend="aot_eager"):
+    return torch.compile(fn, backend=backend, fullgraph=True)
+
+
+def _skip_unless_runs(backend, device):
+    if backend == "triton" and device.type == "cpu" and not moekit.env.interpreting():
+        pytest.skip("the triton backend on the CPU needs TRITON_INTERPRET=1")
+
+
+@pytest.mark.parametrize("scheme, backend", CASES)
+def test_compiled_layer_is_bitwise_eager(scheme, backend, device):
+    """fullgraph compile of a MoELayer routed from logits, at M = 0, 1 and odd sizes (the sizes
+    change between calls, so the graph is recompiled with a dynamic M on the way)."""
+    _skip_unless_runs(backend, device)
+    weights = random_weights(E, H, N, scheme, device=device)
+    layer = moekit.MoELayer(weights, RoutingConfig(top_k=K), backend)
+    compiled = _compiled(layer)
+    for M in (7, 1, 0, 33):
+        x = random_x(M, H, device=device, seed=M)
+        logits = torch.randn(M, E, generator=torch.Generator().manual_seed(M)).to(device)
+        want = layer(x, logits)
+        got = compiled(x, logits)
+        assert got.shape == (M, H) and got.dtype == x.dtype
+        assert torch.equal(got, want), (M, (got.float() - want.float()).abs().max())
+
+
+def test_compiled_function_with_fused_moe_and_other_ops(device):
+    """moekit.fused_moe called inside a compiled function, between ops the compiler keeps: the
+    routing from (topk_weights, topk_ids), a residual added after, 3-D x through a MoELayer."""
+    weights = random_weights(E, H, N, "fp8-tensor-dynamic", device=device)
+    layer = moekit.MoELayer(weights, backend="reference")
+
+    def block(x, topk_weights, topk_ids):
+        a = moekit.fused_moe(x, weights, topk_weights, topk_ids, "reference")
+        b = layer(x[None], topk_weights[None], topk_ids[None])[0]
+        return x + a, b
+
+    compiled = _compiled(block)
+    for M in (9, 4):
+        x = random_x(M, H, device=device, seed=M)
+        tw, ids = random_routing(M, E, K, device=device, seed=M, experts=[0, 2, 3])  # 1 and 4 idle
+        for got, want in zip(compiled(x, tw, ids), block(x, tw, ids)):
+            assert torch.equal(got, want)
+
+
+def test_copied_layer_runs_its_own_weights(device):
+    """copy.deepcopy keeps the original's handle in the copy's __dict__: the copy must get its
+    own, or its compiled graph would run the original's weights."""
+    layer = moekit.MoELayer(random_weights(E, H, N, "bf16", device=device), RoutingConfig(top_k=K), "torch")
+    x = random_x(6, H, device=device)
+    logits = torch.randn(6, E).to(device)
+    _compiled(layer)(x, logits)  # gives the original its handle
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.w2.mul_(2)  # the copy's experts now give twice the output
+    torch._dynamo.reset()
+    got = _compiled(twin)(x, logits)
+    assert torch.equal(got, twin(x, logits))
+    assert not torch.equal(got, layer(x, logits))
+
+
+def test_deleted_layer_leaves_nothing_registered(device):
+    layer = moekit.MoELayer(random_weights(E, H, N, "bf16", device=device), RoutingConfig(top_k=K), "torch")
+    compiled = _compiled(layer)
+    compiled(random_x(3, H, device=device), torch.randn(3, E).to(device))
+    handle = layer.__dict__[custom_ops._HANDLE_ATTR]
+    assert custom_ops._OBJECTS.get(handle) is layer
+    del layer, compiled
+    torch._dynamo.reset()
+    gc.collect()
+    assert handle not in custom_ops._OBJECTS
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        custom_ops._object(handle)
+
+
+def test_weights_built_inside_the_compiled_function_are_refused():
+    """A MoEWeights made while the compiler traces is no real object the op could find again:
+    a clear error instead of a shell without tensors."""
+    w = random_weights(E, H, N, "fp8-channel-token")
+    x = random_x(4, H)
+    tw, ids = random_routing(4, E, K)
+
+    def inner(x, w13, w2, s13, s2):
+        weights = moekit.MoEWeights.from_fp8("fp8-channel-token", w13, w2, s13, s2)
+        return moekit.fused_moe(x, weights, tw, ids, "reference")
+
+    with pytest.raises(Exception, match="MoEWeights made outside the compiled function"):
+        _compiled(inner)(x, w.w13, w.w2, w.w13_scale, w.w2_scale)
+
+
+def test_gradients_never_flow_and_eager_says_so():
+    """Inference only: eager calls run under no_grad (a warning when an input requires grad),
+    compiled calls detach their inputs; neither output carries a gradient."""
+    weights = random_weights(E, H, N, "bf16")
+    x = random_x(5, H).requires_grad_()
+    tw, ids = random_routing(5, E, K)
+    with pytest.warns(UserWarning, match="inference only"):
+        eager = moekit.fused_moe(x, weights, tw, ids, "torch")
+    assert not eager.requires_grad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # under no_grad there is nothing to warn about
+        with torch.no_grad():
+            moekit.fused_moe(x, weights, tw, ids, "torch")
+    compiled = _compiled(lambda x: moekit.fused_moe(x, weights, tw, ids, "torch"))(x)
+    assert not compiled.requires_grad and torch.equal(compiled, eager)
+
+
+def test_ops_pass_torch_library_opcheck():
+    """torch's own checks of a custom op: schema, fake (meta) implementation against the real
+    one, and tracing through AOTAutograd with dynamic shapes. The schema check multiplies
+    inputs, which torch has no CPU kernel for in FP8: it runs on bf16 weights, the other checks
+    on both."""
+    x = random_x(6, H)
+    tw, ids = random_routing(6, E, K)
+    logits = torch.randn(6, E)
+    for scheme, checks in (("bf16", None), ("fp8-block128", ("test_faketensor", "test_aot_dispatch_dynamic"))):
+        kw = {} if checks is None else {"test_utils": checks}
+        weights = random_weights(E, H, N, scheme)
+        tensors = list(weights.tensors().values())
+        args = (x, tw, ids, tensors, custom_ops.handle_of(weights), "reference", False, True)
+        torch.library.opcheck(torch.ops.moekit.fused_moe, args, **kw)
+        layer = moekit.MoELayer(weights, RoutingConfig(top_k=K), "reference")
+        args = (x, [logits], list(layer.buffers()), custom_ops.handle_of(layer), "moekit.MoELayer")
+        torch.library.opcheck(torch.ops.moekit.forward, args, **kw)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
+                    reason="inductor on the CPU needs a C++ compiler")
+def test_inductor_keeps_the_op_bitwise():
+    """With code generation (inductor), the ops still run moekit's eager code on the inputs the
+    compiled graph computes: the layer's output is bitwise the eager layer's."""
+    weights = random_weights(E, H, N, "fp8-channel-token")
+    layer = moekit.MoELayer(weights, RoutingConfig(top_k=K, scoring="sigmoid"), "reference")
+    compiled = torch.compile(layer, fullgraph=True)
+    for M in (3, 11):
+        x = random_x(M, H, seed=M)
+        logits = torch.randn(M, E)
+        assert torch.equal(compiled(x, logits), layer(x, logits))
+
+
+# ----------------------------------------------------------------------------- transformers
+
+@pytest.mark.parametrize("way", ["patch_model", "experts_implementation"])
+def test_compiled_transformers_model_is_bitwise_eager(way):
+    """A whole tiny transformers model compiled with fullgraph=True (what generate() does with
+    a static cache), its experts run by moekit either way in: the logits are bitwise eager's."""
+    pytest.importorskip("transformers", minversion="5.0")
+    import moekit.hf as mh
+    from test_hf_tiny import tiny_model
+
+    model = tiny_model("qwen3_moe").eval()
+    if way == "patch_model":
+        mh.patch_model(model, scheme="fp8-channel-token", backend="reference")
+    else:
+        model.set_experts_implementation("moekit")
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+        got = _compiled(model)(ids).logits
+    assert torch.equal(got, want)
+
+
+# ----------------------------------------------------------------------------------- the GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_gpu_compiled_layer_with_cuda_graphs(mode):
+    """inductor on the GPU, and with mode="reduce-overhead" (torch's CUDA graphs replay the
+    moekit op): the triton backend at DeepSeek-V3's TP8 shape, bitwise eager, with fresh routing
+    on every call (the graph reads the new routing, not the captured one)."""
+    from moekit.bench import make_weights
+    from moekit.models import get_model
+
+    spec = get_model("deepseek-v3", tp=8)
+    dev = torch.device("cuda")
+    layer = moekit.MoELayer(make_weights(spec.shape, spec.scheme, dev, seed=0), spec.routing, "triton",
+                            correction_bias=torch.randn(spec.shape.num_experts, device=dev) * 0.1)
+    compiled = torch.compile(layer, fullgraph=True, mode=mode)
+    for call in range(4):
+        x = torch.randn(64, spec.shape.hidden, device=dev, dtype=torch.bfloat16)
+        logits = torch.randn(64, spec.shape.num_experts, device=dev)
+        got = compiled(x, logits).clone()
+        assert torch.equal(got, layer(x, logits)), call
+
+
+
+def test_generate_with_a_static_cache_compiles_through_moekit(device):
+    """transformers' generate() with a static cache compiles the decoding forward with
+    fullgraph=True (its compile_config; on the CPU only when asked to, _compile_all_devices):
+    with moekit's experts it must compile and, compiled with aot_eager (the same aten ops as
+    eager), give the greedy tokens of eager decoding."""
+    pytest.importorskip("transformers", minversion="5.0")
+    import torch._dynamo.utils
+    from transformers import CompileConfig
+
+    import moekit.hf as mh
+    from test_hf_tiny import tiny_model
+
+    backend = "triton" if device.type == "cuda" else "reference"
+    model = tiny_model("qwen3_moe").to(device).eval()
+    mh.patch_model(model, scheme="fp8-block128", backend=backend)
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1)).to(device)
+    eager = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static", disable_compile=True)
+    config = CompileConfig(fullgraph=True, backend="aot_eager")
+    config._compile_all_devices = True
+    torch._dynamo.utils.counters.clear()
+    compiled = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static",
+                              compile_config=config)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
+    assert torch.equal(compiled, eager)
