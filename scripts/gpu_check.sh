@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|fast|decode|gemm2|unmarked|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|fast|decode|gemm2|unmarked|pending|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points (BENCHMARKS.md, Reference points): the expert GEMMs alone
@@ -35,6 +35,11 @@
 #        part of `all`.
 # unmarked: the tests WITHOUT the gpu mark, on the GPU (those taking the `device` fixture run on
 #        CUDA there, not under the interpreter; `-- -k EXPR` narrows them); not part of `all`.
+# pending: what sessions without a GPU wrote and no GPU has run yet: those changes' GPU tests
+#        (torch.compile with inductor and CUDA graphs, the 128-row Gluon GEMM1's half-height tile
+#        bitwise, the tests a review changed), then the half-height tile timed on and off
+#        (diag_half_tail.py, DeepSeek-V3 / Qwen3 block FP8 and Mixtral per-channel, precise mode).
+#        Its results decide launch.GLUON_HALF_HEIGHT; not part of `all`.
 # FAST_ARGS adds arguments to the fast step's diag_fast.py ("--batch-sizes 1 2 4 8").
 #
 # A step after `tune` in the same call (auto, bench, check) uses the tables just tuned
@@ -142,6 +147,19 @@ if [[ " ${steps[*]} " == *" unmarked "* ]]; then
   # run under the interpreter): run() at M = 0, fp16 with FP8 weights, much of the glue
   python3 -m pytest -q -m "not gpu" -p no:cacheprovider tests "${pytest_args[@]}" 2>&1 | tee "$WORK/unmarked_tests.log"
   ((PIPESTATUS[0] == 0)) || status=1
+fi
+if [[ " ${steps[*]} " == *" pending "* ]]; then
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_compile.py tests/test_api.py tests/test_cutlass_gpu.py \
+    tests/test_timing.py "${pytest_args[@]}" 2>&1 | tee "$WORK/pending_tests.log"
+  ((PIPESTATUS[0] == 0)) || status=1
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_overlap.py -k "tall or kernel_that_ran or odd" \
+    2>&1 | tee "$WORK/pending_overlap_tests.log"
+  ((PIPESTATUS[0] == 0)) || status=1
+  tall=M128-N128-K128-G8-w8-s4-ov  # the 128-row Gluon GEMM1 (the tables' tall entries' tile)
+  python3 scripts/diag_half_tail.py --switch gluon-half-height --modes precise --config "$tall" \
+    --points deepseek-v3:8:4096 deepseek-v3:8:8192 qwen3-30b-a3b-fp8:1:4096 --json "$WORK/half_height_block.json" || status=1
+  python3 scripts/diag_half_tail.py --switch gluon-half-height --modes precise --config "$tall" --scheme fp8-channel-token \
+    --points mixtral-8x7b:1:1024 mixtral-8x7b:1:4096 --json "$WORK/half_height_channel.json" || status=1
 fi
 if [[ " ${steps[*]} " == *" decode "* ]]; then
   python3 scripts/diag_decode.py --pdl ${DECODE_ARGS:-} --json "$WORK/diag_decode.json" || status=1
