@@ -90,7 +90,8 @@ def _ids_checked_on_device(topk_ids: torch.Tensor) -> bool:
     return topk_ids.device.type == "cuda"
 
 
-def validate_inputs(x, weights, topk_weights, topk_ids, *, device_check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def validate_inputs(x, weights, topk_weights, topk_ids, *, device_check: bool = True,
+                    num_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Check every input of fused_moe; returns topk_weights as float32 and topk_ids as int32.
 
     Ids are range-checked on the host for CPU tensors. On a GPU the check is a device-side
@@ -100,6 +101,9 @@ def validate_inputs(x, weights, topk_weights, topk_ids, *, device_check: bool = 
     to int32 by glue.narrow_ids, which writes an id outside [0, E) as -1, so that it stays out of
     range for those checks (cast as it is, 2**32 + 3 would read as expert 3).
     Unquantized weights must have x's dtype (float32 x excepted: computed in float32).
+    `num_experts`: the model's expert count that top-k and the ids are checked against, where
+    `weights` hold only some of the experts (expert parallel: this rank's shard); default
+    weights.num_experts.
     """
     if not isinstance(weights, MoEWeights):
         raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
@@ -121,7 +125,7 @@ def validate_inputs(x, weights, topk_weights, topk_ids, *, device_check: bool = 
         )
     if topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"routing has {topk_ids.shape[0]} rows but x has {x.shape[0]} tokens")
-    E, K = weights.num_experts, topk_ids.shape[1]
+    E, K = weights.num_experts if num_experts is None else num_experts, topk_ids.shape[1]
     if not 1 <= K <= E:
         raise ValueError(f"top-k must be between 1 and the number of experts ({E}), got {K}")
     if topk_ids.dtype not in (torch.int32, torch.int64):

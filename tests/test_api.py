@@ -89,6 +89,25 @@ def test_bad_inputs(problem, mutate, match):
         moekit.fused_moe(x, w, tw, ids, backend="reference")
 
 
+def test_validate_inputs_checks_against_the_models_expert_count():
+    """num_experts= (expert parallel: the weights hold one rank's shard of the experts): top-k and
+    the ids are checked against the model's expert count, not the shard's."""
+    from moekit import api
+
+    shard = random_weights(2, 128, 128, "fp8-channel-token")
+    tw, ids = random_routing(3, 8, 2, experts=[5, 6, 7])
+    x = random_x(3, 128)
+    got_tw, got_ids = api.validate_inputs(x, shard, tw, ids.long(), num_experts=8)
+    assert got_ids.dtype == torch.int32 and torch.equal(got_ids, ids)
+    assert got_tw.dtype == torch.float32 and torch.equal(got_tw, tw)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 2\)"):
+        api.validate_inputs(x, shard, tw, ids)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 6\)"):
+        api.validate_inputs(x, shard, tw, ids, num_experts=6)
+    with pytest.raises(ValueError, match=r"top-k must be between 1 and the number of experts \(1\), got 2"):
+        api.validate_inputs(x, shard, tw, ids, num_experts=1)
+
+
 def test_weights_validation():
     w = random_weights(2, 128, 128, "fp8-channel-token")
     with pytest.raises(ValueError, match="w13_scale is required"):

@@ -495,6 +495,14 @@ def test_expert_parallel_checks_everything_before_the_first_collective(one_rank_
     b = moekit.MoEWeights("fp16", *(t.half() for t in random_weights(4, 128, 128, "bf16").tensors().values()))
     with pytest.raises(ValueError, match="x has dtype torch.bfloat16 but the unquantized weights"):
         md.ep_fused_moe(x, b, tw, ids, 4)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\)"):
+        md.ep_fused_moe(x, W, tw, ids + 4, 4)
+    with pytest.raises(ValueError, match=r"rank 0 of 1 owns experts \[0, 4\) of 4, but local_weights holds 2 experts"):
+        md.ep_fused_moe(x, md.shard_weights_ep(W, 0, 2), tw, ids, 4)
+    with pytest.raises(ValueError, match="apply_router_weight_on_input needs top-k = 1, got top-k = 2"):
+        md.ep_fused_moe(x, W, tw, ids, 4, apply_router_weight_on_input=True)
+    with pytest.raises(ValueError, match="at least one expert per rank"):
+        md.ep_fused_moe(x, W, tw, ids, 0)
 
 
 # ---------------------------------------------------------------- the checks can fail (mutations)

@@ -55,7 +55,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..api import ACTIVATION_DTYPES, assert_ids_in_range, check_weight_dtype, fused_moe
+from ..api import fused_moe, validate_inputs
 from ..select import select_backend
 from ..weights import MoEWeights
 from .tp import _check_rank
@@ -96,41 +96,21 @@ def shard_weights_ep(weights: MoEWeights, rank: int, world_size: int) -> MoEWeig
 
 
 def _check_inputs(x, local_weights, topk_weights, topk_ids, num_experts, rank, world, apply_on_input):
-    if not isinstance(local_weights, MoEWeights):
-        raise TypeError(f"local_weights must be a moekit.MoEWeights, got {type(local_weights).__name__}")
+    """Everything fused_moe would refuse on the received rows is refused here, before the first
+    collective, so that every rank raises instead of some waiting for the others forever: its
+    validate_inputs against the model's num_experts (GPU ids: a device-side assertion, no host
+    sync), the shard, and top-k = 1 under apply_router_weight_on_input. Returns topk_weights and
+    topk_ids as validate_inputs does (float32, int32)."""
     start, end = expert_range(num_experts, rank, world)
+    topk_weights, topk_ids = validate_inputs(x, local_weights, topk_weights, topk_ids, num_experts=num_experts)
     if local_weights.num_experts != end - start:
         raise ValueError(
             f"rank {rank} of {world} owns experts [{start}, {end}) of {num_experts}, but local_weights "
             f"holds {local_weights.num_experts} experts (use shard_weights_ep)"
         )
-    for name, t in (("x", x), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            raise ValueError(f"{name} must be a 2-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
-        if t.device != local_weights.device:
-            raise ValueError(f"{name} is on {t.device} but the weights are on {local_weights.device}")
-    # Everything fused_moe would refuse on the received rows is refused here, before the first
-    # collective, so that every rank raises instead of some waiting for the others forever.
-    if x.dtype not in ACTIVATION_DTYPES:
-        raise ValueError(f"x has dtype {x.dtype}; expected bfloat16, float16 or float32")
-    check_weight_dtype(x.dtype, local_weights)
-    if x.shape[1] != local_weights.hidden:
-        raise ValueError(f"x has hidden size {x.shape[1]} but the weights expect {local_weights.hidden}")
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"x {tuple(x.shape)}, topk_weights {tuple(topk_weights.shape)} and topk_ids "
-            f"{tuple(topk_ids.shape)} disagree (expected [M, H], [M, K], [M, K])"
-        )
-    if not 1 <= topk_ids.shape[1] <= num_experts:
-        raise ValueError(f"top-k must be between 1 and the number of experts ({num_experts}), got {topk_ids.shape[1]}")
-    if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
-        raise ValueError("topk_ids must be int32/int64 and topk_weights a float tensor")
     if apply_on_input and topk_ids.shape[1] != 1:
         raise ValueError(f"apply_router_weight_on_input needs top-k = 1, got top-k = {topk_ids.shape[1]}")
-    if topk_ids.numel() and topk_ids.device.type == "cuda":
-        assert_ids_in_range(topk_ids, num_experts)  # no host sync: a device-side assertion
-    elif topk_ids.numel() and not bool(((topk_ids >= 0) & (topk_ids < num_experts)).all()):
-        raise ValueError(f"topk_ids must lie in [0, num_experts={num_experts})")
+    return topk_weights, topk_ids
 
 
 def _byte_view(buf: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
@@ -160,7 +140,8 @@ def ep_fused_moe(
     `allow_weight_copies` as for fused_moe (a MoELayer passes False: auto keeps no converted copy).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    _check_inputs(x, local_weights, topk_weights, topk_ids, num_experts, rank, world, apply_router_weight_on_input)
+    topk_weights, topk_ids = _check_inputs(x, local_weights, topk_weights, topk_ids, num_experts, rank, world,
+                                           apply_router_weight_on_input)
     # the local backend, chosen now for the rows this rank sends (a named backend that cannot run,
     # a bad environment variable): an error after the first collective would leave the other
     # ranks waiting in it
