@@ -611,6 +611,45 @@ def test_fbgemm_fp8_llama4_fused_experts(bf16_dirs, tmp_path):
         mh.patch_model(tiny_model("llama4"), checkpoint=folder)
 
 
+def test_fused_experts_of_the_wrong_shape_or_dtype_are_named(bf16_dirs, tmp_path):
+    """The fused tensors' checks (one helper for the bf16 and the fbgemm_fp8 layouts): a missing
+    tensor, a shape and a dtype the model does not expect, each named with what was expected."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    def edit(folder, fn):
+        tensors = load_file(folder / "model.safetensors")
+        fn(tensors)
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+    def refused(folder, pattern):
+        with pytest.raises(mh.UnsupportedModelError, match=pattern):
+            mh.patch_model(tiny_model("llama4"), checkpoint=folder)
+
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(bf16_dirs("llama4"), bf16)
+    gu = min(k for k in load_file(bf16 / "model.safetensors") if k.endswith(".experts.gate_up_proj"))
+    dn = gu.replace("gate_up_proj", "down_proj")
+    shape = tuple(load_file(bf16 / "model.safetensors")[gu].shape)  # [E, H, 2N]
+    edit(bf16, lambda t: t.update({gu: t[gu][..., :-2].contiguous()}))
+    refused(bf16, rf"checkpoint tensor '{re.escape(gu)}' is torch.bfloat16 \(8, 64, {shape[2] - 2}\); the model "
+                  rf"expects a float tensor of shape \(8, 64, {shape[2]}\)")
+    edit(bf16, lambda t: t.pop(dn))
+    refused(bf16, rf"checkpoint has no tensor '{re.escape(dn)}'")
+
+    fp8 = mh.patch_model(tiny_model("llama4"), scheme="fp8-channel-token", backend="reference")
+    fbgemm = tmp_path / "fbgemm"
+    shutil.copytree(bf16_dirs("llama4"), fbgemm)
+    _fbgemm_llama4_checkpoint(fbgemm, fp8)
+    edit(fbgemm, lambda t: t.update({f"{gu}_scale": t[f"{gu}_scale"][:, :, :-1].contiguous()}))
+    refused(fbgemm, rf"checkpoint tensor '{re.escape(gu)}_scale' is torch.float32 \(8, 1, {shape[2] - 1}\); the "
+                    rf"per-channel scales of these experts are float \(8, 1, {shape[2]}\)")
+    edit(fbgemm, lambda t: t.update({dn: t[dn].bfloat16()}))
+    refused(fbgemm, rf"checkpoint tensor '{re.escape(dn)}' is torch.bfloat16 .*; the model expects "
+                    r"torch.float8_e4m3fn")
+
+
 def test_fused_fp8_experts_of_another_layout_are_named(bf16_dirs, tmp_path):
     """Fused FP8 experts other than fbgemm_fp8's Llama-4 layout: a clear error naming the layout,
     not a missing '...experts.0.gate_proj.weight'."""

@@ -289,6 +289,19 @@ def read_fp8(ckpt: Checkpoint, entry: dict, prefix: str, family: Family, scheme:
     return MoEWeights.from_fp8(scheme, w13, w2, s13, s2, a13, a2)
 
 
+def _check_fused(ckpt: Checkpoint, fused: dict, prefix: str, shapes: dict[str, tuple[int, ...]],
+                 dtypes: tuple[torch.dtype, ...], expected: str, missing_note: str = "") -> None:
+    """Fused expert tensors {name: shape}: every one present (else "no tensor", + missing_note),
+    then of its shape and one of `dtypes` (else what it is; `expected`, then the shape)."""
+    for name in shapes:
+        if name not in fused:
+            raise CheckpointError(f"checkpoint has no tensor {prefix + '.' + name!r}{missing_note}")
+    for name, shape in shapes.items():
+        got_shape, got_dtype = ckpt.info(fused[name])
+        if got_shape != shape or got_dtype not in dtypes:
+            raise CheckpointError(f"checkpoint tensor {fused[name]!r} is {got_dtype} {got_shape}; {expected} {shape}")
+
+
 def _read_fused_fp8(ckpt: Checkpoint, fused: dict, prefix: str, family: Family, scheme: QuantScheme,
                     E: int, H: int, N: int, device) -> MoEWeights:
     """fbgemm_fp8's Llama-4 experts (transformers' FbgemmFp8Llama4TextExperts), one expert at a
@@ -301,23 +314,13 @@ def _read_fused_fp8(ckpt: Checkpoint, fused: dict, prefix: str, family: Family, 
             f"Llama-4 layout (gate_up_proj [E, H, 2N] + per-channel gate_up_proj_scale, down_proj [E, N, H] + "
             f"down_proj_scale); this is family {family.name} with scheme {scheme.name}"
         )
-    for name in FUSED_NAMES:
-        if name not in fused:
-            raise CheckpointError(f"checkpoint has no tensor {prefix + '.' + name!r} (fbgemm_fp8 fused experts)")
     fp8 = quant.FP8_DTYPE
-    for name, shape in (("gate_up_proj", (E, H, 2 * N)), ("down_proj", (E, N, H))):
-        got_shape, got_dtype = ckpt.info(fused[name])
-        if got_shape != shape or got_dtype != fp8:
-            raise CheckpointError(
-                f"checkpoint tensor {fused[name]!r} is {got_dtype} {got_shape}; the model expects {fp8} {shape}"
-            )
-    for name, shape in (("gate_up_proj_scale", (E, 1, 2 * N)), ("down_proj_scale", (E, H, 1))):
-        got_shape, got_dtype = ckpt.info(fused[name])
-        if got_shape != shape or got_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise CheckpointError(
-                f"checkpoint tensor {fused[name]!r} is {got_dtype} {got_shape}; the per-channel scales of these "
-                f"experts are float {shape}"
-            )
+    note = " (fbgemm_fp8 fused experts)"
+    _check_fused(ckpt, fused, prefix, {"gate_up_proj": (E, H, 2 * N), "down_proj": (E, N, H)}, (fp8,),
+                 f"the model expects {fp8}", note)
+    _check_fused(ckpt, fused, prefix, {"gate_up_proj_scale": (E, 1, 2 * N), "down_proj_scale": (E, H, 1)},
+                 (torch.float32, torch.bfloat16, torch.float16), "the per-channel scales of these experts are float",
+                 note)
     w13 = torch.empty(E, 2 * N, H, dtype=fp8, device=device)
     w2 = torch.empty(E, H, N, dtype=fp8, device=device)
     s13 = torch.empty(E, 2 * N, dtype=torch.float32, device=device)
@@ -339,18 +342,10 @@ def read_unquantized(ckpt: Checkpoint, entry: dict, prefix: str, family: Family,
     floats = (torch.bfloat16, torch.float16, torch.float32)
     fused = entry.get("fused")
     if fused and not entry.get("experts"):
-        missing = [n for n in ("gate_up_proj", "down_proj") if n not in fused]
-        if missing:
-            raise CheckpointError(f"checkpoint has no tensor {prefix + '.' + missing[0]!r}")
         gu_shape = (E, H, 2 * N) if family.transposed else (E, 2 * N, H)
         d_shape = (E, N, H) if family.transposed else (E, H, N)
-        for name, shape in (("gate_up_proj", gu_shape), ("down_proj", d_shape)):
-            got_shape, got_dtype = ckpt.info(fused[name])
-            if got_shape != shape or got_dtype not in floats:
-                raise CheckpointError(
-                    f"checkpoint tensor {fused[name]!r} is {got_dtype} {got_shape}; the model expects "
-                    f"a float tensor of shape {shape}"
-                )
+        _check_fused(ckpt, fused, prefix, {"gate_up_proj": gu_shape, "down_proj": d_shape}, floats,
+                     "the model expects a float tensor of shape")
 
         def expert(e):
             gu, d = ckpt.get_row(fused["gate_up_proj"], e), ckpt.get_row(fused["down_proj"], e)
