@@ -168,6 +168,16 @@ def _check_contiguous(name: str, t: torch.Tensor) -> None:
     )
 
 
+def check_intermediate(scheme: QuantScheme, N: int) -> None:
+    """ValueError unless `scheme` can take the intermediate size per GPU N (128x128 block scales:
+    N a multiple of 128)."""
+    if scheme.weight == "block" and N % BLOCK:
+        raise ValueError(
+            f"scheme {scheme.name} needs the intermediate size per GPU to be a multiple of {BLOCK} "
+            f"(gate and up rows must not share a 128-row block), got N={N}"
+        )
+
+
 def _validate(w: MoEWeights) -> None:
     s = w.scheme
     for name in ("w13", "w2"):
@@ -193,11 +203,7 @@ def _validate(w: MoEWeights) -> None:
             raise ValueError(f"scheme {s.name} is unquantized but scales were given: {', '.join(extra)}")
         return
 
-    if s.weight == "block" and N % BLOCK:
-        raise ValueError(
-            f"scheme {s.name} needs the intermediate size per GPU to be a multiple of {BLOCK} "
-            f"(gate and up rows must not share a 128-row block), got N={N}"
-        )
+    check_intermediate(s, N)
     for name, rows, cols in (("w13_scale", 2 * N, H), ("w2_scale", H, N)):
         t = getattr(w, name)
         if t is None:
@@ -236,9 +242,13 @@ def quantize_weights(
         raise ValueError(f"quantize_weights needs float weights, got w13 of dtype {w13.dtype}")
     if not scheme.is_fp8:
         return MoEWeights(scheme, w13, w2)
-    # new tensors either way: made contiguous (the layout MoEWeights requires) whatever the input's
-    q13, s13 = quant.quantize_weight(w13.contiguous(), scheme.weight)
-    q2, s2 = quant.quantize_weight(w2.contiguous(), scheme.weight)
+    if w13.dim() != 3 or w13.shape[1] % 2 or tuple(w2.shape) != (w13.shape[0], w13.shape[2], w13.shape[1] // 2):
+        raise ValueError(
+            f"quantize_weights takes w13 [E, 2N, H] and w2 [E, H, N], got {tuple(w13.shape)} and {tuple(w2.shape)}"
+        )
+    if w2.device != w13.device:
+        raise ValueError(f"w2 is on {w2.device} but w13 is on {w13.device}")
+    E, H, N = w2.shape
     a13 = a2 = None
     if scheme.static_activation:
         if input_scales is not None and calibration is not None:
@@ -255,7 +265,32 @@ def quantize_weights(
         for name, s in (("a13", a13), ("a2", a2)):
             if not bool(torch.isfinite(s).all()) or float(s) <= 0:
                 raise ValueError(f"static activation scale {name} must be positive and finite, got {float(s)}")
-    return MoEWeights(scheme, q13, q2, s13, s2, a13, a2)
+    # one expert at a time: a whole layer in float32 is several GB (128 experts)
+    return quantize_per_expert(lambda e: (w13[e], w2[e]), E, H, N, scheme, w13.device,
+                               input_scales=None if a13 is None else (a13, a2))
+
+
+def quantize_per_expert(expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]], E: int, H: int, N: int,
+                        scheme: QuantScheme, device: torch.device | str,
+                        input_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> MoEWeights:
+    """Quantize experts given by `expert(e) -> (w13_e [2N, H], w2_e [H, N])` (float, on any device)
+    to the FP8 `scheme` on `device`, one at a time: only one expert is ever held in float32. Every
+    scale is one expert's own, so this is bitwise the whole layer's quant.quantize_weight. New
+    contiguous tensors whatever the inputs' layout. fp8-tensor-static: with its `input_scales`
+    (a13 [1], a2 [1])."""
+    check_intermediate(scheme, N)
+    g = scheme.weight
+    w13 = torch.empty(E, 2 * N, H, dtype=quant.FP8_DTYPE, device=device)
+    w2 = torch.empty(E, H, N, dtype=quant.FP8_DTYPE, device=device)
+    s13 = torch.empty(quant.weight_scale_shape(g, E, 2 * N, H), dtype=torch.float32, device=device)
+    s2 = torch.empty(quant.weight_scale_shape(g, E, H, N), dtype=torch.float32, device=device)
+    for e in range(E):
+        gu, d = expert(e)
+        q, s = quant.quantize_weight(gu.to(device)[None], g)
+        w13[e], s13[e] = q[0], s[0]
+        q, s = quant.quantize_weight(d.to(device)[None], g)
+        w2[e], s2[e] = q[0], s[0]
+    return MoEWeights.from_fp8(scheme, w13, w2, s13, s2, *(input_scales or ()))
 
 
 @torch.no_grad()

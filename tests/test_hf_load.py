@@ -672,7 +672,7 @@ def test_fused_fp8_experts_of_another_layout_are_named(bf16_dirs, tmp_path):
 
 
 def test_static_quantization_on_load_is_one_expert_at_a_time(monkeypatch):
-    """fp8-tensor-static on load went through quantize_weights, which converts the whole layer to
+    """fp8-tensor-static on load went through quantize_weights, which then converted the whole layer to
     float32 at once (README: "one expert at a time"): every weight quantization now sees one
     expert, and the result is bitwise quantize_weights' (the same scales, a13 and a2)."""
     from moekit import quant

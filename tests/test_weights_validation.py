@@ -18,6 +18,7 @@ import moekit
 from moekit.backends import cutlass
 from moekit.backends.torch_backend import TorchBackend
 from moekit.select import select_backend
+from moekit.spec import SCHEMES
 
 E, H, N, K, M = 4, 64, 32, 2, 8
 
@@ -181,3 +182,57 @@ def test_quantizing_a_transposed_view_gives_contiguous_fp8_weights():
         got = getattr(views, name)
         assert got.is_contiguous() and torch.equal(got.view(torch.uint8) if got.dtype != torch.float32 else got,
                                                    t.view(torch.uint8) if t.dtype != torch.float32 else t), name
+
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_quantize_weights_one_expert_at_a_time_is_bitwise_the_whole_layer(scheme, monkeypatch):
+    """quantize_weights converted the whole layer to float32 at once (several GB for 128 experts):
+    now every weight quantization sees one expert, and every tensor is bitwise what the whole-layer
+    computation (quant.quantize_weight on [E, R, C]) gave; static scales as given or measured."""
+    from moekit import quant
+    from moekit.weights import _calibrate
+
+    E_, H_, N_ = 3, 200, 128  # H: partial 128-blocks
+    g = torch.Generator().manual_seed(5)
+    w13 = torch.randn(E_, 2 * N_, H_, generator=g) / H_**0.5  # as helpers.random_weights makes them
+    w2 = torch.randn(E_, H_, N_, generator=g) / N_**0.5
+    w13[1] *= 40  # experts of different ranges: their scales must stay their own
+    s = SCHEMES[scheme]
+    if not s.is_fp8:
+        w13, w2 = w13.bfloat16(), w2.bfloat16()
+    calibration = torch.randn(16, H_, generator=g)
+    experts_per_call = []
+    real = quant.quantize_weight
+    monkeypatch.setattr(quant, "quantize_weight",
+                        lambda w, granularity: experts_per_call.append(w.shape[0]) or real(w, granularity))
+    got = moekit.quantize_weights(w13, w2, scheme, **({"calibration": calibration} if s.static_activation else {}))
+    monkeypatch.undo()
+    if not s.is_fp8:
+        assert experts_per_call == [] and got.w13 is w13 and got.w2 is w2
+        return
+    assert experts_per_call == [1] * (2 * E_)
+    want = dict(zip(("w13", "w13_scale"), quant.quantize_weight(w13, s.weight)))
+    want.update(zip(("w2", "w2_scale"), quant.quantize_weight(w2, s.weight)))
+    if s.static_activation:
+        want["a13_scale"], want["a2_scale"] = _calibrate(w13, w2, calibration)
+    assert got.tensors().keys() == want.keys()
+    for name, t in want.items():
+        u = getattr(got, name)
+        assert u.dtype == t.dtype and u.shape == t.shape, name
+        assert torch.equal(u.view(torch.uint8), t.view(torch.uint8)), name  # bitwise, NaN or not
+    if s.static_activation:  # the scales given rather than measured
+        given = moekit.quantize_weights(w13, w2, scheme, input_scales=(0.5, torch.tensor(0.25)))
+        assert torch.equal(given.w13.view(torch.uint8), want["w13"].view(torch.uint8))
+        assert given.a13_scale.tolist() == [0.5] and given.a2_scale.tolist() == [0.25]
+
+
+def test_quantize_weights_refuses_mismatched_layers():
+    """One expert at a time indexes both tensors by expert: shapes that do not make one layer are
+    refused before any is quantized."""
+    w13, w2 = torch.randn(2, 64, 32), torch.randn(2, 32, 32)
+    for a, b in ((w13, w2[:1]), (w13, w2[:, :16]), (w13[:, :63], w2), (w13[0], w2[0])):
+        with pytest.raises(ValueError, match=r"quantize_weights takes w13 \[E, 2N, H\] and w2 \[E, H, N\], got"):
+            moekit.quantize_weights(a, b, "fp8-channel-token")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        moekit.quantize_weights(w13, w2, "fp8-block128")

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from .. import quant
+from .. import quant, weights
 from ..spec import BLOCK, QuantScheme
-from ..weights import MoEWeights
+from ..weights import MoEWeights, check_intermediate
 from .families import Family, UnsupportedModelError
 
 log = logging.getLogger("moekit.hf")
@@ -374,21 +374,11 @@ def read_unquantized(ckpt: Checkpoint, entry: dict, prefix: str, family: Family,
 
 def quantize_per_expert(expert, E: int, H: int, N: int, scheme: QuantScheme, device,
                         input_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> MoEWeights:
-    """Quantize experts given by `expert(e) -> (w13_e [2N, H], w2_e [H, N])` one at a time
-    (fp8-tensor-static: with its measured `input_scales` (a13 [1], a2 [1]))."""
-    g = scheme.weight
-    if g == "block" and N % BLOCK:
-        raise UnsupportedModelError(
-            f"scheme {scheme.name} needs the intermediate size to be a multiple of {BLOCK}, got {N}"
-        )
-    w13 = torch.empty(E, 2 * N, H, dtype=quant.FP8_DTYPE, device=device)
-    w2 = torch.empty(E, H, N, dtype=quant.FP8_DTYPE, device=device)
-    s13 = torch.empty(quant.weight_scale_shape(g, E, 2 * N, H), dtype=torch.float32, device=device)
-    s2 = torch.empty(quant.weight_scale_shape(g, E, H, N), dtype=torch.float32, device=device)
-    for e in range(E):
-        gu, d = expert(e)
-        q, s = quant.quantize_weight(gu.to(device)[None], g)
-        w13[e], s13[e] = q[0], s[0]
-        q, s = quant.quantize_weight(d.to(device)[None], g)
-        w2[e], s2[e] = q[0], s[0]
-    return MoEWeights.from_fp8(scheme, w13, w2, s13, s2, *(input_scales or ()))
+    """moekit.weights.quantize_per_expert (experts `expert(e) -> (w13_e [2N, H], w2_e [H, N])`
+    quantized one at a time), a scheme the layer cannot take refused as UnsupportedModelError
+    before any expert is read."""
+    try:
+        check_intermediate(scheme, N)
+    except ValueError as e:
+        raise UnsupportedModelError(str(e)) from None
+    return weights.quantize_per_expert(expert, E, H, N, scheme, device, input_scales)
