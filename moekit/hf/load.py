@@ -301,8 +301,8 @@ def _quantize_module(module: MoekitExperts, scheme: QuantScheme, calibration: to
                 f"{module.label}: scheme {scheme.name} needs static activation scales: pass calibration= "
                 "(token ids, or text with a tokenizer in the model folder) to measure them"
             )
-        # quantize_weights would convert the whole layer to float32 at once: one expert at a time,
-        # with the activation scales measured as quantize_weights measures them (bitwise the same)
+        # the activation scales measured as quantize_weights measures them (bitwise the same), here
+        # so that a failure is an UnsupportedModelError naming the module
         a13, a2 = _calibrate(w.w13, w.w2, calibration)
         if not (bool(torch.isfinite(a13).all()) and bool(torch.isfinite(a2).all())):
             raise UnsupportedModelError(f"{module.label}: the calibration gave non-finite activation scales "
