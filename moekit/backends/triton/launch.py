@@ -7,6 +7,8 @@ One layer call is, on the GPU and without a host synchronisation (so it captures
   4. GEMM2, the intermediate quantized while it is loaded, top-k weight in the epilogue
   5. combine each token's K rows in a fixed order (deterministic)
 A config with GEMV=1 runs the GEMV path instead (gemv.py: no alignment, no combine pass).
+A call of more than MAX_ALIGN_PAIRS (token, expert) pairs (2**23: M = 2**20 tokens at top-8) runs
+as consecutive calls on slices of its tokens (TritonBackend._run_in_chunks).
 On Hopper each of these kernels is launched to overlap the end of the one before it (programmatic
 dependent launch, MOEKIT_PDL: see pdl_enabled and _kernels._pdl_release).
 
@@ -46,6 +48,15 @@ except ImportError:
 SINGLE_ALIGN_MAX_PAIRS = 128  # up to this many pairs, one program aligns them all
 CHUNK = 128  # pairs per program of the multi-program alignment
 E_BLOCK = 64  # experts handled at once when counting
+SCAN_E_BLOCK = 16  # experts handled at once by the scan over the per-chunk counts
+
+# The most (token, expert) pairs one call can align. The multi-program alignment's scan
+# (_kernels.align_scan_kernel) reads every chunk's counts of SCAN_E_BLOCK experts in one tile of
+# next_power_of_2(cdiv(P, CHUNK)) x SCAN_E_BLOCK elements, and Triton refuses a tile of more than
+# TRITON_MAX_TENSOR_NUMEL elements (2**20 in Triton 3.x): at most 2**20 / 16 = 65536 chunks of 128,
+# P <= 2**23 = 8,388,608 pairs (M = 1,048,576 tokens at top-8). Beyond it, run() processes the
+# tokens in consecutive slices of at most this many pairs, each a normal call (_run_in_chunks).
+MAX_ALIGN_PAIRS = CHUNK * (tl.TRITON_MAX_TENSOR_NUMEL // SCAN_E_BLOCK)
 
 
 def fp8_promote(cfg: KernelConfig) -> int:
@@ -210,12 +221,20 @@ class TritonBackend(Backend):
 
     def run(self, x, weights, topk_weights, topk_ids, config: KernelConfig | None = None):
         M, K = topk_ids.shape
+        if M * K > MAX_ALIGN_PAIRS:
+            return self._run_in_chunks(x, weights, topk_weights, topk_ids, config)
+        return self._run(x, weights, topk_weights, topk_ids, config)
+
+    def _run(self, x, weights, topk_weights, topk_ids, config: KernelConfig | None, out=None):
+        """One call of at most MAX_ALIGN_PAIRS pairs; `out`: the [M, H] tensor to write (else a new one)."""
+        M, K = topk_ids.shape
         cfg = config or self.config_for(weights, K, M, x.device)
         _check_config(cfg, weights.scheme)
         if cfg.GEMV:
             from .gemv import run_gemv  # imported here: gemv.py imports this module
 
-            return run_gemv(x, weights, topk_weights, topk_ids, cfg, row_intermediate=_row_intermediate(weights.scheme))
+            y = run_gemv(x, weights, topk_weights, topk_ids, cfg, row_intermediate=_row_intermediate(weights.scheme))
+            return y if out is None else out.copy_(y)
         if M * K <= SINGLE_ALIGN_MAX_PAIRS and _row_quant_mode(weights.scheme) is not None:
             align, a, a_scale = align_and_quantize(x, weights, topk_ids, cfg.BLOCK_M)
         else:
@@ -223,7 +242,29 @@ class TritonBackend(Backend):
             a, a_scale = quantize_input(x, weights)
         act = gemm1(a, a_scale, weights, align, K, x.dtype, cfg)
         pairs = gemm2(act, weights, align, topk_weights, x.dtype, cfg)
-        return combine(pairs, M, K)
+        return combine(pairs, M, K, out)
+
+    def _run_in_chunks(self, x, weights, topk_weights, topk_ids, config: KernelConfig | None):
+        """More than MAX_ALIGN_PAIRS pairs: the tokens in as few consecutive slices as hold at most
+        MAX_ALIGN_PAIRS pairs each, their sizes differing by at most one row, each slice a normal
+        call (_run) writing its rows of the output, in order. Every token's output is computed as
+        in a call of its slice alone, so the result is deterministic; it equals one call's bitwise
+        where the slices run one call's config, except under a dynamic per-tensor activation scale
+        (fp8-tensor-dynamic), whose scales (input and intermediate) are then one per slice.
+        Without `config`, each slice looks up the config of its own M (config_for: the tuned
+        entry nearest its batch size, else the analytic default by rows per expert). Slices hold
+        at least about MAX_ALIGN_PAIRS / 2 = 2**22 pairs, far beyond the batch sizes tables measure
+        (8192 at most in the shipped ones) and in the default's largest regime (512+ rows per
+        expert up to 8192 experts), so they look up what one call's M would."""
+        M, K = topk_ids.shape
+        slices = triton.cdiv(M, max(1, MAX_ALIGN_PAIRS // K))
+        rows, longer = divmod(M, slices)  # the first `longer` slices get rows + 1
+        out = torch.empty(M, weights.hidden, dtype=x.dtype, device=x.device)
+        end = 0
+        for index in range(slices):
+            begin, end = end, end + rows + (index < longer)
+            self._run(x[begin:end], weights, topk_weights[begin:end], topk_ids[begin:end], config, out[begin:end])
+        return out
 
     def prepare_gemm_only(self, x, weights, topk_weights, topk_ids, config: KernelConfig | None = None):
         """A closure running only the two expert GEMMs (SiLU fused in GEMM1) on inputs already
@@ -281,6 +322,9 @@ class Alignment:
 
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    if topk_ids.numel() > MAX_ALIGN_PAIRS:  # run() splits such calls; Triton would refuse the scan's tile
+        raise ValueError(f"{topk_ids.numel()} (token, expert) pairs: one alignment takes at most "
+                         f"{MAX_ALIGN_PAIRS} (launch.MAX_ALIGN_PAIRS); TritonBackend.run splits larger calls")
     align = _empty_alignment(topk_ids, num_experts, block_m)
     P, E, ids, dev = align.num_pairs, num_experts, topk_ids.reshape(-1), topk_ids.device
     sorted_pairs, count, start = align.sorted_pairs, align.count, align.start
@@ -296,7 +340,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
         _launch(k.align_count_kernel, (chunks,), ids, chunk_counts, P, E, CHUNK=CHUNK, E_BLOCK=E_BLOCK)
         _launch(k.align_scan_kernel, (1,),
             chunk_counts, total, count, start, chunks, E,
-            BLOCK_M=block_m, C_POW2=triton.next_power_of_2(chunks), E_BLOCK=16,
+            BLOCK_M=block_m, C_POW2=triton.next_power_of_2(chunks), E_BLOCK=SCAN_E_BLOCK,
         )
         _launch(k.align_scatter_kernel, (chunks,), ids, sorted_pairs, chunk_counts, start, P, E, CHUNK=CHUNK)
     return align
@@ -596,9 +640,11 @@ def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights
     return out
 
 
-def combine(pairs: torch.Tensor, M: int, K: int) -> torch.Tensor:
+def combine(pairs: torch.Tensor, M: int, K: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's K pair rows summed into out [M, H] (new unless given: then contiguous rows)."""
     H = pairs.shape[1]
-    out = torch.empty(M, H, dtype=pairs.dtype, device=pairs.device)
+    if out is None:
+        out = torch.empty(M, H, dtype=pairs.dtype, device=pairs.device)
     block_h = min(triton.next_power_of_2(H), 1024)
     _launch(k.combine_kernel, (M, triton.cdiv(H, block_h)), pairs, out, H, K_TOP=K, BLOCK_H=block_h, INTERPRET=_interpreting())
     return out

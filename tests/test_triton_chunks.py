@@ -1,0 +1,148 @@
+"""Calls of more (token, expert) pairs than one alignment takes (launch.MAX_ALIGN_PAIRS): the
+triton backend's run() splits the tokens into consecutive slices, each a normal call. On the CPU
+the limit is patched small, so a few dozen tokens span several slices."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import moekit
+from moekit.backends.triton import KernelConfig, launch
+from moekit.backends.triton import _kernels as k
+
+from helpers import random_routing, random_weights, random_x, rel_l2
+from test_triton_backend import REL_L2_TOL, assert_matches_reference, reference_for
+
+
+def test_the_limit_is_the_scan_tile_tritons_limit_allows(device):
+    assert launch.MAX_ALIGN_PAIRS == launch.CHUNK * tl.TRITON_MAX_TENSOR_NUMEL // launch.SCAN_E_BLOCK
+    E = 3
+    for chunks, fits in ((launch.MAX_ALIGN_PAIRS // launch.CHUNK, True), (launch.MAX_ALIGN_PAIRS // launch.CHUNK + 1, False)):
+        counts = torch.ones(chunks, E, dtype=torch.int32, device=device)
+        count, start, total = (torch.empty(n, dtype=torch.int32, device=device) for n in (E, E + 1, E))
+
+        def scan():
+            launch._launch(k.align_scan_kernel, (1,), counts, total, count, start, chunks, E,
+                           BLOCK_M=16, C_POW2=triton.next_power_of_2(chunks), E_BLOCK=launch.SCAN_E_BLOCK)
+
+        if fits:  # as align_pairs launches it at launch.MAX_ALIGN_PAIRS pairs: it runs
+            scan()
+            assert total.tolist() == [chunks] * E and counts[-1].tolist() == [chunks - 1] * E
+        else:  # one chunk more: Triton refuses the tile (the interpreter checks it as the compiler does)
+            with pytest.raises(Exception, match="numel"):
+                scan()
+
+
+def test_align_pairs_refuses_more_than_the_limit():
+    ids = torch.zeros(launch.MAX_ALIGN_PAIRS + 1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="MAX_ALIGN_PAIRS"):
+        launch.align_pairs(ids, 4, 16)
+
+
+@pytest.mark.parametrize("M,K,expected", [
+    (launch.MAX_ALIGN_PAIRS // 8, 8, None),  # at the limit (M = 2**20 at top-8): one call, not split
+    (launch.MAX_ALIGN_PAIRS // 8 + 1, 8, [2**19 + 1, 2**19]),
+    (launch.MAX_ALIGN_PAIRS + 1, 1, [2**22 + 1, 2**22]),
+    (2 * (launch.MAX_ALIGN_PAIRS // 6) + 3, 6, [932069, 932068, 932068]),  # 1,398,101 tokens fit at top-6
+])
+def test_slices_at_the_real_limit(monkeypatch, M, K, expected):
+    """Where run() splits and how (the calls recorded, not run): consecutive slices in order,
+    sizes differing by at most one row, none over the limit, covering every row once."""
+    calls = []
+
+    def fake_run(self, x, weights, topk_weights, topk_ids, config, out=None):
+        calls.append((x.data_ptr(), topk_ids.data_ptr(), topk_weights.shape[0], topk_ids.shape[0], x.shape[0]))
+        if out is not None:
+            out.fill_(len(calls))
+        return out
+
+    monkeypatch.setattr(launch.TritonBackend, "_run", fake_run)
+    w = random_weights(2, 1, 16, "bf16")  # hidden 1: the [M, H] buffers stay small
+    x = torch.empty(M, 1, dtype=torch.bfloat16)
+    ids = torch.empty(M, K, dtype=torch.int32)
+    tw = torch.empty(1, 1).expand(M, K)
+    out = moekit.get_backend("triton").run(x, w, tw, ids)
+    if expected is None:
+        assert out is None and len(calls) == 1 and calls[0][2:] == (M, M, M)
+        return
+    assert sum(expected) == M and max(expected) * K <= launch.MAX_ALIGN_PAIRS
+    assert [c[2:] for c in calls] == [(n, n, n) for n in expected]
+    starts = [sum(expected[:i]) for i in range(len(expected))]
+    assert [c[0] for c in calls] == [x.data_ptr() + s * x.element_size() for s in starts]
+    assert [c[1] for c in calls] == [ids.data_ptr() + s * K * ids.element_size() for s in starts]
+    assert out.shape == (M, 1) and out.dtype == x.dtype
+    assert torch.equal(out[:, 0], torch.repeat_interleave(torch.arange(1, len(expected) + 1), torch.tensor(expected)).to(out.dtype))
+
+
+def _problem(scheme, M, K, E, experts, device, seed=0):
+    w = random_weights(E, 128, 128, scheme, device=device, seed=seed)
+    tw, ids = random_routing(M, E, K, device=device, seed=seed, experts=experts)
+    return random_x(M, 128, device=device, seed=seed), w, tw, ids
+
+
+# (top-k, experts of which some idle, patched limit, M): 3 slices each, of odd and even sizes, with
+# more than 128 pairs each (the count / scan / scatter alignment, as at the real limit)
+SPLITS = [
+    (8, 10, [0, 1, 2, 3, 5, 6, 7, 9], 256, 77),  # slices of 26, 26 and 25 tokens; experts 4, 8 idle
+    (1, 5, [0, 1, 3, 4], 140, 391),  # slices of 131, 130, 130 tokens; expert 2 idle
+]
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8-channel-token"])
+@pytest.mark.parametrize("K,E,experts,limit,M", SPLITS)
+def test_split_call_is_bitwise_one_call(monkeypatch, scheme, K, E, experts, limit, M, device):
+    x, w, tw, ids = _problem(scheme, M, K, E, experts, device)
+    backend = moekit.get_backend("triton")
+    one_call = backend.run(x, w, tw, ids)
+    slices = triton.cdiv(M, limit // K)
+    # each slice looks up its own M's config: the same as one call's at these sizes (the analytic
+    # default, 16+ rows per expert), so the split must not change a bit
+    sizes = {M // slices, triton.cdiv(M, slices)}
+    assert {backend.config_for(w, K, m, x.device) for m in sizes} == {backend.config_for(w, K, M, x.device)}
+    looked_up = []
+    config_for = launch.TritonBackend.config_for
+    monkeypatch.setattr(launch.TritonBackend, "config_for",
+                        lambda self, w_, k_, m, d: looked_up.append(m) or config_for(self, w_, k_, m, d))
+    monkeypatch.setattr(launch, "MAX_ALIGN_PAIRS", limit)
+    split = backend.run(x, w, tw, ids)
+    assert sorted(looked_up) == sorted([M // slices + (i < M % slices) for i in range(slices)])
+    assert max(looked_up) * K <= limit
+    assert torch.equal(split, one_call)
+    assert_matches_reference(split, x, w, tw, ids)
+
+
+def test_split_call_with_a_given_config_and_decode_sized_slices(monkeypatch, device):
+    """A config given to run() runs every slice. One call of 180 pairs aligns them in the
+    count / scan / scatter kernels; slices of at most 128 align and quantize in one launch
+    (align_and_quantize): still one call's bits."""
+    x, w, tw, ids = _problem("fp8-block128", 45, 4, 6, [0, 2, 3, 5], device, seed=1)
+    backend = moekit.get_backend("triton")
+    cfg = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1)
+    one_call = backend.run(x, w, tw, ids, config=cfg)
+    monkeypatch.setattr(launch, "MAX_ALIGN_PAIRS", 64)  # 3 slices of 15 tokens (60 pairs)
+    monkeypatch.setattr(launch.TritonBackend, "config_for", lambda *a: pytest.fail("a given config is looked up"))
+    assert torch.equal(backend.run(x, w, tw, ids, config=cfg), one_call)
+
+
+def test_split_call_of_the_gemv_path(monkeypatch, device):
+    x, w, tw, ids = _problem("fp8-block128", 9, 2, 5, None, device, seed=2)
+    backend = moekit.get_backend("triton")
+    cfg = KernelConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_stages=1, GEMV=1)
+    one_call = backend.run(x, w, tw, ids, config=cfg)
+    monkeypatch.setattr(launch, "MAX_ALIGN_PAIRS", 8)  # slices of 3 tokens
+    assert torch.equal(backend.run(x, w, tw, ids, config=cfg), one_call)
+
+
+def test_split_call_of_a_dynamic_per_tensor_scale(monkeypatch, device):
+    """fp8-tensor-dynamic: each slice quantizes with scales of its own (input and intermediate),
+    so the split call is the slices' own calls, each as close to its reference as one call."""
+    x, w, tw, ids = _problem("fp8-tensor-dynamic", 77, 8, 10, [0, 1, 2, 3, 5, 6, 7, 9], device)
+    backend = moekit.get_backend("triton")
+    parts = [(0, 26), (26, 52), (52, 77)]
+    own = [backend.run(x[a:b], w, tw[a:b], ids[a:b]) for a, b in parts]
+    monkeypatch.setattr(launch, "MAX_ALIGN_PAIRS", 256)
+    split = backend.run(x, w, tw, ids)
+    assert torch.equal(split, torch.cat(own))
+    for (a, b), part in zip(parts, own):
+        assert rel_l2(part, reference_for(x[a:b], w, tw[a:b], ids[a:b])) < REL_L2_TOL
