@@ -14,6 +14,12 @@ by an integer handle: handle_of() gives one to the object at trace time (the com
 on the real object and keeps the result as a constant) and _OBJECTS finds the object again
 when the op runs. The registry holds objects weakly: a deleted layer leaves nothing behind.
 The tensors the object holds are passed too, so the compiler knows the op reads them.
+
+The handle being a constant, Dynamo guards on the object's identity (assume_constant_result's
+ID_MATCH): every layer object gets a graph of its own. A whole model compiled at once is one
+graph holding every layer's handle; but one function (or one block class's forward, compiled
+block by block) traced for many layer objects recompiles per object, and past
+torch._dynamo.config.recompile_limit (8) falls back to eager (fullgraph=True: raises).
 """
 
 from __future__ import annotations
@@ -47,7 +53,10 @@ def handle_of(obj) -> int:
         # what the compiler passes for a MoEWeights built inside the traced function: an empty shell
         raise TypeError(
             "moekit.fused_moe under torch.compile needs its MoEWeights made outside the compiled "
-            "function (once, like a module's weights), not inside it"
+            "function (once, like a module's weights), not inside it. MoELayer.weights builds a new "
+            "MoEWeights when first read after .to(), load_state_dict() or a buffer assignment: call "
+            "the layer itself (layer(x, ...)) in the compiled function, or read layer.weights once "
+            "outside it"
         )
     handle = obj.__dict__.get(_HANDLE_ATTR)
     # a copy (copy.deepcopy of a model) carries its original's handle in its __dict__: not its own
@@ -88,16 +97,17 @@ def _fused_moe_op(
 ) -> torch.Tensor:
     from .api import fused_moe
 
-    return fused_moe(
+    out = fused_moe(
         x, _object(handle), topk_weights, topk_ids, backend,
         apply_router_weight_on_input=apply_router_weight_on_input, allow_weight_copies=allow_weight_copies,
     )
+    return out.contiguous()  # the fake's layout (see _contiguous_like)
 
 
 @_fused_moe_op.register_fake
 def _(x, topk_weights, topk_ids, weight_tensors, handle, backend, apply_router_weight_on_input, allow_weight_copies):
     hidden = weight_tensors[0].shape[2]  # w13 [E, 2N, H]
-    return x.new_empty(x.shape[0], hidden)
+    return x.new_empty(x.shape[0], hidden)  # contiguous, as the op returns it
 
 
 def fused_moe(x, weights, topk_weights, topk_ids, backend, *, apply_router_weight_on_input, allow_weight_copies):
@@ -118,12 +128,21 @@ def fused_moe(x, weights, topk_weights, topk_ids, backend, *, apply_router_weigh
 def _forward_op(
     x: torch.Tensor, args: list[torch.Tensor], state: list[torch.Tensor], handle: int, kind: str
 ) -> torch.Tensor:
-    return _EAGER_FORWARDS[kind](_object(handle), x, *args)
+    return _EAGER_FORWARDS[kind](_object(handle), x, *args).contiguous()  # the fake's layout
 
 
 @_forward_op.register_fake
 def _(x, args, state, handle, kind):
-    return torch.empty_like(x)  # every moekit module returns x's shape in x's dtype
+    return _contiguous_like(x)  # every moekit module returns x's shape in x's dtype
+
+
+def _contiguous_like(x: torch.Tensor) -> torch.Tensor:
+    """An op's output as its fake implementation gives it: x's shape and dtype, contiguous. Not
+    torch.empty_like(x), which keeps the strides of a permuted x (x.transpose(0, 1) of a [S, B, H]
+    tensor): the eager code returns a contiguous tensor, and inductor checks (assert_size_stride)
+    and indexes the op's output by the fake's strides. The ops make their real outputs contiguous
+    too (no copy where they already are), so that the two agree whatever a backend returns."""
+    return x.new_empty(x.shape)
 
 
 def module_forward(module: torch.nn.Module, kind: str, x: torch.Tensor, args: Sequence[torch.Tensor]) -> torch.Tensor:

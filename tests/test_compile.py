@@ -59,6 +59,53 @@ def test_compiled_layer_is_bitwise_eager(scheme, backend, device):
         assert torch.equal(got, want), (M, (got.float() - want.float()).abs().max())
 
 
+def _graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_changing_sizes_settle_on_one_dynamic_graph():
+    """The traced code reads no size (the op's fake gives x's shape): a new M or sequence length
+    costs torch's usual recompiles and no more. Without dynamic=, the first call is traced with
+    static sizes and the first size change with dynamic ones, which every later size reuses
+    (M >= 2: torch specializes sizes 0 and 1); with dynamic=True one graph serves them all."""
+    layer = moekit.MoELayer(random_weights(E, H, N, "bf16"), RoutingConfig(top_k=K), "torch")
+    torch._dynamo.utils.counters.clear()
+    compiled = _compiled(layer)
+    for call, M in enumerate((5, 6, 9, 2, 17)):
+        x, logits = random_x(M, H, seed=M), torch.randn(M, E)
+        assert torch.equal(compiled(x, logits), layer(x, logits))
+        assert _graphs() == min(call + 1, 2), (M, _graphs())
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)
+    for B, S in ((2, 3), (2, 7), (4, 5)):  # [B, S, H]: both leading sizes change
+        x, logits = random_x(B * S, H, seed=S).view(B, S, H), torch.randn(B, S, E)
+        assert torch.equal(compiled(x, logits), layer(x, logits))
+    assert _graphs() == 1
+
+
+def test_backend_changed_after_compiling_is_honoured(monkeypatch):
+    """The op runs the layer's eager forward, which reads layer.backend and MOEKIT_BACKEND when it
+    runs: a compiled layer follows a change of either, with no recompile (nothing in the graph
+    depends on them). FP8 weights tell the backends apart: `reference` quantizes the
+    activations, `torch` does not."""
+    monkeypatch.delenv("MOEKIT_BACKEND", raising=False)
+    layer = moekit.MoELayer(random_weights(E, H, N, "fp8-channel-token"), RoutingConfig(top_k=K), "reference")
+    x, logits = random_x(8, H), torch.randn(8, E)
+    torch._dynamo.utils.counters.clear()
+    compiled = _compiled(layer)
+    on_reference = compiled(x, logits)
+    assert torch.equal(on_reference, layer(x, logits))
+    layer.backend = "torch"
+    on_torch = compiled(x, logits)
+    assert torch.equal(on_torch, layer(x, logits)) and not torch.equal(on_torch, on_reference)
+    layer.backend = "auto"  # MOEKIT_BACKEND decides before auto does
+    for name, want in (("torch", on_torch), ("reference", on_reference)):
+        monkeypatch.setenv("MOEKIT_BACKEND", name)
+        assert torch.equal(compiled(x, logits), want), name
+    assert _graphs() == 1
+
+
 def test_compiled_function_with_fused_moe_and_other_ops(device):
     """moekit.fused_moe called inside a compiled function, between ops the compiler keeps: the
     routing from (topk_weights, topk_ids), a residual added after, 3-D x through a MoELayer."""
@@ -123,6 +170,21 @@ def test_weights_built_inside_the_compiled_function_are_refused():
         _compiled(inner)(x, w.w13, w.w2, w.w13_scale, w.w2_scale)
 
 
+def test_layer_weights_rebuilt_inside_the_compiled_function_are_refused_by_name():
+    """MoELayer.weights builds its MoEWeights anew on the first read after load_state_dict (or
+    .to()): read inside a compiled function, that is a MoEWeights made while the compiler traces.
+    The error says so and names the way out (call the layer itself), not only the rule."""
+    layer = moekit.MoELayer(random_weights(E, H, N, "bf16"), RoutingConfig(top_k=K), "torch")
+    x = random_x(4, H)
+    tw, ids = random_routing(4, E, K)
+    compiled = _compiled(lambda x: moekit.fused_moe(x, layer.weights, tw, ids, "torch"))
+    assert torch.equal(compiled(x), moekit.fused_moe(x, layer.weights, tw, ids, "torch"))  # weights built
+    layer.load_state_dict(layer.state_dict())  # the layer's next read of .weights builds them again
+    with pytest.raises(Exception, match=r"MoELayer\.weights .* call the layer itself"):
+        compiled(x)
+    assert torch.equal(_compiled(layer)(x, tw, ids), layer(x, tw, ids))  # the way the message names
+
+
 def test_gradients_never_flow_and_eager_says_so():
     """Inference only: eager calls run under no_grad (a warning when an input requires grad),
     compiled calls detach their inputs; neither output carries a gradient."""
@@ -159,11 +221,36 @@ def test_ops_pass_torch_library_opcheck():
         torch.library.opcheck(torch.ops.moekit.forward, args, **kw)
 
 
+def _permuted(t: torch.Tensor, B: int, S: int) -> torch.Tensor:
+    """t [B*S, D] as a [B, S, D] view of a [S, B, D] tensor (x.transpose(0, 1) of a sequence-
+    first model): 3-D, not contiguous, its strides a permutation of contiguous ones."""
+    return t.reshape(S, B, t.shape[-1]).transpose(0, 1)
+
+
+def test_ops_outputs_are_laid_out_as_their_fakes_say():
+    """The fake implementations say what the compiler may assume of an op's output, strides
+    included (inductor indexes the output by them and checks them, assert_size_stride): a
+    permuted [B, S, H] x still gets a contiguous output, as the eager code returns it (a fake of
+    torch.empty_like(x) would claim x's permuted strides), and so does a 2-D x that is a slice."""
+    weights = random_weights(E, H, N, "bf16")
+    layer = moekit.MoELayer(weights, RoutingConfig(top_k=K), "torch")
+    x = _permuted(random_x(12, H), 3, 4)
+    logits = _permuted(torch.randn(12, E), 3, 4)
+    assert not x.is_contiguous() and layer(x, logits).is_contiguous()  # what the eager code returns
+    args = (x, [logits], list(layer.buffers()), custom_ops.handle_of(layer), "moekit.MoELayer")
+    torch.library.opcheck(torch.ops.moekit.forward, args, test_utils="test_faketensor")
+    wide = random_x(6, 2 * H)[:, :H]  # rows of 2H elements: a 2-D x that is not contiguous
+    tw, ids = random_routing(6, E, K)
+    args = (wide, tw, ids, list(weights.tensors().values()), custom_ops.handle_of(weights), "torch", False, True)
+    torch.library.opcheck(torch.ops.moekit.fused_moe, args, test_utils="test_faketensor")
+
+
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
                     reason="inductor on the CPU needs a C++ compiler")
 def test_inductor_keeps_the_op_bitwise():
     """With code generation (inductor), the ops still run moekit's eager code on the inputs the
-    compiled graph computes: the layer's output is bitwise the eager layer's."""
+    compiled graph computes: the layer's output is bitwise the eager layer's, also for a permuted
+    [B, S, H] x (whose output inductor reads by the fake's strides)."""
     weights = random_weights(E, H, N, "fp8-channel-token")
     layer = moekit.MoELayer(weights, RoutingConfig(top_k=K, scoring="sigmoid"), "reference")
     compiled = torch.compile(layer, fullgraph=True)
@@ -171,6 +258,8 @@ def test_inductor_keeps_the_op_bitwise():
         x = random_x(M, H, seed=M)
         logits = torch.randn(M, E)
         assert torch.equal(compiled(x, logits), layer(x, logits))
+    x, logits = _permuted(random_x(12, H), 3, 4), _permuted(torch.randn(12, E), 3, 4)
+    assert torch.equal(compiled(x, logits), layer(x, logits))
 
 
 # ----------------------------------------------------------------------------- transformers
