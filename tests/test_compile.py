@@ -332,3 +332,19 @@ def test_generate_with_a_static_cache_compiles_through_moekit(device):
                               compile_config=config)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
     assert torch.equal(compiled, eager)
+
+
+def test_a_subclass_forward_runs_compiled_too(device):
+    """The op runs the module's own _forward_eager: a subclass that overrides it is not bypassed
+    once compiled."""
+
+    class Doubled(moekit.MoELayer):
+        def _forward_eager(self, x, *routing):
+            return 2 * super()._forward_eager(x, *routing)
+
+    weights = random_weights(E, H, N, "bf16", device=device)
+    layer = Doubled(weights, RoutingConfig(top_k=K), "torch")
+    plain = moekit.MoELayer(weights, RoutingConfig(top_k=K), "torch")
+    x, logits = random_x(5, H, device=device), torch.randn(5, E).to(device)
+    got = _compiled(layer)(x, logits)
+    assert torch.equal(got, layer(x, logits)) and torch.equal(got, 2 * plain(x, logits))

@@ -362,5 +362,7 @@ def experts_modules(model: nn.Module) -> dict[str, MoekitExperts]:
     return {name: m for name, m in model.named_modules() if isinstance(m, MoekitExperts)}
 
 
-custom_ops.register_eager_forward("moekit.hf.MoekitExperts", MoekitExperts._forward_eager)
+custom_ops.register_eager_forward(
+    "moekit.hf.MoekitExperts", lambda module, x, *args: module._forward_eager(x, *args)  # a subclass's own
+)
 custom_ops.register_eager_forward("moekit.hf.experts_implementation", _hf_experts_forward_eager)
