@@ -173,6 +173,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             r = slice(None) if mode == "tp" else _rows(c, rank)
             outs[f"layer-{mode}"] = layer(x[r], tw[r], ids[r])
             outs[f"layer-{mode}-case"] = c.name
+            # compiled (fullgraph; the collectives run inside moekit's op): bitwise the eager layer
+            compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+            outs[f"layer-{mode}-compiled"] = compiled(x[r], tw[r], ids[r])
         # The full weights where a shard belongs: refused before any collective, on every rank.
         c = next(c for c in _cases(world) if c.mode == "ep")
         W, x, tw, ids = _inputs(c)
@@ -369,10 +372,11 @@ def test_expert_parallel(case):
 @pytest.mark.parametrize("mode", ["tp", "ep"])
 def test_moe_layer_runs_the_distributed_layer(world, mode):
     """MoELayer.sharded(weights, mode) computes what tp_fused_moe / ep_fused_moe compute, bitwise
-    (the same calls on the same shards)."""
+    (the same calls on the same shards), eager and under torch.compile."""
     for rank_out in _outputs(world):
         case = rank_out[f"layer-{mode}-case"]
         assert torch.equal(rank_out[f"layer-{mode}"], rank_out[case])
+        assert torch.equal(rank_out[f"layer-{mode}-compiled"], rank_out[case])
 
 
 @pytest.mark.parametrize("world", [2, 3])
