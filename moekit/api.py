@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import torch
 
-from . import custom_ops
 from .backends import get_backend
 from .backends.glue.ops import narrow_ids, on_device
 from .select import select_backend
@@ -34,24 +32,42 @@ def fused_moe(
     `apply_router_weight_on_input` (Llama-4, top-1): the weight scales x before the experts.
     `allow_weight_copies=False`: auto never picks a backend that keeps a converted copy of the
     weights (what `moekit.MoELayer` passes); a backend named explicitly still runs.
-    Inference only: runs under torch.no_grad (a warning says so when an input requires grad).
+    Inference only: where an input requires grad, runs under torch.no_grad with a warning.
     Runs on x's GPU whichever GPU is current (on_device). Inside a function torch.compile traces,
     the call is one custom op (custom_ops; `weights` made outside that function).
     """
-    if custom_ops.compiling():
+    if torch.compiler.is_compiling():
+        from . import custom_ops  # imported here: it imports torch._dynamo (~1 s), needed only now
+
         return custom_ops.fused_moe(x, weights, topk_weights, topk_ids, backend,
                                     apply_router_weight_on_input=apply_router_weight_on_input,
                                     allow_weight_copies=allow_weight_copies)
-    grad = torch.is_grad_enabled()
-    if grad and isinstance(weights, MoEWeights) and (
-        x.requires_grad or any(t.requires_grad for t in weights.tensors().values())
-    ):
-        warnings.warn("moekit.fused_moe is inference only: its output carries no gradient (it runs under "
-                      "torch.no_grad)", stacklevel=2)
-    # no_grad only where grad is on: entering it costs ~1 µs of host time per call
-    with on_device(x.device), torch.no_grad() if grad else contextlib.nullcontext():
+    if grads_would_be_dropped(x, weights, topk_weights):
+        with torch.no_grad():  # once: the call below sees grad off
+            return fused_moe(x, weights, topk_weights, topk_ids, backend,
+                             apply_router_weight_on_input=apply_router_weight_on_input,
+                             allow_weight_copies=allow_weight_copies)
+    with on_device(x.device):
         return _fused_moe(x, weights, topk_weights, topk_ids, backend, apply_router_weight_on_input,
                           allow_weight_copies)
+
+
+def grads_would_be_dropped(x, weights, topk_weights) -> bool:
+    """True, with a warning, where grad mode is on and an input requires grad (the activations,
+    the routing weights of a trainable router, the expert weights): moekit is inference only, and
+    the caller then runs under torch.no_grad. Where nothing requires grad, no_grad would change
+    nothing, so the common call does not pay for entering it."""
+    if not torch.is_grad_enabled() or not isinstance(weights, MoEWeights):
+        return False
+    tensors = (x, topk_weights, weights.w13, weights.w2)
+    if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        return False
+    warnings.warn(
+        "moekit is inference only: no gradient flows through the experts (they run under torch.no_grad); "
+        "call the model under torch.inference_mode() or torch.no_grad(), or freeze what requires grad",
+        stacklevel=3,
+    )
+    return True
 
 
 def _fused_moe(x, weights, topk_weights, topk_ids, backend, apply_router_weight_on_input, allow_weight_copies):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -36,28 +36,30 @@ _OBJECTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _NEXT_HANDLE = itertools.count(1)
 _HANDLE_ATTR = "_moekit_handle"
 
-# kind -> the eager forward of that kind of module, (module, x, *args) -> Tensor of x's shape
-_EAGER_FORWARDS: dict[str, Callable[..., torch.Tensor]] = {}
-
-
-def compiling() -> bool:
-    """Whether torch.compile is tracing the caller (False in eager mode and inside an op)."""
-    return torch.compiler.is_compiling()
-
 
 @torch.compiler.assume_constant_result
 def handle_of(obj) -> int:
     """obj's handle (given on first use). Called by the compiler at trace time on the real
     object; the handle becomes a constant of the compiled graph."""
     if isinstance(obj, MoEWeights) and "w13" not in obj.__dict__:
-        # what the compiler passes for a MoEWeights built inside the traced function: an empty shell
-        raise TypeError(
+        # What the compiler passes for a MoEWeights built inside the traced function: an empty
+        # shell. Unsupported: without fullgraph the compiler breaks the graph there and runs the
+        # call eagerly; with fullgraph it raises, with this message.
+        raise torch._dynamo.exc.Unsupported(
             "moekit.fused_moe under torch.compile needs its MoEWeights made outside the compiled "
             "function (once, like a module's weights), not inside it. MoELayer.weights builds a new "
             "MoEWeights when first read after .to(), load_state_dict() or a buffer assignment: call "
             "the layer itself (layer(x, ...)) in the compiled function, or read layer.weights once "
             "outside it"
         )
+    if isinstance(obj, MoEWeights):
+        # Long-lived, like a module's buffers (which the compiler treats so already): under
+        # torch.compile's CUDA graphs (mode="reduce-overhead") a tensor not so marked would be
+        # copied into the graph's memory at every replay, here a whole layer that the op does not
+        # even read (it reads the object). Marked here, at trace time, before the traced code
+        # reads the tensors (custom_ops.fused_moe asks for the handle first).
+        for t in obj.tensors().values():
+            torch._dynamo.mark_static_address(t, guard=False)
     handle = obj.__dict__.get(_HANDLE_ATTR)
     # a copy (copy.deepcopy of a model) carries its original's handle in its __dict__: not its own
     if handle is None or _OBJECTS.get(handle) is not obj:
@@ -74,11 +76,6 @@ def _object(handle: int):
             "exists; compile the model again"
         )
     return obj
-
-
-def register_eager_forward(kind: str, fn: Callable[..., torch.Tensor]) -> None:
-    """Name the eager forward that torch.ops.moekit.forward runs for modules of `kind`."""
-    _EAGER_FORWARDS[kind] = fn
 
 
 # ------------------------------------------------------------------------------ fused_moe
@@ -115,8 +112,9 @@ def fused_moe(x, weights, topk_weights, topk_ids, backend, *, apply_router_weigh
     outside the compiled function (the compiler passes the real object to handle_of)."""
     if not isinstance(weights, MoEWeights):
         raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
+    handle = handle_of(weights)  # first: it marks the tensors static before they are read below
     return torch.ops.moekit.fused_moe(
-        x.detach(), topk_weights.detach(), topk_ids, _detached(weights.tensors().values()), handle_of(weights),
+        x.detach(), topk_weights.detach(), topk_ids, _detached(weights.tensors().values()), handle,
         backend, apply_router_weight_on_input, allow_weight_copies,
     )
 
@@ -125,14 +123,24 @@ def fused_moe(x, weights, topk_weights, topk_ids, backend, *, apply_router_weigh
 
 
 @torch.library.custom_op("moekit::forward", mutates_args=())
-def _forward_op(
-    x: torch.Tensor, args: list[torch.Tensor], state: list[torch.Tensor], handle: int, kind: str
-) -> torch.Tensor:
-    return _EAGER_FORWARDS[kind](_object(handle), x, *args).contiguous()  # the fake's layout
+def _forward_op(x: torch.Tensor, args: list[torch.Tensor], state: list[torch.Tensor], handle: int) -> torch.Tensor:
+    return _forward_eagerly(_object(handle), x, args).contiguous()  # the fake's layout
+
+
+def _forward_eagerly(module: torch.nn.Module, x: torch.Tensor, args) -> torch.Tensor:
+    """moekit's modules (MoELayer, MoekitExperts) run their own _forward_eager (a subclass's
+    override included); transformers' own experts modules (experts_implementation="moekit")
+    the forward moekit.hf registered for them."""
+    forward = getattr(module, "_forward_eager", None)
+    if forward is not None:
+        return forward(x, *args)
+    from .hf.experts import hf_experts_forward_eager
+
+    return hf_experts_forward_eager(module, x, *args)
 
 
 @_forward_op.register_fake
-def _(x, args, state, handle, kind):
+def _(x, args, state, handle):
     return _contiguous_like(x)  # every moekit module returns x's shape in x's dtype
 
 
@@ -145,14 +153,14 @@ def _contiguous_like(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape)
 
 
-def module_forward(module: torch.nn.Module, kind: str, x: torch.Tensor, args: Sequence[torch.Tensor]) -> torch.Tensor:
+def module_forward(module: torch.nn.Module, x: torch.Tensor, args: Sequence[torch.Tensor]) -> torch.Tensor:
     """A moekit module's forward as one op of a compiled graph; the op runs the module's eager
-    forward registered as `kind` (register_eager_forward)."""
+    forward (_forward_eagerly)."""
     for i, a in enumerate(args):
         if not isinstance(a, torch.Tensor):
             raise TypeError(f"argument {i + 1} after x must be a torch.Tensor, got {type(a).__name__}")
     state = _detached([*module.parameters(recurse=False), *module.buffers(recurse=False)])
-    return torch.ops.moekit.forward(x.detach(), _detached(args), state, handle_of(module), kind)
+    return torch.ops.moekit.forward(x.detach(), _detached(args), state, handle_of(module))
 
 
 def _detached(tensors) -> list[torch.Tensor]:

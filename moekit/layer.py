@@ -20,7 +20,6 @@ import dataclasses
 
 import torch
 
-from . import custom_ops
 from .api import fused_moe
 from .models import ModelSpec, get_model
 from .routing import RoutingConfig, route
@@ -256,8 +255,10 @@ class MoELayer(torch.nn.Module):
         """`(x, router_logits)` or `(x, topk_weights, topk_ids)`; x [..., H] -> [..., H] in x's dtype.
         Inside a function torch.compile traces, the call is one custom op running this same code
         (custom_ops)."""
-        if custom_ops.compiling():
-            return custom_ops.module_forward(self, "moekit.MoELayer", x, routing)
+        if torch.compiler.is_compiling():
+            from . import custom_ops  # imported only now: it imports torch._dynamo
+
+            return custom_ops.module_forward(self, x, routing)
         return self._forward_eager(x, *routing)
 
     def _forward_eager(self, x: torch.Tensor, *routing: torch.Tensor) -> torch.Tensor:
@@ -308,7 +309,3 @@ class MoELayer(torch.nn.Module):
         top_k = f", top_k={self.routing.top_k}" if self.routing is not None else ""
         par = "" if self.parallel is None else f", parallel={self.parallel} ({w.num_experts} of {self.num_experts} experts here)"
         return f"E={w.num_experts}, H={w.hidden}, N={w.n}{top_k}, scheme={w.scheme.name}, backend={self.backend!r}{par}"
-
-
-# the module's own _forward_eager, a subclass's included
-custom_ops.register_eager_forward("moekit.MoELayer", lambda layer, x, *args: layer._forward_eager(x, *args))

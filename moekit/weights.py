@@ -270,6 +270,7 @@ def quantize_weights(
                                input_scales=None if a13 is None else (a13, a2))
 
 
+@torch.no_grad()  # weights given as Parameters: no autograd graph holding float32 copies
 def quantize_per_expert(expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]], E: int, H: int, N: int,
                         scheme: QuantScheme, device: torch.device | str,
                         input_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> MoEWeights:

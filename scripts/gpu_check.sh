@@ -37,7 +37,8 @@
 #        CUDA there, not under the interpreter; `-- -k EXPR` narrows them); not part of `all`.
 # pending: what sessions without a GPU wrote and no GPU has run yet: those changes' GPU tests
 #        (torch.compile with inductor and CUDA graphs, the 128-row Gluon GEMM1's half-height tile
-#        bitwise, the tests a review changed), then the half-height tile timed on and off
+#        bitwise, the tests a review changed, the unmarked tests of test_compile.py and
+#        test_triton_chunks.py on CUDA), then the half-height tile timed on and off
 #        (diag_half_tail.py, DeepSeek-V3 / Qwen3 block FP8 and Mixtral per-channel, precise mode).
 #        Its results decide launch.GLUON_HALF_HEIGHT; not part of `all`.
 # FAST_ARGS adds arguments to the fast step's diag_fast.py ("--batch-sizes 1 2 4 8").
@@ -153,7 +154,11 @@ if [[ " ${steps[*]} " == *" pending "* ]]; then
     tests/test_timing.py "${pytest_args[@]}" 2>&1 | tee "$WORK/pending_tests.log"
   ((PIPESTATUS[0] == 0)) || status=1
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_overlap.py -k "tall or kernel_that_ran or odd" \
-    2>&1 | tee "$WORK/pending_overlap_tests.log"
+    "${pytest_args[@]}" 2>&1 | tee "$WORK/pending_overlap_tests.log"
+  ((PIPESTATUS[0] == 0)) || status=1
+  # the new files' tests without the mark take the device fixture: on CUDA here
+  python3 -m pytest -q -m "not gpu" -p no:cacheprovider tests/test_compile.py tests/test_triton_chunks.py \
+    "${pytest_args[@]}" 2>&1 | tee "$WORK/pending_unmarked_tests.log"
   ((PIPESTATUS[0] == 0)) || status=1
   tall=M128-N128-K128-G8-w8-s4-ov  # the 128-row Gluon GEMM1 (the tables' tall entries' tile)
   python3 scripts/diag_half_tail.py --switch gluon-half-height --modes precise --config "$tall" \

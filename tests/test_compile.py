@@ -157,7 +157,8 @@ def test_deleted_layer_leaves_nothing_registered(device):
 
 def test_weights_built_inside_the_compiled_function_are_refused():
     """A MoEWeights made while the compiler traces is no real object the op could find again:
-    a clear error instead of a shell without tensors."""
+    under fullgraph a clear error instead of a shell without tensors; without fullgraph the graph
+    breaks there and the call runs eagerly (as before moekit had custom ops)."""
     w = random_weights(E, H, N, "fp8-channel-token")
     x = random_x(4, H)
     tw, ids = random_routing(4, E, K)
@@ -166,8 +167,11 @@ def test_weights_built_inside_the_compiled_function_are_refused():
         weights = moekit.MoEWeights.from_fp8("fp8-channel-token", w13, w2, s13, s2)
         return moekit.fused_moe(x, weights, tw, ids, "reference")
 
-    with pytest.raises(Exception, match="MoEWeights made outside the compiled function"):
-        _compiled(inner)(x, w.w13, w.w2, w.w13_scale, w.w2_scale)
+    args = (x, w.w13, w.w2, w.w13_scale, w.w2_scale)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="MoEWeights made outside the compiled function"):
+        _compiled(inner)(*args)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(inner, backend="aot_eager")(*args), inner(*args))
 
 
 def test_layer_weights_rebuilt_inside_the_compiled_function_are_refused_by_name():
@@ -180,7 +184,7 @@ def test_layer_weights_rebuilt_inside_the_compiled_function_are_refused_by_name(
     compiled = _compiled(lambda x: moekit.fused_moe(x, layer.weights, tw, ids, "torch"))
     assert torch.equal(compiled(x), moekit.fused_moe(x, layer.weights, tw, ids, "torch"))  # weights built
     layer.load_state_dict(layer.state_dict())  # the layer's next read of .weights builds them again
-    with pytest.raises(Exception, match=r"MoELayer\.weights .* call the layer itself"):
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"MoELayer\.weights .* call the layer itself"):
         compiled(x)
     assert torch.equal(_compiled(layer)(x, tw, ids), layer(x, tw, ids))  # the way the message names
 
@@ -202,6 +206,53 @@ def test_gradients_never_flow_and_eager_says_so():
     assert not compiled.requires_grad and torch.equal(compiled, eager)
 
 
+def test_a_trainable_router_is_warned_about_too():
+    """Routing weights from a router that requires grad (experts frozen): the torch backend's
+    ops would otherwise carry the router's gradient on some paths and not others; moekit drops
+    it on every path, and says so."""
+    weights = random_weights(E, H, N, "bf16")
+    x = random_x(5, H)
+    tw, ids = random_routing(5, E, K)
+    with pytest.warns(UserWarning, match="inference only"):
+        out = moekit.fused_moe(x, weights, tw.clone().requires_grad_(), ids, "torch")
+    assert not out.requires_grad and torch.equal(out, moekit.fused_moe(x, weights, tw, ids, "torch"))
+
+
+def test_quantizing_parameters_keeps_no_autograd_graph():
+    """quantize_weights on nn.Parameters (a transformers model's experts) with grad on: the FP8
+    results must not hold an autograd graph (it kept float32 copies of the layer alive, and made
+    every later call warn as if an input required grad)."""
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.nn.Parameter(torch.randn(E, 2 * N, H, generator=g).bfloat16())
+    w2 = torch.nn.Parameter(torch.randn(E, H, N, generator=g).bfloat16())
+    for scheme in ("fp8-tensor-dynamic", "fp8-channel-token", "fp8-block128"):
+        q = moekit.quantize_weights(w13, w2, scheme)
+        assert not any(t.requires_grad for t in q.tensors().values()), scheme
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            moekit.fused_moe(random_x(3, H), q, *random_routing(3, E, K), "reference")
+
+
+def test_weights_are_static_inputs_of_the_graph():
+    """A MoEWeights read by a compiled function is marked a static input (as module buffers are):
+    under mode="reduce-overhead" torch's CUDA graphs copy every other input into the graph's
+    memory at each replay, a whole layer here."""
+    weights = random_weights(E, H, N, "fp8-channel-token")
+    tw, ids = random_routing(4, E, K)
+    seen = {}
+
+    def record(gm, example_inputs):
+        for node, t in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
+            seen[node.name] = getattr(t, "_dynamo_static_input_type", None)
+        return gm.forward
+
+    torch.compile(lambda x: moekit.fused_moe(x, weights, tw, ids, "reference"), backend=record, fullgraph=True)(
+        random_x(4, H))
+    weight_inputs = {k: v for k, v in seen.items() if "w13" in k or "w2" in k}
+    assert len(weight_inputs) == 4 and set(weight_inputs.values()) == {"unguarded"}, seen
+    assert seen[next(k for k in seen if k.startswith("l_x"))] is None  # x is not
+
+
 def test_ops_pass_torch_library_opcheck():
     """torch's own checks of a custom op: schema, fake (meta) implementation against the real
     one, and tracing through AOTAutograd with dynamic shapes. The schema check multiplies
@@ -217,7 +268,7 @@ def test_ops_pass_torch_library_opcheck():
         args = (x, tw, ids, tensors, custom_ops.handle_of(weights), "reference", False, True)
         torch.library.opcheck(torch.ops.moekit.fused_moe, args, **kw)
         layer = moekit.MoELayer(weights, RoutingConfig(top_k=K), "reference")
-        args = (x, [logits], list(layer.buffers()), custom_ops.handle_of(layer), "moekit.MoELayer")
+        args = (x, [logits], list(layer.buffers()), custom_ops.handle_of(layer))
         torch.library.opcheck(torch.ops.moekit.forward, args, **kw)
 
 
@@ -237,7 +288,7 @@ def test_ops_outputs_are_laid_out_as_their_fakes_say():
     x = _permuted(random_x(12, H), 3, 4)
     logits = _permuted(torch.randn(12, E), 3, 4)
     assert not x.is_contiguous() and layer(x, logits).is_contiguous()  # what the eager code returns
-    args = (x, [logits], list(layer.buffers()), custom_ops.handle_of(layer), "moekit.MoELayer")
+    args = (x, [logits], list(layer.buffers()), custom_ops.handle_of(layer))
     torch.library.opcheck(torch.ops.moekit.forward, args, test_utils="test_faketensor")
     wide = random_x(6, 2 * H)[:, :H]  # rows of 2H elements: a 2-D x that is not contiguous
     tw, ids = random_routing(6, E, K)

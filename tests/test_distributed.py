@@ -475,6 +475,21 @@ def test_parallel_layer_auto_keeps_no_weight_copy(one_rank_group, mode):
         assert torch.equal(out, moekit.fused_moe(x, W, tw, ids, allow_weight_copies=False))
 
 
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_parallel_calls_are_inference_only_and_say_so(one_rank_group, mode):
+    """As fused_moe: with an input that requires grad (here a trainable router's weights), the
+    call warns once and builds no autograd graph (ep packed its rows outside no_grad, silently)."""
+    W = random_weights(4, 128, 128, "bf16")
+    tw, ids = random_routing(5, 4, 2)
+    x = random_x(5, 128)
+    call = (lambda w: md.tp_fused_moe(x, W, w, ids, backend="torch")) if mode == "tp" else (
+        lambda w: md.ep_fused_moe(x, W, w, ids, 4, backend="torch"))
+    want = call(tw)
+    with pytest.warns(UserWarning, match="inference only") as caught:
+        got = call(tw.clone().requires_grad_())
+    assert len(caught) == 1 and not got.requires_grad and torch.equal(got, want)
+
+
 def _no_collective(*args, **kwargs):
     raise AssertionError("a collective started before the inputs were checked")
 

@@ -55,7 +55,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..api import fused_moe, validate_inputs
+from ..api import fused_moe, grads_would_be_dropped, validate_inputs
 from ..select import select_backend
 from ..weights import MoEWeights
 from .tp import _check_rank
@@ -139,6 +139,11 @@ def ep_fused_moe(
     experts. A collective: every rank of `group` must call it, also with M = 0.
     `allow_weight_copies` as for fused_moe (a MoELayer passes False: auto keeps no converted copy).
     """
+    if grads_would_be_dropped(x, local_weights, topk_weights):
+        with torch.no_grad():  # once: the call below sees grad off
+            return ep_fused_moe(x, local_weights, topk_weights, topk_ids, num_experts, group, backend,
+                                apply_router_weight_on_input=apply_router_weight_on_input,
+                                allow_weight_copies=allow_weight_copies)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     topk_weights, topk_ids = _check_inputs(x, local_weights, topk_weights, topk_ids, num_experts, rank, world,
                                            apply_router_weight_on_input)

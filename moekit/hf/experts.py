@@ -26,7 +26,7 @@ import logging
 import torch
 from torch import nn
 
-from .. import custom_ops, env
+from .. import env
 from ..api import fused_moe
 from ..layer import apply_keeping_dtypes
 from ..select import ENV_VAR, select_backend
@@ -204,16 +204,17 @@ def _hf_fp8_weights(module, gate_up, down, label) -> MoEWeights:
 
 def moekit_experts_forward(self: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
     """The `experts_implementation="moekit"` forward of a transformers experts module (inside a
-    function torch.compile traces, one op running _hf_experts_forward_eager: custom_ops)."""
+    function torch.compile traces, one op running hf_experts_forward_eager: custom_ops)."""
     if isinstance(self, MoekitExperts):
         return self(hidden_states, top_k_index, top_k_weights)
-    if custom_ops.compiling():
-        return custom_ops.module_forward(self, "moekit.hf.experts_implementation", hidden_states,
-                                         (top_k_index, top_k_weights))
-    return _hf_experts_forward_eager(self, hidden_states, top_k_index, top_k_weights)
+    if torch.compiler.is_compiling():
+        from .. import custom_ops
+
+        return custom_ops.module_forward(self, hidden_states, (top_k_index, top_k_weights))
+    return hf_experts_forward_eager(self, hidden_states, top_k_index, top_k_weights)
 
 
-def _hf_experts_forward_eager(self: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+def hf_experts_forward_eager(self: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
     label = getattr(self, "moekit_name", None) or type(self).__name__
     weights = _hf_weights(self, label)
     backend = getattr(self, "moekit_backend", "auto")
@@ -325,8 +326,10 @@ class MoekitExperts(nn.Module):
         )
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        if custom_ops.compiling():  # one op in a compiled graph, running _forward_eager
-            return custom_ops.module_forward(self, "moekit.hf.MoekitExperts", hidden_states, (top_k_index, top_k_weights))
+        if torch.compiler.is_compiling():  # one op in a compiled graph, running _forward_eager
+            from .. import custom_ops
+
+            return custom_ops.module_forward(self, hidden_states, (top_k_index, top_k_weights))
         return self._forward_eager(hidden_states, top_k_index, top_k_weights)
 
     def _forward_eager(self, hidden_states, top_k_index, top_k_weights):
@@ -361,8 +364,3 @@ def set_backend(model: nn.Module, backend: str | None) -> int:
 def experts_modules(model: nn.Module) -> dict[str, MoekitExperts]:
     return {name: m for name, m in model.named_modules() if isinstance(m, MoekitExperts)}
 
-
-custom_ops.register_eager_forward(
-    "moekit.hf.MoekitExperts", lambda module, x, *args: module._forward_eager(x, *args)  # a subclass's own
-)
-custom_ops.register_eager_forward("moekit.hf.experts_implementation", _hf_experts_forward_eager)
