@@ -356,17 +356,19 @@ def test_patch_model_quantizes_in_place_and_llama4_bf16():
     assert kl < KL_MAX and top1 >= TOP1_MIN, (kl, top1)
 
 
-def test_triton_interpreter_one_layer(bf16_dirs):
-    """The triton backend (interpreted on the CPU) runs a loaded FP8 experts module."""
-    import os
+def test_triton_interpreter_one_layer(bf16_dirs, device):
+    """The triton backend (interpreted on the CPU, compiled on a GPU) runs a loaded FP8 experts
+    module. The model loads on the CPU: on a GPU machine the module and its inputs are moved to
+    the GPU (CPU tensors there reach no Triton kernel)."""
+    import moekit
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type == "cpu" and not moekit.env.interpreting():
         pytest.skip("triton runs on the CPU only under TRITON_INTERPRET=1")
     model = mh.from_pretrained(bf16_dirs("mixtral"), scheme="fp8-channel-token", backend="reference")
-    m = next(iter(mh.experts_modules(model).values()))
-    x = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(0)).bfloat16()
-    ids = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7], [1, 6], [3, 0]])
-    w = torch.rand(6, 2, generator=torch.Generator().manual_seed(1))
+    m = next(iter(mh.experts_modules(model).values())).to(device)
+    x = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(0)).bfloat16().to(device)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7], [1, 6], [3, 0]]).to(device)
+    w = torch.rand(6, 2, generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
         want = m(x, ids, w)
         m.backend = "triton"

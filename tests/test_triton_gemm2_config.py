@@ -133,7 +133,7 @@ def test_runs_of_column_tiles_match_one_tile_per_program(scheme, accumulation, d
             assert torch.equal(run(x, w, tw, ids, one.with_gemm2(N_TILES=n_tiles)), single), (block_m, n_tiles)
 
 
-def test_each_gemm_is_launched_with_its_own_parameters(monkeypatch):
+def test_each_gemm_is_launched_with_its_own_parameters(device, monkeypatch):
     launches = {}
     real = launch._launch
 
@@ -143,9 +143,9 @@ def test_each_gemm_is_launched_with_its_own_parameters(monkeypatch):
         return real(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(launch, "_launch", record)
-    w = random_weights(3, 128, 128, "fp8-channel-token")
-    tw, ids = random_routing(5, 3, 2)
-    run(random_x(5, 128), w, tw, ids, BASE.with_gemm2(BLOCK_N=32, num_warps=2, num_stages=3, GROUP_M=1, N_TILES=3))
+    w = random_weights(3, 128, 128, "fp8-channel-token", device=device)  # launched for real: CUDA or the interpreter
+    tw, ids = random_routing(5, 3, 2, device=device)
+    run(random_x(5, 128, device=device), w, tw, ids, BASE.with_gemm2(BLOCK_N=32, num_warps=2, num_stages=3, GROUP_M=1, N_TILES=3))
     assert launches[_kernels.gemm1_kernel] == dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=2)
     assert launches[_kernels.gemm2_kernel] == dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=2, num_stages=3,
                                                    N_TILES=3)

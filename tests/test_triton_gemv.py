@@ -174,12 +174,12 @@ def test_vllm_export_says_why_it_skips_the_gemv_path():
                      "M=1: exported t, the fastest that vLLM can take"]
 
 
-def test_the_tiled_kernels_refuse_a_gemv_config():
+def test_the_tiled_kernels_refuse_a_gemv_config(device):
     from moekit.backends.triton import launch
 
-    w = random_weights(3, 128, 128, "fp8-channel-token")
-    tw, ids = random_routing(2, 3, 1)
-    align, a, a_scale = launch.align_and_quantize(random_x(2, 128), w, ids, 16)
+    w = random_weights(3, 128, 128, "fp8-channel-token", device=device)  # aligned for real: CUDA or the interpreter
+    tw, ids = random_routing(2, 3, 1, device=device)
+    align, a, a_scale = launch.align_and_quantize(random_x(2, 128, device=device), w, ids, 16)
     with pytest.raises(ValueError, match="config of the GEMV path"):
         launch.gemm1(a, a_scale, w, align, 1, torch.bfloat16, gemv())
 

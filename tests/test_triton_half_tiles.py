@@ -143,7 +143,7 @@ def test_half_width_tail_matches_the_reference(scheme, accumulation, n, block_m,
         assert rel_l2(out, full_width) < 1e-3
 
 
-def test_half_width_tail_reaches_the_kernel(monkeypatch):
+def test_half_width_tail_reaches_the_kernel(device, monkeypatch):
     """The launch passes HALF_TAIL = 1 at a 64-column tail (and the switch turns it off)."""
     seen = []
     real = launch._launch
@@ -154,12 +154,12 @@ def test_half_width_tail_reaches_the_kernel(monkeypatch):
         return real(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(launch, "_launch", record)
-    w = random_weights(3, 128, 192, "fp8-channel-token")
-    tw, ids = random_routing(5, 3, 2)
+    w = random_weights(3, 128, 192, "fp8-channel-token", device=device)  # launched for real: CUDA or the interpreter
+    tw, ids = random_routing(5, 3, 2, device=device)
     cfg = KernelConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128)
-    moekit.get_backend("triton").run(random_x(5, 128), w, tw, ids, config=cfg)
+    moekit.get_backend("triton").run(random_x(5, 128, device=device), w, tw, ids, config=cfg)
     monkeypatch.setattr(launch, "HALF_WIDTH_TAIL", False)
-    moekit.get_backend("triton").run(random_x(5, 128), w, tw, ids, config=cfg)
+    moekit.get_backend("triton").run(random_x(5, 128, device=device), w, tw, ids, config=cfg)
     assert seen == [1, 0]
 
 

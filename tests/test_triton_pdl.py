@@ -62,13 +62,18 @@ def test_a_bad_value_names_the_variable_and_the_choices(raw, monkeypatch):
 def test_a_kernel_taking_pdl_gets_it_and_the_launch_option_with_it(enabled, monkeypatch):
     """_launch passes PDL (and launch_pdl=True when on) to kernels that take a PDL argument,
     and leaves other kernels' arguments alone."""
+    from moekit.backends.triton_options import compile_options
+
     calls = []
     monkeypatch.setattr(launch, "pdl_enabled", lambda device: enabled)
     x = torch.zeros(2)
     launch._launch(RecordingKernel(["x_ptr", "BLOCK", "PDL"], calls), (1,), x, BLOCK=4)
     launch._launch(RecordingKernel(["x_ptr", "BLOCK"], calls), (1,), x, BLOCK=4)
-    on = {"BLOCK": 4, "PDL": True, "launch_pdl": True}
-    assert calls == [on if enabled else {"BLOCK": 4, "PDL": False}, {"BLOCK": 4}]
+    # every launch also gets the compile options (FP fusion without the interpreter, as on a GPU
+    # machine; none under TRITON_INTERPRET=1): not this test's subject
+    options = compile_options(launch._interpreting())
+    on = {"BLOCK": 4, "PDL": True, "launch_pdl": True, **options}
+    assert calls == [on if enabled else {"BLOCK": 4, "PDL": False, **options}, {"BLOCK": 4, **options}]
 
 
 # ------------------------------------------------------------------------------------ GPU

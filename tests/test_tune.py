@@ -70,6 +70,20 @@ def decisions_on(monkeypatch):
     monkeypatch.setattr(runner.Worker, "_decide", DECIDE)
 
 
+@pytest.fixture(autouse=True)
+def cpu_gemm2_grid(monkeypatch):
+    """GEMM2's launch variants of the CPU (space.GEMM2_GRID_CPU, GEMM2_RUNS_CPU) on a GPU too: the
+    tests name those variants (FAST_GEMM2, OTHER_GEMM2, WIDE_GEMM2: 32-wide GEMM2 launches, which
+    the GPU's grid has none of), count them and patch them; on a GPU the plan would take the
+    36-launch GEMM2_GRID_GPU with runs of 8. Read when the plan is made, so that a test's own
+    patch of the CPU grid applies. Nothing changes on the CPU; the GPU grid itself is named in
+    test_config_from_key_inverts_config_key."""
+    if CUDA:
+        from moekit.tune import plan
+
+        monkeypatch.setattr(plan, "gemm2_grid", lambda device: space.gemm2_grid(torch.device("cpu")))
+
+
 @pytest.fixture
 def tiny_model(tmp_path):
     return tiny_mixtral(tmp_path, experts=4, hidden=128, intermediate=128, layers=2)
@@ -78,7 +92,14 @@ def tiny_model(tmp_path):
 def tune(tiny_model, out, scheme="fp8-channel-token", **kw):
     """run_tune on the tiny model with the two-config space; returns (result, printed text).
     GEMM2's own launch search is off unless asked for (gemm2=True): the tests of everything else
-    count measurements, and that step has tests of its own."""
+    count measurements, and that step has tests of its own.
+    On a GPU machine: one worker, in this process, on cuda:0 (on a host of several GPUs the default
+    is a worker process per GPU, which the tests' monkeypatches, FakeTimer's included, never
+    reach), compiling in that process (the default there is up to 8 helper processes with a CUDA
+    context each, started anew by every call). Both are what the CPU does by default."""
+    if CUDA:
+        kw.setdefault("devices", ["cuda:0"])
+        kw.setdefault("compile_workers", 0)
     buf = io.StringIO()
     opts = TuneOptions(models=[str(tiny_model)], scheme=scheme, batch_sizes=kw.pop("batch_sizes", SIZES), reps=1,
                        warmup=0, out=str(out), space=kw.pop("space", interpreter_space), argv=["tune"],
@@ -291,7 +312,7 @@ def test_a_process_that_looked_a_table_up_sees_the_one_tune_writes(tmp_path, tin
     out = tmp_path / "out"
     monkeypatch.setenv(CONFIG_DIR_ENV, str(out))
     FakeTimer(us={triton(FAST_CFG): 10.0}).install(monkeypatch)
-    device = "cpu"  # the device name tune files CPU tables under
+    device = "cpu" if not CUDA else torch.cuda.get_device_name()  # the device name tune files tables under
     assert get_config(SHAPE, FP8_CHANNEL_TOKEN, 4, device) == default_config(SHAPE, FP8_CHANNEL_TOKEN, 4)
     result, _ = tune(tiny_model, out)
     assert result.exit_code == 0
