@@ -2,6 +2,12 @@
 triton backend's run() splits the tokens into consecutive slices, each a normal call. On the CPU
 the limit is patched small, so a few dozen tokens span several slices."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -15,33 +21,60 @@ from helpers import random_routing, random_weights, random_x, rel_l2
 from test_triton_backend import REL_L2_TOL, assert_matches_reference, reference_for
 
 
-def test_the_limit_is_the_scan_tile_tritons_limit_allows(device):
-    assert launch.MAX_ALIGN_PAIRS == launch.CHUNK * tl.TRITON_MAX_TENSOR_NUMEL // launch.SCAN_E_BLOCK
-    E = 3
-    for chunks, fits in ((launch.MAX_ALIGN_PAIRS // launch.CHUNK, True), (launch.MAX_ALIGN_PAIRS // launch.CHUNK + 1, False)):
-        counts = torch.ones(chunks, E, dtype=torch.int32, device=device)
-        count, start, total = (torch.empty(n, dtype=torch.int32, device=device) for n in (E, E + 1, E))
+def test_the_scan_runs_at_the_limit(device):
+    """align_pairs at launch.MAX_ALIGN_PAIRS pairs launches the scan over SCAN_MAX_CHUNKS chunks in
+    one tile (Triton's tile limit allows it); it runs and prefixes every chunk's counts."""
+    chunks, E = launch.SCAN_MAX_CHUNKS, 3
+    assert launch.MAX_ALIGN_PAIRS == launch.CHUNK * chunks
+    assert chunks * launch.SCAN_E_BLOCK <= tl.TRITON_MAX_TENSOR_NUMEL
+    counts = torch.ones(chunks, E, dtype=torch.int32, device=device)
+    count, start, total = (torch.empty(n, dtype=torch.int32, device=device) for n in (E, E + 1, E))
+    launch._launch(k.align_scan_kernel, (1,), counts, total, count, start, chunks, E,
+                   BLOCK_M=16, C_POW2=triton.next_power_of_2(chunks), E_BLOCK=launch.SCAN_E_BLOCK)
+    assert total.tolist() == [chunks] * E and counts[-1].tolist() == [chunks - 1] * E
 
-        def scan():
-            launch._launch(k.align_scan_kernel, (1,), counts, total, count, start, chunks, E,
-                           BLOCK_M=16, C_POW2=triton.next_power_of_2(chunks), E_BLOCK=launch.SCAN_E_BLOCK)
 
-        if fits:  # as align_pairs launches it at launch.MAX_ALIGN_PAIRS pairs: it runs
-            if device.type == "cuda":
-                continue  # in the interpreter only: see the skip below
-            scan()
-            assert total.tolist() == [chunks] * E and counts[-1].tolist() == [chunks - 1] * E
-        else:  # one chunk more: Triton refuses the tile (the interpreter checks it as the compiler does)
-            with pytest.raises(Exception, match="numel"):
-                scan()
-    if device.type == "cuda":
-        # Compiled for sm_90 (triton 3.9, without a GPU) the scan's [C_POW2, 16] tile takes 32 bytes
-        # of shared memory per chunk and compiles in a time that grows ~4-5x per doubling: 22 s and
-        # 128 KiB at C_POW2 = 4096, 120 s and 256 KiB (over Hopper's 227 KiB: fails at launch) at
-        # 8192, 570 s and 512 KiB at 16384. At the limit (65536 chunks) that is 2 MiB and hours of
-        # compiling: this run would hang, then fail. The limit itself must come down on GPUs
-        # (reported: moekit/backends/triton/launch.py MAX_ALIGN_PAIRS); the refusal above ran.
-        pytest.skip("the scan at launch.MAX_ALIGN_PAIRS does not fit a GPU's shared memory (reported)")
+# Shared memory per block: sm_89 (Ada, the oldest FP8 GPU the backend supports) 99 KiB, sm_90 227.
+SHARED_PER_BLOCK = {89: 99 * 1024, 90: 227 * 1024}
+_COMPILE_SCAN = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moekit.backends.triton import _kernels as k, launch
+names = list(k.align_scan_kernel.arg_names)
+signature = dict.fromkeys(names[:4], "*i32") | dict.fromkeys(names[4:6], "i32") | dict.fromkeys(names[6:], "constexpr")
+shared = {}
+for cap in (89, 90):
+    for chunks in (launch.SCAN_MAX_CHUNKS // 2, launch.SCAN_MAX_CHUNKS):
+        constants = {"BLOCK_M": 64, "C_POW2": chunks, "E_BLOCK": launch.SCAN_E_BLOCK}
+        source = ASTSource(k.align_scan_kernel, signature, {(names.index(n),): v for n, v in constants.items()})
+        compiled = triton.compile(source, target=GPUTarget("cuda", cap, 32), options={"num_warps": 4})
+        shared[f"{cap}-{chunks}"] = compiled.metadata.shared
+json.dump(shared, sys.stdout)
+"""
+
+
+def test_the_scan_at_the_limit_fits_shared_memory():
+    """SCAN_MAX_CHUNKS is what fits: compiled for sm_89 and sm_90 (without a GPU, in a process of
+    its own: under TRITON_INTERPRET Triton compiles nothing), the scan's shared memory grows
+    linearly with its chunks (checked at half the limit), fits both GPUs' blocks at the limit, and
+    twice the limit (the next power of two) would not fit sm_89's. 2**23 pairs, the limit Triton's
+    tile size alone allowed, asked for 2 MiB and failed at launch on every GPU."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    if not Path(get_ptxas(90).path).exists():
+        pytest.skip("this triton ships no ptxas")
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SCAN], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = json.loads(done.stdout)
+    half, full = launch.SCAN_MAX_CHUNKS // 2, launch.SCAN_MAX_CHUNKS
+    for cap, budget in SHARED_PER_BLOCK.items():
+        assert shared[f"{cap}-{full}"] == 2 * shared[f"{cap}-{half}"], shared  # linear in the chunks
+        assert shared[f"{cap}-{full}"] <= budget, shared
+    assert 2 * shared[f"89-{full}"] > SHARED_PER_BLOCK[89], shared
 
 
 def test_align_pairs_refuses_more_than_the_limit():
@@ -51,10 +84,10 @@ def test_align_pairs_refuses_more_than_the_limit():
 
 
 @pytest.mark.parametrize("M,K,expected", [
-    (launch.MAX_ALIGN_PAIRS // 8, 8, None),  # at the limit (M = 2**20 at top-8): one call, not split
-    (launch.MAX_ALIGN_PAIRS // 8 + 1, 8, [2**19 + 1, 2**19]),
-    (launch.MAX_ALIGN_PAIRS + 1, 1, [2**22 + 1, 2**22]),
-    (2 * (launch.MAX_ALIGN_PAIRS // 6) + 3, 6, [932069, 932068, 932068]),  # 1,398,101 tokens fit at top-6
+    (launch.MAX_ALIGN_PAIRS // 8, 8, None),  # at the limit (M = 2**15 at top-8): one call, not split
+    (launch.MAX_ALIGN_PAIRS // 8 + 1, 8, [2**14 + 1, 2**14]),
+    (launch.MAX_ALIGN_PAIRS + 1, 1, [2**17 + 1, 2**17]),
+    (2 * (launch.MAX_ALIGN_PAIRS // 6) + 3, 6, [29128, 29128, 29127]),  # 43,690 tokens fit at top-6
 ])
 def test_slices_at_the_real_limit(monkeypatch, M, K, expected):
     """Where run() splits and how (the calls recorded, not run): consecutive slices in order,

@@ -7,7 +7,7 @@ One layer call is, on the GPU and without a host synchronisation (so it captures
   4. GEMM2, the intermediate quantized while it is loaded, top-k weight in the epilogue
   5. combine each token's K rows in a fixed order (deterministic)
 A config with GEMV=1 runs the GEMV path instead (gemv.py: no alignment, no combine pass).
-A call of more than MAX_ALIGN_PAIRS (token, expert) pairs (2**23: M = 2**20 tokens at top-8) runs
+A call of more than MAX_ALIGN_PAIRS (token, expert) pairs (2**18: M = 32,768 tokens at top-8) runs
 as consecutive calls on slices of its tokens (TritonBackend._run_in_chunks).
 On Hopper each of these kernels is launched to overlap the end of the one before it (programmatic
 dependent launch, MOEKIT_PDL: see pdl_enabled and _kernels._pdl_release).
@@ -50,13 +50,17 @@ CHUNK = 128  # pairs per program of the multi-program alignment
 E_BLOCK = 64  # experts handled at once when counting
 SCAN_E_BLOCK = 16  # experts handled at once by the scan over the per-chunk counts
 
-# The most (token, expert) pairs one call can align. The multi-program alignment's scan
-# (_kernels.align_scan_kernel) reads every chunk's counts of SCAN_E_BLOCK experts in one tile of
-# next_power_of_2(cdiv(P, CHUNK)) x SCAN_E_BLOCK elements, and Triton refuses a tile of more than
-# TRITON_MAX_TENSOR_NUMEL elements (2**20 in Triton 3.x): at most 2**20 / 16 = 65536 chunks of 128,
-# P <= 2**23 = 8,388,608 pairs (M = 1,048,576 tokens at top-8). Beyond it, run() processes the
-# tokens in consecutive slices of at most this many pairs, each a normal call (_run_in_chunks).
-MAX_ALIGN_PAIRS = CHUNK * (tl.TRITON_MAX_TENSOR_NUMEL // SCAN_E_BLOCK)
+# The most chunks the multi-program alignment's scan (_kernels.align_scan_kernel) takes: it reads
+# every chunk's counts of SCAN_E_BLOCK experts in one [next_power_of_2(chunks), SCAN_E_BLOCK] int32
+# tile, and Triton's cumsum stages that tile in shared memory, 32 bytes per chunk (compiled for
+# sm_89 and sm_90, triton 3.6 and 3.9; a CPU test compiles it): 2048 chunks take 64 KiB, 4096 would
+# take 128 KiB (over the 99 KiB of an sm_89 GPU's block), 8192 256 KiB (over Hopper's 227 KiB).
+# (Triton's tile limit, TRITON_MAX_TENSOR_NUMEL = 2**20 elements, alone would allow 65536.)
+SCAN_MAX_CHUNKS = 2048
+# The most (token, expert) pairs one call aligns: 262,144 (M = 32,768 tokens at top-8). Beyond
+# it, run() processes the tokens in consecutive slices of at most this many pairs, each a normal
+# call (_run_in_chunks).
+MAX_ALIGN_PAIRS = CHUNK * SCAN_MAX_CHUNKS
 
 
 def fp8_promote(cfg: KernelConfig) -> int:
@@ -253,9 +257,10 @@ class TritonBackend(Backend):
         (fp8-tensor-dynamic), whose scales (input and intermediate) are then one per slice.
         Without `config`, each slice looks up the config of its own M (config_for: the tuned
         entry nearest its batch size, else the analytic default by rows per expert). Slices hold
-        at least about MAX_ALIGN_PAIRS / 2 = 2**22 pairs, far beyond the batch sizes tables measure
-        (8192 at most in the shipped ones) and in the default's largest regime (512+ rows per
-        expert up to 8192 experts), so they look up what one call's M would."""
+        at least about MAX_ALIGN_PAIRS / 2 = 2**17 pairs (16,384 tokens at top-8), beyond the batch
+        sizes tables measure (8192 at most in the shipped ones), so they find the entry one call's
+        M would; without a table, the default's largest regime (512+ rows per expert) holds for up
+        to 256 experts."""
         M, K = topk_ids.shape
         slices = triton.cdiv(M, max(1, MAX_ALIGN_PAIRS // K))
         rows, longer = divmod(M, slices)  # the first `longer` slices get rows + 1
