@@ -507,9 +507,7 @@ def test_expert_parallel_checks_everything_before_the_first_collective(one_rank_
     five = torch.zeros(5, 5, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"top-k must be between 1 and the number of experts \(4\), got 5"):
         md.ep_fused_moe(x, W, torch.rand(5, 5), five, 4)
-    with pytest.raises(moekit.BackendUnavailableError, match="cutlass"):
-        if torch.cuda.is_available():
-            pytest.skip("cutlass may run on this GPU")
+    with pytest.raises(moekit.BackendUnavailableError, match="cutlass"):  # CPU tensors: on any machine
         md.ep_fused_moe(x, W, tw, ids, 4, backend="cutlass")
     b = moekit.MoEWeights("fp16", *(t.half() for t in random_weights(4, 128, 128, "bf16").tensors().values()))
     with pytest.raises(ValueError, match="x has dtype torch.bfloat16 but the unquantized weights"):
