@@ -34,7 +34,9 @@
 #        the combine pass alone (GEMM2_ARGS adds arguments: "--points glm-4.5v-fp8:2:4096"); not
 #        part of `all`.
 # unmarked: the tests WITHOUT the gpu mark, on the GPU (those taking the `device` fixture run on
-#        CUDA there, not under the interpreter; `-- -k EXPR` narrows them); not part of `all`.
+#        CUDA there, not under the interpreter; `-- -k EXPR` narrows them, UNMARKED_TESTS="tests/a.py
+#        tests/b.py" picks files: all of them compile hundreds of kernels, more than one call's 10
+#        minutes, so split them over calls, carrying nothing: Triton's cache stays on a warm machine); not part of `all`.
 # pending: what sessions without a GPU wrote and no GPU has run yet: those changes' GPU tests
 #        (torch.compile with inductor and CUDA graphs, the 128-row Gluon GEMM1's half-height tile
 #        bitwise, the tests a review changed, the unmarked tests of test_compile.py and
@@ -146,7 +148,8 @@ fi
 if [[ " ${steps[*]} " == *" unmarked "* ]]; then
   # the tests without the gpu mark that take the `device` fixture run on CUDA here (on the CPU they
   # run under the interpreter): run() at M = 0, fp16 with FP8 weights, much of the glue
-  python3 -m pytest -q -m "not gpu" -p no:cacheprovider tests "${pytest_args[@]}" 2>&1 | tee "$WORK/unmarked_tests.log"
+  python3 -m pytest -q -m "not gpu" -p no:cacheprovider ${UNMARKED_TESTS:-tests} "${pytest_args[@]}" 2>&1 \
+    | tee "$WORK/unmarked_tests.log"
   ((PIPESTATUS[0] == 0)) || status=1
 fi
 if [[ " ${steps[*]} " == *" pending "* ]]; then
