@@ -237,10 +237,10 @@ def read_fp8(ckpt: Checkpoint, entry: dict, prefix: str, family: Family, scheme:
         if bool(ckpt.get(key).float().abs().max() != 0):
             raise CheckpointError(f"checkpoint tensor {key!r} is a non-zero zero point: moekit runs symmetric FP8 only")
     g = scheme.weight
-    if g == "block" and N % BLOCK:
-        raise CheckpointError(
-            f"{prefix!r}: scheme {scheme.name} needs the intermediate size to be a multiple of {BLOCK}, got {N}"
-        )
+    try:
+        check_intermediate(scheme, N)
+    except ValueError as e:
+        raise CheckpointError(f"{prefix!r}: {e}") from None
     fp8 = quant.FP8_DTYPE
     w13 = torch.empty(E, 2 * N, H, dtype=fp8, device=device)
     w2 = torch.empty(E, H, N, dtype=fp8, device=device)
