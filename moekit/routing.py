@@ -155,8 +155,10 @@ def _mask_unkept_groups(choice: torch.Tensor, num_groups: int, topk_groups: int)
 
 def _check_on_device(device: torch.device) -> bool:
     """Whether route()'s value checks run as device-side assertions (no host sync, so routing
-    can be captured in a CUDA graph) rather than as host-side checks with a counted message."""
-    return device.type == "cuda"
+    can be captured in a CUDA graph) rather than as host-side checks with a counted message.
+    Also while torch.compile traces: a host check reads a value, which a graph cannot; the
+    assertion is part of the graph (on the CPU a compiled graph raises it when it runs)."""
+    return device.type == "cuda" or torch.compiler.is_compiling()
 
 
 def _check_logits(router_logits) -> torch.Tensor:
@@ -246,7 +248,9 @@ def _check_bias(correction_bias, num_experts, device) -> torch.Tensor | None:
     if _check_on_device(bias.device):  # every call of a MoELayer with a bias comes here: no host sync
         # once per bias and version: a layer's bias is constant, and the check is 3 launches
         # inside every captured layer (an inference tensor keeps no version: checked every call)
-        version = None if correction_bias.is_inference() else correction_bias._version
+        # (while compiling: in the graph, checked every call; the remembered versions are host state)
+        compiling = torch.compiler.is_compiling()
+        version = None if compiling or correction_bias.is_inference() else correction_bias._version
         if version is None or _checked_biases.get(correction_bias) != version:
             torch._assert_async(torch.isfinite(bias).all(), "moekit.route: correction_bias has NaN or inf values")
             if version is not None:

@@ -125,6 +125,41 @@ def test_compiled_function_with_fused_moe_and_other_ops(device):
             assert torch.equal(got, want)
 
 
+
+ROUTINGS = [
+    RoutingConfig(top_k=K),  # softmax, renormalized (Mixtral, Qwen)
+    RoutingConfig(top_k=K, renormalize=False),  # OLMoE
+    RoutingConfig(top_k=K, scoring="sigmoid", num_groups=4, topk_groups=2, use_correction_bias=True,
+                  routed_scaling_factor=2.5),  # DeepSeek-V3's rule
+]
+E_ROUTED = 8  # grouped routing scores a group by its 2 best experts: 4 groups of 2
+
+
+@pytest.mark.parametrize("config", ROUTINGS, ids=["softmax", "softmax-raw", "grouped-sigmoid-bias"])
+def test_route_compiles_with_its_checks_in_the_graph(config, device):
+    """moekit.route traced with its value checks as assertions inside the graph (a host check
+    reads a value, which a graph cannot; fullgraph refused it): the routing is bitwise eager's,
+    a NaN logit still raises when the compiled graph runs (on the CPU; on a GPU a device-side
+    assertion), and route + fused_moe compile into one graph."""
+    bias = (0.1 * torch.randn(E_ROUTED, generator=torch.Generator().manual_seed(3))).to(device)
+    bias = bias if config.use_correction_bias else None
+    weights = random_weights(E_ROUTED, H, N, "fp8-channel-token", device=device)
+
+    def block(x, logits):
+        tw, ids = moekit.route(logits, config=config, correction_bias=bias)
+        return tw, ids, moekit.fused_moe(x, weights, tw, ids, "reference")
+
+    compiled = _compiled(block)
+    for M in (6, 13):
+        x = random_x(M, H, device=device, seed=M)
+        logits = torch.randn(M, E_ROUTED, generator=torch.Generator().manual_seed(M)).to(device)
+        for got, want in zip(compiled(x, logits), block(x, logits)):
+            assert torch.equal(got, want)
+    if device.type == "cpu":  # on a GPU the assertion would end the process's CUDA context
+        logits[2, 1] = float("nan")
+        with pytest.raises(RuntimeError, match="router_logits has NaN or inf"):
+            compiled(x, logits)
+
 def test_copied_layer_runs_its_own_weights(device):
     """copy.deepcopy keeps the original's handle in the copy's __dict__: the copy must get its
     own, or its compiled graph would run the original's weights."""
