@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|fast|decode|gemm2|unmarked|pending|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|fast|decode|gemm2|unmarked|pending|halfheight|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points (BENCHMARKS.md, Reference points): the expert GEMMs alone
@@ -40,9 +40,10 @@
 # pending: what sessions without a GPU wrote and no GPU has run yet: those changes' GPU tests
 #        (torch.compile with inductor and CUDA graphs, the 128-row Gluon GEMM1's half-height tile
 #        bitwise, the tests a review changed, the unmarked tests of test_compile.py and
-#        test_triton_chunks.py on CUDA), then the half-height tile timed on and off
-#        (diag_half_tail.py, DeepSeek-V3 / Qwen3 block FP8 and Mixtral per-channel, precise mode).
-#        Its results decide launch.GLUON_HALF_HEIGHT; not part of `all`.
+#        test_triton_chunks.py on CUDA); not part of `all`.
+# halfheight: the 128-row Gluon GEMM1's half-height tile timed on and off (diag_half_tail.py,
+#        DeepSeek-V3 / Qwen3 block FP8 and Mixtral per-channel, precise mode), after `pending`
+#        showed it bitwise; its results decide launch.GLUON_HALF_HEIGHT; not part of `all`.
 # FAST_ARGS adds arguments to the fast step's diag_fast.py ("--batch-sizes 1 2 4 8").
 #
 # A step after `tune` in the same call (auto, bench, check) uses the tables just tuned
@@ -163,6 +164,8 @@ if [[ " ${steps[*]} " == *" pending "* ]]; then
   python3 -m pytest -q -m "not gpu" -p no:cacheprovider tests/test_compile.py tests/test_triton_chunks.py \
     "${pytest_args[@]}" 2>&1 | tee "$WORK/pending_unmarked_tests.log"
   ((PIPESTATUS[0] == 0)) || status=1
+fi
+if [[ " ${steps[*]} " == *" halfheight "* ]]; then
   tall=M128-N128-K128-G8-w8-s4-ov  # the 128-row Gluon GEMM1 (the tables' tall entries' tile)
   python3 scripts/diag_half_tail.py --switch gluon-half-height --modes precise --config "$tall" \
     --points deepseek-v3:8:4096 deepseek-v3:8:8192 qwen3-30b-a3b-fp8:1:4096 --json "$WORK/half_height_block.json" || status=1
