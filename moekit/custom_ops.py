@@ -13,7 +13,9 @@ The object an op runs (a MoEWeights, a module) cannot be an argument of an op, s
 by an integer handle: handle_of() gives one to the object at trace time (the compiler calls it
 on the real object and keeps the result as a constant) and _OBJECTS finds the object again
 when the op runs. The registry holds objects weakly: a deleted layer leaves nothing behind.
-The tensors the object holds are passed too, so the compiler knows the op reads them.
+The tensors the object holds are passed too, as the op's declared inputs, but the op reads
+them through the object: a write to them inside the compiled function (applied after the
+graph) is not seen by the op of the same call, so weights are written outside (README).
 
 The handle being a constant, Dynamo guards on the object's identity (assume_constant_result's
 ID_MATCH): every layer object gets a graph of its own. A whole model compiled at once is one
