@@ -9,8 +9,9 @@ On a CUDA GPU (the method of BENCHMARKS.md and its reference points):
   2. one call of `fn` is captured into a `torch.cuda.CUDAGraph`;
   3. before every replay the L2 cache is flushed by zeroing a 512 MiB buffer (far larger than
      any L2: 50 MiB on H100, 60 MiB on H200), so each replay reads its weights from HBM;
-  4. CUDA events time "flush + replay" `reps` times, then "flush" alone `reps` times; the
-     median of the flush-alone times is subtracted from every flush + replay sample;
+  4. CUDA events time "flush + replay" `reps` times, then "flush" alone `reps` times (each
+     block of timed calls led by one untimed call, so the GPU is never idle at a start event);
+     the median of the flush-alone times is subtracted from every flush + replay sample;
   5. the median and the 20th / 80th percentiles of the corrected samples are reported.
 If capture fails (a host synchronisation inside `fn`, an op that graphs cannot hold), the same
 measurement is made with eager calls instead of replays, and `Timing.note` says so.
@@ -172,10 +173,17 @@ def flush_buffer() -> torch.Tensor:
 
 def _event_times(body: Callable[[], None], reps: int, before_each: Callable[[], object] | None = None) -> list[float]:
     """GPU time of `body` in µs, `reps` times: one pair of events around each call
-    (`before_each` runs before each, outside the events)."""
+    (`before_each` runs before each, outside the events).
+
+    One untimed call of `body` goes first: after the synchronisation the GPU is idle, so the
+    first start event would fire as soon as it is recorded and the first sample would include
+    the host's time to launch `body` (a few µs of Python and driver, on replays of ~10 µs at
+    decode sizes). With the untimed call queued ahead (a 512 MiB flush: 100+ µs of GPU work) the
+    host is ahead of the GPU by the first timed call, as it is for all the others."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     torch.cuda.synchronize()
+    body()  # untimed: keeps the GPU busy while the host queues the first timed call
     for start, end in zip(starts, ends):
         if before_each is not None:
             before_each()

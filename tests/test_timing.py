@@ -241,3 +241,55 @@ def test_before_each_runs_before_every_timed_call_and_never_inside_the_warm_up()
     timed = events[4:]
     assert len(timed) == 16 and all(timed[i] == "+" + timed[i + 1] for i in range(0, 16, 2))
     assert timed.count("+a") == timed.count("+b") == 4  # told which closure runs next
+
+
+class _FakeDevice:
+    """A CPU model of one CUDA stream: the host pays a launch cost per call, the GPU runs the
+    queued work in order, an event takes the GPU's time when the stream reaches it (µs)."""
+
+    LAUNCH_US, RECORD_US = 10.0, 2.0
+
+    def __init__(self):
+        self.host = 0.0
+        self.busy_until = 0.0
+
+    def launch(self, duration_us: float) -> None:
+        self.host += self.LAUNCH_US
+        self.busy_until = max(self.busy_until, self.host) + duration_us
+
+    def record(self) -> float:
+        self.host += self.RECORD_US
+        return max(self.busy_until, self.host)
+
+    def synchronize(self) -> None:
+        self.host = max(self.host, self.busy_until)
+
+    def event_class(self):
+        device = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self):
+                self.t = device.record()
+
+            def elapsed_time(self, end):
+                return (end.t - self.t) / 1e3  # ms, as torch.cuda.Event
+
+        return Event
+
+
+def test_event_times_exclude_the_hosts_launch_of_the_first_call(monkeypatch):
+    """After the synchronisation the GPU is idle: without work queued ahead, the first start event
+    fires at once and the first sample includes the host's launch of the body (10 µs here on a
+    100 µs body). Every sample must be the body's GPU time alone."""
+    from moekit import timing
+
+    device = _FakeDevice()
+    monkeypatch.setattr(timing.torch.cuda, "Event", device.event_class())
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", device.synchronize)
+    hooks = []
+    samples = timing._event_times(lambda: device.launch(100.0), 6, before_each=lambda: hooks.append(1))
+    assert samples == pytest.approx([100.0] * 6)
+    assert len(hooks) == 6  # the untimed call runs without the hook: the hook's sequence is the timed calls'
