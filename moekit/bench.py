@@ -93,8 +93,10 @@ UNITS = {
     "p20_us": "µs, 20th percentile",
     "p80_us": "µs, 80th percentile",
     "tflops": "TFLOP/s (1e12), 2*M*topk*3*N*H / median",
-    "gbps": "GB/s (1e9 bytes/s), roofline bytes / median",
-    "floor_us": "µs, max(bytes / copy bandwidth, flops / matmul rate)",
+    "gbps": "GB/s (1e9 bytes/s), roofline bytes / median (bytes: median over the timed calls, each counted "
+    "on the routing it ran)",
+    "floor_us": "µs, max(bytes / copy bandwidth, flops / matmul rate); median over the timed calls, each "
+    "counted on the routing it ran",
     "efficiency": "floor_us / median_us (1.0 = the physical limit)",
     "speedup": "baseline median / this median",
     "rel_err": "||out - ref||_2 / ||ref||_2 against the reference backend, same inputs",
@@ -833,10 +835,25 @@ def _failed(row: dict, e: BaseException) -> dict:
     return row
 
 
+def replay_counts(p: Problem, M: int, routing_ids: Sequence[torch.Tensor], reps: int, dtype: torch.dtype) -> list:
+    """The roofline counts of each timed call of a closure, in order: call i runs routing
+    i % len(routing_ids) (RoutingRotation cycles every closure through its routings from the
+    first), so its bytes (the experts touched) are that routing's."""
+    per_routing = [roofline.count(p.shape, p.scheme, M, ids, dtype) for ids in routing_ids]
+    return [per_routing[i % len(per_routing)] for i in range(reps)]
+
+
 def _finish_row(
-    row: dict, timing: Timing, p: Problem, M: int, x, weights, tw, ids, opts: BenchOptions, ceilings, reference_out
+    row: dict, timing: Timing, p: Problem, M: int, x, weights, tw, ids, opts: BenchOptions, ceilings, reference_out,
+    counts: Sequence[roofline.Counts] | None = None,
 ) -> dict:
-    """Fill a timed row: times, rates, floor and efficiency, and the accuracy check."""
+    """Fill a timed row: times, rates, floor and efficiency, and the accuracy check.
+
+    `counts`: the roofline counts of each timed call (replay_counts; default: every call on
+    `ids`). The time is the median over calls that cycle through several routings, which touch
+    different numbers of experts (Mixtral-8x7B at M = 4: 5 to 7 of 8 experts, floors 20% apart),
+    so the floor and the bytes are the medians over the same calls: a backend at one efficiency
+    on every routing then shows that efficiency, whichever routing came first."""
     notes = []
     if opts.check and reference_out is not None:
         try:
@@ -851,13 +868,17 @@ def _finish_row(
             notes.append("output has NaN or inf values")
     if timing.note:
         notes.append(timing.note)
-    counts = roofline.count(p.shape, p.scheme, M, ids, x.dtype)
+    if counts is None:
+        counts = [roofline.count(p.shape, p.scheme, M, ids, x.dtype)]
+    flops = counts[0].flops  # the same for every routing of a batch size
+    nbytes = float(np.median([c.bytes for c in counts]))
     median = timing.median_us
     row.update(median_us=_round(median, 3), p20_us=_round(timing.p20_us, 3), p80_us=_round(timing.p80_us, 3))
     if median > 0:
-        row["tflops"] = _round(counts.flops / (median * 1e-6) / 1e12, 4)
-        row["gbps"] = _round(counts.bytes / (median * 1e-6) / 1e9, 3)
-    floor = roofline.floor_us(counts, ceilings, p.scheme)
+        row["tflops"] = _round(flops / (median * 1e-6) / 1e12, 4)
+        row["gbps"] = _round(nbytes / (median * 1e-6) / 1e9, 3)
+    floors = [roofline.floor_us(c, ceilings, p.scheme) for c in counts]
+    floor = None if ceilings is None else float(np.median(floors))
     if floor is not None:
         row["floor_us"] = _round(floor, 3)
         if median > 0:
@@ -953,13 +974,15 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
                     with torch.no_grad():
                         timings = time_graphs(fns, reps=opts.reps, warmup=opts.warmup, device=device,
                                               before_each=rotation if len(rotation) > 1 else None) if fns else {}
-                    rotation.reset()  # the accuracy check and the counts below use the first routing
+                    rotation.reset()  # the accuracy check uses the first routing
+                    counts = replay_counts(p, M, [r[1] for r in rotation.routings], opts.reps, x.dtype)
                     for row, fn in prepared:
                         timing = timings.get(row["backend"])
                         if isinstance(timing, Exception):
                             row = _failed(row, timing)
                         elif timing is not None:
-                            row = _finish_row(row, timing, p, M, x, weights, tw, ids, opts, ceilings, reference_out)
+                            row = _finish_row(row, timing, p, M, x, weights, tw, ids, opts, ceilings, reference_out,
+                                              counts)
                         rows.append(row)
                         progress.advance(task)
                     x = tw = ids = cache = None  # freed before the next size (reference_out names them)

@@ -547,3 +547,33 @@ def test_reference_skip_reason_is_the_commands_own(tmp_path, tiny_config, monkey
     assert main(["check", "--model", str(tiny_config), "--backends", "reference", "--seeds", "1",
                  "--batch-sizes", "1", "--out", str(tmp_path / "c")]) == 0
     assert seen["reference_note"] == check.REFERENCE_NOT_CHECKED
+
+
+def test_floor_and_bytes_are_counted_on_the_routings_the_timed_calls_ran(tmp_path, tiny_config, monkeypatch):
+    """With several routings the time is the median over calls that cycle through them, and the
+    routings touch different numbers of experts: the floor and the bytes must be the medians over
+    the same calls (call i runs routing i % routings), not the first routing's."""
+    from moekit import roofline
+    from moekit.spec import MoEShape
+
+    ceilings = roofline.Ceilings("Fake GPU", copy_gbps=1.0, bf16_tflops=1e3, fp8_tflops=None,
+                                 torch="t", triton="t", measured="now")  # memory-bound: floor follows bytes
+    monkeypatch.setattr(bench.roofline, "get_ceilings", lambda device=None, refresh=False: ceilings)
+    M, reps = 3, 3
+    out = tmp_path / "o"
+    assert main(["bench", "--model", str(tiny_config), "--routings", "4", "--batch-sizes", str(M),
+                 "--backends", "reference", "--baseline", "reference", "--no-plots", "--no-check", "--out", str(out),
+                 "--reps", str(reps), "--warmup", "1"]) == 0
+    (row,) = json.loads((out / "bench.json").read_text())["rows"]
+    shape = MoEShape(4, 64, 128, 2)
+    from moekit.spec import BF16
+
+    rotation = bench.make_routings("uniform", M, shape, 4, seed=bench.input_seed(0, M))
+    counts = [roofline.count(shape, BF16, M, ids) for _, ids in rotation.routings]
+    assert [c.experts_touched for c in counts] == [3, 4, 4, 2]  # the timed calls ran routings 0, 1, 2
+    floors = [roofline.floor_us(counts[i % 4], ceilings, BF16) for i in range(reps)]
+    assert row["floor_us"] == pytest.approx(float(np.median(floors)), rel=1e-3)
+    assert row["floor_us"] != pytest.approx(floors[0], rel=1e-3)  # not the first routing's
+    nbytes = float(np.median([counts[i % 4].bytes for i in range(reps)]))
+    assert row["gbps"] == pytest.approx(nbytes / (row["median_us"] * 1e-6) / 1e9, rel=2e-3)
+    assert row["efficiency"] == pytest.approx(row["floor_us"] / row["median_us"], rel=2e-3)
