@@ -864,8 +864,9 @@ def _finish_row(
             return _failed(row, e)
         if math.isfinite(err):
             row["rel_err"] = float(f"{err:.4e}")
-        else:
-            notes.append("output has NaN or inf values")
+        else:  # a wrong output: its time stays in the row, the run reports an error (exit status 1)
+            notes.append("error: output has NaN or inf values")
+            row["_error"] = True
     if timing.note:
         notes.append(timing.note)
     if counts is None:
@@ -874,6 +875,9 @@ def _finish_row(
     nbytes = float(np.median([c.bytes for c in counts]))
     median = timing.median_us
     row.update(median_us=_round(median, 3), p20_us=_round(timing.p20_us, 3), p80_us=_round(timing.p80_us, 3))
+    if not (math.isfinite(median) and median > 0):  # rates and efficiency left empty: say why
+        notes.append(f"error: measured {median} µs, at or below the timer's resolution (flush time subtracted)")
+        row["_error"] = True
     if median > 0:
         row["tflops"] = _round(flops / (median * 1e-6) / 1e12, 4)
         row["gbps"] = _round(nbytes / (median * 1e-6) / 1e9, 3)

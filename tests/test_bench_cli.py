@@ -577,3 +577,39 @@ def test_floor_and_bytes_are_counted_on_the_routings_the_timed_calls_ran(tmp_pat
     nbytes = float(np.median([counts[i % 4].bytes for i in range(reps)]))
     assert row["gbps"] == pytest.approx(nbytes / (row["median_us"] * 1e-6) / 1e9, rel=2e-3)
     assert row["efficiency"] == pytest.approx(row["floor_us"] / row["median_us"], rel=2e-3)
+
+
+class NaNBackend(ReferenceBackend):
+    """A backend whose output is NaN: runs, is timed, and is wrong."""
+
+    name = "nanout"
+
+    def run(self, x, weights, topk_weights, topk_ids):
+        return torch.full_like(x, float("nan"))
+
+
+def test_a_nan_output_is_an_error_with_its_time_kept(tmp_path, tiny_config, registry, capsys):
+    registry(NaNBackend())
+    out = tmp_path / "o"
+    assert main(["bench", "--model", str(tiny_config), "--batch-sizes", "2", "--backends", "nanout", "reference",
+                 "--baseline", "reference", "--no-plots", "--out", str(out), *FAST]) == 1
+    _, rows = read_csv(out / "bench.csv")
+    bad = next(r for r in rows if r["backend"] == "nanout")
+    assert bad["note"] == "error: output has NaN or inf values" and bad["rel_err"] == ""
+    assert float(bad["median_us"]) > 0  # timed all the same
+    assert next(r for r in rows if r["backend"] == "reference")["note"] == ""
+
+
+def test_a_zero_median_is_an_error_that_says_why_the_rates_are_empty(tmp_path, tiny_config, monkeypatch):
+    """A flush-corrected median of 0 (the replays took no longer than the flush alone) leaves
+    TFLOP/s, GB/s and efficiency empty: the row must say why, and the run report an error."""
+    def zero_times(fns, **kw):
+        return {name: timing.Timing.from_samples([0.0, 0.0], "cuda-graph", flush_us=150.0) for name in fns}
+
+    monkeypatch.setattr(bench, "time_graphs", zero_times)
+    out = tmp_path / "o"
+    assert main(["bench", "--model", str(tiny_config), "--batch-sizes", "2", "--backends", "reference",
+                 "--baseline", "reference", "--no-plots", "--out", str(out), *FAST]) == 1
+    (row,) = json.loads((out / "bench.json").read_text())["rows"]
+    assert row["median_us"] == 0.0 and row["tflops"] is None and row["gbps"] is None
+    assert row["note"].startswith("error: measured 0.0 µs, at or below the timer's resolution")
