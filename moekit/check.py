@@ -414,10 +414,14 @@ def _run(opts, console, device, dtype, batch_sizes, problems: list[Problem], pla
 
     models_out = []
     all_passed = True
+    unchecked: list[str] = []  # models no backend could be checked on: no pass without a check
     interrupted = False
     for pi, p in enumerate(problems):
         names = plan.per_problem[p.name]
         console.print(f"{p.describe()}: checking {', '.join(names) or 'no backend'}", highlight=False)
+        if not names:
+            unchecked.append(p.name)
+            all_passed = False
         for name, reasons in plan.skipped[p.name].items():
             console.print(f"  skipped {name}: {'; '.join(reasons)}", highlight=False)
         cases = make_cases(batch_sizes, opts.seeds, opts.seed, p.shape.num_experts, p.shape.top_k)
@@ -535,7 +539,12 @@ def _run(opts, console, device, dtype, batch_sizes, problems: list[Problem], pla
         return CheckReport(False, out_dir, files, report, interrupted=True)
     files = write_atomically(out_dir, {RESULT_FILE: write_json})
     (out_dir / PARTIAL_FILE).unlink(missing_ok=True)  # an earlier interrupted run's (--overwrite): superseded
-    verdict = "[green]all backends pass[/]" if all_passed else "[red]some backends FAIL[/]"
+    if all_passed:
+        verdict = "[green]all backends pass[/]"
+    elif unchecked and all(b["passed"] for m in models_out for b in m["backends"]):
+        verdict = f"[red]FAIL: no backend could be checked on {', '.join(unchecked)}[/]"
+    else:
+        verdict = "[red]some backends FAIL[/]" + (f" (none checked on {', '.join(unchecked)})" if unchecked else "")
     console.print(f"{verdict}; wrote {files[0]}", highlight=False)
     return CheckReport(all_passed, out_dir, files, report)
 

@@ -313,3 +313,19 @@ def test_check_refuses_to_replace_an_earlier_report_without_overwrite(tmp_path, 
     assert (out / "check.json").read_bytes() == before
     assert main([*argv, "--seed", "5", "--overwrite"]) == 0
     assert json.loads((out / "check.json").read_text())["metadata"]["seed"] == 5
+
+
+def test_a_model_no_backend_can_be_checked_on_is_not_a_pass(tmp_path, tiny_config, monkeypatch, capsys):
+    """Every backend refusing the model (all skipped, with their reasons): nothing was checked, so
+    the verdict cannot be 'all backends pass' with exit status 0."""
+    from moekit.backends import backend_names, get_backend
+
+    for name in backend_names():
+        monkeypatch.setattr(type(get_backend(name)), "supports", lambda self, *a, **k: ["not on this machine"])
+    out = tmp_path / "c"
+    assert main(["check", "--model", str(tiny_config), "--seeds", "1", "--batch-sizes", "1", "--out", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert "all backends pass" not in text and "no backend could be checked on tiny-moe" in text
+    report = json.loads((out / "check.json").read_text())
+    assert report["passed"] is False and report["models"][0]["backends"] == []
+    assert set(report["models"][0]["skipped_backends"]) == set(backend_names())
