@@ -42,11 +42,13 @@ def _figure(num_panels: int):
 
 
 def _by_model(rows: Sequence[dict]) -> dict[str, dict[str, list[dict]]]:
-    """model -> backend label -> rows sorted by batch size (rows with a time only)."""
+    """model -> backend label -> rows sorted by batch size (rows with a positive time only: the
+    axes are logarithmic, and a 0 µs median (bench reports it as an error) would be drawn as a
+    line plunging off the bottom of the panel)."""
     out: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         out[r["model"]]  # keep models without any timed row as (empty) panels
-        if r.get("median_us") is None:
+        if r.get("median_us") is None or not r["median_us"] > 0:
             continue
         out[r["model"]][r["backend"]].append(r)
     for backends in out.values():

@@ -613,3 +613,17 @@ def test_a_zero_median_is_an_error_that_says_why_the_rates_are_empty(tmp_path, t
     (row,) = json.loads((out / "bench.json").read_text())["rows"]
     assert row["median_us"] == 0.0 and row["tflops"] is None and row["gbps"] is None
     assert row["note"].startswith("error: measured 0.0 µs, at or below the timer's resolution")
+
+
+def test_plots_leave_out_points_a_log_axis_cannot_hold():
+    """A 0 µs median (an error row) on the log latency axis is drawn as a line off the bottom of
+    the panel: the plotted series hold positive times only; the model keeps its panel."""
+    rows = [
+        {"model": "m", "backend": "a", "batch_size": 1, "median_us": 0.0, "p20_us": 0.0, "p80_us": 0.0},
+        {"model": "m", "backend": "a", "batch_size": 2, "median_us": 10.0, "p20_us": 9.0, "p80_us": 11.0},
+        {"model": "m", "backend": "b", "batch_size": 2, "median_us": None},
+        {"model": "n", "backend": "a", "batch_size": 2, "median_us": 0.0, "p20_us": 0.0, "p80_us": 0.0},
+    ]
+    series = plots._by_model(rows)
+    assert [r["batch_size"] for r in series["m"]["a"]] == [2] and "b" not in series["m"]
+    assert "n" in series and not series["n"]
