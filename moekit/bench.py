@@ -714,7 +714,7 @@ class BenchOptions:
     routings: int = DEFAULT_ROUTINGS  # layer mode: routings each point's replays cycle through
     model_estimate: bool = False
     plots: bool = True
-    refresh_ceilings: bool = False
+    refresh_ceilings: bool = True  # the floor's ceilings measured in this run (False: an earlier run's)
     overwrite: bool = False  # replace an earlier run's results in `out`
     argv: list[str] | None = None
 

@@ -253,8 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="layer mode: the replays of each point cycle through N routings of its batch size "
                             "(default: 4)")
     bench.add_argument("--no-plots", action="store_true", help="write no PNG plots (no matplotlib needed)")
-    bench.add_argument("--refresh-ceilings", action="store_true",
-                       help="measure the device's copy bandwidth and matmul rates again")
+    bench.add_argument("--cached-ceilings", action="store_false", dest="refresh_ceilings",
+                       help="use the device's copy bandwidth and matmul rates measured by an earlier run "
+                            "(default: measured in this run, a few seconds)")
+    bench.add_argument("--refresh-ceilings", action="store_true", help=argparse.SUPPRESS)  # the default now
     bench.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     bench.set_defaults(func=cmd_bench)
 

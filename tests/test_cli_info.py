@@ -81,3 +81,16 @@ def test_tune_scheme_help_names_the_comma_separated_list():
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices["tune"]
     (scheme,) = [a for a in sub._actions if a.dest == "scheme"]
     assert "comma-separated" in scheme.help
+
+
+def test_bench_measures_its_ceilings_in_the_same_run_unless_told():
+    """Issue 3's method: the floor from ceilings measured in the same run. bench reused an earlier
+    run's cached ceilings unless --refresh-ceilings; now it measures them unless --cached-ceilings
+    (--refresh-ceilings still parses, as the default)."""
+    from moekit.bench import BenchOptions
+
+    model = ["--model", "mixtral-8x7b"]
+    assert parse("bench", *model).refresh_ceilings is True
+    assert parse("bench", *model, "--refresh-ceilings").refresh_ceilings is True
+    assert parse("bench", *model, "--cached-ceilings").refresh_ceilings is False
+    assert BenchOptions(models=["mixtral-8x7b"]).refresh_ceilings is True
