@@ -941,7 +941,7 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
     )
     # gemm mode aligns its routing before timing, and a recorded routing is the file's: one routing
     routings = opts.routings if opts.mode == "layer" and plan.routing_kind != "file" else 1
-    interrupted = False
+    interrupted, crash = False, None
     try:
         with progress:
             task = progress.add_task("bench", total=total)
@@ -997,6 +997,10 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
         if not rows:
             raise
         interrupted = True
+    except Exception as e:  # a failure that stops the run (a CUDA error poisons the context): the same,
+        if not rows:  # then the error is raised on
+            raise
+        interrupted, crash = True, e
 
     _add_speedups(rows, plan.baseline)
     _add_auto_choice_cost(rows)
@@ -1035,8 +1039,11 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
     for line in auto_summary(rows):
         console.print(line, highlight=False)
     if interrupted:
-        console.print(f"interrupted: {len(rows)} of {total} points measured; wrote them to "
+        why = f"stopped by {type(crash).__name__}: {crash}" if crash is not None else "interrupted"
+        console.print(f"{why}: {len(rows)} of {total} points measured; wrote them to "
                       f"{', '.join(str(f) for f in files)} (partial: no plots)", highlight=False, soft_wrap=True)
+        if crash is not None:
+            raise crash
     else:
         console.print(f"wrote {', '.join(str(f) for f in files)}", highlight=False)
     return BenchResult(plan.out_dir, files, plan.columns, rows, meta, errors, interrupted)

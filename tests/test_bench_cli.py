@@ -457,6 +457,31 @@ def test_bench_ctrl_c_keeps_what_was_measured_as_partial(tmp_path, tiny_config, 
     assert json.loads((out / "bench.json").read_text())["metadata"]["complete"] is True
 
 
+
+def test_bench_stopped_by_an_error_keeps_what_was_measured_and_raises(tmp_path, tiny_config, monkeypatch, capsys):
+    """A failure that stops the run (on a GPU, a CUDA error poisons the context and every later
+    point): the points measured before it were lost, nothing written. Now they are written as
+    partial results, as after Ctrl-C, and the error is raised on."""
+    out = tmp_path / "o"
+    original, calls = bench.time_graphs, []
+
+    def timed(fns, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return original(fns, **kw)
+
+    monkeypatch.setattr(bench, "time_graphs", timed)
+    argv = ["bench", "--model", str(tiny_config), "--batch-sizes", "1", "4", "--backends", "reference",
+            "--baseline", "reference", "--out", str(out), *FAST]
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        main(argv)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "stopped by RuntimeError: CUDA error: an illegal memory access was encountered: 1 of 2 points" in text
+    assert sorted(p.name for p in out.iterdir()) == ["bench.partial.csv", "bench.partial.json"]
+    _, rows = read_csv(out / "bench.partial.csv")
+    assert [(r["backend"], r["batch_size"]) for r in rows] == [("reference", "1")]
+
 def test_bench_ctrl_c_before_any_point_is_exit_130_and_leaves_nothing(tmp_path, tiny_config, monkeypatch, capsys):
     out = tmp_path / "o"
     interrupt_at_call(monkeypatch, 1)
