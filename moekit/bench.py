@@ -956,20 +956,21 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
                     rotation = make_routings(plan.routing_kind, M, p.shape, routings, seed=seed,
                                              recorded=plan.recorded.get(p.name), device=device)
                     tw, ids = rotation.topk_weights, rotation.topk_ids
-                    cache: dict[str | None, torch.Tensor] = {}
+                    cache: dict[tuple, torch.Tensor] = {}
 
                     def reference_out(backend_name: str):
-                        # the reference with the backend's documented intermediate rounding (triton's
-                        # 1x128 groups for the token rule), so rel_err measures errors, not design
-                        from .check import intermediate_granularity  # check imports bench
+                        # the reference with the backend's documented rounding points (triton's 1x128
+                        # groups for the token rule, cutlass's GEMM1 output in x's dtype), so rel_err
+                        # measures errors, not design
+                        from .check import gemm1_output_rounded, intermediate_granularity  # check imports bench
 
-                        granularity = intermediate_granularity(backend_name, p.scheme)
-                        if granularity not in cache:
+                        variant = (intermediate_granularity(backend_name, p.scheme),
+                                   gemm1_output_rounded(backend_name, p.scheme))
+                        if variant not in cache:
                             vtw, vids = validate_inputs(x, weights, tw, ids)
-                            cache[granularity] = reference_moe(
-                                x, weights, vtw, vids, intermediate_granularity=granularity
-                            )
-                        return cache[granularity]
+                            cache[variant] = reference_moe(x, weights, vtw, vids, intermediate_granularity=variant[0],
+                                                           round_gemm1_output=variant[1])
+                        return cache[variant]
 
                     # every backend at this M is timed in the same interleaved rounds (time_graphs)
                     progress.update(task, description=f"{p.name} M={M}: {', '.join(names)}")

@@ -180,3 +180,21 @@ def test_reference_runs_whatever_tf32_api_the_caller_used():
     finally:
         matmul.fp32_precision = saved
     assert torch.equal(out, moekit.fused_moe(x, w, tw, ids, "reference"))  # the same exact float32 path
+
+
+def test_reference_can_round_gemm1_output_as_cutlass_does():
+    """reference_moe(round_gemm1_output=True) stores GEMM1's output in x's dtype before SiLU, as
+    cutlass does (bench's rel_err of cutlass compares against it, so that it measures errors, not
+    that design choice). Against the float64 computation with the same rounding point it agrees to
+    its own bf16 output rounding (unit roundoff 2**-9; 1.6e-3 measured here, with the rare FP8
+    requantization flips an ulp of bf16 causes); without it, the bf16 rounding of h moves many
+    intermediate values across FP8 steps (1.6e-2 measured): the bounds keep the two apart."""
+    from moekit.check import float64_moe
+
+    w = random_weights(5, 256, 128, "fp8-channel-token")
+    x = random_x(33, 256)
+    tw, ids = random_routing(33, 5, 2)
+    rounded = reference_moe(x, w, tw, ids, round_gemm1_output=True)
+    assert rel_l2(rounded, float64_moe(x, w, tw, ids, round_gemm1_output=True)) < 4e-3
+    assert rel_l2(rounded, float64_moe(x, w, tw, ids, round_gemm1_output=False)) > 8e-3
+    assert rel_l2(reference_moe(x, w, tw, ids), float64_moe(x, w, tw, ids)) < 4e-3

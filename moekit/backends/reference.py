@@ -58,9 +58,11 @@ def expert_groups(topk_ids: torch.Tensor, num_experts: int):
 
 
 @torch.no_grad()
-def reference_moe(x, weights: MoEWeights, topk_weights, topk_ids, intermediate_granularity=None):
+def reference_moe(x, weights: MoEWeights, topk_weights, topk_ids, intermediate_granularity=None,
+                  round_gemm1_output: bool = False):
     """The reference computation; `intermediate_granularity` overrides how the GEMM2 input is
-    quantized (default: the scheme's activation rule)."""
+    quantized (default: the scheme's activation rule); `round_gemm1_output` stores GEMM1's output
+    in x's dtype before SiLU (a backend's own rounding point: cutlass)."""
     scheme = weights.scheme
     M, K = topk_ids.shape
     N = weights.n
@@ -72,6 +74,8 @@ def reference_moe(x, weights: MoEWeights, topk_weights, topk_ids, intermediate_g
         for e, pairs in expert_groups(topk_ids, weights.num_experts):
             w13, _ = weights.dequantize_expert(e)
             h = xq[pairs // K] @ w13[0].T  # [pairs, 2N]
+            if round_gemm1_output:
+                h = h.to(x.dtype).float()
             act[pairs] = torch.nn.functional.silu(h[:, :N]) * h[:, N:]
         act = act.to(x.dtype).float()
         if scheme.is_fp8:
