@@ -470,3 +470,22 @@ def test_tuned_config_of_the_nearest_batch_size_in_log_space():
     table = {1: a, 64: b, 1024: c}
     # 8 is as far (in ratio) from 1 as from 64: the tie goes to the smaller size
     assert [nearest(table, m) for m in (0, 1, 8, 9, 300, 512, 100_000)] == [a, a, a, b, c, c, c]
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8-channel-token", "fp8-block128"])
+@pytest.mark.parametrize("M", [5, 70])  # 10 pairs: the one-launch decode prologue in run(); 140: the multi-program alignment
+def test_gemm_only_closure_computes_the_layers_gemm2_rows(scheme, M, device):
+    """prepare_gemm_only is what `moekit bench --mode gemm` and the tuner time: its output (the
+    weighted GEMM2 row of every (token, expert) pair), combined, is the layer's output bitwise,
+    so the timed closure runs the layer's own two GEMMs on the layer's own inputs (bench's
+    accuracy check runs the whole layer)."""
+    from moekit.backends.triton.launch import combine
+
+    E, K = 5, 2
+    w = random_weights(E, 256, 128, scheme, device=device)
+    x = random_x(M, 256, device=device, seed=M)
+    tw, ids = random_routing(M, E, K, device=device, seed=M, experts=[0, 1, 3, 4])  # expert 2 idle
+    backend = moekit.get_backend("triton")
+    pairs = backend.prepare_gemm_only(x, w, tw, ids)()
+    assert pairs.shape == (M * K, 256)
+    assert torch.equal(combine(pairs, M, K), backend.run(x, w, tw, ids))
