@@ -1024,7 +1024,7 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
         timing=(
             f"CUDA graph replays; L2 flushed by zeroing a 512 MiB buffer before each, the flush's median "
             f"time subtracted; median of {opts.reps} after {opts.warmup} warm-up calls; the backends of one "
-            f"batch size interleaved in {DEFAULT_ROUNDS} rounds"
+            f"batch size interleaved in {min(DEFAULT_ROUNDS, opts.reps)} rounds"
             + (f"; the replays cycle through {routings} routings of each batch size" if routings > 1 else "")
             if device.type == "cuda"
             else f"CPU wall clock (time.perf_counter) around each call; median of {opts.reps} after {opts.warmup} warm-up calls"
