@@ -393,6 +393,30 @@ def test_gpu_compiled_layer_with_cuda_graphs(mode):
         assert torch.equal(got, layer(x, logits)), call
 
 
+@pytest.mark.gpu
+def test_gpu_fused_moe_of_a_closure_weights_under_cuda_graphs():
+    """moekit.fused_moe with a MoEWeights from the enclosing scope (not a module's buffers) under
+    mode="reduce-overhead": bitwise eager with fresh routing each call, and the weights are
+    static inputs, so torch's CUDA graphs keep no copy of them (the memory the compiled calls add
+    stays far below the layer's weights)."""
+    from moekit.bench import make_weights
+    from moekit.models import get_model
+
+    spec = get_model("glm-4.5v-fp8", tp=2)
+    dev = torch.device("cuda")
+    weights = make_weights(spec.shape, spec.scheme, dev, seed=0)
+    compiled = torch.compile(lambda x, tw, ids: moekit.fused_moe(x, weights, tw, ids, "triton"),
+                             fullgraph=True, mode="reduce-overhead")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(dev)
+    for call in range(4):
+        x = torch.randn(16, spec.shape.hidden, device=dev, dtype=torch.bfloat16)
+        tw, ids = moekit.route(torch.randn(16, spec.shape.num_experts, device=dev), spec.shape.top_k)
+        got = compiled(x, tw, ids).clone()
+        assert torch.equal(got, moekit.fused_moe(x, weights, tw, ids, "triton")), call
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated(dev) - before < weights.nbytes // 2
+
 
 def test_generate_with_a_static_cache_compiles_through_moekit(device):
     """transformers' generate() with a static cache compiles the decoding forward with
