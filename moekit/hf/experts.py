@@ -363,4 +363,3 @@ def set_backend(model: nn.Module, backend: str | None) -> int:
 
 def experts_modules(model: nn.Module) -> dict[str, MoekitExperts]:
     return {name: m for name, m in model.named_modules() if isinstance(m, MoekitExperts)}
-
