@@ -10,23 +10,26 @@ is bitwise its eager output, whatever the backend. The compiler sees each op's o
 and dtype (x's) from its fake implementation.
 
 The object an op runs (a MoEWeights, a module) cannot be an argument of an op, so it is named
-by an integer handle: handle_of() gives one to the object at trace time (the compiler calls it
-on the real object and keeps the result as a constant) and _OBJECTS finds the object again
-when the op runs. The registry holds objects weakly: a deleted layer leaves nothing behind.
-The tensors the object holds are passed too, as the op's declared inputs, but the op reads
-them through the object: a write to them inside the compiled function (applied after the
-graph) is not seen by the op of the same call, so weights are written outside (README).
+by an integer handle, its id(): the compiler turns id(obj) into a constant of the graph and
+guards on the object's identity (on every torch from 2.11), and handle_of() registers the object
+under it at trace time, when the compiler calls it with that constant (assume_constant_result:
+torch 2.11 passes such a function only constant arguments, never the object itself, so the live
+object is looked up by its id there). _OBJECTS finds the object again when the op runs. The
+registry holds objects weakly: a deleted layer leaves nothing behind. The tensors the object
+holds are passed too, as the op's declared inputs, but the op reads them through the object: a
+write to them inside the compiled function (applied after the graph) is not seen by the op of the
+same call, so weights are written outside (README).
 
-The handle being a constant, Dynamo guards on the object's identity (assume_constant_result's
-ID_MATCH): every layer object gets a graph of its own. A whole model compiled at once is one
-graph holding every layer's handle; but one function (or one block class's forward, compiled
-block by block) traced for many layer objects recompiles per object, and past
-torch._dynamo.config.recompile_limit (8) falls back to eager (fullgraph=True: raises).
+The handle being a constant guarded by identity, every layer object gets a graph of its own. A
+whole model compiled at once is one graph holding every layer's handle; but one function (or one
+block class's forward, compiled block by block) traced for many layer objects recompiles per
+object, and past torch._dynamo.config.recompile_limit (8) falls back to eager (fullgraph=True:
+raises).
 """
 
 from __future__ import annotations
 
-import itertools
+import ctypes
 import weakref
 from collections.abc import Sequence
 
@@ -35,17 +38,23 @@ import torch
 from .weights import MoEWeights
 
 _OBJECTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_NEXT_HANDLE = itertools.count(1)
-_HANDLE_ATTR = "_moekit_handle"
+
+
+def handle_of(obj) -> int:
+    """obj's handle, registering obj under it. Inside a traced function the compiler makes id(obj)
+    a constant (guarding on obj's identity) and calls _register with it once, at trace time."""
+    return _register(id(obj))
 
 
 @torch.compiler.assume_constant_result
-def handle_of(obj) -> int:
-    """obj's handle (given on first use). Called by the compiler at trace time on the real
-    object; the handle becomes a constant of the compiled graph."""
-    if isinstance(obj, MoEWeights) and "w13" not in obj.__dict__:
-        # What the compiler passes for a MoEWeights built inside the traced function: an empty
-        # shell. Unsupported: without fullgraph the compiler breaks the graph there and runs the
+def _register(object_id: int) -> int:
+    # Only ever called with the id of an object alive at this moment: handle_of's argument, which
+    # the caller (or, while tracing, the compiler) holds. So the id still names that object here.
+    obj = ctypes.cast(object_id, ctypes.py_object).value
+    if not isinstance(obj, torch.nn.Module) and not (isinstance(obj, MoEWeights) and "w13" in obj.__dict__):
+        # A MoEWeights built inside the traced function exists only in the compiler's trace: the
+        # id the compiler gives is that of an empty shell (torch 2.11) or of the compiler's own
+        # record of the object (newer). Unsupported: without fullgraph the compiler breaks the graph there and runs the
         # call eagerly; with fullgraph it raises, with this message.
         raise torch._dynamo.exc.Unsupported(
             "moekit.fused_moe under torch.compile needs its MoEWeights made outside the compiled "
@@ -62,12 +71,8 @@ def handle_of(obj) -> int:
         # reads the tensors (custom_ops.fused_moe asks for the handle first).
         for t in obj.tensors().values():
             torch._dynamo.mark_static_address(t, guard=False)
-    handle = obj.__dict__.get(_HANDLE_ATTR)
-    # a copy (copy.deepcopy of a model) carries its original's handle in its __dict__: not its own
-    if handle is None or _OBJECTS.get(handle) is not obj:
-        handle = obj.__dict__[_HANDLE_ATTR] = next(_NEXT_HANDLE)
-        _OBJECTS[handle] = obj
-    return handle
+    _OBJECTS[object_id] = obj
+    return object_id
 
 
 def _object(handle: int):

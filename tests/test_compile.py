@@ -161,8 +161,8 @@ def test_route_compiles_with_its_checks_in_the_graph(config, device):
             compiled(x, logits)
 
 def test_copied_layer_runs_its_own_weights(device):
-    """copy.deepcopy keeps the original's handle in the copy's __dict__: the copy must get its
-    own, or its compiled graph would run the original's weights."""
+    """A copy (copy.deepcopy of a compiled model's layer) must run its own weights, not those of the
+    original its state was copied from."""
     layer = moekit.MoELayer(random_weights(E, H, N, "bf16", device=device), RoutingConfig(top_k=K), "torch")
     x = random_x(6, H, device=device)
     logits = torch.randn(6, E).to(device)
@@ -180,7 +180,7 @@ def test_deleted_layer_leaves_nothing_registered(device):
     layer = moekit.MoELayer(random_weights(E, H, N, "bf16", device=device), RoutingConfig(top_k=K), "torch")
     compiled = _compiled(layer)
     compiled(random_x(3, H, device=device), torch.randn(3, E).to(device))
-    handle = layer.__dict__[custom_ops._HANDLE_ATTR]
+    handle = id(layer)
     assert custom_ops._OBJECTS.get(handle) is layer
     del layer, compiled
     torch._dynamo.reset()
