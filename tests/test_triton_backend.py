@@ -40,6 +40,21 @@ SCHEMES = ["bf16", "fp8-tensor-static", "fp8-tensor-dynamic", "fp8-channel-token
 #    moves max rel to 1e-1 or more.
 REL_L2_TOL = 1e-2
 MAX_REL_TOL = 2e-2
+# On a GPU, in precise mode too, GEMM1's products are summed by the FP8 tensor cores within each
+# 128-deep K step (promoted to float32 between steps): its sums are less exact than the interpreter's
+# float32 ones, so more intermediate values cross an FP8 rounding boundary (rel L2 up to 5.3e-3 on the
+# H200 against 2.8e-3 on the CPU, same data). A flip at one of the few largest a_j * w2_ij terms is
+# what the bound above leaves out as rare, and on the GPU it is not rare enough: measured on the H200
+# (BENCHMARKS.md, nineteenth session; E = 5, H = 640, N = 160/192/208, M = 1 to 300, 64- and 128-row
+# tiles bitwise alike) up to 2.12e-2 of max |ref|, as far from the float64 computation (2.07e-2) as
+# from the reference: one flip of an intermediate at 2**-3 of a term worth ~0.17 of max |ref|.
+# MAX_REL_TOL_GPU = 3e-2 is 1.4x that, and still 3x below the 1e-1 a wrong scale, row or expert gives.
+MAX_REL_TOL_GPU = 3e-2
+
+
+def max_rel_tol(out) -> float:
+    """The max-relative bound for a kernel output (on a GPU, the tensor cores' FP8 sums: above)."""
+    return MAX_REL_TOL_GPU if out.device.type == "cuda" else MAX_REL_TOL
 # MOEKIT_FP8_ACCUMULATION=fast on a GPU, for the schemes the mode changes: the tensor cores' own
 # FP8 accumulator makes GEMM1's sums less exact, and more intermediate values cross an FP8
 # rounding boundary. Measured on an H200 (BENCHMARKS.md, fifth session) against the reference of
@@ -67,7 +82,7 @@ def assert_matches_reference(out, x, w, tw, ids):
     assert out.shape == ref.shape and out.dtype == x.dtype
     assert torch.isfinite(out).all()
     assert rel_l2(out, ref) < REL_L2_TOL, rel_l2(out, ref)
-    assert max_rel(out, ref) < MAX_REL_TOL, max_rel(out, ref)
+    assert max_rel(out, ref) < max_rel_tol(out), max_rel(out, ref)
     return out
 
 
@@ -342,7 +357,7 @@ def test_fast_mode_quantizes_the_intermediate_per_row(M, K, experts, join, devic
     assert out.shape == (M, H)
     if M:
         ref = reference_moe(x, w, tw, ids)  # per-token intermediate: the scheme's own rule
-        assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < MAX_REL_TOL
+        assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < max_rel_tol(out)
 
 
 def with_accumulation_modes(schemes):
@@ -368,7 +383,7 @@ def test_joined_gemm1_tile(scheme, accumulation, device, monkeypatch):
     for block_n in (64, 128):
         cfg = KernelConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=64 if scheme == "bf16" else 128, GROUP_M=2, JOIN=1)
         out = moekit.get_backend("triton").run(x, w, tw.float(), ids, config=cfg)
-        assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < MAX_REL_TOL, (block_n, rel_l2(out, ref))
+        assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < max_rel_tol(out), (block_n, rel_l2(out, ref))
 
 
 def test_fast_mode_joins_wide_fp8_tiles(monkeypatch):
@@ -419,7 +434,7 @@ def test_group_quantization_fused_into_gemm1(scheme, device):
     cfg = KernelConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=4)
     out = moekit.get_backend("triton").run(x, w, tw.float(), ids, config=cfg)
     ref = reference_for(x, w, tw, ids)
-    assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < MAX_REL_TOL
+    assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < max_rel_tol(out)
 
 
 def test_gemm2_reads_an_fp8_intermediate_with_one_scale_per_row(device):
@@ -460,7 +475,7 @@ def test_grouped_tile_order_with_a_short_last_group(device, scheme):
     x = random_x(20, 128, device=device)
     out = moekit.get_backend("triton").run(x, w, tw.float(), ids, config=KernelConfig(32, 128, 128, 8, 4, 4))
     ref = reference_for(x, w, tw, ids)
-    assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < MAX_REL_TOL
+    assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < max_rel_tol(out)
 
 
 def test_tuned_config_of_the_nearest_batch_size_in_log_space():

@@ -435,9 +435,10 @@ HALF_WIDTH_TAIL = True
 
 # The 128-row Gluon GEMM1 running an expert's last block at 64 rows when it holds at most 64
 # (_gluon_kernels.gemm1_overlap_tall_kernel's HALF_HEIGHT), as _kernels._half_tile does for the
-# Triton kernels. Off until measured and checked bitwise on a GPU (written in a session without
-# one; scripts/check_overlap_ptxas.py compiles it: no spills, products in flight): the GPU tests
-# run it on, and scripts/diag_half_tail.py --gluon-half-height times it on against off.
+# Triton kernels. Off: on an H200 (BENCHMARKS.md, nineteenth session) bitwise the full-height
+# tile, but no clear win (1.5-3% less time at Qwen3-30B-A3B M = 4096 and Mixtral M = 1024, 0.3-0.9%
+# more at DeepSeek-V3 M = 4096 / 8192). The GPU tests run it on and off, and
+# scripts/diag_half_tail.py --switch gluon-half-height times it on against off.
 GLUON_HALF_HEIGHT = False
 
 
