@@ -10,7 +10,7 @@ import torch
 
 from moekit import roofline
 from moekit.spec import BF16, FP8_BLOCK128, FP8_CHANNEL_TOKEN, FP8_TENSOR_STATIC, MoEShape
-from moekit.timing import Timing, time_graph, time_graphs
+from moekit.timing import Timing, subtract_flush, time_graph, time_graphs
 
 
 # ------------------------------------------------------------------------------------ timing
@@ -39,6 +39,16 @@ def test_timing_percentiles_from_samples():
     assert t.p80_us == pytest.approx(4.2)
     with pytest.raises(ValueError):
         Timing.from_samples([], "cpu")
+
+
+def test_flush_subtraction_says_when_samples_fall_below_the_flush():
+    """A replay shorter than the flush's spread gives flush + replay samples below the flush's
+    median: they count as 0 µs (a time is never negative) and the note says how many did."""
+    corrected, note = subtract_flush([130.0, 95.0, 112.5, 99.0], flush_us=100.0)
+    assert corrected == [30.0, 0.0, 12.5, 0.0]
+    assert note is not None and note.startswith("2 of 4 samples") and "100.0 µs" in note
+    corrected, note = subtract_flush([130.0, 101.0], flush_us=100.0)
+    assert corrected == [30.0, 1.0] and note is None
 
 
 @pytest.mark.parametrize("kw", [{"reps": 0}, {"reps": 2.5}, {"warmup": -1}])
