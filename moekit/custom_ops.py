@@ -10,35 +10,35 @@ is bitwise its eager output, whatever the backend. The compiler sees each op's o
 and dtype (x's) from its fake implementation.
 
 The object an op runs (a MoEWeights, a module) cannot be an argument of an op, so it is named
-by an integer handle, its id(): the compiler turns id(obj) into a constant of the graph and
-guards on the object's identity (on every torch from 2.11), and handle_of() registers the object
-under it at trace time, when the compiler calls it with that constant (assume_constant_result:
-torch 2.11 passes such a function only constant arguments, never the object itself, so the live
-object is looked up by its id there). _OBJECTS finds the object again when the op runs. The
-registry holds objects weakly: a deleted layer leaves nothing behind. The tensors the object
-holds are passed too, as the op's declared inputs, but the op reads them through the object: a
-write to them inside the compiled function (applied after the graph) is not seen by the op of the
-same call, so weights are written outside (README).
+by an integer handle, its id() (moekit/handles.py). moekit's own modules hold theirs as an int
+attribute from construction; for any other object (a MoEWeights, transformers' own experts
+modules) the compiler turns id(obj) into a constant of the graph, guarding on the object's
+identity (on every torch from 2.11), and handle_of() registers the object under it at trace time,
+when the compiler calls it with that constant (assume_constant_result: torch 2.11 passes such a
+function only constant arguments, never the object itself, so the live object is looked up by its
+id there). The registry finds the object again when the op runs. The tensors the object holds are
+passed too, as the op's declared inputs, but the op reads them through the object: a write to them
+inside the compiled function (applied after the graph) is not seen by the op of the same call, so
+weights are written outside (README).
 
-The handle being a constant guarded by identity, every layer object gets a graph of its own. A
-whole model compiled at once is one graph holding every layer's handle; but one function (or one
-block class's forward, compiled block by block) traced for many layer objects recompiles per
-object, and past torch._dynamo.config.recompile_limit (8) falls back to eager (fullgraph=True:
-raises).
+So by default every layer object gets a graph of its own (its handle is a constant): a whole model
+compiled at once is one graph holding every layer's handle, but one function (or one block class's
+forward, compiled block by block) traced for many layer objects recompiles per object, and past
+torch._dynamo.config.recompile_limit (8) falls back to eager (fullgraph=True: raises). With
+torch._dynamo.config.allow_unspec_int_on_nn_module = True, a moekit module's handle attribute is a
+graph input instead, and one graph serves every MoELayer / MoekitExperts (after one recompile that
+finds the handle varying).
 """
 
 from __future__ import annotations
 
 import ctypes
-import weakref
 from collections.abc import Sequence
 
 import torch
 
+from . import handles
 from .weights import MoEWeights
-
-_OBJECTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
 
 def handle_of(obj) -> int:
     """obj's handle, registering obj under it. Inside a traced function the compiler makes id(obj)
@@ -71,18 +71,7 @@ def _register(object_id: int) -> int:
         # reads the tensors (custom_ops.fused_moe asks for the handle first).
         for t in obj.tensors().values():
             torch._dynamo.mark_static_address(t, guard=False)
-    _OBJECTS[object_id] = obj
-    return object_id
-
-
-def _object(handle: int):
-    obj = _OBJECTS.get(handle)
-    if obj is None:
-        raise RuntimeError(
-            f"moekit: the layer this compiled graph was traced with (handle {handle}) no longer "
-            "exists; compile the model again"
-        )
-    return obj
+    return handles.register(obj)
 
 
 # ------------------------------------------------------------------------------ fused_moe
@@ -102,7 +91,7 @@ def _fused_moe_op(
     from .api import fused_moe
 
     out = fused_moe(
-        x, _object(handle), topk_weights, topk_ids, backend,
+        x, handles.lookup(handle), topk_weights, topk_ids, backend,
         apply_router_weight_on_input=apply_router_weight_on_input, allow_weight_copies=allow_weight_copies,
     )
     return out.contiguous()  # the fake's layout (see _contiguous_like)
@@ -131,7 +120,7 @@ def fused_moe(x, weights, topk_weights, topk_ids, backend, *, apply_router_weigh
 
 @torch.library.custom_op("moekit::forward", mutates_args=())
 def _forward_op(x: torch.Tensor, args: list[torch.Tensor], state: list[torch.Tensor], handle: int) -> torch.Tensor:
-    return _forward_eagerly(_object(handle), x, args).contiguous()  # the fake's layout
+    return _forward_eagerly(handles.lookup(handle), x, args).contiguous()  # the fake's layout
 
 
 def _forward_eagerly(module: torch.nn.Module, x: torch.Tensor, args) -> torch.Tensor:
@@ -167,7 +156,12 @@ def module_forward(module: torch.nn.Module, x: torch.Tensor, args: Sequence[torc
         if not isinstance(a, torch.Tensor):
             raise TypeError(f"argument {i + 1} after x must be a torch.Tensor, got {type(a).__name__}")
     state = _detached([*module.parameters(recurse=False), *module.buffers(recurse=False)])
-    return torch.ops.moekit.forward(x.detach(), _detached(args), state, handle_of(module))
+    # moekit's modules carry their handle (an int attribute: a graph input under
+    # allow_unspec_int_on_nn_module); transformers' own experts modules get one by identity
+    handle = getattr(module, handles.HANDLE_ATTR, None)
+    if handle is None:
+        handle = handle_of(module)
+    return torch.ops.moekit.forward(x.detach(), _detached(args), state, handle)
 
 
 def _detached(tensors) -> list[torch.Tensor]:

@@ -21,6 +21,7 @@ import dataclasses
 import torch
 
 from .api import fused_moe
+from .handles import HandleOwner
 from .models import ModelSpec, get_model
 from .routing import RoutingConfig, route
 from .spec import QuantScheme, get_scheme
@@ -84,7 +85,7 @@ def apply_keeping_dtypes(module: torch.nn.Module, fn, *args, **kwargs):
     return torch.nn.Module._apply(module, keep_dtype, *args, **kwargs)
 
 
-class MoELayer(torch.nn.Module):
+class MoELayer(HandleOwner, torch.nn.Module):
     """The routed experts of one MoE layer; see the module docstring.
 
     weights: the layer's `MoEWeights` (used as they are, not copied). routing: the model's
@@ -106,6 +107,7 @@ class MoELayer(torch.nn.Module):
         num_experts: int | None = None,
     ):
         super().__init__()
+        self._take_handle()  # names the layer inside compiled graphs (moekit/handles.py)
         if not isinstance(weights, MoEWeights):
             raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
         if routing is not None and not isinstance(routing, RoutingConfig):

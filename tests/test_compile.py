@@ -13,9 +13,10 @@ import warnings
 import pytest
 import torch
 import torch._dynamo
+from torch._dynamo.testing import CompileCounter
 
 import moekit
-from moekit import custom_ops
+from moekit import custom_ops, handles
 from moekit.routing import RoutingConfig
 
 from helpers import random_routing, random_weights, random_x
@@ -176,18 +177,61 @@ def test_copied_layer_runs_its_own_weights(device):
     assert not torch.equal(got, layer(x, logits))
 
 
+class _Block(torch.nn.Module):
+    """A decoder block's MoE half, as a model repeats it: what regional compilation compiles once."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x, logits):
+        return x + self.moe(x, logits)
+
+
+@pytest.mark.parametrize("unspec_ints", [False, True])
+def test_regional_compilation_of_many_layers(unspec_ints, device):
+    """One block class compiled for ten layers (module.compile(), as regional compilation does):
+    every layer's output is bitwise its eager output. By default each layer is its own graph
+    (ten, over the recompile limit of 8, so the limit is raised here); with
+    allow_unspec_int_on_nn_module the layers' handles are a graph input, and one graph (after the
+    recompile that finds the handle varying) serves all."""
+    layers = 10
+    blocks = [_Block(moekit.MoELayer(random_weights(E, H, N, "bf16", device=device, seed=i), RoutingConfig(top_k=K), "torch"))
+              for i in range(layers)]
+    counter = CompileCounter()
+    x = random_x(6, H, device=device)
+    logits = torch.randn(6, E).to(device)
+    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=unspec_ints, recompile_limit=16):
+        for block in blocks:
+            block.compile(backend=counter, fullgraph=True)
+        outputs = [block(x, logits) for block in blocks]
+    for block, got in zip(blocks, outputs):
+        assert torch.equal(got, block.forward(x, logits))
+    assert all(not torch.equal(a, b) for i, a in enumerate(outputs) for b in outputs[i + 1:])  # each its own weights
+    assert counter.frame_count == (2 if unspec_ints else layers)
+
+
+def test_copied_module_takes_its_own_handle():
+    """A deepcopy (or unpickled copy) of a moekit module gets a handle of its own at once, not its
+    original's (it is the name compiled graphs use for it)."""
+    layer = moekit.MoELayer(random_weights(E, H, N, "bf16"), RoutingConfig(top_k=K), "torch")
+    twin = copy.deepcopy(layer)
+    assert layer._moekit_handle == id(layer) and twin._moekit_handle == id(twin)
+    assert handles.lookup(twin._moekit_handle) is twin and handles.lookup(layer._moekit_handle) is layer
+
+
 def test_deleted_layer_leaves_nothing_registered(device):
     layer = moekit.MoELayer(random_weights(E, H, N, "bf16", device=device), RoutingConfig(top_k=K), "torch")
     compiled = _compiled(layer)
     compiled(random_x(3, H, device=device), torch.randn(3, E).to(device))
     handle = id(layer)
-    assert custom_ops._OBJECTS.get(handle) is layer
+    assert handles._OBJECTS.get(handle) is layer
     del layer, compiled
     torch._dynamo.reset()
     gc.collect()
-    assert handle not in custom_ops._OBJECTS
+    assert handle not in handles._OBJECTS
     with pytest.raises(RuntimeError, match="no longer exists"):
-        custom_ops._object(handle)
+        handles.lookup(handle)
 
 
 def test_weights_built_inside_the_compiled_function_are_refused():

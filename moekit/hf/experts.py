@@ -28,6 +28,7 @@ from torch import nn
 
 from .. import env
 from ..api import fused_moe
+from ..handles import HandleOwner
 from ..layer import apply_keeping_dtypes
 from ..select import ENV_VAR, select_backend
 from ..spec import BF16, BLOCK, FP8_BLOCK128
@@ -244,7 +245,7 @@ def register() -> None:
 # ------------------------------------------------------------------------ moekit's own module
 
 
-class MoekitExperts(nn.Module):
+class MoekitExperts(HandleOwner, nn.Module):
     """A layer's routed experts in moekit's layout, run by moekit.fused_moe.
 
     Buffers (moved by .to() / .cuda() with the model, part of its state_dict):
@@ -258,6 +259,7 @@ class MoekitExperts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, *, family: str | None = None,
                  source_class: str | None = None, apply_on_input: bool = False):
         super().__init__()
+        self._take_handle()  # names the module inside compiled graphs (moekit/handles.py)
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden, intermediate
         self.family = family
         self.source_class = source_class
