@@ -39,8 +39,9 @@
 #        minutes, so split them over calls, carrying nothing: Triton's cache stays on a warm machine); not part of `all`.
 # pending: what no GPU has run yet: the unmarked tests of the four files the nineteenth session's
 #        calls had no time for (each logged on its own, so a call stopped at its limit still returns
-#        the finished files' results), and the 128-row GEMM1's odd-shape tests under the GPU
-#        max-relative bound set that session; not part of `all`.
+#        the finished files' results), the 128-row GEMM1's odd-shape tests under the GPU
+#        max-relative bound set that session, and regional compilation under CUDA graphs
+#        (test_compile.py, written without a GPU); not part of `all`.
 # halfheight: the 128-row Gluon GEMM1's half-height tile timed on and off (diag_half_tail.py,
 #        DeepSeek-V3 / Qwen3 block FP8 and Mixtral per-channel, precise mode; measured in the
 #        nineteenth session: bitwise, no clear win, so it stays off); not part of `all`.
@@ -154,7 +155,7 @@ if [[ " ${steps[*]} " == *" unmarked "* ]]; then
   ((PIPESTATUS[0] == 0)) || status=1
 fi
 if [[ " ${steps[*]} " == *" pending "* ]]; then
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_overlap.py -k "odd_shapes" \
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_overlap.py tests/test_compile.py -k "odd_shapes or regional" \
     "${pytest_args[@]}" 2>&1 | tee "$WORK/pending_overlap_tests.log"
   ((PIPESTATUS[0] == 0)) || status=1
   for f in test_triton_backend test_triton_gemv test_triton_half_tiles test_tune; do

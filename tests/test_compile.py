@@ -462,6 +462,32 @@ def test_gpu_fused_moe_of_a_closure_weights_under_cuda_graphs():
     assert torch.cuda.memory_allocated(dev) - before < weights.nbytes // 2
 
 
+@pytest.mark.gpu
+def test_gpu_regional_compilation_under_cuda_graphs():
+    """Regional compilation with allow_unspec_int_on_nn_module on the GPU, mode="reduce-overhead":
+    one graph for three Qwen3-30B-A3B-shaped triton layers, each replay bitwise eager with fresh
+    routing (torch's CUDA graphs record one graph per handle value: each layer its own)."""
+    from moekit.bench import make_weights
+    from moekit.models import get_model
+
+    spec = get_model("qwen3-30b-a3b-fp8", tp=1)
+    dev = torch.device("cuda")
+    blocks = [_Block(moekit.MoELayer(make_weights(spec.shape, spec.scheme, dev, seed=i), spec.routing, "triton"))
+              for i in range(3)]
+    stats = torch._dynamo.utils.counters["stats"]
+    graphs_before = stats["unique_graphs"]
+    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+        compiled = [torch.compile(b, fullgraph=True, mode="reduce-overhead") for b in blocks]
+        for call in range(3):
+            for block, fn in zip(blocks, compiled):
+                x = torch.randn(32, spec.shape.hidden, device=dev, dtype=torch.bfloat16)
+                logits = torch.randn(32, spec.shape.num_experts, device=dev)
+                got = fn(x, logits).clone()
+                assert torch.equal(got, block.forward(x, logits)), call
+    graphs = stats["unique_graphs"] - graphs_before
+    assert graphs <= 2, graphs
+
+
 def test_generate_with_a_static_cache_compiles_through_moekit(device):
     """transformers' generate() with a static cache compiles the decoding forward with
     fullgraph=True (its compile_config; on the CPU only when asked to, _compile_all_devices):
