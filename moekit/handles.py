@@ -42,8 +42,9 @@ def lookup(handle: int):
 
 class HandleOwner:
     """Mixin of moekit's modules: the handle as an int attribute, set at construction and again on
-    every copy (copy.deepcopy, pickle: both restore a module through __setstate__), so that a copy
-    never carries its original's handle."""
+    every copy (copy.copy, copy.deepcopy, pickle: each restores a module through __setstate__;
+    nn.DataParallel's replicas, which copy __dict__ directly), so that a copy never carries its
+    original's handle (its compiled graph would run the original's weights)."""
 
     def _take_handle(self) -> None:
         self.__dict__[HANDLE_ATTR] = register(self)
@@ -51,3 +52,8 @@ class HandleOwner:
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
         self._take_handle()
+
+    def _replicate_for_data_parallel(self):
+        replica = super()._replicate_for_data_parallel()
+        replica._take_handle()
+        return replica

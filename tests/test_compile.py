@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import pickle
 import shutil
 import warnings
 
@@ -211,13 +212,26 @@ def test_regional_compilation_of_many_layers(unspec_ints, device):
     assert counter.frame_count == (2 if unspec_ints else layers)
 
 
-def test_copied_module_takes_its_own_handle():
-    """A deepcopy (or unpickled copy) of a moekit module gets a handle of its own at once, not its
-    original's (it is the name compiled graphs use for it)."""
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle", "data_parallel_replica"])
+def test_copied_module_takes_its_own_handle(how):
+    """Every kind of copy of a moekit module gets a handle of its own at once, not its original's
+    (it is the name compiled graphs use for it): a compiled copy runs its own weights."""
     layer = moekit.MoELayer(random_weights(E, H, N, "bf16"), RoutingConfig(top_k=K), "torch")
-    twin = copy.deepcopy(layer)
+    twin = {
+        "copy": copy.copy,
+        "deepcopy": copy.deepcopy,
+        "pickle": lambda m: pickle.loads(pickle.dumps(m)),
+        "data_parallel_replica": lambda m: m._replicate_for_data_parallel(),  # what nn.DataParallel makes
+    }[how](layer)
     assert layer._moekit_handle == id(layer) and twin._moekit_handle == id(twin)
     assert handles.lookup(twin._moekit_handle) is twin and handles.lookup(layer._moekit_handle) is layer
+    if how == "copy":
+        twin._buffers = dict(twin._buffers)  # a shallow copy shares the buffer dict itself: give it its own
+    twin.w2 = twin.w2 * 2  # the copy's experts now give twice the output (a buffer of its own)
+    x = random_x(6, H)
+    logits = torch.randn(6, E)
+    got = _compiled(twin)(x, logits)
+    assert torch.equal(got, twin(x, logits)) and not torch.equal(got, layer(x, logits))
 
 
 def test_deleted_layer_leaves_nothing_registered(device):
