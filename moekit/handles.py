@@ -35,7 +35,8 @@ def lookup(handle: int):
     if obj is None:
         raise RuntimeError(
             f"moekit: the layer this compiled graph was traced with (handle {handle}) no longer "
-            "exists; compile the model again"
+            "exists: it was deleted (compile the model again), or built inside the compiled "
+            "function (build moekit layers and weights outside it)"
         )
     return obj
 
