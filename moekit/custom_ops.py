@@ -40,6 +40,7 @@ import torch
 from . import handles
 from .weights import MoEWeights
 
+
 def handle_of(obj) -> int:
     """obj's handle, registering obj under it. Inside a traced function the compiler makes id(obj)
     a constant (guarding on obj's identity) and calls _register with it once, at trace time."""
@@ -54,8 +55,8 @@ def _register(object_id: int) -> int:
     if not isinstance(obj, torch.nn.Module) and not (isinstance(obj, MoEWeights) and "w13" in obj.__dict__):
         # A MoEWeights built inside the traced function exists only in the compiler's trace: the
         # id the compiler gives is that of an empty shell (torch 2.11) or of the compiler's own
-        # record of the object (newer). Unsupported: without fullgraph the compiler breaks the graph there and runs the
-        # call eagerly; with fullgraph it raises, with this message.
+        # record of the object (newer). Unsupported: without fullgraph the compiler breaks the
+        # graph there and runs the call eagerly; with fullgraph it raises, with this message.
         raise torch._dynamo.exc.Unsupported(
             "moekit.fused_moe under torch.compile needs its MoEWeights made outside the compiled "
             "function (once, like a module's weights), not inside it. MoELayer.weights builds a new "

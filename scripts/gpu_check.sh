@@ -156,7 +156,7 @@ if [[ " ${steps[*]} " == *" unmarked "* ]]; then
 fi
 if [[ " ${steps[*]} " == *" pending "* ]]; then
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_overlap.py tests/test_compile.py -k "odd_shapes or regional" \
-    "${pytest_args[@]}" 2>&1 | tee "$WORK/pending_overlap_tests.log"
+    "${pytest_args[@]}" 2>&1 | tee "$WORK/pending_gpu_tests.log"
   ((PIPESTATUS[0] == 0)) || status=1
   for f in test_triton_backend test_triton_gemv test_triton_half_tiles test_tune; do
     python3 -m pytest -q -m "not gpu" -p no:cacheprovider "tests/$f.py" "${pytest_args[@]}" \

@@ -162,22 +162,6 @@ def test_route_compiles_with_its_checks_in_the_graph(config, device):
         with pytest.raises(RuntimeError, match="router_logits has NaN or inf"):
             compiled(x, logits)
 
-def test_copied_layer_runs_its_own_weights(device):
-    """A copy (copy.deepcopy of a compiled model's layer) must run its own weights, not those of the
-    original its state was copied from."""
-    layer = moekit.MoELayer(random_weights(E, H, N, "bf16", device=device), RoutingConfig(top_k=K), "torch")
-    x = random_x(6, H, device=device)
-    logits = torch.randn(6, E).to(device)
-    _compiled(layer)(x, logits)  # gives the original its handle
-    twin = copy.deepcopy(layer)
-    with torch.no_grad():
-        twin.w2.mul_(2)  # the copy's experts now give twice the output
-    torch._dynamo.reset()
-    got = _compiled(twin)(x, logits)
-    assert torch.equal(got, twin(x, logits))
-    assert not torch.equal(got, layer(x, logits))
-
-
 class _Block(torch.nn.Module):
     """A decoder block's MoE half, as a model repeats it: what regional compilation compiles once."""
 
@@ -213,10 +197,14 @@ def test_regional_compilation_of_many_layers(unspec_ints, device):
 
 
 @pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle", "data_parallel_replica"])
-def test_copied_module_takes_its_own_handle(how):
-    """Every kind of copy of a moekit module gets a handle of its own at once, not its original's
-    (it is the name compiled graphs use for it): a compiled copy runs its own weights."""
-    layer = moekit.MoELayer(random_weights(E, H, N, "bf16"), RoutingConfig(top_k=K), "torch")
+def test_copied_module_takes_its_own_handle(how, device):
+    """Every kind of copy of a moekit module (of a layer already compiled, too) gets a handle of its
+    own at once, not its original's (it is the name compiled graphs use for it): a compiled copy
+    runs its own weights."""
+    layer = moekit.MoELayer(random_weights(E, H, N, "bf16", device=device), RoutingConfig(top_k=K), "torch")
+    x = random_x(6, H, device=device)
+    logits = torch.randn(6, E).to(device)
+    _compiled(layer)(x, logits)
     twin = {
         "copy": copy.copy,
         "deepcopy": copy.deepcopy,
@@ -228,8 +216,6 @@ def test_copied_module_takes_its_own_handle(how):
     if how == "copy":
         twin._buffers = dict(twin._buffers)  # a shallow copy shares the buffer dict itself: give it its own
     twin.w2 = twin.w2 * 2  # the copy's experts now give twice the output (a buffer of its own)
-    x = random_x(6, H)
-    logits = torch.randn(6, E)
     got = _compiled(twin)(x, logits)
     assert torch.equal(got, twin(x, logits)) and not torch.equal(got, layer(x, logits))
 
