@@ -10,6 +10,33 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _read_e4m3_nan_as_a_gpu_does():
+    """Triton's interpreter (3.9) widens e4m3's NaN byte (0x7F, 0xFF) to +-480, in casts and in
+    tl.dot: it decodes the format without its NaN. A GPU reads NaN. The NaN tests
+    (test_nan_propagation.py) need the GPU's reading to show on the CPU that the kernels carry a
+    NaN through, so the interpreter's widening gets it here, for the tests only: no other test
+    data holds that byte (the kernels clamp to +-448, 0x7E, before FP8)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    widen = interpreter._convert_float
+    nan_bits = {(16, 10): 0x7E00, (16, 7): 0x7FC0, (32, 23): 0x7FC00000}  # fp16, bf16, fp32
+
+    def widen_keeping_nan(data, input_dtype, output_dtype, rounding_mode):
+        out = widen(data, input_dtype, output_dtype, rounding_mode)
+        key = (output_dtype.primitive_bitwidth, output_dtype.fp_mantissa_width)
+        if input_dtype == tl.float8e4nv and key in nan_bits:
+            out = np.where((np.asarray(data) & 0x7F) == 0x7F, out.dtype.type(nan_bits[key]), out)
+        return out
+
+    interpreter._convert_float = widen_keeping_nan
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _read_e4m3_nan_as_a_gpu_does()
+
+
 @pytest.fixture(autouse=True)
 def fresh_table_lookups():
     """Each test starts with no table lookup remembered (moekit.tables.memoized): tests write

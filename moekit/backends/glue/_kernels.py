@@ -19,10 +19,13 @@ import triton.language as tl
 
 @triton.jit
 def _round_bf16(v):
-    """float32 -> the nearest bfloat16 value (ties to even), still as float32."""
+    """float32 -> the nearest bfloat16 value (ties to even), still as float32; a NaN -> the quiet
+    NaN 0x7FC00000, which any bf16 cast keeps (torch's does the same). The rounding's addition
+    alone turns the GPU's own NaN, 0x7FFFFFFF, into -0.0 (found on an H200, 2026-12-05: a NaN
+    token's output came out finite), and a truncating cast would turn 0x7F800001 into inf."""
     b = v.to(tl.int32, bitcast=True)
     b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-    return b.to(tl.float32, bitcast=True)
+    return tl.where(v != v, float("nan"), b.to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -58,8 +61,36 @@ def _round_e4m3(v):
 
 @triton.jit
 def _scale_from_amax(amax):
-    """moekit.quant.scale_from_amax: max(amax, 1e-10) / 448, IEEE division."""
-    return tl.div_rn(tl.maximum(amax, 1e-10), 448.0)
+    """moekit.quant.scale_from_amax: max(amax, 1e-10) / 448, IEEE division, a NaN amax kept NaN
+    (a GPU's plain max would make it 1e-10, saturating every value to +-448)."""
+    return tl.div_rn(tl.maximum(amax, 1e-10, propagate_nan=tl.PropagateNan.ALL), 448.0)
+
+
+@triton.jit
+def _clamp_fp8(q):
+    """q clamped to e4m3's range, +-448, a NaN kept NaN (as torch.clamp does). Plain min / max on a
+    GPU return the other operand for a NaN, which would quantize it to +-448: a finite value where
+    `reference` gives NaN. Elementwise only, so the Gluon kernels run the same code."""
+    q = tl.maximum(q, -448.0, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(q, 448.0, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _max_keeping_nan(a, axis: tl.constexpr):
+    """tl.max along `axis`, NaN where the slice holds a NaN (torch's amax does; a GPU's max drops
+    it). A second built-in reduction rather than tl.reduce with a NaN-keeping combine: that is as
+    cheap on a GPU but about 400x slower under the CPU interpreter."""
+    has_nan = tl.max((a != a).to(tl.int32), axis=axis) > 0
+    return tl.where(has_nan, float("nan"), tl.max(a, axis=axis))
+
+
+@triton.jit
+def _atomic_amax(amax_ptr, amax):
+    """The float32 at amax_ptr raised to `amax` (a maximum of magnitudes), a NaN winning. As int32,
+    non-negative floats order as their values and a positive NaN above +inf, so an integer atomic
+    max does it in any order; a float atomic_max skips a NaN (neither >= 0 nor < 0), which would
+    leave a finite per-tensor scale where `reference` gives NaN."""
+    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), amax.to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -78,9 +109,7 @@ def _row_scale(running_amax, scale_ptr, QUANT: tl.constexpr):
 @triton.jit
 def _to_e4m3(v, scale):
     """moekit.quant.to_fp8 in float32: clamp(v / scale, -448, 448) rounded to e4m3 (as float32)."""
-    q = tl.div_rn(v, scale)
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    return _round_e4m3(q)
+    return _round_e4m3(_clamp_fp8(tl.div_rn(v, scale)))
 
 
 # ------------------------------------------------------------------------------------ route
@@ -162,9 +191,9 @@ def _row_amax_kernel(
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
         v = tl.load(x_ptr + t * stride_xm + cols, mask=cols < H, other=0.0).to(tl.float32)
-        m = tl.maximum(m, tl.abs(v))
+        m = tl.maximum(m, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)
     # max of non-negative floats: the same result in any order, so deterministic
-    tl.atomic_max(amax_ptr, tl.max(m, axis=0))
+    _atomic_amax(amax_ptr, _max_keeping_nan(m, 0))
 
 
 @triton.jit
@@ -255,8 +284,8 @@ def _silu_amax_kernel(
     for n0 in range(0, N, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         act = _silu_mul_block(h_row, cols, cols < N, N, ACT_DTYPE)
-        m = tl.maximum(m, tl.abs(act))
-    tl.atomic_max(amax_ptr, tl.max(m, axis=0))
+        m = tl.maximum(m, tl.abs(act), propagate_nan=tl.PropagateNan.ALL)
+    _atomic_amax(amax_ptr, _max_keeping_nan(m, 0))
 
 
 @triton.jit

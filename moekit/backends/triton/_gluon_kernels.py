@@ -33,9 +33,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from ..glue._kernels import _clamp_fp8 as _tl_clamp_fp8
 from ..glue._kernels import _scale_from_amax as _tl_scale_from_amax
 
-_scale_from_amax = gluon.jit(_tl_scale_from_amax.fn)  # elementwise only: the same code under Gluon
+# elementwise only: the same code under Gluon
+_scale_from_amax = gluon.jit(_tl_scale_from_amax.fn)
+_clamp_fp8 = gluon.jit(_tl_clamp_fp8.fn)
 # cp.async into shared memory: `async_copy_global_to_shared` in triton 3.6, renamed `async_load`
 # by 3.9 (the old name there raises)
 _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
@@ -211,7 +214,7 @@ def _quantize_groups(act, scale_of_row):
     inv = gl.div_rn(gl.full(scale_of_row.shape, 1.0, gl.float32, scale_of_row.type.layout), scale_of_row)[:, None]
     q = act * inv
     q = gl.fma(gl.fma(-q, s, act), inv, q)
-    return gl.minimum(gl.maximum(q, -448.0), 448.0).to(gl.float8e4nv)
+    return _clamp_fp8(q).to(gl.float8e4nv)
 
 
 @gluon.jit

@@ -9,8 +9,9 @@ import triton
 import triton.language as tl
 
 # IEEE division, as moekit.quant: Triton's `/` on float32 is an approximate division on the GPU,
-# which moved FP8 values away from the reference's (BENCHMARKS.md, 2026-12-03)
-from ..glue._kernels import _scale_from_amax
+# which moved FP8 values away from the reference's (BENCHMARKS.md, 2026-12-03); the clamp before
+# FP8 keeps a NaN NaN, as torch's does
+from ..glue._kernels import _atomic_amax, _clamp_fp8, _max_keeping_nan, _round_bf16, _scale_from_amax
 
 try:  # programmatic dependent launch (Hopper+); launch.py turns it off where this import fails
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -64,10 +65,10 @@ def _check_expert_ids(ids, valid, E, CHECK_IDS: tl.constexpr):
 
 
 # --------------------------------------------------------------------------- CPU-interpreter fixes
-# INTERPRET (constexpr) is True only under TRITON_INTERPRET=1. The interpreter of triton 3.9 gets three
+# INTERPRET (constexpr) is True only under TRITON_INTERPRET=1. The interpreter of triton 3.9 gets four
 # things wrong that the GPU gets right: a float32 -> e4m3 cast that rounds up across a power of two
-# loses the carry (124.97 becomes 64, not 128); a float32 -> bfloat16 cast truncates instead of
-# rounding to nearest; and tl.dot on bfloat16 operands returns garbage.
+# loses the carry (124.97 becomes 64, not 128) and makes a NaN 384; a float32 -> bfloat16 cast
+# truncates instead of rounding to nearest; and tl.dot on bfloat16 operands returns garbage.
 
 
 @triton.jit
@@ -80,6 +81,9 @@ def _to_fp8(x, INTERPRET: tl.constexpr):
         bits = x.to(tl.int32, bitcast=True)
         kept = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
         x = tl.where(tl.abs(x) < 0.015625, (x + 24576.0) - 24576.0, kept)
+        # and the interpreter's cast truncates a NaN's bits to 384: e4m3's NaN (0x7F) by hand
+        nan = tl.full(x.shape, 0x7F, tl.int8).to(tl.float8e4nv, bitcast=True)
+        return tl.where(x != x, nan, x.to(tl.float8e4nv))
     return x.to(tl.float8e4nv)
 
 
@@ -87,8 +91,7 @@ def _to_fp8(x, INTERPRET: tl.constexpr):
 def _to_dtype(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     """float32 -> the activations' dtype, rounding to nearest even."""
     if INTERPRET and dtype == tl.bfloat16:
-        bits = x.to(tl.int32, bitcast=True)
-        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        x = _round_bf16(x)
     return x.to(dtype)
 
 
@@ -220,13 +223,13 @@ def _quantize_row(
         x2 = tl.load(x_ptr + row * stride_x + cols2, mask=cols2 < H, other=0.0).to(tl.float32)
         g_scale = _scale_from_amax(tl.max(tl.abs(x2), axis=1))  # [BLOCK_H // GROUP]
         tl.store(scale_ptr + row * stride_s + g_idx, g_scale, mask=g_idx * GROUP < H)
-        q2 = tl.clamp(tl.div_rn(x2, g_scale[:, None]), -448.0, 448.0)
+        q2 = _clamp_fp8(tl.div_rn(x2, g_scale[:, None]))
         tl.store(q_ptr + row * stride_q + cols2, _to_fp8(q2, INTERPRET), mask=cols2 < H)
     else:
         cols = tl.arange(0, BLOCK_H)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)
         if MODE == 2:
-            tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
+            _atomic_amax(amax_ptr, _max_keeping_nan(tl.abs(x), 0))
         else:
             if MODE == 0:
                 scale = _scale_from_amax(tl.max(tl.abs(x), axis=0))
@@ -237,7 +240,7 @@ def _quantize_row(
                     tl.store(scale_ptr, scale)
             else:
                 scale = tl.load(scale_ptr)
-            q = tl.clamp(tl.div_rn(x, scale), -448.0, 448.0)
+            q = _clamp_fp8(tl.div_rn(x, scale))
             tl.store(q_ptr + row * stride_q + cols, _to_fp8(q, INTERPRET), mask=cols < H)
 
 
@@ -327,7 +330,7 @@ def _quantize_tile(a, scale_of_row, INTERPRET: tl.constexpr):
     inv = tl.div_rn(tl.full(scale_of_row.shape, 1.0, tl.float32), scale_of_row)[:, None]
     q = a * inv
     q = tl.fma(tl.fma(-q, s, a), inv, q)
-    return _to_fp8(tl.clamp(q, -448.0, 448.0), INTERPRET)
+    return _to_fp8(_clamp_fp8(q), INTERPRET)
 
 
 @triton.jit
@@ -518,7 +521,8 @@ def _gemm1_tile(
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     out_mask = row_ok[:, None] & col_ok[None, :]
     if OUT_MODE == 1:
-        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(out_mask, tl.abs(act.to(tl.float32)), 0.0), axis=1), axis=0))
+        magnitudes = tl.where(out_mask, tl.abs(act.to(tl.float32)), 0.0)
+        _atomic_amax(amax_ptr, _max_keeping_nan(_max_keeping_nan(magnitudes, 1), 0))
     if OUT_MODE == 2:
         static = tl.full((BLOCK_M,), 1.0, tl.float32) * tl.load(out_scale_ptr)
         tl.store(out_ptrs, _quantize_tile(act.to(tl.float32), static, INTERPRET), mask=out_mask)
