@@ -71,7 +71,8 @@ def grads_would_be_dropped(x, weights, topk_weights) -> bool:
 
 
 def _fused_moe(x, weights, topk_weights, topk_ids, backend, apply_router_weight_on_input, allow_weight_copies):
-    topk_weights, topk_ids = validate_inputs(x, weights, topk_weights, topk_ids, device_check=False)
+    topk_weights, topk_ids = validate_inputs(x, weights, topk_weights, topk_ids, device_check=False,
+                                             narrow=False)
     M, K = topk_ids.shape
     if apply_router_weight_on_input:
         if K != 1:
@@ -84,6 +85,8 @@ def _fused_moe(x, weights, topk_weights, topk_ids, backend, apply_router_weight_
     if M == 0:
         return x.new_empty(0, weights.hidden)
     impl = get_backend(choice.backend)
+    if topk_ids.dtype == torch.int64 and not impl.reads_int64_ids:
+        topk_ids = narrow_ids(topk_ids, weights.num_experts)  # validate_inputs' docstring
     if _ids_checked_on_device(topk_ids) and not impl.checks_expert_ids:
         assert_ids_in_range(topk_ids, weights.num_experts)
     return impl.run(x, weights, topk_weights, topk_ids)
@@ -107,7 +110,7 @@ def _ids_checked_on_device(topk_ids: torch.Tensor) -> bool:
 
 
 def validate_inputs(x, weights, topk_weights, topk_ids, *, device_check: bool = True,
-                    num_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_experts: int | None = None, narrow: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Check every input of fused_moe; returns topk_weights as float32 and topk_ids as int32.
 
     Ids are range-checked on the host for CPU tensors. On a GPU the check is a device-side
@@ -115,7 +118,9 @@ def validate_inputs(x, weights, topk_weights, topk_ids, *, device_check: bool = 
     `device_check=False` leaves it to the caller (fused_moe: to the backend, where the backend's
     own kernels assert the ids, Backend.checks_expert_ids). int64 ids on the device are narrowed
     to int32 by glue.narrow_ids, which writes an id outside [0, E) as -1, so that it stays out of
-    range for those checks (cast as it is, 2**32 + 3 would read as expert 3).
+    range for those checks (cast as it is, 2**32 + 3 would read as expert 3). `narrow=False`
+    returns them as int64 (fused_moe: narrowed only for a backend that does not read int64 ids,
+    Backend.reads_int64_ids, sparing the triton backend that launch).
     Unquantized weights must have x's dtype (float32 x excepted: computed in float32).
     `num_experts`: the model's expert count that top-k and the ids are checked against, where
     `weights` hold only some of the experts (expert parallel: this rank's shard); default
@@ -152,7 +157,7 @@ def validate_inputs(x, weights, topk_weights, topk_ids, *, device_check: bool = 
         if device_check:
             assert_ids_in_range(topk_ids, E)
         if topk_ids.dtype == torch.int64:  # the one launch the cast would take, no host sync (docstring)
-            return topk_weights.float(), narrow_ids(topk_ids, E)
+            return topk_weights.float(), narrow_ids(topk_ids, E) if narrow else topk_ids
     elif topk_ids.numel():
         in_range = (topk_ids >= 0) & (topk_ids < E)
         if not bool(in_range.all()):

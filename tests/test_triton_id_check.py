@@ -47,8 +47,12 @@ def _problem(scheme, M, E=5, H=128, N=96, K=2, device="cpu"):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("bad", [5, -1, 1000])
-def test_each_path_asserts_an_id_out_of_range(path, bad, interpreter_asserts):
+@pytest.mark.parametrize("dtype,bad", [(torch.int32, 5), (torch.int32, -1), (torch.int32, 1000),
+                                       (torch.int64, 5), (torch.int64, 2**32 + 3), (torch.int64, -(2**32) + 1)])
+def test_each_path_asserts_an_id_out_of_range(path, dtype, bad, interpreter_asserts):
+    """int64 ids too (transformers' routers give them; fused_moe hands them to this backend as
+    they are, Backend.reads_int64_ids): 2**32 + 3 would be expert 3 if a kernel narrowed it before
+    its check."""
     # CPU tensors in the interpreter only: without it (a GPU machine) they cannot reach the compiled
     # kernels, and on GPU tensors the assertion would end the CUDA context of every later test in
     # the process (test_gpu_an_id_out_of_range_stops_the_layer_with_the_message runs it in a child)
@@ -56,6 +60,7 @@ def test_each_path_asserts_an_id_out_of_range(path, bad, interpreter_asserts):
         pytest.skip("device_assert on CPU tensors runs only under TRITON_INTERPRET=1")
     scheme, M, cfg = PATHS[path]
     x, w, tw, ids = _problem(scheme, M)
+    ids = ids.to(dtype)
     backend = moekit.get_backend("triton")
     backend.run(x, w, tw, ids, config=cfg)  # in range: no assertion (the same problem)
     ids[M - 1, 1] = bad  # the last pair: every chunk and program must check, not only the first
@@ -66,6 +71,29 @@ def test_each_path_asserts_an_id_out_of_range(path, bad, interpreter_asserts):
 def test_the_backend_says_it_checks_and_the_others_do_not():
     assert moekit.get_backend("triton").checks_expert_ids
     assert not moekit.get_backend("reference").checks_expert_ids
+    assert moekit.get_backend("triton").reads_int64_ids
+    assert not any(moekit.get_backend(name).reads_int64_ids for name in ("reference", "torch", "cutlass"))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_int64_ids_run_as_they_are_with_the_int32_result(path, device, monkeypatch):
+    """fused_moe gives the triton backend int64 ids without narrowing them (no glue.narrow_ids
+    launch: counted here), and every path's output is bitwise the int32 ids' output. The
+    reference backend still gets them narrowed. On the CPU the device path is forced."""
+    import moekit.api as api
+    from moekit.backends.glue import ops
+
+    scheme, M, cfg = PATHS[path]
+    x, w, tw, ids = _problem(scheme, M, device=device)
+    narrowed = []
+    monkeypatch.setattr(api, "_ids_checked_on_device", lambda ids: True)
+    monkeypatch.setattr(api, "narrow_ids", lambda ids, E: (narrowed.append(ids.dtype), ops.narrow_ids(ids, E))[1])
+    monkeypatch.setattr(moekit.get_backend("triton"), "config_for", lambda *args: cfg)
+    out32 = moekit.fused_moe(x, w, tw, ids, backend="triton")
+    out64 = moekit.fused_moe(x, w, tw, ids.long(), backend="triton")
+    assert narrowed == [] and torch.equal(out64, out32)
+    moekit.fused_moe(x, w, tw, ids.long(), backend="reference")
+    assert narrowed == [torch.int64]
 
 
 def test_checking_kernels_get_the_flag_and_the_debug_option(monkeypatch):
@@ -107,7 +135,8 @@ def test_gpu_fused_moe_leaves_the_check_to_the_triton_backend(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", PATHS)
-def test_gpu_an_id_out_of_range_stops_the_layer_with_the_message(path):
+@pytest.mark.parametrize("bad", ["5", "2**32 + 3"])  # the second in int64 ids
+def test_gpu_an_id_out_of_range_stops_the_layer_with_the_message(path, bad):
     scheme, M, cfg = PATHS[path]
     script = textwrap.dedent(f"""
         import sys, torch, moekit
@@ -116,7 +145,8 @@ def test_gpu_an_id_out_of_range_stops_the_layer_with_the_message(path):
         from moekit.backends.triton import KernelConfig
         x, w = random_x({M}, 128, device="cuda"), random_weights(5, 128, 96, {scheme!r}, device="cuda")
         tw, ids = random_routing({M}, 5, 2, device="cuda")
-        ids[{M} - 1, 1] = 5
+        ids = ids.long() if {bad!r} != "5" else ids
+        ids[{M} - 1, 1] = {bad}
         cfg = KernelConfig(**{dataclasses.asdict(cfg)!r})
         moekit.get_backend("triton").run(x, w, tw.float(), ids, config=cfg)
         torch.cuda.synchronize()

@@ -25,6 +25,10 @@ class Backend(abc.ABC):
     # one (a GPU kernel cannot raise: a device-side assertion stops the process's CUDA context).
     # Otherwise fused_moe launches its own check first (moekit.api.assert_ids_in_range).
     checks_expert_ids: bool = False
+    # True if `run` takes int64 topk_ids as they are (its kernels read and check them in int64).
+    # Otherwise fused_moe narrows int64 ids on a GPU to int32 first (glue.narrow_ids: one launch,
+    # which transformers' routers, whose top-k ids are int64, pay on every layer call).
+    reads_int64_ids: bool = False
 
     @abc.abstractmethod
     def supports(

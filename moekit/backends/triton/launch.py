@@ -181,6 +181,9 @@ class TritonBackend(Backend):
     name = "triton"
     description = "moekit's fused Triton kernels (GPU-side alignment, fused SiLU, deterministic combine)"
     checks_expert_ids = True  # every path's first kernel to read topk_ids asserts them (CHECK_IDS)
+    # int32 or int64 ids: Triton compiles each kernel for the pointer's type, and every comparison
+    # with an expert index (the check included) is made in that type, so 2**32 + 3 is out of range
+    reads_int64_ids = True
 
     def supports(self, shape: MoEShape, scheme: QuantScheme, device: torch.device, dtype=torch.bfloat16):
         reasons = []
