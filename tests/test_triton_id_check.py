@@ -116,6 +116,83 @@ def test_checking_kernels_get_the_flag_and_the_debug_option(monkeypatch):
     assert calls[2] == {"CHECK_IDS": True}  # the interpreter takes no compile options
 
 
+_COMPILE_ID_READERS = """
+import json, sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDAOptions
+from triton.compiler import ASTSource
+from moekit.backends.triton import _gemv_kernels as g, _kernels as k, launch
+from moekit.backends.triton_options import compile_options
+
+POINTERS = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "out_ptr": "*bf16"}
+FLOATS = ("scale_ptr", "a_scale_ptr", "w_scale_ptr", "out_scale_ptr", "amax_ptr", "topk_weights_ptr")
+common = {"CHECK_IDS": True, "PDL": True, "INTERPRET": False}
+kernels = {
+    "align_single_kernel": (k.align_single_kernel, {"BLOCK_M": 16, "CHUNK": launch.SINGLE_ALIGN_MAX_PAIRS,
+                                                    "E_BLOCK": launch.E_BLOCK}),
+    "align_count_kernel": (k.align_count_kernel, {"CHUNK": launch.CHUNK, "E_BLOCK": launch.E_BLOCK}),
+    "align_scatter_kernel": (k.align_scatter_kernel, {"CHUNK": launch.CHUNK}),
+    "decode_prologue_kernel": (k.decode_prologue_kernel, {"BLOCK_M": 16, "CHUNK": launch.SINGLE_ALIGN_MAX_PAIRS,
+                               "E_BLOCK": launch.E_BLOCK, "MODE": 0, "BLOCK_H": 4096, "GROUP": 128}),
+    "gemv1_kernel": (g.gemv1_kernel, {"A_SCALE": 3, "B_SCALE": 3, "OUT_MODE": 0, "ACT_DTYPE": tl.bfloat16,
+                                      "BLOCK_N": 8, "GROUPS": 2}),
+    "gemv2_kernel": (g.gemv2_kernel, {"A_MODE": 0, "B_SCALE": 0, "K_TOP": 8, "K_POW2": 8, "BLOCK_N": 8,
+                                      "GROUPS": 1}),
+}
+options = {"num_warps": 4, **launch._ID_CHECK_OPTIONS, **compile_options(False)}
+if "launch_pdl" in CUDAOptions.__dataclass_fields__:
+    options["launch_pdl"] = True
+found = {}
+for ids_type in ("*i32", "*i64"):
+    for name, (kernel, constants) in kernels.items():
+        signature, consts = {}, {}
+        for i, param in enumerate(kernel.params):
+            n = param.name
+            if param.is_constexpr:
+                signature[n] = "constexpr"
+                consts[(i,)] = constants.get(n, common.get(n))
+            elif n == "ids_ptr":
+                signature[n] = ids_type
+            elif n == "a_ptr" and name == "gemv2_kernel":  # its unquantized input (A_MODE 0)
+                signature[n] = "*bf16"
+            elif n == "w_ptr" and name == "gemv2_kernel":
+                signature[n] = "*bf16"
+            elif n in POINTERS or n in FLOATS or n.endswith("_ptr"):
+                signature[n] = POINTERS.get(n, "*fp32" if n in FLOATS else "*i32")
+            else:
+                signature[n] = "i32"
+        compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
+                                  options=options)
+        found[f"{name} {ids_type}"] = "__assertfail" in compiled.asm["ptx"]
+json.dump(found, sys.stdout)
+"""
+
+
+def test_the_kernels_reading_ids_compile_for_hopper_with_int64_ids():
+    """Every kernel that reads topk_ids, compiled for sm_90 (without a GPU, in a process of its
+    own: under TRITON_INTERPRET Triton compiles nothing) as launch.py launches it (Triton's
+    `debug` for the check, PDL), with int32 and with int64 ids: each compiles, and those that
+    check the ids (CHECK_IDS) keep the device-side assertion in their code."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    if not os.path.exists(get_ptxas(90).path):
+        pytest.skip("this triton ships no ptxas")
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = REPO
+    done = subprocess.run([sys.executable, "-c", _COMPILE_ID_READERS], capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    found = json.loads(done.stdout)
+    assert len(found) == 12
+    checking = ("align_single_kernel", "align_count_kernel", "decode_prologue_kernel", "gemv1_kernel")
+    for key, asserts in found.items():
+        assert asserts == key.startswith(checking), key
+
+
 @pytest.mark.gpu
 def test_gpu_fused_moe_leaves_the_check_to_the_triton_backend(monkeypatch):
     """fused_moe launches its own check only for backends that do not check (counted here), and
