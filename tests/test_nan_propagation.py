@@ -9,9 +9,10 @@ check that its output is all NaN, and that every other token's output is bitwise
 call gives without the NaN (rows do not mix in any GEMM) or, where the scheme's per-tensor scale
 takes it in, NaN as well.
 
-On the CPU the interpreter computes with numpy, which propagates NaN anyway, so these tests show
-the kernels' logic there and their NaN handling only on a GPU (the `device` fixture runs them on
-CUDA where there is one: scripts/gpu_check.sh `pending`).
+The CPU interpreter computes with numpy, which drops a NaN in a maximum as a GPU does (triton
+3.9: np.fmax, np.nanmax) but reads e4m3's NaN byte as 480 (conftest.py gives it the GPU's
+reading), so the tests show most of the NaN handling on the CPU too; the `device` fixture runs
+them on CUDA where there is one (scripts/gpu_check.sh `pending`).
 """
 
 import dataclasses
@@ -23,6 +24,7 @@ import triton.language as tl
 
 import moekit
 from moekit.backends.base import get_backend
+from moekit.backends.glue import ops
 from moekit.backends.glue._kernels import _round_act
 from moekit.backends.triton._kernels import _to_dtype
 from moekit.backends.triton.launch import _interpreting
@@ -131,3 +133,23 @@ def test_rounding_to_bf16_keeps_every_nan(device):
     for out in (glue_out, triton_out):
         assert out[: len(nan_bits)].isnan().all(), out[: len(nan_bits)]
         assert torch.equal(out[len(nan_bits):], expected[len(nan_bits):])
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_the_glues_per_tensor_scales_keep_a_nan(impl, device):
+    """The glue's dynamic per-tensor quantization (the cutlass backend's, which needs a GPU, so
+    the test above shows it only there): a NaN in x makes x's one scale NaN (permute), and a NaN
+    in one pair's row of GEMM1's output the intermediate's (silu_mul), on every pair's row."""
+    M, E, H, N = 6, 4, 256, 64
+    x = random_x(M, H, device=device)
+    x[NAN_TOKEN, NAN_COLUMN] = float("nan")
+    _, ids = random_routing(M, E, K, device=device)
+    _, a_scale, layout = ops.permute(x, ids, E, quant="tensor", impl=impl)
+    rows = layout.row_of_pair.long()
+    assert a_scale[rows].isnan().all()
+    h = torch.randn(layout.num_rows, 2 * N, generator=torch.Generator().manual_seed(0)).bfloat16().to(device)
+    h[rows[3], 5] = float("nan")
+    _, act_scale = ops.silu_mul(h, layout, act_dtype=torch.bfloat16, quant="tensor", impl=impl)
+    assert act_scale[rows].isnan().all()
+    _, clean_scale = ops.silu_mul(h.nan_to_num(), layout, act_dtype=torch.bfloat16, quant="tensor", impl=impl)
+    assert clean_scale[rows].isfinite().all()  # the NaN, not something else, made it NaN

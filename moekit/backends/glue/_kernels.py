@@ -76,21 +76,20 @@ def _clamp_fp8(q):
 
 
 @triton.jit
-def _max_keeping_nan(a, axis: tl.constexpr):
-    """tl.max along `axis`, NaN where the slice holds a NaN (torch's amax does; a GPU's max drops
-    it). A second built-in reduction rather than tl.reduce with a NaN-keeping combine: that is as
-    cheap on a GPU but about 400x slower under the CPU interpreter."""
-    has_nan = tl.max((a != a).to(tl.int32), axis=axis) > 0
-    return tl.where(has_nan, float("nan"), tl.max(a, axis=axis))
+def _magnitude_bits(v):
+    """|v| of float32 values as their int32 bits (the sign bit cleared). Non-negative floats order
+    as their bits, +inf above every finite value and every NaN above +inf, so an integer maximum
+    of these is the float maximum of |v| with a NaN winning, as torch's amax (a GPU's float max
+    drops a NaN), and integers compute alike on a GPU and in the CPU interpreter."""
+    return v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
 @triton.jit
-def _atomic_amax(amax_ptr, amax):
-    """The float32 at amax_ptr raised to `amax` (a maximum of magnitudes), a NaN winning. As int32,
-    non-negative floats order as their values and a positive NaN above +inf, so an integer atomic
-    max does it in any order; a float atomic_max skips a NaN (neither >= 0 nor < 0), which would
-    leave a finite per-tensor scale where `reference` gives NaN."""
-    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), amax.to(tl.int32, bitcast=True))
+def _atomic_amax(amax_ptr, bits):
+    """The float32 at amax_ptr (zeroed before the launch) raised to the magnitude whose
+    _magnitude_bits are `bits`, by an integer atomic max: the same result in any order, so
+    deterministic, a NaN included."""
+    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), bits)
 
 
 @triton.jit
@@ -187,13 +186,12 @@ def _row_amax_kernel(
     BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    m = tl.zeros([BLOCK_H], dtype=tl.float32)
+    m = tl.zeros([BLOCK_H], dtype=tl.int32)  # running max of |x|'s bits (_magnitude_bits)
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
         v = tl.load(x_ptr + t * stride_xm + cols, mask=cols < H, other=0.0).to(tl.float32)
-        m = tl.maximum(m, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)
-    # max of non-negative floats: the same result in any order, so deterministic
-    _atomic_amax(amax_ptr, _max_keeping_nan(m, 0))
+        m = tl.maximum(m, _magnitude_bits(v))
+    _atomic_amax(amax_ptr, tl.max(m, axis=0))
 
 
 @triton.jit
@@ -280,12 +278,12 @@ def _silu_amax_kernel(
     p = tl.program_id(0)
     row = tl.load(row_of_pair_ptr + p).to(tl.int64)
     h_row = h_ptr + row * stride_hm
-    m = tl.zeros([BLOCK_N], dtype=tl.float32)
+    m = tl.zeros([BLOCK_N], dtype=tl.int32)  # running max of the bits of |SiLU(gate) * up|
     for n0 in range(0, N, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         act = _silu_mul_block(h_row, cols, cols < N, N, ACT_DTYPE)
-        m = tl.maximum(m, tl.abs(act), propagate_nan=tl.PropagateNan.ALL)
-    _atomic_amax(amax_ptr, _max_keeping_nan(m, 0))
+        m = tl.maximum(m, _magnitude_bits(act))
+    _atomic_amax(amax_ptr, tl.max(m, axis=0))
 
 
 @triton.jit

@@ -23,7 +23,7 @@ Scale kinds as in _kernels.py (A_SCALE, B_SCALE); GEMM2's A_MODE as gemm2_kernel
 import triton
 import triton.language as tl
 
-from ..glue._kernels import _atomic_amax, _max_keeping_nan, _scale_from_amax
+from ..glue._kernels import _atomic_amax, _magnitude_bits, _scale_from_amax
 from ._kernels import _check_expert_ids, _pdl_enter, _quantize_tile, _to_dtype
 
 
@@ -113,7 +113,7 @@ def gemv1_kernel(
     act = _to_dtype(g / (1.0 + tl.exp(-g)) * u, ACT_DTYPE, INTERPRET)
     out_ptrs = out_ptr + pair.to(tl.int64) * stride_om + cols
     if OUT_MODE == 1:
-        _atomic_amax(amax_ptr, _max_keeping_nan(tl.where(col_ok, tl.abs(act.to(tl.float32)), 0.0), 0))
+        _atomic_amax(amax_ptr, tl.max(tl.where(col_ok, _magnitude_bits(act.to(tl.float32)), 0), axis=0))
     if OUT_MODE == 2:
         static = tl.full((1,), 1.0, tl.float32) * tl.load(out_scale_ptr)
         q = _quantize_tile(act.to(tl.float32)[None, :], static, INTERPRET)  # a [1, BLOCK_N] tile

@@ -11,7 +11,7 @@ import triton.language as tl
 # IEEE division, as moekit.quant: Triton's `/` on float32 is an approximate division on the GPU,
 # which moved FP8 values away from the reference's (BENCHMARKS.md, 2026-12-03); the clamp before
 # FP8 keeps a NaN NaN, as torch's does
-from ..glue._kernels import _atomic_amax, _clamp_fp8, _max_keeping_nan, _round_bf16, _scale_from_amax
+from ..glue._kernels import _atomic_amax, _clamp_fp8, _magnitude_bits, _round_bf16, _scale_from_amax
 
 try:  # programmatic dependent launch (Hopper+); launch.py turns it off where this import fails
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -115,12 +115,23 @@ def _dot(a, b, acc, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _as_int32_ids(ids, E):
+    """int64 ids (transformers' routers give them; fused_moe passes them as they are) as int32,
+    after their check: the comparisons with expert indices are then 32-bit, and an id outside
+    [0, E) (stopped by the check, or a masked lane's) becomes -1, never a wrapped expert index."""
+    if ids.dtype == tl.int64:
+        ids = tl.where((ids >= 0) & (ids < E), ids, -1).to(tl.int32)
+    return ids
+
+
+@triton.jit
 def _chunk_counts(ids_ptr, counts_ptr, chunk, P, E, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr,
                   CHECK_IDS: tl.constexpr):
     """counts[e] = pairs of this chunk routed to expert e, for every e (dense row, no atomics)."""
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)  # [CHUNK] int32
+    ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)  # [CHUNK] int32 or int64
     _check_expert_ids(ids, offs < P, E, CHECK_IDS)
+    ids = _as_int32_ids(ids, E)
     for e0 in range(0, E, E_BLOCK):
         experts = e0 + tl.arange(0, E_BLOCK)
         hits = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_BLOCK]
@@ -128,13 +139,13 @@ def _chunk_counts(ids_ptr, counts_ptr, chunk, P, E, CHUNK: tl.constexpr, E_BLOCK
 
 
 @triton.jit
-def _scatter_chunk(ids_ptr, sorted_ptr, chunk_offset_ptr, start_ptr, chunk, P, CHUNK: tl.constexpr,
+def _scatter_chunk(ids_ptr, sorted_ptr, chunk_offset_ptr, start_ptr, chunk, P, E, CHUNK: tl.constexpr,
                    HAS_EARLIER_CHUNKS: tl.constexpr):
     """Write each pair p of this chunk to row start[e] + (pairs of e in earlier chunks) + rank."""
     local = tl.arange(0, CHUNK)
     offs = chunk * CHUNK + local
     valid = offs < P
-    ids = tl.load(ids_ptr + offs, mask=valid, other=-1)  # [CHUNK]
+    ids = _as_int32_ids(tl.load(ids_ptr + offs, mask=valid, other=-1), E)  # [CHUNK]
     same = (ids[:, None] == ids[None, :]) & (local[None, :] < local[:, None])
     rank = tl.sum(same.to(tl.int32), axis=1)  # earlier pairs of the same expert in this chunk
     safe_ids = tl.where(valid, ids, 0)
@@ -167,7 +178,7 @@ def _align_single(ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E,
     tl.debug_barrier()  # the counts written above are read back by other threads
     _padded_starts(count_ptr, count_ptr, start_ptr, E, BLOCK_M, E_BLOCK)
     tl.debug_barrier()
-    _scatter_chunk(ids_ptr, sorted_ptr, count_ptr, start_ptr, 0, P, CHUNK, False)
+    _scatter_chunk(ids_ptr, sorted_ptr, count_ptr, start_ptr, 0, P, E, CHUNK, False)
 
 
 @triton.jit
@@ -200,7 +211,7 @@ def align_scan_kernel(
 @triton.jit
 def align_scatter_kernel(ids_ptr, sorted_ptr, chunk_offsets_ptr, start_ptr, P, E, CHUNK: tl.constexpr):
     chunk = tl.program_id(0)
-    _scatter_chunk(ids_ptr, sorted_ptr, chunk_offsets_ptr + chunk * E, start_ptr, chunk, P, CHUNK, True)
+    _scatter_chunk(ids_ptr, sorted_ptr, chunk_offsets_ptr + chunk * E, start_ptr, chunk, P, E, CHUNK, True)
 
 
 # --------------------------------------------------------------------------- activation quantization
@@ -229,7 +240,7 @@ def _quantize_row(
         cols = tl.arange(0, BLOCK_H)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)
         if MODE == 2:
-            _atomic_amax(amax_ptr, _max_keeping_nan(tl.abs(x), 0))
+            _atomic_amax(amax_ptr, tl.max(_magnitude_bits(x), axis=0))
         else:
             if MODE == 0:
                 scale = _scale_from_amax(tl.max(tl.abs(x), axis=0))
@@ -521,8 +532,8 @@ def _gemm1_tile(
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     out_mask = row_ok[:, None] & col_ok[None, :]
     if OUT_MODE == 1:
-        magnitudes = tl.where(out_mask, tl.abs(act.to(tl.float32)), 0.0)
-        _atomic_amax(amax_ptr, _max_keeping_nan(_max_keeping_nan(magnitudes, 1), 0))
+        bits = tl.where(out_mask, _magnitude_bits(act.to(tl.float32)), 0)
+        _atomic_amax(amax_ptr, tl.max(tl.max(bits, axis=1), axis=0))
     if OUT_MODE == 2:
         static = tl.full((BLOCK_M,), 1.0, tl.float32) * tl.load(out_scale_ptr)
         tl.store(out_ptrs, _quantize_tile(act.to(tl.float32), static, INTERPRET), mask=out_mask)

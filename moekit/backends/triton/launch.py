@@ -235,6 +235,7 @@ class TritonBackend(Backend):
     def _run(self, x, weights, topk_weights, topk_ids, config: KernelConfig | None, out=None):
         """One call of at most MAX_ALIGN_PAIRS pairs; `out`: the [M, H] tensor to write (else a new one)."""
         M, K = topk_ids.shape
+        topk_ids = topk_ids.contiguous()  # every path reads it flat (no copy where it already is)
         cfg = config or self.config_for(weights, K, M, x.device)
         _check_config(cfg, weights.scheme)
         if cfg.GEMV:
@@ -278,6 +279,7 @@ class TritonBackend(Backend):
         """A closure running only the two expert GEMMs (SiLU fused in GEMM1) on inputs already
         aligned and quantized: what `moekit bench --mode gemm` and the tuner time."""
         M, K = topk_ids.shape
+        topk_ids = topk_ids.contiguous()  # every path reads it flat (no copy where it already is)
         cfg = config or self.config_for(weights, K, M, x.device)
         _check_config(cfg, weights.scheme)
         a, a_scale = quantize_input(x, weights)
