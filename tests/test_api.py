@@ -272,7 +272,8 @@ def test_a_layer_runs_on_its_tensors_gpu_whichever_gpu_is_current(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_narrow_ids_in_a_cuda_graph():
-    """On the GPU, int64 ids are narrowed by glue.narrow_ids (fused_moe's path for HF routers):
+    """On the GPU, int64 ids are narrowed by glue.narrow_ids (fused_moe does it for every backend
+    but triton, which reads them as they are):
     in range unchanged, out of range -1, also replayed in a CUDA graph with new ids."""
     from moekit.backends.glue import ops
 
