@@ -26,10 +26,9 @@ import moekit
 from moekit.backends.base import get_backend
 from moekit.backends.glue import ops
 from moekit.backends.glue._kernels import _round_act
-from moekit.backends.triton._kernels import _to_dtype
-from moekit.backends.triton.launch import _interpreting
 from moekit.backends.triton import KernelConfig
-from moekit.backends.triton.launch import FP8_ACCUMULATION_ENV
+from moekit.backends.triton._kernels import _to_dtype
+from moekit.backends.triton.launch import FP8_ACCUMULATION_ENV, _interpreting
 
 from helpers import random_routing, random_weights, random_x
 
