@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|fast|decode|gemm2|unmarked|pending|ids|halfheight|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|fast|decode|gemm2|unmarked|pending|ids|route|halfheight|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points (BENCHMARKS.md, Reference points): the expert GEMMs alone
@@ -40,9 +40,12 @@
 # pending: what no GPU has run yet: NaN propagation on every backend and triton path
 #        (test_nan_propagation.py), the glue's tests, all of them (the bf16 rounding it changed),
 #        and int64 ids read as they are by the triton backend (test_triton_id_check.py,
-#        test_api.py; twentieth session); not part of `all`.
+#        test_api.py; twentieth session), and route()'s routing kernel (test_routing_kernel.py,
+#        test_routing.py, test_layer.py; twenty-first session); not part of `all`.
 # ids:   scripts/bench_ids_dtype.py --narrow: the whole layer with int32 ids, int64 ids, and int64
 #        ids narrowed first (what fused_moe did before the twentieth session); not part of `all`.
+# route: scripts/bench_route.py: moekit.route's routing kernel against its torch ops, per preset
+#        and batch size, in CUDA graphs and eager back-to-back calls; not part of `all`.
 # halfheight: the 128-row Gluon GEMM1's half-height tile timed on and off (diag_half_tail.py,
 #        DeepSeek-V3 / Qwen3 block FP8 and Mixtral per-channel, precise mode; measured in the
 #        nineteenth session: bitwise, no clear win, so it stays off); not part of `all`.
@@ -159,13 +162,17 @@ if [[ " ${steps[*]} " == *" pending "* ]]; then
   # each file logged on its own: a call stopped at its limit still returns the finished files'
   python3 -m pytest -q -p no:cacheprovider tests/test_nan_propagation.py "${pytest_args[@]}" >"$WORK/pending_nan.log" 2>&1 || status=1
   tail -n 3 "$WORK/pending_nan.log"
-  for f in test_glue test_torch_backend test_cutlass_gpu test_triton_id_check test_api; do
+  for f in test_routing_kernel test_routing test_layer test_glue test_torch_backend test_cutlass_gpu \
+           test_triton_id_check test_api; do
     python3 -m pytest -q -p no:cacheprovider "tests/$f.py" "${pytest_args[@]}" >"$WORK/pending_$f.log" 2>&1 || status=1
     tail -n 3 "$WORK/pending_$f.log"
   done
 fi
 if [[ " ${steps[*]} " == *" ids "* ]]; then
   python3 scripts/bench_ids_dtype.py --narrow --json "$WORK/ids_dtype.json" || status=1
+fi
+if [[ " ${steps[*]} " == *" route "* ]]; then
+  python3 scripts/bench_route.py --json "$WORK/route.json" || status=1
 fi
 if [[ " ${steps[*]} " == *" halfheight "* ]]; then
   tall=M128-N128-K128-G8-w8-s4-ov  # the 128-row Gluon GEMM1 (the tables' tall entries' tile)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import moekit
@@ -103,3 +107,22 @@ class RecordingKernel:
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.calls.append(kwargs)
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def compile_in_child(argv: list[str], timeout: int = 900) -> str:
+    """Run `python argv...` (a script compiling kernels for a GPU target, without a GPU) in a
+    process of its own, without TRITON_INTERPRET (under which Triton compiles nothing), with the
+    repository importable; its stdout, once it exits 0. Skips the test where this triton ships no
+    ptxas for sm_90."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    if not os.path.exists(get_ptxas(90).path):
+        pytest.skip("this triton ships no ptxas")
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout

@@ -14,6 +14,27 @@ import torch
 
 from moekit.routing import RoutingConfig, route
 
+
+@pytest.fixture(params=["torch", "kernel"])
+def route_path(request, monkeypatch):
+    """Runs a test on each of route()'s two paths: the torch ops (CPU logits, torch.compile) and
+    the routing kernel (GPU logits: routing/fused.py), here in Triton's interpreter on CPU tensors,
+    with its device_assert on. The test's reference is the same for both."""
+    if request.param == "kernel":
+        import dataclasses
+
+        import moekit.env
+        import moekit.routing as routing
+
+        if not moekit.env.interpreting():
+            pytest.skip("the routing kernel runs on CPU tensors only under TRITON_INTERPRET=1")
+        from triton.runtime import interpreter
+
+        builder = interpreter.interpreter_builder
+        monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
+        monkeypatch.setattr(routing, "_use_kernel", lambda logits: True)
+    return request.param
+
 # ----------------------------------------------------------------------------------------------
 # Naive float64 references, one token (row) at a time.
 # ----------------------------------------------------------------------------------------------
@@ -156,6 +177,7 @@ def run_family(cfg, logits, seed):
     return weights, ids, bias
 
 
+@pytest.mark.usefixtures("route_path")
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("m", [1, 5, 33])
 def test_family_matches_reference(family, m):
@@ -166,6 +188,7 @@ def test_family_matches_reference(family, m):
     assert_matches(weights, ids, reference_for(cfg, logits, bias))
 
 
+@pytest.mark.usefixtures("route_path")
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_bf16_logits(family):
     """bf16 logits: route() computes in float32 on the bf16 values, just as the reference does."""
@@ -176,6 +199,7 @@ def test_family_bf16_logits(family):
     assert_matches(weights, ids, reference_for(cfg, logits.double(), bias))
 
 
+@pytest.mark.usefixtures("route_path")
 @pytest.mark.parametrize(
     "cfg,e",
     [
@@ -195,6 +219,7 @@ def test_odd_sizes_match_reference(cfg, e):
     assert_matches(weights, ids, reference_for(cfg, logits, bias))
 
 
+@pytest.mark.usefixtures("route_path")
 def test_keywords_equal_config():
     cfg, e = FAMILIES["deepseek_v3"]
     logits = make_logits(9, e, seed=3)
@@ -211,6 +236,7 @@ def test_keywords_equal_config():
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("route_path")
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_invariants(family, dtype):
@@ -238,6 +264,7 @@ def test_invariants(family, dtype):
             assert len({i // size for i in row}) <= cfg.topk_groups
 
 
+@pytest.mark.usefixtures("route_path")
 def test_rows_are_ordered_best_first():
     logits = make_logits(8, 32, seed=2)
     weights, ids = route(logits, 6, renormalize=False)
@@ -246,6 +273,7 @@ def test_rows_are_ordered_best_first():
     assert torch.equal(ids[:, 0].long(), logits.argmax(dim=-1))
 
 
+@pytest.mark.usefixtures("route_path")
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_zero_tokens(family):
     cfg, e = FAMILIES[family]
@@ -255,6 +283,7 @@ def test_zero_tokens(family):
     assert ids.shape == (0, cfg.top_k) and ids.dtype == torch.int32
 
 
+@pytest.mark.usefixtures("route_path")
 def test_one_token_each_family_consistent_with_batch():
     """A token's routing does not depend on the other tokens of the batch."""
     for family, (cfg, e) in FAMILIES.items():
@@ -267,6 +296,7 @@ def test_one_token_each_family_consistent_with_batch():
             torch.testing.assert_close(w_one[0], w_all[r])
 
 
+@pytest.mark.usefixtures("route_path")
 def test_non_contiguous_logits():
     logits = make_logits(12, 10, seed=4).t().contiguous().t()  # [12, 10] with swapped strides
     assert not logits.is_contiguous()
@@ -280,6 +310,7 @@ def test_non_contiguous_logits():
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("route_path")
 def test_bias_chooses_but_does_not_weigh():
     """DeepSeek-V3: a large bias on expert 0 makes it chosen, but its weight stays sigmoid(logit)."""
     logits = torch.tensor([[-2.0, 1.0, 0.5, 0.3]])
@@ -291,6 +322,7 @@ def test_bias_chooses_but_does_not_weigh():
     assert got[1] == pytest.approx(_sigmoid(1.0), rel=1e-6)
 
 
+@pytest.mark.usefixtures("route_path")
 def test_grouping_picks_by_top2_sum_not_max():
     """Group 0 has the single best expert, group 1 the best top-2 sum: group 1 wins."""
     s = [0.95, 0.01, 0.01, 0.90, 0.90, 0.01]  # target sigmoid scores, 3 experts per group
@@ -301,6 +333,7 @@ def test_grouping_picks_by_top2_sum_not_max():
     torch.testing.assert_close(weights[0], torch.tensor([0.90, 0.90]))
 
 
+@pytest.mark.usefixtures("route_path")
 def test_llama4_chooses_on_logits_beyond_sigmoid_saturation():
     """Llama-4 takes top-k of the raw logits; in float32 sigmoid(20) == sigmoid(25) == 1.0."""
     # all four logits saturate; the largest sits at a different position in each row, so
@@ -315,6 +348,7 @@ def test_llama4_chooses_on_logits_beyond_sigmoid_saturation():
     assert weights.tolist() == [[1.0]] * 4  # sigmoid(30), not renormalized
 
 
+@pytest.mark.usefixtures("route_path")
 def test_llama4_weight_is_not_renormalized():
     logits = make_logits(10, 16, seed=21)
     weights, _ = route(logits, config=FAMILIES["llama4"][0])
@@ -322,6 +356,8 @@ def test_llama4_weight_is_not_renormalized():
     assert bool((weights < 1).all())
 
 
+@pytest.mark.usefixtures("route_path")
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy: exp(200) = inf, meant
 def test_renormalize_with_underflowed_sigmoid_gives_zero_not_nan():
     """All sigmoid weights underflow to 0: the 1e-20 in the denominator keeps them 0 (HF does too)."""
     logits = torch.full((2, 6), -200.0)
@@ -331,6 +367,7 @@ def test_renormalize_with_underflowed_sigmoid_gives_zero_not_nan():
     assert ids.shape == (2, 2)
 
 
+@pytest.mark.usefixtures("route_path")
 def test_softmax_is_over_all_experts_before_topk():
     """Mixtral softmaxes over all E, then takes top-k: without renorm the weights are the full
     softmax probabilities, not a softmax over the k chosen logits."""
@@ -341,6 +378,7 @@ def test_softmax_is_over_all_experts_before_topk():
     assert weights[0].sum().item() < 0.99
 
 
+@pytest.mark.usefixtures("route_path")
 def test_grouped_bias_agrees_with_hf_zero_fill_when_scores_positive():
     """With positive biased scores, DeepSeek's -inf fill and HF's 0.0 fill choose the same."""
     logits = make_logits(20, 64, seed=31)
@@ -351,6 +389,7 @@ def test_grouped_bias_agrees_with_hf_zero_fill_when_scores_positive():
     assert_matches(weights, ids, hf)
 
 
+@pytest.mark.usefixtures("route_path")
 def test_negative_biased_scores_never_leave_the_kept_groups():
     """Where HF's 0.0 fill and DeepSeek's -inf fill part: biased scores below 0.
 

@@ -3,10 +3,6 @@ triton backend's run() splits the tokens into consecutive slices, each a normal 
 the limit is patched small, so a few dozen tokens span several slices."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +13,7 @@ import moekit
 from moekit.backends.triton import KernelConfig, launch
 from moekit.backends.triton import _kernels as k
 
-from helpers import random_routing, random_weights, random_x, rel_l2
+from helpers import compile_in_child, random_routing, random_weights, random_x, rel_l2
 from test_triton_backend import REL_L2_TOL, assert_matches_reference, reference_for
 
 
@@ -61,15 +57,7 @@ def test_the_scan_at_the_limit_fits_shared_memory():
     linearly with its chunks (checked at half the limit), fits both GPUs' blocks at the limit, and
     twice the limit (the next power of two) would not fit sm_89's. 2**23 pairs, the limit Triton's
     tile size alone allowed, asked for 2 MiB and failed at launch on every GPU."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    if not Path(get_ptxas(90).path).exists():
-        pytest.skip("this triton ships no ptxas")
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SCAN], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    shared = json.loads(done.stdout)
+    shared = json.loads(compile_in_child(["-c", _COMPILE_SCAN], timeout=600))
     half, full = launch.SCAN_MAX_CHUNKS // 2, launch.SCAN_MAX_CHUNKS
     for cap, budget in SHARED_PER_BLOCK.items():
         assert shared[f"{cap}-{full}"] == 2 * shared[f"{cap}-{half}"], shared  # linear in the chunks

@@ -8,7 +8,6 @@ kernel that stopped checking fails them. A failed assertion on a GPU ends the pr
 context, so the GPU test runs it in a child process."""
 
 import dataclasses
-import os
 import subprocess
 import sys
 import textwrap
@@ -19,9 +18,8 @@ import torch
 import moekit
 from moekit.backends.triton import KernelConfig, launch
 
-from helpers import RecordingKernel, random_routing, random_weights, random_x
+from helpers import REPO, RecordingKernel, compile_in_child, random_routing, random_weights, random_x
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the four ways the backend reads the routing first (launch.TritonBackend.run)
 PATHS = {
@@ -124,7 +122,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDAOptions
 from triton.compiler import ASTSource
 from moekit.backends.triton import _gemv_kernels as g, _kernels as k, launch
-from moekit.backends.triton_options import compile_options
+from moekit.backends.triton_options import ASSERT_OPTIONS, compile_options
 
 POINTERS = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "out_ptr": "*bf16"}
 FLOATS = ("scale_ptr", "a_scale_ptr", "w_scale_ptr", "out_scale_ptr", "amax_ptr", "topk_weights_ptr")
@@ -141,7 +139,7 @@ kernels = {
     "gemv2_kernel": (g.gemv2_kernel, {"A_MODE": 0, "B_SCALE": 0, "K_TOP": 8, "K_POW2": 8, "BLOCK_N": 8,
                                       "GROUPS": 1}),
 }
-options = {"num_warps": 4, **launch._ID_CHECK_OPTIONS, **compile_options(False)}
+options = {"num_warps": 4, **ASSERT_OPTIONS, **compile_options(False)}
 if "launch_pdl" in CUDAOptions.__dataclass_fields__:
     options["launch_pdl"] = True
 found = {}
@@ -175,18 +173,9 @@ def test_the_kernels_reading_ids_compile_for_hopper_with_int64_ids():
     own: under TRITON_INTERPRET Triton compiles nothing) as launch.py launches it (Triton's
     `debug` for the check, PDL), with int32 and with int64 ids: each compiles, and those that
     check the ids (CHECK_IDS) keep the device-side assertion in their code."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    if not os.path.exists(get_ptxas(90).path):
-        pytest.skip("this triton ships no ptxas")
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = REPO
-    done = subprocess.run([sys.executable, "-c", _COMPILE_ID_READERS], capture_output=True, text=True, env=env,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
     import json
 
-    found = json.loads(done.stdout)
+    found = json.loads(compile_in_child(["-c", _COMPILE_ID_READERS]))
     assert len(found) == 12
     checking = ("align_single_kernel", "align_count_kernel", "decode_prologue_kernel", "gemv1_kernel")
     for key, asserts in found.items():

@@ -16,3 +16,18 @@ def compile_options(interpreting: bool) -> dict:
     """The options to pass with a launch; none under TRITON_INTERPRET=1, which compiles nothing
     and takes no compile options."""
     return {} if interpreting else dict(FP_FUSION)
+
+
+def _assert_options() -> dict:
+    """Compile options of the kernels that assert on their inputs (the expert ids, the router
+    logits): Triton's `debug`, which compiles device_assert in (without it an assertion compiles to
+    nothing), without the integer-overflow checks it would add everywhere else."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # no NVIDIA backend in this Triton: nothing is compiled for a GPU here
+        return {"debug": True}
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return {"debug": True, **({"sanitize_overflow": False} if "sanitize_overflow" in fields else {})}
+
+
+ASSERT_OPTIONS = _assert_options()

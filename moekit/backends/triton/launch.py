@@ -36,7 +36,7 @@ from ...accumulation import FP8_ACCUMULATION_ENV, FP8_ACCUMULATIONS, fp8_accumul
 from ...spec import MoEShape, QuantScheme
 from ...weights import MoEWeights
 from ..base import Backend, device_capability
-from ..triton_options import compile_options
+from ..triton_options import ASSERT_OPTIONS, compile_options
 from . import _kernels as k
 from .config import KernelConfig, get_config
 
@@ -135,26 +135,12 @@ def pdl_enabled(device: torch.device) -> bool:
     return capability is not None and capability >= (9, 0)
 
 
-def _id_check_options() -> dict:
-    """Compile options of the kernels that check the expert ids (CHECK_IDS): Triton's `debug`, which
-    compiles device_assert in, without the integer-overflow checks it would add everywhere else."""
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:  # no NVIDIA backend in this Triton: nothing is compiled for a GPU here
-        return {"debug": True}
-    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
-    return {"debug": True, **({"sanitize_overflow": False} if "sanitize_overflow" in fields else {})}
-
-
-_ID_CHECK_OPTIONS = _id_check_options()
-
-
 def _launch(kernel, grid, *args, **kwargs):
     names = getattr(kernel, "arg_names", ())
     if "CHECK_IDS" in names:  # it reads the routing first: it asserts every id is in range
         kwargs["CHECK_IDS"] = True
         if not _interpreting():  # the interpreter takes no compile options (tests set its own debug)
-            kwargs.update(_ID_CHECK_OPTIONS)
+            kwargs.update(ASSERT_OPTIONS)
     kwargs.update(compile_options(_interpreting()))  # FP fusion asked for by name (triton_options)
     if "PDL" in names:  # it waits for its predecessor itself: launch it early
         device = next(a.device for a in args if isinstance(a, torch.Tensor))

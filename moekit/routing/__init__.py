@@ -1,4 +1,8 @@
-"""Routing: turning router logits into each token's top-k experts and their weights."""
+"""Routing: turning router logits into each token's top-k experts and their weights.
+
+The rule and its checks live here, with the torch ops that compute it; _kernels.py holds the same
+rule as one Triton kernel, which fused.py launches for GPU logits.
+"""
 
 from __future__ import annotations
 
@@ -71,6 +75,9 @@ def route(
 
     With `config`, its fields give the rule and the other rule keywords must stay at their
     defaults; `correction_bias` is still passed here, since it is a tensor of the checkpoint.
+
+    On a GPU, outside torch.compile, the rule runs as one Triton kernel (fused.py), which also
+    asserts the logits finite; elsewhere as the torch ops below, its reference.
     """
     if config is not None:
         overridden = [
@@ -103,17 +110,24 @@ def route(
         num_groups, topk_groups = config.num_groups, config.topk_groups
         routed_scaling_factor = config.routed_scaling_factor
 
-    logits = _check_logits(router_logits)
-    num_tokens, num_experts = logits.shape
+    _check_logits_form(router_logits)
+    num_tokens, num_experts = router_logits.shape
     _check_rule(top_k, num_experts, scoring, num_groups, topk_groups, routed_scaling_factor)
-    bias = _check_bias(correction_bias, num_experts, logits.device)
+    bias = _check_bias(correction_bias, num_experts, router_logits.device)
 
     if num_tokens == 0:
         return (
-            torch.empty(0, top_k, dtype=torch.float32, device=logits.device),
-            torch.empty(0, top_k, dtype=torch.int32, device=logits.device),
+            torch.empty(0, top_k, dtype=torch.float32, device=router_logits.device),
+            torch.empty(0, top_k, dtype=torch.int32, device=router_logits.device),
         )
+    if _use_kernel(router_logits):
+        from .fused import route_fused  # imported here: it compiles nothing until a GPU call
 
+        return route_fused(router_logits, top_k, scoring=scoring, renormalize=renormalize,
+                           num_groups=num_groups, topk_groups=topk_groups, bias=bias,
+                           routed_scaling_factor=routed_scaling_factor)
+
+    logits = _check_logits_values(router_logits)
     scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
     if bias is not None:
         choice = scores + bias
@@ -161,7 +175,13 @@ def _check_on_device(device: torch.device) -> bool:
     return device.type == "cuda" or torch.compiler.is_compiling()
 
 
-def _check_logits(router_logits) -> torch.Tensor:
+def _use_kernel(logits: torch.Tensor) -> bool:
+    """Whether route() runs as one Triton kernel (fused.py) rather than torch ops: on a GPU,
+    outside torch.compile (which traces the torch ops below and fuses them itself)."""
+    return logits.device.type == "cuda" and not torch.compiler.is_compiling()
+
+
+def _check_logits_form(router_logits) -> None:
     if not isinstance(router_logits, torch.Tensor):
         raise ValueError(
             f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}"
@@ -177,9 +197,13 @@ def _check_logits(router_logits) -> torch.Tensor:
         )
     if router_logits.shape[1] == 0:
         raise ValueError("router_logits has 0 experts (shape [M, 0]); expected E >= 1")
+
+
+def _check_logits_values(router_logits: torch.Tensor) -> torch.Tensor:
+    """The logits as float32, checked finite: non-finite logits would route silently to
+    arbitrary experts. On a GPU the check is a device-side assertion: it never makes the host
+    wait, so routing can be graph-captured (the routing kernel asserts it itself)."""
     logits = router_logits.float()
-    # Non-finite logits would route silently to arbitrary experts. On a GPU the check is a
-    # device-side assertion: it never makes the host wait, so routing can be graph-captured.
     finite = torch.isfinite(logits)
     if _check_on_device(logits.device):
         torch._assert_async(finite.all(), "moekit.route: router_logits has NaN or inf values")

@@ -1,0 +1,89 @@
+"""`moekit.route` on a GPU: the routing kernel (routing/fused.py) against route()'s torch ops, per
+model preset and batch size, in the same rounds.
+
+Two numbers each: the device time of one call inside a CUDA graph (moekit.timing, L2 flushed,
+median and p20-p80), and the wall time per call of back-to-back eager calls (host launch cost
+included: what an eager decode step pays), over --eager-calls calls after a warm-up. The
+outputs of the two paths are compared first (ids equal, weights within 1e-5; near-ties aside,
+as tests/test_routing_kernel.py compares them).
+
+    PYTHONPATH=. python3 scripts/bench_route.py [--models glm-4.5v-fp8 deepseek-v3 mixtral-8x7b
+        qwen3-30b-a3b-fp8 llama-4-maverick-fp8] [--batch-sizes 1 8 64 1024 8192] [--json FILE]
+"""
+import argparse
+import json
+import time
+
+import torch
+
+import moekit.routing as routing
+from moekit.models import get_model
+from moekit.timing import time_graphs
+
+DEFAULT_MODELS = ["glm-4.5v-fp8", "deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b-fp8", "llama-4-maverick-fp8"]
+
+
+def run_path(kernel: bool, logits, cfg, bias):
+    saved = routing._use_kernel
+    routing._use_kernel = lambda _logits: kernel
+    try:
+        return routing.route(logits, config=cfg, correction_bias=bias)
+    finally:
+        routing._use_kernel = saved
+
+
+def eager_us(fn, calls: int) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=DEFAULT_MODELS, help="model presets (their routing rule and E)")
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 64, 1024, 8192])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--eager-calls", type=int, default=500)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    dev = torch.device("cuda")
+    rows = []
+    for name in args.models:
+        spec = get_model(name)
+        cfg, E = spec.routing, spec.shape.num_experts
+        g = torch.Generator().manual_seed(0)
+        bias = (torch.rand(E, generator=g) * 0.1 - 0.05).to(dev) if cfg.use_correction_bias else None
+        for M in args.batch_sizes:
+            logits = (torch.randn(M, E, generator=g) * 1.5).to(dev, torch.bfloat16)
+            (w_k, i_k), (w_t, i_t) = run_path(True, logits, cfg, bias), run_path(False, logits, cfg, bias)
+            same = (i_k == i_t).all(-1)
+            agree = f"{int(same.sum())}/{M} rows choose alike"
+            if bool(same.any()):
+                torch.testing.assert_close(w_k[same], w_t[same], rtol=1e-5, atol=1e-7)
+            fns = {"kernel": lambda: run_path(True, logits, cfg, bias),
+                   "torch ops": lambda: run_path(False, logits, cfg, bias)}
+            timings = time_graphs(fns, rounds=args.rounds)
+            for label, t in timings.items():
+                if isinstance(t, BaseException):
+                    raise t
+                eager = eager_us(fns[label], args.eager_calls)
+                rows.append({"model": name, "E": E, "top_k": cfg.top_k, "M": M, "path": label,
+                             "graph_median_us": t.median_us, "graph_p20_us": t.p20_us, "graph_p80_us": t.p80_us,
+                             "eager_us_per_call": eager, "agreement": agree})
+                print(f"{name:>22} M={M:<5} {label:>9}: graph {t.median_us:7.2f} us ({t.p20_us:.2f}-{t.p80_us:.2f}),"
+                      f" eager {eager:7.1f} us/call  [{agree}]", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,304 @@
+"""The routing kernel (moekit/routing/fused.py): route()'s path for GPU logits, in one launch.
+
+tests/test_routing.py runs its reference tests on both of route()'s paths (its `route_path`
+fixture); here: that GPU logits take the kernel and only it, its finiteness assertion, several
+programs of rows, its compilation for Hopper, and on a GPU its agreement with the torch path at
+the families' real sizes, bitwise determinism and CUDA-graph replay.
+
+Agreement of the two paths: both compute the same float32 formulas; they differ in the order of
+the softmax and renormalization sums and (on a GPU) in exp's last bit, a few float32 ulps of a
+score (~1e-7 relative). So weights agree to 1e-5 relative (40x that, far below any wrong expert
+or score), and ids agree exactly wherever no two candidates' choice values lie within 1e-5 of
+each other (`near_ties`): there either path's pick is a correct one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+
+import moekit.env
+import moekit.routing as routing
+from moekit.routing import RoutingConfig, route
+from moekit.routing import fused
+
+from helpers import REPO, compile_in_child
+from test_routing import FAMILIES, make_bias, make_logits
+
+TIE = 1e-5  # module docstring
+interpreter_only = pytest.mark.skipif(not moekit.env.interpreting(),
+                                      reason="the kernel runs on CPU tensors only under TRITON_INTERPRET=1")
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    """route() takes the kernel for these CPU tensors (as for GPU ones), its assertion on."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
+    monkeypatch.setattr(routing, "_use_kernel", lambda logits: True)
+
+
+def torch_path(logits, cfg, bias):
+    """route() on its torch ops, whatever the device."""
+    saved = routing._use_kernel
+    routing._use_kernel = lambda logits: False
+    try:
+        return route(logits, config=cfg, correction_bias=bias)
+    finally:
+        routing._use_kernel = saved
+
+
+def near_ties(logits: torch.Tensor, cfg: RoutingConfig, bias) -> torch.Tensor:
+    """Rows whose choice (float64, by the rule) has two candidates within TIE of each other
+    where it matters: among the top k + 1 choice values (the order of the k, and the k-th against
+    the next), or the topk_groups-th group score against the next."""
+    x = logits.double()
+    scores = torch.softmax(x, -1) if cfg.scoring == "softmax" else torch.sigmoid(x)
+    if bias is not None:
+        choice = scores + bias.double().to(x.device)
+    elif cfg.scoring == "sigmoid" and cfg.num_groups is None:
+        choice = x
+    else:
+        choice = scores
+    scale = choice.abs().amax(-1, keepdim=True).clamp_min(1.0)
+    tie = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    if cfg.num_groups is not None and cfg.topk_groups < cfg.num_groups:
+        grouped = choice.view(x.shape[0], cfg.num_groups, -1)
+        group_scores = grouped.topk(2, -1).values.sum(-1).sort(-1, descending=True).values
+        kept = cfg.topk_groups
+        tie |= (group_scores[:, kept - 1] - group_scores[:, kept]).abs() < TIE * scale[:, 0]
+        kept_groups = grouped.topk(2, -1).values.sum(-1).topk(kept, -1).indices
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, kept_groups, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(x)
+    ordered = choice.sort(-1, descending=True).values[:, : cfg.top_k + 1]
+    gaps = ordered[:, :-1] - ordered[:, 1:]
+    tie |= (gaps < TIE * scale).any(-1)
+    return tie
+
+
+def distinct_logits(m: int, e: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each row a random permutation of E distinct values spaced 8 / E over [-4, 4): spaced wider
+    than bf16's and fp16's resolution there (2**-6 below 4), so that even in those dtypes no two
+    experts of a row tie (random bf16 logits tie often: 8 mantissa bits)."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.stack([torch.randperm(e, generator=g) for _ in range(m)])
+    return ((order.double() - e / 2) * (8.0 / e) + 0.01).to(dtype)
+
+
+def assert_paths_agree(logits, cfg, bias, got, want):
+    (w, ids), (w_ref, ids_ref) = got, want
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == ids_ref.shape
+    ties = near_ties(logits, cfg, bias)
+    assert ties.float().mean() <= 0.25, "the test's data has too many near-ties to say much"
+    same = (ids == ids_ref).all(-1)
+    assert bool((same | ties).all()), f"rows {(~same & ~ties).nonzero().flatten().tolist()[:10]} choose other experts"
+    torch.testing.assert_close(w[same], w_ref[same], rtol=TIE, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the interpreter
+# ----------------------------------------------------------------------------------------------
+
+
+def test_gpu_logits_take_the_kernel_outside_torch_compile(monkeypatch):
+    gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
+    assert routing._use_kernel(gpu) and not routing._use_kernel(torch.zeros(1, 4))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not routing._use_kernel(gpu)  # the compiler traces the torch ops and fuses them itself
+
+
+@interpreter_only
+@pytest.mark.usefixtures("kernel_path")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_kernel_path_is_one_launch_and_no_torch_routing_ops(family, monkeypatch):
+    """route() on the kernel path launches the kernel once and none of the torch path's ops."""
+    cfg, e = FAMILIES[family]
+    logits = distinct_logits(5, e, seed=2, dtype=torch.bfloat16)
+    bias = make_bias(e, 2) if cfg.use_correction_bias else None
+    launches = []
+    monkeypatch.setattr(fused.k, "route_kernel", _Recording(fused.k.route_kernel, launches))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the kernel path ran a torch routing op")
+
+    monkeypatch.setattr(routing, "_check_on_device", lambda device: True)  # the bias checked as on a GPU:
+    route(logits, config=cfg, correction_bias=bias)  # at its first call only
+    with monkeypatch.context() as m:
+        for name in ("softmax", "sigmoid", "topk", "isfinite", "_assert_async"):
+            m.setattr(torch, name, refuse)
+        m.setattr(torch.Tensor, "float", refuse)
+        weights, ids = route(logits, config=cfg, correction_bias=bias)
+    programs = -(-5 // fused.block_m(e))
+    assert launches == [(programs,), (programs,)]
+    assert_paths_agree(logits, cfg, bias, (weights, ids), torch_path(logits, cfg, bias))
+
+
+class _Recording:
+    """A kernel whose launches are recorded (the grid) and then run."""
+
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
+@interpreter_only
+@pytest.mark.usefixtures("kernel_path")
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "kimi_k2"])
+def test_several_programs_and_a_partial_last_one(family):
+    """M over a program's rows (block_m: 64 rows at E = 8, 8 at 256, 4 at 384), the last program
+    partly past M, in float32, bf16 and fp16 logits."""
+    cfg, e = FAMILIES[family]
+    rows = fused.block_m(e)
+    assert rows == {8: 64, 256: 8, 384: 4}[e]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        logits = distinct_logits(2 * rows + 3, e, seed=rows, dtype=dtype)
+        bias = make_bias(e, rows) if cfg.use_correction_bias else None
+        got = route(logits, config=cfg, correction_bias=bias)
+        assert_paths_agree(logits, cfg, bias, got, torch_path(logits, cfg, bias))
+
+
+@interpreter_only
+@pytest.mark.usefixtures("kernel_path")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_logit_fails_the_kernels_assertion(dtype, bad):
+    """The kernel asserts what the torch path asserts with torch._assert_async; on a GPU the
+    assertion ends the process's CUDA context (the GPU test below runs it in a child process)."""
+    from triton.runtime.errors import InterpreterError
+
+    logits = make_logits(70, 8, seed=3, dtype=dtype)  # two programs: the bad value in the second
+    route(logits, 2)
+    logits[67, 5] = bad
+    with pytest.raises(InterpreterError, match="router_logits has NaN or inf values"):
+        route(logits, 2)
+
+
+@interpreter_only
+@pytest.mark.usefixtures("kernel_path")
+def test_padding_columns_are_never_chosen_or_asserted():
+    """E = 5 pads to 8 columns: the padding is masked out of the assertion (read as 0) and out of
+    the choice, even where every real logit is very negative."""
+    logits = torch.full((3, 5), -60.0)
+    logits[:, 2] = -50.0
+    weights, ids = route(logits, 5, scoring="sigmoid", renormalize=False)
+    assert sorted(ids[0].tolist()) == [0, 1, 2, 3, 4] and ids[0, 0].item() == 2
+    assert bool((weights >= 0).all()) and bool((weights < 1e-20).all())
+
+
+_COMPILE_FOR_HOPPER = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moekit.backends.triton_options import ASSERT_OPTIONS, compile_options
+from moekit.routing import _kernels as k
+
+found = {}
+rules = {  # (SOFTMAX, HAS_BIAS, CHOOSE_ON_LOGITS, GROUPED, RENORMALIZE, E)
+    "softmax": (True, False, False, False, True, 8),
+    "sigmoid on logits": (False, False, True, False, False, 16),
+    "sigmoid + bias, grouped": (False, True, False, True, True, 256),
+    "sigmoid + bias": (False, True, False, False, True, 384),
+    "one expert": (True, False, False, False, False, 1),  # one-element tiles
+}
+for dtype in ("*bf16", "*fp32"):
+    for name, (softmax, bias, on_logits, grouped, renorm, E) in rules.items():
+        E_PAD = triton.next_power_of_2(E)
+        constants = {"SOFTMAX": softmax, "HAS_BIAS": bias, "CHOOSE_ON_LOGITS": on_logits, "GROUPED": grouped,
+                     "RENORMALIZE": renorm, "BLOCK_M": max(1, min(64, 2048 // E_PAD)), "E_PAD": E_PAD,
+                     "K_PAD": min(8, E_PAD), "G_PAD": min(8, E_PAD), "INTERPRET": False}
+        signature, consts = {}, {}
+        for i, param in enumerate(k.route_kernel.params):
+            n = param.name
+            if param.is_constexpr:
+                signature[n], consts[(i,)] = "constexpr", constants[n]
+            elif n == "logits_ptr":
+                signature[n] = dtype
+            elif n.endswith("_ptr"):
+                signature[n] = "*i32" if n == "ids_ptr" else "*fp32"
+            else:
+                signature[n] = "fp32" if n == "scaling" else "i32"
+        compiled = triton.compile(ASTSource(k.route_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4, **ASSERT_OPTIONS, **compile_options(False)})
+        found[f"{name} {dtype}"] = "__assertfail" in compiled.asm["ptx"]
+json.dump(found, sys.stdout)
+"""
+
+
+def test_the_kernel_compiles_for_hopper_with_its_assertion():
+    """Every rule's variant, bf16 and float32 logits, compiled for sm_90 as fused.py launches it
+    (in a process of its own: under TRITON_INTERPRET Triton compiles nothing); each keeps the
+    device-side assertion of finite logits."""
+    import json
+
+    found = json.loads(compile_in_child(["-c", _COMPILE_FOR_HOPPER]))
+    assert len(found) == 10 and all(found.values()), found
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("m", [1, 7, 64, 1000])
+def test_gpu_kernel_agrees_with_the_torch_path(family, m):
+    cfg, e = FAMILIES[family]
+    logits = make_logits(m, e, seed=m + e).cuda()
+    bias = make_bias(e, m).cuda() if cfg.use_correction_bias else None
+    got = route(logits, config=cfg, correction_bias=bias)
+    assert_paths_agree(logits, cfg, bias, got, torch_path(logits, cfg, bias))
+    bf16 = distinct_logits(m, e, seed=m, dtype=torch.bfloat16).cuda()
+    assert_paths_agree(bf16, cfg, bias, route(bf16, config=cfg, correction_bias=bias), torch_path(bf16, cfg, bias))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["deepseek_v3", "mixtral"])
+def test_gpu_kernel_is_deterministic_and_replays_in_a_cuda_graph(family):
+    """Bitwise the same on every run, and a captured route() replays for fresh logits exactly as
+    an eager call of them."""
+    cfg, e = FAMILIES[family]
+    bias = make_bias(e, 1).cuda() if cfg.use_correction_bias else None
+    logits = make_logits(4096, e, seed=1).cuda()
+    first = route(logits, config=cfg, correction_bias=bias)
+    for _ in range(3):
+        again = route(logits, config=cfg, correction_bias=bias)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    static = make_logits(64, e, seed=2).cuda()
+    route(static, config=cfg, correction_bias=bias)  # compiled and the bias checked before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = route(static, config=cfg, correction_bias=bias)
+    fresh = make_logits(64, e, seed=3).cuda()
+    static.copy_(fresh)
+    graph.replay()
+    eager = route(fresh, config=cfg, correction_bias=bias)
+    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+
+
+@pytest.mark.gpu
+def test_gpu_a_non_finite_logit_stops_with_the_message():
+    script = textwrap.dedent("""
+        import torch, moekit
+        logits = torch.randn(300, 128, device="cuda")
+        logits[257, 3] = float("nan")
+        moekit.route(logits, 8)
+        torch.cuda.synchronize()
+        print("NO ASSERTION")
+    """)
+    p = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "NO ASSERTION" not in out, out[-2000:]
+    assert "router_logits has NaN or inf values" in out, out[-2000:]
