@@ -126,3 +126,14 @@ def compile_in_child(argv: list[str], timeout: int = 900) -> str:
     done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=timeout)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done.stdout
+
+
+def assert_child_stops_with(script: str, message: str, timeout: int = 300) -> None:
+    """Run `script` (its GPU work, then a synchronize) in a process of its own, from the
+    repository: a failed device-side assertion ends the CUDA context of the process it happens in.
+    It must fail, with `message` in its output, and never reach its end."""
+    done = subprocess.run([sys.executable, "-c", script + '\nprint("NO ASSERTION")\n'], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and "NO ASSERTION" not in out, out[-2000:]
+    assert message in out, out[-2000:]
