@@ -15,9 +15,9 @@ import torch
 import moekit
 from moekit.backends.glue.ops import narrow_ids
 from moekit.bench import make_weights, make_x, uniform_routing
-from moekit.models import get_model
-from moekit.spec import get_scheme
 from moekit.timing import time_graphs
+
+from diag_points import parse_model  # scripts/ is on the path when a script runs
 
 
 def main(argv=None) -> int:
@@ -34,9 +34,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     rows = []
     for item in args.models:
-        name, tp, *scheme = item.split(":")
-        spec = get_model(name, int(tp))
-        scheme = get_scheme(scheme[0]) if scheme else spec.scheme
+        _, _, spec, scheme = parse_model(item)
         shape = spec.shape
         w = make_weights(shape, scheme, dev)
         for M in args.batch_sizes:

@@ -24,9 +24,9 @@ from moekit.backends.triton import launch
 from moekit.backends.triton.config import default_config
 from moekit.backends.triton.launch import PDL_ENV
 from moekit.bench import make_weights, make_x, uniform_routing
-from moekit.models import get_model
-from moekit.spec import get_scheme
 from moekit.timing import time_graphs
+
+from diag_points import parse_model  # scripts/ is on the path when a script runs
 
 
 def gemv_sweep(base):
@@ -56,10 +56,8 @@ def main():
     backend = moekit.get_backend("triton")
     results = []
     for spec in args.models:
-        name, tp, *scheme_name = spec.split(":")
-        model = get_model(name, int(tp))
-        scheme = get_scheme(scheme_name[0]) if scheme_name else model.scheme
-        shape = get_model(name, int(tp)).shape
+        name, tp, model, scheme = parse_model(spec)
+        shape = model.shape
         w = make_weights(shape, scheme, dev)
         E, K, H, N = shape.num_experts, shape.top_k, shape.hidden, w.n
         for M in args.batch_sizes:

@@ -21,9 +21,10 @@ from moekit.backends.reference import reference_moe
 from moekit.backends.triton import launch
 from moekit.bench import make_weights, make_x, uniform_routing
 from moekit.check import intermediate_granularity
-from moekit.models import get_model
 from moekit.spec import get_scheme
 from moekit.timing import time_graphs
+
+from diag_points import parse_model  # scripts/ is on the path when a script runs
 
 
 def in_mode(mode: str, fn):
@@ -58,8 +59,8 @@ def main():
     triton_backend = moekit.get_backend("triton")
     results = []
     for spec in args.models:
-        name, tp = spec.split(":")
-        shape = get_model(name, int(tp)).shape
+        name, tp, preset, _ = parse_model(spec, scheme.name, scheme_field=False)
+        shape = preset.shape
         w = make_weights(shape, scheme, dev)
         E, K, H = shape.num_experts, shape.top_k, shape.hidden
         for M in args.batch_sizes:

@@ -22,11 +22,10 @@ import torch
 
 import moekit
 from diag_fast import in_mode  # scripts/ is on the path when a script runs
+from diag_points import parse_point
 from moekit.backends.triton import launch
 from moekit.backends.triton.config import get_config
 from moekit.bench import make_weights, make_x, uniform_routing
-from moekit.models import get_model
-from moekit.spec import get_scheme
 from moekit.timing import time_graphs
 
 POINTS = ["mixtral-8x7b:1:1024:fp8-channel-token", "mixtral-8x7b:1:4096:fp8-channel-token", "glm-4.5v-fp8:2:4096", "glm-4.5v-fp8:2:8192",
@@ -66,9 +65,8 @@ def main():
     name = torch.cuda.get_device_name(0)
     results, weights_of = [], {}
     for point in args.points:
-        model, tp, M, *scheme_name = point.split(":")
-        preset = get_model(model, int(tp))
-        shape, scheme = preset.shape, get_scheme(scheme_name[0]) if scheme_name else preset.scheme
+        (model, tp, preset, scheme), M = parse_point(point)
+        shape = preset.shape
         key = (model, tp, scheme.name)
         if key not in weights_of:
             weights_of.clear()

@@ -29,9 +29,9 @@ from moekit.backends.triton import launch
 from moekit.backends.triton._gluon_kernels import _async_load, _expert_rows, _promote, _tile_rows
 from moekit.backends.triton.config import get_config
 from moekit.bench import make_weights, make_x, uniform_routing
-from moekit.models import get_model
-from moekit.spec import get_scheme
 from moekit.timing import time_graphs
+
+from diag_points import parse_point  # scripts/ is on the path when a script runs
 
 POINTS = ["deepseek-v3:8:8192", "glm-4.5v-fp8:2:4096", "qwen3-30b-a3b-fp8:1:4096"]
 
@@ -161,9 +161,8 @@ def main():
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(0)
     for point in args.points:
-        model, tp, M, *scheme_name = point.split(":")
-        preset = get_model(model, int(tp))
-        shape, scheme = preset.shape, get_scheme(scheme_name[0]) if scheme_name else preset.scheme
+        (model, tp, preset, scheme), M = parse_point(point)
+        shape = preset.shape
         torch.cuda.empty_cache()
         w = make_weights(shape, scheme, dev)
         M = int(M)

@@ -1,15 +1,59 @@
-"""The problems of the diag scripts' `model:tp:M` points: a model's weights made once for its
-run of points (the generator drops them before making the next model's; a caller that still
-holds the last point's tensors keeps them alive until its loop moves on), a fresh batch and
-uniform routing per point."""
+"""What the diag and bench scripts are asked to run: "model:tp[:scheme]" (parse_model) and
+"model:tp:M[:scheme]" (parse_point), one parser for every script; and the problems of
+`model:tp:M` points (layer_points): a model's weights made once for its run of points (the
+generator drops them before making the next model's; a caller that still holds the last point's
+tensors keeps them alive until its loop moves on), a fresh batch and uniform routing per point."""
 from typing import Iterator, NamedTuple, Sequence
 
 import torch
 
 from moekit.bench import make_weights, make_x, uniform_routing
-from moekit.models import get_model
+from moekit.models import ModelSpec, get_model
 from moekit.spec import MoEShape, QuantScheme, get_scheme
 from moekit.weights import MoEWeights
+
+
+class Model(NamedTuple):
+    name: str
+    tp: int
+    spec: ModelSpec  # the preset at that TP (its shape)
+    scheme: QuantScheme  # the one asked for, else the preset's
+
+
+def parse_model(text: str, scheme: str | None = None, *, scheme_field: bool = True) -> Model:
+    """ "model:tp[:scheme]": a preset, its tensor-parallel size and the scheme to run it in (the one
+    named there, else `scheme`, else the preset's). SystemExit naming the form for anything else.
+    `scheme_field=False`: "model:tp" only (a script that runs one scheme, `scheme`)."""
+    if scheme_field:
+        name, tp, *rest = _fields(text, "model:tp[:scheme], e.g. glm-4.5v-fp8:2 or mixtral-8x7b:1:fp8-channel-token", 2, 3)
+    else:
+        name, tp, *rest = _fields(text, f"model:tp, e.g. glm-4.5v-fp8:2 (this script runs {scheme})", 2, 2)
+    return _model(text, name, tp, rest[0] if rest else scheme)
+
+
+def parse_point(text: str, scheme: str | None = None) -> tuple[Model, int]:
+    """ "model:tp:M[:scheme]": parse_model's fields and a batch size M >= 1."""
+    name, tp, M, *rest = _fields(text, "model:tp:M[:scheme], e.g. glm-4.5v-fp8:2:4096", 3, 4)
+    if not M.isdigit() or int(M) < 1:
+        raise SystemExit(f"{text!r}: M must be a positive integer, got {M!r}")
+    return _model(text, name, tp, rest[0] if rest else scheme), int(M)
+
+
+def _fields(text: str, form: str, least: int, most: int) -> list[str]:
+    fields = text.split(":")
+    if not least <= len(fields) <= most or not all(fields):
+        raise SystemExit(f"{text!r}: expected {form}")
+    return fields
+
+
+def _model(text: str, name: str, tp: str, scheme: str | None) -> Model:
+    if not tp.isdigit() or int(tp) < 1:
+        raise SystemExit(f"{text!r}: tp must be a positive integer, got {tp!r}")
+    try:
+        spec = get_model(name, int(tp))
+        return Model(name, int(tp), spec, get_scheme(scheme) if scheme else spec.scheme)
+    except (KeyError, ValueError) as e:  # an unknown preset or scheme, a TP that does not divide it
+        raise SystemExit(f"{text!r}: {e}") from None
 
 
 class Point(NamedTuple):
@@ -25,16 +69,12 @@ class Point(NamedTuple):
 
 
 def layer_points(points: Sequence[str], dev: torch.device, scheme: str | None = None) -> Iterator[Point]:
-    """Each "model:tp:M" of `points` as a Point, in the preset's scheme or `scheme`."""
+    """Each "model:tp:M[:scheme]" of `points` as a Point, in the scheme it names, else `scheme`,
+    else the preset's."""
     made_for, weights = None, None
     for point in points:
-        try:
-            model, tp, M = point.split(":")
-            tp, M = int(tp), int(M)
-        except ValueError:
-            raise SystemExit(f"point {point!r}: expected model:tp:M, e.g. glm-4.5v-fp8:2:4096") from None
-        preset = get_model(model, tp)
-        shape, quant = preset.shape, get_scheme(scheme) if scheme else preset.scheme
+        (model, tp, preset, quant), M = parse_point(point, scheme)
+        shape = preset.shape
         if made_for != (model, tp):
             weights = None  # dropped before the next model's are made
             torch.cuda.empty_cache()

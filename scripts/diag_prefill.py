@@ -18,11 +18,11 @@ import torch
 import triton
 
 from diag_fast import in_mode  # scripts/ is on the path when a script runs
+from diag_points import parse_model
 from moekit.backends.triton import _kernels as k
 from moekit.backends.triton import launch
 from moekit.backends.triton.config import KernelConfig
 from moekit.bench import make_weights, make_x, uniform_routing
-from moekit.models import get_model
 from moekit.spec import get_scheme
 from moekit.timing import time_graphs
 
@@ -95,8 +95,8 @@ def main():
     scheme = get_scheme("fp8-channel-token")
     results = []
     for spec_name in args.models:
-        name, tp = spec_name.split(":")
-        shape = get_model(name, int(tp)).shape
+        name, tp, preset, _ = parse_model(spec_name, scheme.name, scheme_field=False)
+        shape = preset.shape
         w = make_weights(shape, scheme, dev)
         E, K, N, H = shape.num_experts, shape.top_k, shape.n, shape.hidden
         for M in args.batch_sizes:

@@ -1,0 +1,73 @@
+"""scripts/diag_points.py's parsers of "model:tp[:scheme]" and "model:tp:M[:scheme]", which every
+bench and diag script under scripts/ reads its models or points with (those scripts need a GPU;
+their parsing does not)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import diag_points  # noqa: E402
+
+from moekit.models import get_model  # noqa: E402
+
+
+def test_a_model_in_its_own_scheme_or_the_one_named():
+    m = diag_points.parse_model("glm-4.5v-fp8:2")
+    assert (m.name, m.tp) == ("glm-4.5v-fp8", 2)
+    assert m.spec.shape == get_model("glm-4.5v-fp8", 2).shape and m.scheme.name == "fp8-channel-token"
+    assert diag_points.parse_model("mixtral-8x7b:1:fp8-block128").scheme.name == "fp8-block128"
+    assert diag_points.parse_model("mixtral-8x7b:1", "bf16").scheme.name == "bf16"  # the script's default
+    assert diag_points.parse_model("mixtral-8x7b:1:fp8-tensor-dynamic", "bf16").scheme.name == "fp8-tensor-dynamic"
+
+
+def test_a_point():
+    (model, tp, spec, scheme), M = diag_points.parse_point("deepseek-v3:8:4096")
+    assert (model, tp, M, scheme.name) == ("deepseek-v3", 8, 4096, "fp8-block128")
+    assert spec.shape == get_model("deepseek-v3", 8).shape
+    assert diag_points.parse_point("glm-4.5v-fp8:2:1:bf16")[0].scheme.name == "bf16"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("glm-4.5v-fp8", r"expected model:tp\[:scheme\]"),
+    ("glm-4.5v-fp8:2:fp8-block128:x", r"expected model:tp\[:scheme\]"),
+    ("glm-4.5v-fp8::fp8-block128", r"expected model:tp\[:scheme\]"),
+    ("glm-4.5v-fp8:two", r"tp must be a positive integer, got 'two'"),
+    ("glm-4.5v-fp8:0", r"tp must be a positive integer, got '0'"),
+    ("glm-4.5v-fp8:3", r"not divisible by tp \(3\)"),
+    ("no-such-model:1", r"unknown model 'no-such-model'"),
+    ("mixtral-8x7b:1:fp9", r"unknown quantization scheme 'fp9'"),
+])
+def test_a_bad_model_names_what_is_wrong(text, message):
+    with pytest.raises(SystemExit, match=message):
+        diag_points.parse_model(text)
+
+
+def test_a_script_of_one_scheme_refuses_a_scheme_field():
+    assert diag_points.parse_model("mixtral-8x7b:1", "fp8-channel-token", scheme_field=False).tp == 1
+    with pytest.raises(SystemExit, match=r"expected model:tp, .*this script runs fp8-channel-token"):
+        diag_points.parse_model("mixtral-8x7b:1:bf16", "fp8-channel-token", scheme_field=False)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("glm-4.5v-fp8:2", r"expected model:tp:M\[:scheme\]"),
+    ("glm-4.5v-fp8:2:0", r"M must be a positive integer, got '0'"),
+    ("glm-4.5v-fp8:2:-4", r"M must be a positive integer, got '-4'"),
+    ("glm-4.5v-fp8:2:4k", r"M must be a positive integer, got '4k'"),
+])
+def test_a_bad_point_names_what_is_wrong(text, message):
+    with pytest.raises(SystemExit, match=message):
+        diag_points.parse_point(text)
+
+
+@pytest.mark.parametrize("script", ["bench_ids_dtype", "bench_route", "diag_decode", "diag_fast", "diag_gemm2",
+                                    "diag_gemm2_resident", "diag_prefill", "diag_half_tail", "diag_configs"])
+def test_each_script_imports_and_parses_its_arguments(script):
+    """Each GPU script that reads models or points starts on the CPU (its imports resolve)."""
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / f"{script}.py"), "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]
