@@ -150,6 +150,22 @@ class _Recording:
         return self.kernel[grid]
 
 
+@pytest.mark.parametrize("pdl", [True, False])
+def test_the_launch_uses_programmatic_dependent_launch_where_the_backend_does(pdl, monkeypatch):
+    """PDL (MOEKIT_PDL, Hopper and newer) as the triton backend's kernels take it: the kernel waits
+    for its predecessor itself (PDL=True) and is launched to overlap it (launch_pdl)."""
+    import moekit.backends.triton.launch as backend_launch
+    from helpers import RecordingKernel
+
+    calls = []
+    monkeypatch.setattr(backend_launch, "pdl_enabled", lambda device: pdl)
+    monkeypatch.setattr(fused.k, "route_kernel", RecordingKernel(fused.k.route_kernel.arg_names, calls))
+    fused.route_fused(make_logits(3, 8, seed=1), 2, scoring="softmax", renormalize=True, num_groups=None,
+                      topk_groups=None, bias=None, routed_scaling_factor=1.0)
+    (kwargs,) = calls
+    assert kwargs["PDL"] is pdl and kwargs.get("launch_pdl", False) is pdl
+
+
 @interpreter_only
 @pytest.mark.usefixtures("kernel_path")
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "kimi_k2"])
@@ -198,10 +214,14 @@ _COMPILE_FOR_HOPPER = """
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDAOptions
 from triton.compiler import ASTSource
 from moekit.backends.triton_options import ASSERT_OPTIONS, compile_options
 from moekit.routing import _kernels as k
 
+options = {"num_warps": 4, **ASSERT_OPTIONS, **compile_options(False)}
+if "launch_pdl" in CUDAOptions.__dataclass_fields__:
+    options["launch_pdl"] = True
 found = {}
 rules = {  # (SOFTMAX, HAS_BIAS, CHOOSE_ON_LOGITS, GROUPED, RENORMALIZE, E)
     "softmax": (True, False, False, False, True, 8),
@@ -215,7 +235,8 @@ for dtype in ("*bf16", "*fp32"):
         E_PAD = triton.next_power_of_2(E)
         constants = {"SOFTMAX": softmax, "HAS_BIAS": bias, "CHOOSE_ON_LOGITS": on_logits, "GROUPED": grouped,
                      "RENORMALIZE": renorm, "BLOCK_M": max(1, min(64, 2048 // E_PAD)), "E_PAD": E_PAD,
-                     "K_PAD": min(8, E_PAD), "G_PAD": min(8, E_PAD), "INTERPRET": False}
+                     "K_PAD": min(8, E_PAD), "G_PAD": min(8, E_PAD), "INTERPRET": False,
+                     "PDL": True}
         signature, consts = {}, {}
         for i, param in enumerate(k.route_kernel.params):
             n = param.name
@@ -228,16 +249,17 @@ for dtype in ("*bf16", "*fp32"):
             else:
                 signature[n] = "fp32" if n == "scaling" else "i32"
         compiled = triton.compile(ASTSource(k.route_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": 4, **ASSERT_OPTIONS, **compile_options(False)})
-        found[f"{name} {dtype}"] = "__assertfail" in compiled.asm["ptx"]
+                                  options=options)
+        ptx = compiled.asm["ptx"]
+        found[f"{name} {dtype}"] = "__assertfail" in ptx and "griddepcontrol.wait" in ptx
 json.dump(found, sys.stdout)
 """
 
 
 def test_the_kernel_compiles_for_hopper_with_its_assertion():
     """Every rule's variant, bf16 and float32 logits, compiled for sm_90 as fused.py launches it
-    (in a process of its own: under TRITON_INTERPRET Triton compiles nothing); each keeps the
-    device-side assertion of finite logits."""
+    on Hopper (in a process of its own: under TRITON_INTERPRET Triton compiles nothing); each keeps
+    the device-side assertion of finite logits and waits for its predecessor (PDL)."""
     import json
 
     found = json.loads(compile_in_child(["-c", _COMPILE_FOR_HOPPER]))

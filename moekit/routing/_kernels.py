@@ -9,6 +9,8 @@ weights, renormalization and the scaling factor.
 import triton
 import triton.language as tl
 
+from ..backends.triton._kernels import _pdl_enter
+
 try:  # the accurate expf torch's own kernels use; not in the CPU interpreter (it returns None there)
     from triton.language.extra.libdevice import exp as _libdevice_exp
 except ImportError:  # a Triton without libdevice: the interpreter's exp serves the CPU tests
@@ -43,14 +45,19 @@ def route_kernel(
     GROUPED: tl.constexpr,  # keep only the topk_groups best of num_groups groups
     RENORMALIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, G_PAD: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """BLOCK_M tokens per program, each token's E logits in one row of an [BLOCK_M, E_PAD] tile.
 
     Writes weights float32 [M, K] and ids int32 [M, K], each row ordered by decreasing choice.
     Asserts that every logit is finite (compiled in with Triton's `debug`, fused.py), as route()'s
     torch path does with torch._assert_async.
+
+    With PDL (programmatic dependent launch, as the triton backend's kernels: MOEKIT_PDL) it waits
+    for the kernel before it (the router's GEMM) and lets the next one start at once: the triton
+    backend's first kernel then launches during this one and waits on the device for its ids.
     """
+    _pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, E_PAD)
     row_ok = rows < M

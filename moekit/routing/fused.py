@@ -51,6 +51,7 @@ def route_fused(
     logits: [M, E] with M >= 1, any float dtype and strides. bias: float32 [E], contiguous, or None.
     """
     from ..backends.glue.ops import on_device
+    from ..backends.triton.launch import pdl_enabled
 
     bias = bias.contiguous() if bias is not None else None  # read as bias_ptr + expert
     num_tokens, num_experts = logits.shape
@@ -59,6 +60,7 @@ def route_fused(
     grouped = num_groups is not None and topk_groups < num_groups
     rows = block_m(num_experts)
     interpreting = env.interpreting()
+    pdl = pdl_enabled(logits.device)
     with on_device(logits.device):
         k.route_kernel[(triton.cdiv(num_tokens, rows),)](
             logits, logits.stride(0), logits.stride(1), bias if bias is not None else weights, weights, ids,
@@ -74,7 +76,9 @@ def route_fused(
             K_PAD=triton.next_power_of_2(top_k),
             G_PAD=triton.next_power_of_2(num_groups or 1),
             INTERPRET=interpreting,
+            PDL=pdl,
             num_warps=4,
             **_launch_options(interpreting),
+            **({"launch_pdl": True} if pdl else {}),
         )
     return weights, ids
