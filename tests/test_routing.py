@@ -15,24 +15,29 @@ import torch
 from moekit.routing import RoutingConfig, route
 
 
+def take_the_kernel(monkeypatch) -> None:
+    """route() takes the routing kernel (routing/fused.py, the path of GPU logits) for CPU tensors,
+    in Triton's interpreter with its device_assert on; skips the test outside the interpreter."""
+    import dataclasses
+
+    import moekit.env
+    import moekit.routing as routing
+
+    if not moekit.env.interpreting():
+        pytest.skip("the routing kernel runs on CPU tensors only under TRITON_INTERPRET=1")
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
+    monkeypatch.setattr(routing, "_use_kernel", lambda logits: True)
+
+
 @pytest.fixture(params=["torch", "kernel"])
 def route_path(request, monkeypatch):
     """Runs a test on each of route()'s two paths: the torch ops (CPU logits, torch.compile) and
-    the routing kernel (GPU logits: routing/fused.py), here in Triton's interpreter on CPU tensors,
-    with its device_assert on. The test's reference is the same for both."""
+    the routing kernel (take_the_kernel). The test's reference is the same for both."""
     if request.param == "kernel":
-        import dataclasses
-
-        import moekit.env
-        import moekit.routing as routing
-
-        if not moekit.env.interpreting():
-            pytest.skip("the routing kernel runs on CPU tensors only under TRITON_INTERPRET=1")
-        from triton.runtime import interpreter
-
-        builder = interpreter.interpreter_builder
-        monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
-        monkeypatch.setattr(routing, "_use_kernel", lambda logits: True)
+        take_the_kernel(monkeypatch)
     return request.param
 
 # ----------------------------------------------------------------------------------------------
@@ -365,6 +370,17 @@ def test_renormalize_with_underflowed_sigmoid_gives_zero_not_nan():
     weights, ids = route(logits, 2, scoring="sigmoid", routed_scaling_factor=2.5)
     assert bool(torch.isfinite(weights).all()) and bool((weights == 0).all())
     assert ids.shape == (2, 2)
+
+
+@pytest.mark.usefixtures("route_path")
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_softmax_of_large_logits(family):
+    """Logits past 88, where exp overflows float32: the softmax subtracts each row's max first."""
+    cfg, e = FAMILIES[family]
+    logits = make_logits(6, e, seed=4, scale=8.0) + 110.0
+    weights, ids, bias = run_family(cfg, logits, 4)
+    assert bool(torch.isfinite(weights).all())
+    assert_matches(weights, ids, reference_for(cfg, logits, bias))
 
 
 @pytest.mark.usefixtures("route_path")

@@ -7,14 +7,13 @@ the families' real sizes, bitwise determinism and CUDA-graph replay.
 
 Agreement of the two paths: both compute the same float32 formulas; they differ in the order of
 the softmax and renormalization sums and (on a GPU) in exp's last bit, a few float32 ulps of a
-score (~1e-7 relative). So weights agree to 1e-5 relative (40x that, far below any wrong expert
+score (~1e-7 relative). So weights agree to 1e-5 relative (100x that, far below any wrong expert
 or score), and ids agree exactly wherever no two candidates' choice values lie within 1e-5 of
 each other (`near_ties`): there either path's pick is a correct one.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import textwrap
 import types
 
@@ -27,7 +26,7 @@ from moekit.routing import RoutingConfig, route
 from moekit.routing import fused
 
 from helpers import assert_child_stops_with, compile_in_child
-from test_routing import FAMILIES, make_bias, make_logits
+from test_routing import FAMILIES, make_bias, make_logits, take_the_kernel
 
 TIE = 1e-5  # module docstring
 interpreter_only = pytest.mark.skipif(not moekit.env.interpreting(),
@@ -37,11 +36,7 @@ interpreter_only = pytest.mark.skipif(not moekit.env.interpreting(),
 @pytest.fixture
 def kernel_path(monkeypatch):
     """route() takes the kernel for these CPU tensors (as for GPU ones), its assertion on."""
-    from triton.runtime import interpreter
-
-    builder = interpreter.interpreter_builder
-    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
-    monkeypatch.setattr(routing, "_use_kernel", lambda logits: True)
+    take_the_kernel(monkeypatch)
 
 
 def torch_path(logits, cfg, bias):
@@ -106,9 +101,13 @@ def assert_paths_agree(logits, cfg, bias, got, want):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_gpu_logits_take_the_kernel_outside_torch_compile(monkeypatch):
-    gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
+def test_gpu_logits_take_the_kernel_outside_torch_compile_and_autograd(monkeypatch):
+    gpu = types.SimpleNamespace(device=torch.device("cuda", 0), requires_grad=False)
     assert routing._use_kernel(gpu) and not routing._use_kernel(torch.zeros(1, 4))
+    trained = types.SimpleNamespace(device=torch.device("cuda", 0), requires_grad=True)
+    assert not routing._use_kernel(trained)  # the kernel has no backward: the torch ops keep autograd
+    with torch.no_grad():
+        assert routing._use_kernel(trained)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not routing._use_kernel(gpu)  # the compiler traces the torch ops and fuses them itself
 
@@ -200,9 +199,9 @@ def test_a_non_finite_logit_fails_the_kernels_assertion(dtype, bad):
 
 @interpreter_only
 @pytest.mark.usefixtures("kernel_path")
-def test_padding_columns_are_never_chosen_or_asserted():
-    """E = 5 pads to 8 columns: the padding is masked out of the assertion (read as 0) and out of
-    the choice, even where every real logit is very negative."""
+def test_padding_columns_are_never_chosen():
+    """E = 5 pads to 8 columns: the padding (read as 0) is masked out of the choice, even where
+    every real logit is very negative."""
     logits = torch.full((3, 5), -60.0)
     logits[:, 2] = -50.0
     weights, ids = route(logits, 5, scoring="sigmoid", renormalize=False)
@@ -235,13 +234,15 @@ for dtype in ("*bf16", "*fp32"):
         E_PAD = triton.next_power_of_2(E)
         constants = {"SOFTMAX": softmax, "HAS_BIAS": bias, "CHOOSE_ON_LOGITS": on_logits, "GROUPED": grouped,
                      "RENORMALIZE": renorm, "BLOCK_M": max(1, min(64, 2048 // E_PAD)), "E_PAD": E_PAD,
-                     "K_PAD": min(8, E_PAD), "G_PAD": min(8, E_PAD), "INTERPRET": False,
-                     "PDL": True}
+                     "K_PAD": min(8, E_PAD), "G_PAD": min(8, E_PAD), "RENORM_EPS": 1e-20,
+                     "INTERPRET": False, "PDL": True}
         signature, consts = {}, {}
         for i, param in enumerate(k.route_kernel.params):
             n = param.name
             if param.is_constexpr:
                 signature[n], consts[(i,)] = "constexpr", constants[n]
+            elif n == "stride_e" and dtype == "*bf16":  # contiguous logits: a launch specializes it to 1
+                signature[n], consts[(i,)] = "constexpr", 1
             elif n == "logits_ptr":
                 signature[n] = dtype
             elif n.endswith("_ptr"):
@@ -257,9 +258,10 @@ json.dump(found, sys.stdout)
 
 
 def test_the_kernel_compiles_for_hopper_with_its_assertion():
-    """Every rule's variant, bf16 and float32 logits, compiled for sm_90 as fused.py launches it
-    on Hopper (in a process of its own: under TRITON_INTERPRET Triton compiles nothing); each keeps
-    the device-side assertion of finite logits and waits for its predecessor (PDL)."""
+    """Every rule's variant, bf16 (contiguous) and float32 (any strides) logits, compiled for sm_90
+    as fused.py launches it on Hopper (in a process of its own: under TRITON_INTERPRET Triton
+    compiles nothing); each keeps the device-side assertion of finite logits and waits for its
+    predecessor (PDL)."""
     import json
 
     found = json.loads(compile_in_child(["-c", _COMPILE_FOR_HOPPER]))
@@ -280,8 +282,12 @@ def test_gpu_kernel_agrees_with_the_torch_path(family, m):
     bias = make_bias(e, m).cuda() if cfg.use_correction_bias else None
     got = route(logits, config=cfg, correction_bias=bias)
     assert_paths_agree(logits, cfg, bias, got, torch_path(logits, cfg, bias))
-    bf16 = distinct_logits(m, e, seed=m, dtype=torch.bfloat16).cuda()
-    assert_paths_agree(bf16, cfg, bias, route(bf16, config=cfg, correction_bias=bias), torch_path(bf16, cfg, bias))
+    for dtype in (torch.bfloat16, torch.float16):
+        low = distinct_logits(m, e, seed=m, dtype=dtype).cuda()
+        assert_paths_agree(low, cfg, bias, route(low, config=cfg, correction_bias=bias), torch_path(low, cfg, bias))
+    transposed = logits.t().contiguous().t()  # strides (1, M)
+    got = route(transposed, config=cfg, correction_bias=bias)
+    assert_paths_agree(transposed, cfg, bias, got, torch_path(transposed, cfg, bias))
 
 
 @pytest.mark.gpu

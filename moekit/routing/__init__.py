@@ -76,8 +76,10 @@ def route(
     With `config`, its fields give the rule and the other rule keywords must stay at their
     defaults; `correction_bias` is still passed here, since it is a tensor of the checkpoint.
 
-    On a GPU, outside torch.compile, the rule runs as one Triton kernel (fused.py), which also
-    asserts the logits finite; elsewhere as the torch ops below, its reference.
+    On a GPU, outside torch.compile and unless the weights need a gradient, the rule runs as one
+    Triton kernel (fused.py), which also asserts the logits finite; elsewhere as the torch ops
+    below, its reference (on exact ties of choice values the kernel takes the lowest expert id,
+    torch.topk any of them).
     """
     if config is not None:
         overridden = [
@@ -177,8 +179,11 @@ def _check_on_device(device: torch.device) -> bool:
 
 def _use_kernel(logits: torch.Tensor) -> bool:
     """Whether route() runs as one Triton kernel (fused.py) rather than torch ops: on a GPU,
-    outside torch.compile (which traces the torch ops below and fuses them itself)."""
-    return logits.device.type == "cuda" and not torch.compiler.is_compiling()
+    outside torch.compile (which traces the torch ops below and fuses them itself), and where no
+    gradient is asked of the weights (the kernel has no backward: a router trained through its
+    weights, an auxiliary loss, keeps the torch ops' autograd)."""
+    return (logits.device.type == "cuda" and not torch.compiler.is_compiling()
+            and not (logits.requires_grad and torch.is_grad_enabled()))
 
 
 def _check_logits_form(router_logits) -> None:

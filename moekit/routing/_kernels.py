@@ -11,10 +11,8 @@ import triton.language as tl
 
 from ..backends.triton._kernels import _pdl_enter
 
-try:  # the accurate expf torch's own kernels use; not in the CPU interpreter (it returns None there)
-    from triton.language.extra.libdevice import exp as _libdevice_exp
-except ImportError:  # a Triton without libdevice: the interpreter's exp serves the CPU tests
-    _libdevice_exp = None
+# the accurate expf torch's own kernels use (the CPU interpreter has none: it returns None there)
+from triton.language.extra.libdevice import exp as _libdevice_exp
 
 
 @triton.jit
@@ -45,7 +43,7 @@ def route_kernel(
     GROUPED: tl.constexpr,  # keep only the topk_groups best of num_groups groups
     RENORMALIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, G_PAD: tl.constexpr,
-    INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    RENORM_EPS: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """BLOCK_M tokens per program, each token's E logits in one row of an [BLOCK_M, E_PAD] tile.
 
@@ -63,9 +61,9 @@ def route_kernel(
     row_ok = rows < M
     col_ok = cols < E
     ok = row_ok[:, None] & col_ok[None, :]
-    logits = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_m + cols[None, :] * stride_e,
-                     mask=ok, other=0.0).to(tl.float32)
-    tl.device_assert((tl.abs(logits) < float("inf")) | (ok == 0), "moekit.route: router_logits has NaN or inf values")
+    offsets = rows[:, None].to(tl.int64) * stride_m + cols[None, :].to(tl.int64) * stride_e  # strides of any size
+    logits = tl.load(logits_ptr + offsets, mask=ok, other=0.0).to(tl.float32)  # masked off: 0, finite
+    tl.device_assert(tl.abs(logits) < float("inf"), "moekit.route: router_logits has NaN or inf values")
 
     if SOFTMAX:
         shifted = tl.where(col_ok[None, :], logits, float("-inf"))
@@ -113,8 +111,8 @@ def route_kernel(
         weights = tl.where(slots[None, :] == j, weight[:, None], weights)
         choice = tl.where(is_chosen, float("-inf"), choice)
 
-    if RENORMALIZE:  # + 1e-20 as route(): sigmoid weights can all underflow to 0
-        weights = tl.div_rn(weights, tl.sum(weights, axis=1)[:, None] + 1e-20)
+    if RENORMALIZE:  # + route()'s epsilon: sigmoid weights can all underflow to 0
+        weights = tl.div_rn(weights, tl.sum(weights, axis=1)[:, None] + RENORM_EPS)
     weights = weights * scaling
     out = rows[:, None].to(tl.int64) * K + slots[None, :]
     out_ok = row_ok[:, None] & (slots[None, :] < K)

@@ -15,6 +15,7 @@ import triton
 
 from .. import env
 from ..backends.triton_options import ASSERT_OPTIONS, compile_options
+from . import _RENORM_EPS
 from . import _kernels as k
 
 # Logits per program: BLOCK_M rows of E padded to a power of two. 2048 float32 values are 16 per
@@ -63,7 +64,9 @@ def route_fused(
     pdl = pdl_enabled(logits.device)
     with on_device(logits.device):
         k.route_kernel[(triton.cdiv(num_tokens, rows),)](
-            logits, logits.stride(0), logits.stride(1), bias if bias is not None else weights, weights, ids,
+            logits, logits.stride(0), logits.stride(1),
+            bias if bias is not None else weights,  # any pointer where there is no bias: never read
+            weights, ids,
             num_tokens, num_experts, top_k, num_groups or 1, topk_groups or 1, num_experts // (num_groups or 1),
             float(routed_scaling_factor),
             SOFTMAX=scoring == "softmax",
@@ -71,6 +74,7 @@ def route_fused(
             CHOOSE_ON_LOGITS=scoring == "sigmoid" and bias is None and num_groups is None,
             GROUPED=grouped,
             RENORMALIZE=renormalize,
+            RENORM_EPS=_RENORM_EPS,
             BLOCK_M=rows,
             E_PAD=triton.next_power_of_2(num_experts),
             K_PAD=triton.next_power_of_2(top_k),
