@@ -120,7 +120,7 @@ def validate_inputs(x, weights, topk_weights, topk_ids, *, device_check: bool = 
     to int32 by glue.narrow_ids, which writes an id outside [0, E) as -1, so that it stays out of
     range for those checks (cast as it is, 2**32 + 3 would read as expert 3). `narrow=False`
     returns them as int64 (fused_moe: narrowed only for a backend that does not read int64 ids,
-    Backend.reads_int64_ids, sparing the triton backend that launch).
+    Backend.reads_int64_ids, sparing the backends whose kernels read them, all but reference, that launch).
     Unquantized weights must have x's dtype (float32 x excepted: computed in float32).
     `num_experts`: the model's expert count that top-k and the ids are checked against, where
     `weights` hold only some of the experts (expert parallel: this rank's shard); default

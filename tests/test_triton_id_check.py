@@ -64,11 +64,12 @@ def test_each_path_asserts_an_id_out_of_range(path, dtype, bad, interpreter_asse
         backend.run(x, w, tw, ids, config=cfg)
 
 
-def test_the_backend_says_it_checks_and_the_others_do_not():
-    assert moekit.get_backend("triton").checks_expert_ids
+def test_the_kernel_backends_say_they_check_and_reference_does_not():
+    """triton checks in its own kernels, cutlass and torch in the glue's (test_glue_id_check.py)."""
+    for name in ("triton", "cutlass", "torch"):
+        assert moekit.get_backend(name).checks_expert_ids and moekit.get_backend(name).reads_int64_ids, name
     assert not moekit.get_backend("reference").checks_expert_ids
-    assert moekit.get_backend("triton").reads_int64_ids
-    assert not any(moekit.get_backend(name).reads_int64_ids for name in ("reference", "torch", "cutlass"))
+    assert not moekit.get_backend("reference").reads_int64_ids
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -119,6 +120,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDAOptions
 from triton.compiler import ASTSource
+from moekit.backends.glue import _kernels as glue
 from moekit.backends.triton import _gemv_kernels as g, _kernels as k, launch
 from moekit.backends.triton_options import ASSERT_OPTIONS, compile_options
 
@@ -136,6 +138,9 @@ kernels = {
                                       "BLOCK_N": 8, "GROUPS": 2}),
     "gemv2_kernel": (g.gemv2_kernel, {"A_MODE": 0, "B_SCALE": 0, "K_TOP": 8, "K_POW2": 8, "BLOCK_N": 8,
                                       "GROUPS": 1}),
+    # the glue's (cutlass, torch: test_glue_id_check.py), as glue.ops.permute launches them
+    "glue _rank_kernel": (glue._rank_kernel, {"BLOCK_P": 128, "BLOCK_E": 8}),
+    "glue _permute_kernel": (glue._permute_kernel, {"QUANT": 1, "BLOCK_P": 128, "BLOCK_K": 8, "BLOCK_H": 256}),
 }
 options = {"num_warps": 4, **ASSERT_OPTIONS, **compile_options(False)}
 if "launch_pdl" in CUDAOptions.__dataclass_fields__:
@@ -174,8 +179,9 @@ def test_the_kernels_reading_ids_compile_for_hopper_with_int64_ids():
     import json
 
     found = json.loads(compile_in_child(["-c", _COMPILE_ID_READERS]))
-    assert len(found) == 12
-    checking = ("align_single_kernel", "align_count_kernel", "decode_prologue_kernel", "gemv1_kernel")
+    assert len(found) == 16
+    checking = ("align_single_kernel", "align_count_kernel", "decode_prologue_kernel", "gemv1_kernel",
+                "glue _rank_kernel")
     for key, asserts in found.items():
         assert asserts == key.startswith(checking), key
 

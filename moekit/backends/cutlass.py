@@ -151,6 +151,10 @@ def prepare(weights: MoEWeights) -> Prepared:
 class CutlassBackend(Backend):
     name = "cutlass"
     description = "PyTorch's CUTLASS FP8 grouped GEMM (SM90), row-wise scales, Triton glue"
+    # the glue's first kernel (glue.permute's _rank_kernel) asserts the ids on a GPU, in their own
+    # dtype, int32 or int64: fused_moe launches no check and no narrowing for this backend
+    checks_expert_ids = True
+    reads_int64_ids = True
 
     def supports(self, shape: MoEShape, scheme: QuantScheme, device: torch.device, dtype=torch.bfloat16):
         reasons = []

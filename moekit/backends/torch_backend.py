@@ -95,6 +95,10 @@ class TorchBackend(Backend):
         "torch grouped_mm (SM90, bf16) or a per-expert loop, on unquantized weights "
         "(FP8 schemes dequantized once: activations not quantized)"
     )
+    # the glue's first kernel (glue.permute's _rank_kernel) asserts the ids on a GPU, in their own
+    # dtype, int32 or int64: fused_moe launches no check and no narrowing for this backend
+    checks_expert_ids = True
+    reads_int64_ids = True
 
     def supports(self, shape: MoEShape, scheme: QuantScheme, device: torch.device, dtype=torch.bfloat16):
         if dtype not in DTYPES:

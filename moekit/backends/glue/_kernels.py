@@ -115,14 +115,36 @@ def _to_e4m3(v, scale):
 
 
 @triton.jit
+def _check_expert_ids(ids, valid, E, CHECK_IDS: tl.constexpr):
+    """A device-side assertion that every valid id lies in [0, E), in the first kernel that reads
+    the routing (the triton backend's: launch.py; the glue's: _rank_kernel), compiled with Triton's
+    `debug` option (without it device_assert compiles to nothing). It stops the layer before any
+    expert index is used, in place of fused_moe's own checking kernel and torch._assert_async (two
+    launches, about 4 µs of a decode layer on an H200, BENCHMARKS.md sixth session)."""
+    if CHECK_IDS:
+        tl.device_assert(((ids >= 0) & (ids < E)) | (valid == 0), "moekit: topk_ids outside [0, num_experts)")
+
+
+@triton.jit
+def _as_int32_ids(ids, E):
+    """int64 ids (transformers' routers give them; fused_moe passes them as they are) as int32,
+    after their check: the comparisons with expert indices are then 32-bit, and an id outside
+    [0, E) (stopped by the check, or a masked lane's) becomes -1, never a wrapped expert index."""
+    if ids.dtype == tl.int64:
+        ids = tl.where((ids >= 0) & (ids < E), ids, -1).to(tl.int32)
+    return ids
+
+
+@triton.jit
 def _rank_kernel(
-    ids_ptr,  # int32 [P]: expert of each pair
+    ids_ptr,  # int32 or int64 [P]: expert of each pair
     local_rank_ptr,  # int32 [P] out: how many earlier pairs of the same chunk have the same expert
     chunk_counts_ptr,  # int32 [C, E] out: pairs of each expert in each chunk
     P,
     E,
     BLOCK_P: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    CHECK_IDS: tl.constexpr,  # assert every id in [0, E) (ops._permute_triton: the glue reads the ids first here)
 ):
     c = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
@@ -133,12 +155,15 @@ def _rank_kernel(
     p = c * BLOCK_P + i
     valid = p < P
     ids = tl.load(ids_ptr + p, mask=valid, other=-1)
+    _check_expert_ids(ids, valid, E, CHECK_IDS)
+    ids = _as_int32_ids(ids, E)
     same = (ids[:, None] == ids[None, :]) & valid[None, :]  # [i, j]: pairs i and j share an expert
     before = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
     after = tl.sum((same & (i[None, :] > i[:, None])).to(tl.int32), axis=1)
     tl.store(local_rank_ptr + p, before, mask=valid)
     # The last pair of each expert in the chunk knows the chunk's count: one writer per address.
-    tl.store(chunk_counts_ptr + c * E + ids, before + 1, mask=valid & (after == 0))
+    # (An id out of range, -1 here, has failed the check: never an address.)
+    tl.store(chunk_counts_ptr + c * E + ids, before + 1, mask=valid & (after == 0) & (ids >= 0))
 
 
 @triton.jit
@@ -197,7 +222,7 @@ def _row_amax_kernel(
 @triton.jit
 def _permute_kernel(
     x_ptr,  # [M, H] activations (x.dtype), row stride stride_xm
-    ids_ptr,  # int32 [P]
+    ids_ptr,  # int32 or int64 [P] (checked by _rank_kernel)
     local_rank_ptr,  # int32 [P] (from _rank_kernel)
     chunk_base_ptr,  # int32 [C, E] (from _scan_kernel)
     starts_ptr,  # int32 [E] (from _scan_kernel)
@@ -219,7 +244,8 @@ def _permute_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
     p = t * K + offs_k
-    e = tl.load(ids_ptr + p, mask=mask_k, other=0)
+    e = _as_int32_ids(tl.load(ids_ptr + p, mask=mask_k, other=0), E)
+    mask_k = mask_k & (e >= 0)  # an id out of range (-1) failed _rank_kernel's check: nothing written for it
     rows = (
         tl.load(starts_ptr + e, mask=mask_k, other=0)
         + tl.load(chunk_base_ptr + (p // BLOCK_P) * E + e, mask=mask_k, other=0)

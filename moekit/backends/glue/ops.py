@@ -37,7 +37,7 @@ import torch
 
 from ... import env
 from ... import quant as _quant
-from ..triton_options import compile_options
+from ..triton_options import ASSERT_OPTIONS, compile_options
 
 ALIGN_M = 16  # rows per expert group: a multiple of this (older torch grouped GEMMs assert it; 16-row
 # groups also keep every group's A rows and row scales 16-byte aligned for the GEMM's TMA loads)
@@ -98,6 +98,12 @@ def interpreting() -> bool:
 def _options() -> dict:
     """Compile options of a glue kernel's launch (moekit.backends.triton_options: FP fusion)."""
     return compile_options(interpreting())
+
+
+def _check_options() -> dict:
+    """Compile options of the kernel that checks the expert ids (_rank_kernel's CHECK_IDS): Triton's
+    `debug`, which compiles device_assert in; none under the interpreter (tests set its own)."""
+    return {} if interpreting() else dict(ASSERT_OPTIONS)
 
 
 def default_impl(device: torch.device) -> str:
@@ -199,9 +205,7 @@ def _permute_triton(x, topk_ids, E, align, mode, static_scale, a, a_scale):
     dev = x.device
     if x.stride(1) != 1:
         x = x.contiguous()
-    ids = topk_ids.reshape(-1)
-    if ids.dtype != torch.int32:
-        ids = ids.to(torch.int32)
+    ids = topk_ids.reshape(-1)  # int32 or int64: the kernels read either, checked in their own dtype
     C = _cdiv(P, BLOCK_P)
     block_e = max(2, _pow2(E))
     local_rank = torch.empty(P, dtype=torch.int32, device=dev)
@@ -211,7 +215,8 @@ def _permute_triton(x, topk_ids, E, align, mode, static_scale, a, a_scale):
     amax = torch.empty(2, dtype=torch.float32, device=dev)
     row_of_pair = torch.empty(P, dtype=torch.int32, device=dev)
 
-    k._rank_kernel[(C,)](ids, local_rank, chunk_base, P, E, BLOCK_P=BLOCK_P, BLOCK_E=block_e, **_options())
+    k._rank_kernel[(C,)](ids, local_rank, chunk_base, P, E, BLOCK_P=BLOCK_P, BLOCK_E=block_e, CHECK_IDS=True,
+                         **_options(), **_check_options())
     k._scan_kernel[(1,)](
         chunk_base, counts, offs, starts, amax, C, E,
         ALIGN=align, BLOCK_C=max(2, SCAN_TILE // block_e), BLOCK_E=block_e, **_options(),

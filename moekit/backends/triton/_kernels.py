@@ -12,6 +12,8 @@ import triton.language as tl
 # which moved FP8 values away from the reference's (BENCHMARKS.md, 2026-12-03); the clamp before
 # FP8 keeps a NaN NaN, as torch's does
 from ..glue._kernels import _atomic_amax, _clamp_fp8, _magnitude_bits, _round_bf16, _scale_from_amax
+# the expert ids' check and their int32 form, shared with the glue's first kernel
+from ..glue._kernels import _as_int32_ids, _check_expert_ids
 
 try:  # programmatic dependent launch (Hopper+); launch.py turns it off where this import fails
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -51,17 +53,6 @@ def _pdl_enter(PDL: tl.constexpr):
     of ours)."""
     _pdl_wait(PDL)
     _pdl_release(PDL)
-
-
-@triton.jit
-def _check_expert_ids(ids, valid, E, CHECK_IDS: tl.constexpr):
-    """A device-side assertion that every valid id lies in [0, E): launch.py passes CHECK_IDS to
-    the kernel that reads the routing first, compiled with Triton's `debug` option (without it
-    device_assert compiles to nothing). It stops the layer before any expert index is used, in
-    place of fused_moe's own checking kernel and torch._assert_async (two launches, about 4 µs of
-    a decode layer on an H200, BENCHMARKS.md sixth session)."""
-    if CHECK_IDS:
-        tl.device_assert(((ids >= 0) & (ids < E)) | (valid == 0), "moekit: topk_ids outside [0, num_experts)")
 
 
 # --------------------------------------------------------------------------- CPU-interpreter fixes
@@ -112,16 +103,6 @@ def _dot(a, b, acc, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr):
 # Deterministic counting sort of the pairs by expert, entirely on the GPU: chunks of CHUNK pairs
 # count their experts, a scan turns counts into padded offsets, and each chunk scatters its pairs
 # (pairs of one expert keep their order, so the layout is the same on every run).
-
-
-@triton.jit
-def _as_int32_ids(ids, E):
-    """int64 ids (transformers' routers give them; fused_moe passes them as they are) as int32,
-    after their check: the comparisons with expert indices are then 32-bit, and an id outside
-    [0, E) (stopped by the check, or a masked lane's) becomes -1, never a wrapped expert index."""
-    if ids.dtype == tl.int64:
-        ids = tl.where((ids >= 0) & (ids < E), ids, -1).to(tl.int32)
-    return ids
 
 
 @triton.jit
