@@ -1,8 +1,10 @@
 """The whole layer through `moekit.fused_moe` with int32 and with int64 expert ids, in the same
 rounds: transformers' routers give int64 ids (torch.topk's), which fused_moe narrowed to int32
-in a launch of its own before every backend; the triton backend now reads them as they are
-(Backend.reads_int64_ids). `--narrow` times int64 ids narrowed first as well (what every call
-from transformers paid before), so one run shows the launch saved.
+in a launch of its own before every backend; the triton, cutlass and torch backends now read them
+as they are (Backend.reads_int64_ids; cutlass and torch also no longer launch fused_moe's own id
+check: their glue's first kernel asserts the ids). `--narrow` times int64 ids narrowed first as
+well (what every call from transformers paid before, less cutlass's and torch's former check), so
+one run shows the launch saved.
 
     PYTHONPATH=. python3 scripts/bench_ids_dtype.py [--models glm-4.5v-fp8:2 deepseek-v3:8]
         [--batch-sizes 1 2 8 64] [--backend triton] [--narrow] [--json FILE]

@@ -45,7 +45,8 @@
 #        and torch (test_glue_id_check.py; twenty-first session); not part of `all`. PENDING_TESTS
 #        ("test_routing_kernel test_api", say) picks files: all of them may not fit one call.
 # ids:   scripts/bench_ids_dtype.py --narrow: the whole layer with int32 ids, int64 ids, and int64
-#        ids narrowed first (what fused_moe did before the twentieth session); not part of `all`.
+#        ids narrowed first (what fused_moe did before the twentieth session), on triton, then on
+#        cutlass (which also skips fused_moe's own id check since the twenty-first); not part of `all`.
 # route: scripts/bench_route.py: moekit.route's routing kernel against its torch ops, per preset
 #        and batch size, in CUDA graphs and eager back-to-back calls; not part of `all`.
 # halfheight: the 128-row Gluon GEMM1's half-height tile timed on and off (diag_half_tail.py,
@@ -171,6 +172,8 @@ if [[ " ${steps[*]} " == *" pending "* ]]; then
 fi
 if [[ " ${steps[*]} " == *" ids "* ]]; then
   python3 scripts/bench_ids_dtype.py --narrow --json "$WORK/ids_dtype.json" || status=1
+  python3 scripts/bench_ids_dtype.py --narrow --backend cutlass --models glm-4.5v-fp8:2 mixtral-8x7b:1 \
+    --json "$WORK/ids_dtype_cutlass.json" || status=1
 fi
 if [[ " ${steps[*]} " == *" route "* ]]; then
   python3 scripts/bench_route.py --json "$WORK/route.json" || status=1

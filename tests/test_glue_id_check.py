@@ -69,6 +69,48 @@ def test_int64_ids_give_the_int32_layout_and_rows(quant, device):
     assert torch.equal(a64[rows], a32[rows])
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_a_strided_view_of_the_ids_reads_as_its_values(dtype, device):
+    """A column slice of a router's ids (what moekit.hf passes for top-k weights applied on the
+    input) is a view with row stride K: its layout and rows are the contiguous copy's."""
+    _, ids = random_routing(9, 6, 3)
+    ids, x = ids.to(device=device, dtype=dtype), random_x(9, 64, device=device)
+    column = ids[:, 1:2]
+    assert not column.is_contiguous()
+    a, _, layout = ops.permute(x, column, 6, impl="triton")
+    a_copy, _, layout_copy = ops.permute(x, column.contiguous(), 6, impl="triton")
+    assert torch.equal(layout.row_of_pair, layout_copy.row_of_pair) and torch.equal(layout.counts, layout_copy.counts)
+    rows = layout.row_of_pair.long()
+    assert torch.equal(a[rows], x) and torch.equal(a_copy[rows], x)  # one pair per token, in token order
+
+
+def test_the_rank_kernel_gets_the_flag_and_the_debug_option(monkeypatch):
+    """On a GPU ops.permute launches _rank_kernel with CHECK_IDS and Triton's `debug` (without it
+    device_assert compiles to nothing, and no CPU test would notice), and the glue's other kernels
+    without `debug` (it would add overflow checks). Launches recorded, not run."""
+    from moekit.backends.glue import _kernels as k
+
+    from helpers import RecordingKernel
+
+    calls = {}
+    for name in ("_rank_kernel", "_scan_kernel", "_row_amax_kernel", "_permute_kernel"):
+        kernel = getattr(k, name)
+        monkeypatch.setattr(k, name, RecordingKernel(kernel.arg_names, calls.setdefault(name, [])))
+    monkeypatch.setattr(ops, "interpreting", lambda: False)  # the options of a GPU launch
+    monkeypatch.setattr(ops, "_resolve", lambda impl, device: "triton")  # (on these CPU tensors)
+    _, ids = random_routing(5, 4, 2)
+    ops.permute(random_x(5, 64), ids.long(), 4, quant="tensor", impl="triton")
+    (rank,) = calls["_rank_kernel"]
+    assert rank["CHECK_IDS"] is True and rank["debug"] is True and rank["enable_fp_fusion"] is True
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    if "sanitize_overflow" in CUDAOptions.__dataclass_fields__:
+        assert rank["sanitize_overflow"] is False
+    for name in ("_scan_kernel", "_row_amax_kernel", "_permute_kernel"):
+        (launched,) = calls[name]
+        assert "debug" not in launched and launched["enable_fp_fusion"] is True, name
+
+
 def test_fused_moe_leaves_the_ids_to_the_glue_for_the_torch_backend(monkeypatch, device):
     """fused_moe on the device path (forced on CPU tensors) gives the torch backend int64 ids as
     they are, with no narrowing and no checking launch of its own (both counted here); the output

@@ -162,8 +162,8 @@ def _rank_kernel(
     after = tl.sum((same & (i[None, :] > i[:, None])).to(tl.int32), axis=1)
     tl.store(local_rank_ptr + p, before, mask=valid)
     # The last pair of each expert in the chunk knows the chunk's count: one writer per address.
-    # (An id out of range, -1 here, has failed the check: never an address.)
-    tl.store(chunk_counts_ptr + c * E + ids, before + 1, mask=valid & (after == 0) & (ids >= 0))
+    # (An id out of range has failed the check, whose trap need not stop this thread's store: masked.)
+    tl.store(chunk_counts_ptr + c * E + ids, before + 1, mask=valid & (after == 0) & (ids >= 0) & (ids < E))
 
 
 @triton.jit
@@ -245,7 +245,7 @@ def _permute_kernel(
     mask_k = offs_k < K
     p = t * K + offs_k
     e = _as_int32_ids(tl.load(ids_ptr + p, mask=mask_k, other=0), E)
-    mask_k = mask_k & (e >= 0)  # an id out of range (-1) failed _rank_kernel's check: nothing written for it
+    mask_k = mask_k & (e >= 0) & (e < E)  # an id out of range failed _rank_kernel's check: nothing written
     rows = (
         tl.load(starts_ptr + e, mask=mask_k, other=0)
         + tl.load(chunk_base_ptr + (p // BLOCK_P) * E + e, mask=mask_k, other=0)

@@ -205,7 +205,9 @@ def _permute_triton(x, topk_ids, E, align, mode, static_scale, a, a_scale):
     dev = x.device
     if x.stride(1) != 1:
         x = x.contiguous()
-    ids = topk_ids.reshape(-1)  # int32 or int64: the kernels read either, checked in their own dtype
+    # int32 or int64: the kernels read either, checked in their own dtype; read as ids_ptr + pair, so
+    # a strided view (a column slice of a router's ids) is copied first
+    ids = topk_ids.contiguous().view(-1)
     C = _cdiv(P, BLOCK_P)
     block_e = max(2, _pow2(E))
     local_rank = torch.empty(P, dtype=torch.int32, device=dev)
