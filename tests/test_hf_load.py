@@ -700,3 +700,34 @@ def test_static_quantization_on_load_is_one_expert_at_a_time(monkeypatch):
     for key, t in want.tensors().items():
         u = got.tensors()[key]
         assert u.dtype == t.dtype and torch.equal(u.view(torch.uint8), t.view(torch.uint8)), key
+
+
+@pytest.mark.parametrize("apply_on_input", [False, True])
+def test_moekit_experts_take_an_empty_batch(apply_on_input):
+    """T = 0 (an empty batch, or a rank with no tokens) gives [0, H], as fused_moe does; reshaping
+    the routing to [0, -1] failed before the call."""
+    from helpers import random_weights
+
+    from moekit.hf.experts import run_experts
+
+    w = random_weights(4, 64, 64, "bf16")
+    x, ids, tw = torch.empty(0, 64, dtype=torch.bfloat16), torch.empty(0, 2, dtype=torch.long), torch.empty(0, 2)
+    out = run_experts(torch.nn.Module(), w, x, ids, tw, backend="reference", apply_on_input=apply_on_input)
+    assert out.shape == (0, 64) and out.dtype == torch.bfloat16
+
+
+def test_dense_router_scores_are_gathered_and_bad_ids_get_moekits_message():
+    """Weights [T, E] are gathered at the ids (the same output as [T, K] weights); an id out of
+    range is refused by fused_moe's check, naming the range, not by torch's gather."""
+    from helpers import random_weights, random_x
+
+    import moekit
+    from moekit.hf.experts import run_experts
+
+    w, x = random_weights(4, 64, 64, "bf16"), random_x(3, 64)
+    ids = torch.tensor([[2, 0], [1, 3], [3, 2]])
+    dense = torch.rand(3, 4, generator=torch.Generator().manual_seed(0))
+    got = run_experts(torch.nn.Module(), w, x, ids, dense, backend="reference")
+    assert torch.equal(got, moekit.fused_moe(x, w, dense.gather(1, ids), ids, backend="reference"))
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\)"):
+        run_experts(torch.nn.Module(), w, x, torch.tensor([[4, 0], [1, 3], [3, 2]]), dense, backend="reference")

@@ -14,7 +14,8 @@ Two ways in, one computation (`run_experts` -> `moekit.fused_moe`):
 What transformers hands an experts module (every family of `families.py` except Llama-4):
 hidden_states [T, H] in the model's dtype, top_k_index [T, K] int64, top_k_weights [T, K] float32
 (Mixtral, DeepSeek-V3, GLM-4.5) or the model's dtype (Qwen2/3-MoE, OLMoE). Weights of shape
-[T, E] (a dense score per expert) are also accepted and gathered at top_k_index.
+[T, E] (a dense score per expert) are also accepted and gathered at top_k_index (with top-k = E
+the shapes agree: read as [T, K]).
 
 Inference only: gradients do not flow through moekit's kernels.
 """
@@ -47,13 +48,22 @@ class ExpertsError(ValueError):
 # ----------------------------------------------------------------------------------- running
 
 
+def _per_token(t: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """t as [T, -1]; with no tokens [0, t.shape[-1]] (reshape cannot infer -1 from 0 elements)."""
+    return t.reshape(num_tokens, -1) if num_tokens else t.reshape(0, t.shape[-1])
+
+
 def _routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_tokens: int, label: str):
-    """(ids [T, K], weights [T, K]) from what the MoE block passed."""
-    ids = top_k_index.reshape(num_tokens, -1)
-    weights = top_k_weights.reshape(num_tokens, -1)
+    """(ids [T, K], weights [T, K]) from what the MoE block passed. Weights [T, E] (a dense score
+    per expert) are gathered at the ids; where K == E the two shapes agree, and weights are read
+    as [T, K], in the ids' order (what every transformers family passes)."""
+    ids = _per_token(top_k_index, num_tokens)
+    weights = _per_token(top_k_weights, num_tokens)
     if weights.shape != ids.shape:
         if weights.shape[1] > ids.shape[1]:  # a dense [T, E] score matrix
-            weights = weights.gather(1, ids.long())
+            # gathered at clamped ids: an id out of range still reaches fused_moe's check, and its
+            # message, rather than failing inside gather (a bare device assertion on a GPU)
+            weights = weights.gather(1, ids.long().clamp(0, weights.shape[1] - 1))
         else:
             raise ExpertsError(
                 f"{label}: top_k_weights {tuple(top_k_weights.shape)} does not match "
