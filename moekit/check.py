@@ -60,6 +60,10 @@ DEFAULT_SEEDS = 3
 # the other name, so that a partial report is never taken for a verdict
 RESULT_FILE, PARTIAL_FILE = "check.json", "check.partial.json"
 IDLE_EXPERTS_M = 8  # the case where only half of the experts may receive tokens
+# Tokens of the routing check (route()'s kernel against its torch ops, routing.agreement), at
+# least: the model's own expert count and rule, so a GPU checks what its layers run.
+ROUTING_TOKENS = 256
+ROUTING_NOT_CHECKED = "the routing kernel runs on a GPU (or under TRITON_INTERPRET=1): not checked here"
 # Why `reference` is left out of a default check on a GPU (bench's reason, its timing, is not check's)
 REFERENCE_NOT_CHECKED = (
     "the float32 ground truth, not a kernel a model runs: on the GPU checked against float64 only when "
@@ -496,6 +500,9 @@ def _run(opts, console, device, dtype, batch_sizes, problems: list[Problem], pla
                 "threshold": thr.to_json(), "worst": worst, "passed": passed, "errors": info["errors"],
                 "cases": cs,
             })
+        routing = _check_routing(p, device, batch_sizes, opts.seed) if not interrupted else None
+        if routing is not None and "passed" in routing:
+            all_passed &= routing["passed"]
         models_out.append({
             **p.to_json(),
             "cases": [{"batch_size": c.batch_size, "seed": c.seed, "experts_used": list(c.pool) if c.pool else None}
@@ -503,8 +510,11 @@ def _run(opts, console, device, dtype, batch_sizes, problems: list[Problem], pla
             "backends": backends_out,
             "pairwise_rel_l2": [{"a": a, "b": b, "worst_rel_l2": v} for (a, b), v in pair_worst.items()],
             "skipped_backends": plan.skipped[p.name],
+            "routing": routing,
         })
         _print_model(console, p, backends_out, pair_worst)
+        if routing is not None:
+            _print_routing(console, routing)
         if interrupted:
             break
     if interrupted and not models_out:
@@ -539,14 +549,51 @@ def _run(opts, console, device, dtype, batch_sizes, problems: list[Problem], pla
         return CheckReport(False, out_dir, files, report, interrupted=True)
     files = write_atomically(out_dir, {RESULT_FILE: write_json})
     (out_dir / PARTIAL_FILE).unlink(missing_ok=True)  # an earlier interrupted run's (--overwrite): superseded
+    wrong_routing = [m["name"] for m in models_out if (m["routing"] or {}).get("passed") is False]
+    routing_note = f"; the routing kernel FAILS on {', '.join(wrong_routing)}" if wrong_routing else ""
     if all_passed:
         verdict = "[green]all backends pass[/]"
-    elif unchecked and all(b["passed"] for m in models_out for b in m["backends"]):
-        verdict = f"[red]FAIL: no backend could be checked on {', '.join(unchecked)}[/]"
+    elif all(b["passed"] for m in models_out for b in m["backends"]):
+        reasons = ([f"no backend could be checked on {', '.join(unchecked)}"] if unchecked else []) + \
+            ([f"the routing kernel FAILS on {', '.join(wrong_routing)}"] if wrong_routing else [])
+        verdict = f"[red]FAIL: {'; '.join(reasons)}[/]"
     else:
-        verdict = "[red]some backends FAIL[/]" + (f" (none checked on {', '.join(unchecked)})" if unchecked else "")
+        verdict = "[red]some backends FAIL[/]" + (f" (none checked on {', '.join(unchecked)})" if unchecked else "") \
+            + routing_note
     console.print(f"{verdict}; wrote {files[0]}", highlight=False)
     return CheckReport(all_passed, out_dir, files, report)
+
+
+def _check_routing(p: Problem, device: torch.device, batch_sizes: Sequence[int], seed: int) -> dict:
+    """route()'s kernel against its torch ops at the model's own expert count and routing rule
+    (routing.agreement), on max(batch sizes, ROUTING_TOKENS) tokens; where the kernel cannot run
+    here, why not. A wrong expert or weight fails the check like a failing backend."""
+    from . import env
+    from .routing import agreement
+
+    config, num_experts = p.spec.routing, p.spec.shape.num_experts
+    if device.type != "cuda" and not env.interpreting():
+        return {"skipped": ROUTING_NOT_CHECKED}
+    try:
+        result = agreement.check_route_kernel(config, num_experts, max(*batch_sizes, ROUTING_TOKENS), device, seed)
+    except Exception as e:  # noqa: BLE001 - a kernel that raises fails the check
+        return {"passed": False, "error": f"{type(e).__name__}: {_one_line(e)[:200]}"}
+    return result.to_json()
+
+
+def _print_routing(console, routing: dict) -> None:
+    if "skipped" in routing:
+        console.print(f"routing: {routing['skipped']}", highlight=False)
+        return
+    if "error" in routing:
+        console.print(f"routing kernel: [red]FAIL[/] ({routing['error']})", highlight=False)
+        return
+    result = "[green]pass[/]" if routing["passed"] else "[red]FAIL[/]"
+    console.print(
+        f"routing kernel vs torch ops: the same experts on {routing['same']} of {routing['tokens']} tokens, "
+        f"{routing['near_ties']} near-ties, {routing['disagree']} wrong; weights within "
+        f"{routing['worst_weight_rel']:.1e} (limit {routing['tolerances']['weight_rtol']:.0e}): {result}",
+        highlight=False)
 
 
 def _print_model(console, p: Problem, backends_out: list[dict], pair_worst: dict) -> None:

@@ -329,3 +329,62 @@ def test_a_model_no_backend_can_be_checked_on_is_not_a_pass(tmp_path, tiny_confi
     report = json.loads((out / "check.json").read_text())
     assert report["passed"] is False and report["models"][0]["backends"] == []
     assert set(report["models"][0]["skipped_backends"]) == set(backend_names())
+
+
+# ------------------------------------------------------------------------------ the routing check
+
+
+def test_check_reports_the_routing_kernel_against_its_torch_ops(tmp_path, capsys):
+    """Per model, route()'s kernel against its torch ops at the model's own E and rule
+    (routing.agreement): in the report, on the terminal, and in the verdict. On the CPU it runs
+    only under the interpreter (where the tests run); otherwise it says why it did not."""
+    from moekit.routing import agreement
+
+    out = tmp_path / "c"
+    assert main(["check", "--model", "deepseek-v3", "--tp", "8", "--backends", "reference", "--seeds", "1",
+                 "--batch-sizes", "1", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    routing = json.loads((out / "check.json").read_text())["models"][0]["routing"]
+    if not moekit.env.interpreting() and CPU:
+        assert routing == {"skipped": check.ROUTING_NOT_CHECKED}
+        return
+    assert routing["tokens"] == check.ROUTING_TOKENS and routing["passed"] is True
+    assert routing["same"] + routing["near_ties"] == routing["tokens"] and routing["disagree"] == 0
+    assert routing["worst_weight_rel"] <= agreement.WEIGHT_RTOL
+    assert "routing kernel vs torch ops" in " ".join(text.split())
+
+
+def test_check_skips_the_routing_check_where_the_kernel_cannot_run(tmp_path, monkeypatch, capsys):
+    if not CPU:
+        pytest.skip("on a GPU the kernel always runs")
+    monkeypatch.setattr(moekit.env, "interpreting", lambda: False)
+    out = tmp_path / "c"
+    assert main(["check", "--model", "mixtral-8x7b", "--backends", "reference", "--seeds", "1", "--batch-sizes", "1",
+                 "--out", str(out)]) == 0
+    assert json.loads((out / "check.json").read_text())["models"][0]["routing"] == {"skipped": check.ROUTING_NOT_CHECKED}
+    assert "not checked here" in " ".join(capsys.readouterr().out.split())  # rich wraps at 80 columns
+
+
+def test_a_routing_kernel_choosing_other_experts_fails_the_check(tmp_path, monkeypatch, capsys):
+    """A kernel whose ids are off by one expert (a plausible indexing slip) fails: exit 1, the
+    verdict names the routing kernel, and the report counts the wrong rows."""
+    from moekit.routing import fused
+
+    if CPU and not moekit.env.interpreting():
+        pytest.skip("the routing kernel runs on CPU tensors only under TRITON_INTERPRET=1")
+    real = fused.route_fused
+
+    def shifted(logits, *args, **kwargs):
+        weights, ids = real(logits, *args, **kwargs)
+        return weights, (ids + 1) % logits.shape[1]
+
+    monkeypatch.setattr(fused, "route_fused", shifted)
+    out = tmp_path / "c"
+    assert main(["check", "--model", "mixtral-8x7b", "--backends", "reference", "--seeds", "1", "--batch-sizes", "1",
+                 "--out", str(out)]) == 1
+    text = capsys.readouterr().out
+    report = json.loads((out / "check.json").read_text())
+    routing = report["models"][0]["routing"]
+    assert report["passed"] is False and routing["passed"] is False
+    assert routing["disagree"] + routing["near_ties"] == routing["tokens"] and routing["disagree"] > 0
+    assert "the routing kernel FAILS on mixtral-8x7b" in " ".join(text.split())

@@ -5,11 +5,8 @@ fixture); here: that GPU logits take the kernel and only it, its finiteness asse
 programs of rows, its compilation for Hopper, and on a GPU its agreement with the torch path at
 the families' real sizes, bitwise determinism and CUDA-graph replay.
 
-Agreement of the two paths: both compute the same float32 formulas; they differ in the order of
-the softmax and renormalization sums and (on a GPU) in exp's last bit, a few float32 ulps of a
-score (~1e-7 relative). So weights agree to 1e-5 relative (100x that, far below any wrong expert
-or score), and ids agree exactly wherever no two candidates' choice values lie within 1e-5 of
-each other (`near_ties`): there either path's pick is a correct one.
+Agreement of the two paths: moekit/routing/agreement.py derives the tolerances (weights to 1e-5
+relative; ids exact except where two candidates are within 1e-5, a near-tie) and decides.
 """
 
 from __future__ import annotations
@@ -22,13 +19,11 @@ import torch
 
 import moekit.env
 import moekit.routing as routing
-from moekit.routing import RoutingConfig, route
-from moekit.routing import fused
+from moekit.routing import RoutingConfig, agreement, fused, route
 
 from helpers import assert_child_stops_with, compile_in_child
 from test_routing import FAMILIES, make_bias, make_logits, take_the_kernel
 
-TIE = 1e-5  # module docstring
 interpreter_only = pytest.mark.skipif(not moekit.env.interpreting(),
                                       reason="the kernel runs on CPU tensors only under TRITON_INTERPRET=1")
 
@@ -49,34 +44,6 @@ def torch_path(logits, cfg, bias):
         routing._use_kernel = saved
 
 
-def near_ties(logits: torch.Tensor, cfg: RoutingConfig, bias) -> torch.Tensor:
-    """Rows whose choice (float64, by the rule) has two candidates within TIE of each other
-    where it matters: among the top k + 1 choice values (the order of the k, and the k-th against
-    the next), or the topk_groups-th group score against the next."""
-    x = logits.double()
-    scores = torch.softmax(x, -1) if cfg.scoring == "softmax" else torch.sigmoid(x)
-    if bias is not None:
-        choice = scores + bias.double().to(x.device)
-    elif cfg.scoring == "sigmoid" and cfg.num_groups is None:
-        choice = x
-    else:
-        choice = scores
-    scale = choice.abs().amax(-1, keepdim=True).clamp_min(1.0)
-    tie = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-    if cfg.num_groups is not None and cfg.topk_groups < cfg.num_groups:
-        grouped = choice.view(x.shape[0], cfg.num_groups, -1)
-        group_scores = grouped.topk(2, -1).values.sum(-1).sort(-1, descending=True).values
-        kept = cfg.topk_groups
-        tie |= (group_scores[:, kept - 1] - group_scores[:, kept]).abs() < TIE * scale[:, 0]
-        kept_groups = grouped.topk(2, -1).values.sum(-1).topk(kept, -1).indices
-        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, kept_groups, True)
-        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(x)
-    ordered = choice.sort(-1, descending=True).values[:, : cfg.top_k + 1]
-    gaps = ordered[:, :-1] - ordered[:, 1:]
-    tie |= (gaps < TIE * scale).any(-1)
-    return tie
-
-
 def distinct_logits(m: int, e: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
     """Each row a random permutation of E distinct values spaced 8 / E over [-4, 4): spaced wider
     than bf16's and fp16's resolution there (2**-6 below 4), so that even in those dtypes no two
@@ -87,13 +54,66 @@ def distinct_logits(m: int, e: int, seed: int, dtype: torch.dtype) -> torch.Tens
 
 
 def assert_paths_agree(logits, cfg, bias, got, want):
-    (w, ids), (w_ref, ids_ref) = got, want
-    assert w.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == ids_ref.shape
-    ties = near_ties(logits, cfg, bias)
-    assert ties.float().mean() <= 0.25, "the test's data has too many near-ties to say much"
-    same = (ids == ids_ref).all(-1)
-    assert bool((same | ties).all()), f"rows {(~same & ~ties).nonzero().flatten().tolist()[:10]} choose other experts"
-    torch.testing.assert_close(w[same], w_ref[same], rtol=TIE, atol=1e-7)
+    """routing.agreement's verdict (its docstring derives the tolerances), on data with few near-ties."""
+    w, ids = got
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == want[1].shape
+    assert agreement.near_ties(logits, cfg, bias).float().mean() <= 0.25, "too many near-ties to say much"
+    result = agreement.compare(got, want, logits, cfg, bias)
+    assert result.passed, result
+
+
+# ----------------------------------------------------------------------------------------------
+# routing.agreement: the verdict the GPU tests and `moekit check` rely on
+# ----------------------------------------------------------------------------------------------
+
+
+def _torch_ops(logits, cfg, bias):
+    from moekit.routing import route_with_torch_ops
+
+    return route_with_torch_ops(logits.float(), cfg.top_k, scoring=cfg.scoring, renormalize=cfg.renormalize,
+                                num_groups=cfg.num_groups, topk_groups=cfg.topk_groups, bias=bias,
+                                routed_scaling_factor=cfg.routed_scaling_factor)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_agreement_passes_itself_and_catches_a_wrong_expert_or_weight(family):
+    cfg, e = FAMILIES[family]
+    logits = make_logits(40, e, seed=5)
+    bias = make_bias(e, 5) if cfg.use_correction_bias else None
+    weights, ids = _torch_ops(logits, cfg, bias)
+    same = agreement.compare((weights, ids), (weights, ids), logits, cfg, bias)
+    assert same.passed and same.same == 40 and same.worst_weight_rel == 0.0
+    clear = int((~agreement.near_ties(logits, cfg, bias)).nonzero()[0])  # a row with no near-tie
+    wrong_ids = ids.clone()
+    wrong_ids[clear, 0] = (wrong_ids[clear, 0] + 1) % e
+    verdict = agreement.compare((weights, wrong_ids), (weights, ids), logits, cfg, bias)
+    assert not verdict.passed and verdict.disagree == 1 and verdict.same == 39
+    off = weights.clone()
+    off[clear, 0] *= 1 + 3 * agreement.WEIGHT_RTOL
+    verdict = agreement.compare((off, ids), (weights, ids), logits, cfg, bias)
+    assert not verdict.passed and verdict.disagree == 0 and verdict.worst_weight_rel > agreement.WEIGHT_RTOL
+
+
+def test_agreement_counts_an_exact_tie_apart():
+    """Two experts with the same logit: either path's order is right, so a swapped pair is a
+    near-tie, not a wrong expert."""
+    cfg = RoutingConfig(top_k=2, renormalize=False)
+    logits = torch.tensor([[2.0, 1.0, 1.0, -1.0], [3.0, 0.5, -2.0, 1.5]])
+    weights, ids = _torch_ops(logits, cfg, None)
+    assert agreement.near_ties(logits, cfg, None).tolist() == [True, False]
+    swapped = ids.clone()
+    swapped[0, 1] = 3 - swapped[0, 1]  # expert 1 <-> expert 2, tied with it
+    verdict = agreement.compare((weights, swapped), (weights, ids), logits, cfg, None)
+    assert verdict.passed and verdict.near_ties == 1 and verdict.same == 1
+
+
+@interpreter_only
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_check_route_kernel_passes_at_each_familys_size(family):
+    """What `moekit check` runs, here in the interpreter, at each family's own E."""
+    cfg, e = FAMILIES[family]
+    result = agreement.check_route_kernel(cfg, e, 48, torch.device("cpu"), seed=3)
+    assert result.passed and result.tokens == 48 and result.same + result.near_ties == 48, result
 
 
 # ----------------------------------------------------------------------------------------------

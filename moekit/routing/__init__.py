@@ -129,7 +129,25 @@ def route(
                            num_groups=num_groups, topk_groups=topk_groups, bias=bias,
                            routed_scaling_factor=routed_scaling_factor)
 
-    logits = _check_logits_values(router_logits)
+    return route_with_torch_ops(_check_logits_values(router_logits), top_k, scoring=scoring,
+                                renormalize=renormalize, num_groups=num_groups, topk_groups=topk_groups,
+                                bias=bias, routed_scaling_factor=routed_scaling_factor)
+
+
+def route_with_torch_ops(
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: str,
+    renormalize: bool,
+    num_groups: int | None,
+    topk_groups: int | None,
+    bias: torch.Tensor | None,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """route()'s rule as torch ops: the reference of the routing kernel (fused.route_fused, same
+    arguments), its path on the CPU and under torch.compile. logits: [M, E] float32, checked; bias:
+    float32 [E] or None; the rule validated (route() does all of it)."""
     scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
     if bias is not None:
         choice = scores + bias

@@ -1,0 +1,106 @@
+"""How closely route()'s two paths agree: the routing kernel (fused.py, GPU logits) against the
+torch ops (route_with_torch_ops, the reference). `moekit check` reports it per model; the tests
+assert it.
+
+Both paths compute the same float32 formulas; they differ in the order of the softmax and
+renormalization sums and (on a GPU) in exp's last bit: a few float32 ulps of a score (~1e-7
+relative). So:
+  - weights agree to WEIGHT_RTOL = 1e-5 relative (100x that, far below any wrong expert or
+    score), with WEIGHT_ATOL = 1e-7 for weights near 0;
+  - ids agree exactly (same experts, same order) wherever no two candidates' choice values lie
+    within TIE = 1e-5 of each other where it matters (near_ties): there either path's pick is a
+    correct one, and the row is counted apart, not compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import RoutingConfig, _check_rule, route_with_torch_ops
+
+TIE = 1e-5
+WEIGHT_RTOL = 1e-5
+WEIGHT_ATOL = 1e-7
+
+
+def near_ties(logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | None) -> torch.Tensor:
+    """bool [M]: rows whose choice values (float64, by the rule) have two candidates within TIE
+    (relative to the row's largest |choice|, at least 1) where it matters: among the top k + 1
+    (the order of the k, and the k-th against the next), or the topk_groups-th group score against
+    the next."""
+    x = logits.double()
+    scores = torch.softmax(x, -1) if config.scoring == "softmax" else torch.sigmoid(x)
+    if bias is not None:
+        choice = scores + bias.double().to(x.device)
+    elif config.scoring == "sigmoid" and config.num_groups is None:
+        choice = x
+    else:
+        choice = scores
+    scale = choice.abs().amax(-1, keepdim=True).clamp_min(1.0)
+    tie = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    if config.num_groups is not None and config.topk_groups < config.num_groups:
+        grouped = choice.view(x.shape[0], config.num_groups, -1)
+        group_scores = grouped.topk(2, -1).values.sum(-1)
+        ordered = group_scores.sort(-1, descending=True).values
+        kept = config.topk_groups
+        tie |= (ordered[:, kept - 1] - ordered[:, kept]).abs() < TIE * scale[:, 0]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_scores.topk(kept, -1).indices, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(x)
+    ordered = choice.sort(-1, descending=True).values[:, : config.top_k + 1]
+    tie |= ((ordered[:, :-1] - ordered[:, 1:]) < TIE * scale).any(-1)
+    return tie
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """The routing kernel against the torch ops on the same logits."""
+
+    tokens: int
+    same: int  # rows choosing the same experts in the same order
+    near_ties: int  # rows choosing otherwise where two candidates are within TIE: either is right
+    disagree: int  # rows choosing otherwise with no near-tie: a wrong expert
+    worst_weight_rel: float  # over the `same` rows: max |w - w_ref| / (|w_ref| + WEIGHT_ATOL / WEIGHT_RTOL)
+
+    @property
+    def passed(self) -> bool:
+        return self.disagree == 0 and self.worst_weight_rel <= WEIGHT_RTOL
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "passed": self.passed,
+                "tolerances": {"tie": TIE, "weight_rtol": WEIGHT_RTOL, "weight_atol": WEIGHT_ATOL}}
+
+
+def compare(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
+            logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | None) -> Agreement:
+    """`got` (weights, ids) against `want`, the torch ops' on the same logits (module docstring)."""
+    (w, ids), (w_ref, ids_ref) = got, want
+    if ids.shape != ids_ref.shape or w.shape != w_ref.shape:
+        raise ValueError(f"shapes differ: {tuple(ids.shape)} against {tuple(ids_ref.shape)}")
+    same = (ids.long() == ids_ref.long()).all(-1)
+    ties = near_ties(logits, config, bias) & ~same
+    rel = (w[same].double() - w_ref[same].double()).abs() / (w_ref[same].double().abs() + WEIGHT_ATOL / WEIGHT_RTOL)
+    return Agreement(
+        tokens=ids.shape[0], same=int(same.sum()), near_ties=int(ties.sum()),
+        disagree=int((~same & ~ties).sum()), worst_weight_rel=float(rel.max()) if rel.numel() else 0.0,
+    )
+
+
+def check_route_kernel(config: RoutingConfig, num_experts: int, tokens: int, device: torch.device,
+                       seed: int = 0) -> Agreement:
+    """The routing kernel and the torch ops on the same random logits (normal, std 1.5, float32)
+    and, where the rule has one, a random correction bias in [-0.05, 0.05): what `moekit check`
+    runs on a GPU (or in the interpreter)."""
+    from .fused import route_fused
+
+    _check_rule(config.top_k, num_experts, config.scoring, config.num_groups, config.topk_groups,
+                config.routed_scaling_factor)
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(tokens, num_experts, generator=g) * 1.5).to(device)
+    bias = (torch.rand(num_experts, generator=g) * 0.1 - 0.05).to(device) if config.use_correction_bias else None
+    rule = dict(scoring=config.scoring, renormalize=config.renormalize, num_groups=config.num_groups,
+                topk_groups=config.topk_groups, bias=bias, routed_scaling_factor=config.routed_scaling_factor)
+    got = route_fused(logits, config.top_k, **rule)
+    want = route_with_torch_ops(logits, config.top_k, **rule)
+    return compare(got, want, logits, config, bias)
