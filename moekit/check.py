@@ -500,7 +500,12 @@ def _run(opts, console, device, dtype, batch_sizes, problems: list[Problem], pla
                 "threshold": thr.to_json(), "worst": worst, "passed": passed, "errors": info["errors"],
                 "cases": cs,
             })
-        routing = _check_routing(p, device, batch_sizes, opts.seed) if not interrupted else None
+        routing = None
+        if not interrupted:
+            try:
+                routing = _check_routing(p, device, batch_sizes, opts.seed)
+            except KeyboardInterrupt:  # as during the backends': this model's report, then stop
+                interrupted = True
         if routing is not None and "passed" in routing:
             all_passed &= routing["passed"]
         models_out.append({
@@ -581,6 +586,10 @@ def _check_routing(p: Problem, device: torch.device, batch_sizes: Sequence[int],
     return result.to_json()
 
 
+def _fmt_rel(value) -> str:
+    return "-" if value is None else format(value, ".1e")
+
+
 def _print_routing(console, routing: dict) -> None:
     if "skipped" in routing:
         console.print(f"routing: {routing['skipped']}", highlight=False)
@@ -592,7 +601,7 @@ def _print_routing(console, routing: dict) -> None:
     console.print(
         f"routing kernel vs torch ops: the same experts on {routing['same']} of {routing['tokens']} tokens, "
         f"{routing['near_ties']} near-ties, {routing['disagree']} wrong; weights within "
-        f"{routing['worst_weight_rel']:.1e} (limit {routing['tolerances']['weight_rtol']:.0e}): {result}",
+        f"{_fmt_rel(routing['worst_weight_rel'])} (limit {routing['tolerances']['weight_rtol']:.0e}): {result}",
         highlight=False)
 
 

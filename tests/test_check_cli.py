@@ -388,3 +388,25 @@ def test_a_routing_kernel_choosing_other_experts_fails_the_check(tmp_path, monke
     assert report["passed"] is False and routing["passed"] is False
     assert routing["disagree"] + routing["near_ties"] == routing["tokens"] and routing["disagree"] > 0
     assert "the routing kernel FAILS on mixtral-8x7b" in " ".join(text.split())
+
+
+def test_ctrl_c_during_the_routing_check_keeps_the_models_checked(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the second model's routing is checked: the first model's report (and the
+    second's backends, with no routing result) land in check.partial.json, as during the backends'."""
+    calls = []
+    real = check._check_routing
+
+    def interrupted_at_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(check, "_check_routing", interrupted_at_second)
+    out = tmp_path / "c"
+    assert main(["check", "--model", "mixtral-8x7b", "--model", "olmoe-1b-7b", "--backends", "reference",
+                 "--seeds", "1", "--batch-sizes", "1", "--out", str(out)]) == 130
+    report = json.loads((out / "check.partial.json").read_text())
+    first, second = report["models"]
+    assert first["routing"] is not None and second["routing"] is None
+    assert second["backends"][0]["passed"] is True and report["passed"] is None

@@ -107,6 +107,41 @@ def test_agreement_counts_an_exact_tie_apart():
     assert verdict.passed and verdict.near_ties == 1 and verdict.same == 1
 
 
+def test_a_near_tie_excuses_another_right_pick_only():
+    """On a tied row another pick passes only if it is one: distinct experts in range, the rule's
+    weights for them, choice values matching the reference's position by position."""
+    cfg = RoutingConfig(top_k=2, renormalize=False)
+    logits = torch.tensor([[2.0, 1.0, 1.0, -1.0]])
+    weights, ids = _torch_ops(logits, cfg, None)
+    other = ids.clone()
+    other[0, 1] = 3 - other[0, 1]  # the other tied expert: right
+    assert agreement.compare((weights, other), (weights, ids), logits, cfg, None).passed
+    for bad_ids, bad_weights in [
+        (torch.tensor([[99, 99]], dtype=torch.int32), weights),  # out of range, repeated
+        (torch.tensor([[0, 0]], dtype=torch.int32), weights),  # an expert twice
+        (torch.tensor([[0, 3]], dtype=torch.int32), weights),  # not tied: a worse expert
+        (other, weights * torch.tensor([[1.0, 1.01]])),  # a tied expert, a wrong weight
+        (other, torch.full_like(weights, float("nan"))),
+    ]:
+        verdict = agreement.compare((bad_weights, bad_ids), (weights, ids), logits, cfg, None)
+        assert not verdict.passed and verdict.disagree == 1, (bad_ids, bad_weights)
+
+
+def test_a_group_tie_excuses_the_other_group_only_whole():
+    """Two groups with the same top-2 sum (topk_groups = 1): the other group's experts are a right
+    pick; experts from both groups are not."""
+    cfg = RoutingConfig(top_k=2, scoring="sigmoid", renormalize=True, num_groups=2, topk_groups=1)
+    logits = torch.tensor([[1.0, 0.0, 0.0, 1.0]])  # groups {0, 1} and {2, 3} tie
+    weights, ids = _torch_ops(logits, cfg, None)
+    assert agreement.near_ties(logits, cfg, None).tolist() == [True]
+    other_group = torch.tensor([[3, 2]] if int(ids[0, 0]) < 2 else [[0, 1]], dtype=torch.int32)
+    assert agreement.compare((weights, other_group), (weights, ids), logits, cfg, None).passed
+    both = torch.tensor([[0, 3]], dtype=torch.int32)
+    both_weights = torch.sigmoid(torch.tensor([[1.0, 1.0]])) / (2 * torch.sigmoid(torch.tensor(1.0)))
+    verdict = agreement.compare((both_weights, both), (weights, ids), logits, cfg, None)
+    assert not verdict.passed and verdict.disagree == 1
+
+
 @interpreter_only
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_check_route_kernel_passes_at_each_familys_size(family):
