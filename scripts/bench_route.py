@@ -4,8 +4,8 @@ model preset and batch size, in the same rounds.
 Two numbers each: the device time of one call inside a CUDA graph (moekit.timing, L2 flushed,
 median and p20-p80), and the wall time per call of back-to-back eager calls (host launch cost
 included: what an eager decode step pays), over --eager-calls calls after a warm-up. The
-outputs of the two paths are compared first (ids equal, weights within 1e-5; near-ties aside,
-as tests/test_routing_kernel.py compares them).
+outputs of the two paths are compared first (moekit.routing.agreement, as `moekit check` does;
+a disagreement stops the script).
 
     PYTHONPATH=. python3 scripts/bench_route.py [--models glm-4.5v-fp8 deepseek-v3 mixtral-8x7b
         qwen3-30b-a3b-fp8 llama-4-maverick-fp8] [--batch-sizes 1 8 64 1024 8192] [--json FILE]
@@ -17,6 +17,7 @@ import time
 import torch
 
 import moekit.routing as routing
+from moekit.routing import agreement
 from moekit.models import get_model
 from moekit.timing import time_graphs
 
@@ -62,11 +63,11 @@ def main(argv=None) -> int:
         bias = (torch.rand(E, generator=g) * 0.1 - 0.05).to(dev) if cfg.use_correction_bias else None
         for M in args.batch_sizes:
             logits = (torch.randn(M, E, generator=g) * 1.5).to(dev, torch.bfloat16)
-            (w_k, i_k), (w_t, i_t) = run_path(True, logits, cfg, bias), run_path(False, logits, cfg, bias)
-            same = (i_k == i_t).all(-1)
-            agree = f"{int(same.sum())}/{M} rows choose alike"
-            if bool(same.any()):
-                torch.testing.assert_close(w_k[same], w_t[same], rtol=1e-5, atol=1e-7)
+            verdict = agreement.compare(run_path(True, logits, cfg, bias), run_path(False, logits, cfg, bias),
+                                        logits, cfg, bias)
+            agree = f"{verdict.same}/{M} alike, {verdict.near_ties} near-ties"
+            if not verdict.passed:
+                raise SystemExit(f"{name} M={M}: the kernel and the torch ops disagree: {verdict}")
             fns = {"kernel": lambda: run_path(True, logits, cfg, bias),
                    "torch ops": lambda: run_path(False, logits, cfg, bias)}
             timings = time_graphs(fns, rounds=args.rounds)
