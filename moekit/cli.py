@@ -46,6 +46,11 @@ def cmd_info(args) -> int:
         return 2
     console.print(f"triton backend: FP8 accumulation {accumulation} ({FP8_ACCUMULATION_ENV}), "
                   f"programmatic dependent launch {pdl} ({PDL_ENV})")
+    from moekit.routing import _use_kernel
+
+    on_kernel = _use_kernel(torch.empty(1, 1, device=device))  # route()'s own rule, for logits here
+    console.print("moekit.route here: " + ("one Triton kernel (docs/routing.md)" if on_kernel else
+                                           "torch ops (the routing kernel runs on a GPU)"))
     # A representative problem: FP8 per-channel weights, dimensions every kernel accepts.
     shape, scheme = MoEShape(8, 4096, 1024, 2), FP8_CHANNEL_TOKEN
     table = Table(title=f"backends on {device.type} ({scheme.name}, {shape.describe()})")

@@ -21,6 +21,8 @@ def test_defaults_on_this_machine(capsys, monkeypatch):
     if not torch.cuda.is_available():  # CI: the launch option cannot be used, whatever is asked
         assert "programmatic dependent launch unavailable here" in out
     assert "reference" in out and "triton" in out  # the backend table
+    routing = "one Triton kernel" if torch.cuda.is_available() else "torch ops (the routing kernel runs on a GPU)"
+    assert f"moekit.route here: {routing}" in out
 
 
 def test_the_settings_asked_for(capsys, monkeypatch):
