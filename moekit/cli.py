@@ -265,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     bench.set_defaults(func=cmd_bench)
 
-    check = command("check", "accuracy of every backend against a float64 computation")
+    check = command("check", "accuracy of every backend against a float64 computation, and of the routing kernel "
+                            "against its torch ops")
     _add_model_args(
         check,
         "batch sizes in tokens (default: 1 7 64); a case with idle experts (M=8, half the experts) is added",
