@@ -75,7 +75,7 @@ def ref_softmax_topk(logits: torch.Tensor, k: int, renormalize: bool):
 def ref_deepseek(logits, k, bias, num_groups, topk_groups, renormalize, scale, hf_zero_fill=False):
     """DeepSeek-V3 / Kimi-K2 / GLM-4.5 (DeepseekV3TopkRouter, Glm4MoeTopkRouter).
 
-    hf_zero_fill=True reproduces HF's masked_fill(..., 0.0) of dropped groups exactly;
+    hf_zero_fill=True reproduces earlier HF code's masked_fill(..., 0.0) of dropped groups exactly;
     False restricts the choice to the kept groups (DeepSeek's own inference code, -inf fill).
     """
     num_experts = logits.shape[1]
@@ -396,7 +396,7 @@ def test_softmax_is_over_all_experts_before_topk():
 
 @pytest.mark.usefixtures("route_path")
 def test_grouped_bias_agrees_with_hf_zero_fill_when_scores_positive():
-    """With positive biased scores, DeepSeek's -inf fill and HF's 0.0 fill choose the same."""
+    """With positive biased scores, DeepSeek's -inf fill and earlier HF code's 0.0 fill choose the same."""
     logits = make_logits(20, 64, seed=31)
     bias = make_bias(64, 31, low=0.0, high=0.1)
     weights, ids = route(logits, 6, scoring="sigmoid", num_groups=8, topk_groups=3,
@@ -407,7 +407,7 @@ def test_grouped_bias_agrees_with_hf_zero_fill_when_scores_positive():
 
 @pytest.mark.usefixtures("route_path")
 def test_negative_biased_scores_never_leave_the_kept_groups():
-    """Where HF's 0.0 fill and DeepSeek's -inf fill part: biased scores below 0.
+    """Where earlier HF code's 0.0 fill and DeepSeek's -inf fill part: biased scores below 0.
 
     Group 0 is kept (top-2 sum -0.6 beats group 1's -3.4), but its third-best expert scores
     below 0, so HF's 0.0-filled dropped experts would beat it. route() stays in the kept group.

@@ -174,9 +174,10 @@ def route_with_torch_ops(
 def _mask_unkept_groups(choice: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
     """Set to -inf the choice scores of experts outside each row's topk_groups best groups.
 
-    -inf follows DeepSeek's own inference code. HF's DeepseekV3 / Glm4Moe code fills 0.0
-    instead, which is the same while every kept choice score is positive, but once
-    correction_bias pushes kept scores below 0 it lets experts of dropped groups win.
+    -inf follows DeepSeek's own inference code, and the DeepseekV3 / Glm4Moe routers of the
+    transformers 5.25 the tests run with. Earlier HF code filled 0.0 instead, which is the same
+    while every kept choice score is positive, but once correction_bias pushes kept scores below 0
+    it lets experts of dropped groups win.
     """
     num_tokens, num_experts = choice.shape
     grouped = choice.reshape(num_tokens, num_groups, num_experts // num_groups)
