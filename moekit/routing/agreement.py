@@ -21,7 +21,7 @@ import dataclasses
 
 import torch
 
-from . import RoutingConfig, _check_rule, route_with_torch_ops
+from . import _RENORM_EPS, RoutingConfig, _check_rule, route_with_torch_ops
 
 TIE = 1e-5
 WEIGHT_RTOL = 1e-5
@@ -67,7 +67,7 @@ def _rule_weights64(scores: torch.Tensor, ids: torch.Tensor, config: RoutingConf
     """The weights the rule gives experts `ids` [R, k] (float64)."""
     weights = scores.gather(1, ids)
     if config.renormalize:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights / (weights.sum(-1, keepdim=True) + _RENORM_EPS)
     return weights * config.routed_scaling_factor
 
 
