@@ -74,3 +74,11 @@ def registry(monkeypatch):
         return backend
 
     return add
+
+
+@pytest.fixture
+def interpreter_asserts(monkeypatch):
+    """device_assert on in Triton's interpreter for this test (helpers.interpreter_asserts_on)."""
+    from helpers import interpreter_asserts_on
+
+    interpreter_asserts_on(monkeypatch)

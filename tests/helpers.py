@@ -137,3 +137,14 @@ def assert_child_stops_with(script: str, message: str, timeout: int = 300) -> No
     out = done.stdout + done.stderr
     assert done.returncode != 0 and "NO ASSERTION" not in out, out[-2000:]
     assert message in out, out[-2000:]
+
+
+def interpreter_asserts_on(monkeypatch) -> None:
+    """Triton's CPU interpreter runs device_assert only when its builder's `debug` option is on (on
+    a GPU moekit compiles the asserting kernels with Triton's `debug`): on, for one test."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))

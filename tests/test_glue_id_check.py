@@ -10,7 +10,6 @@ stopped checking fails them. A failed assertion on a GPU ends the process's CUDA
 GPU test runs it in a child process. test_triton_id_check.py compiles the glue's kernels that read
 the ids for sm_90, with int32 and int64 ids, and finds the rank kernel's assertion there."""
 
-import dataclasses
 import textwrap
 
 import pytest
@@ -23,14 +22,6 @@ from moekit.backends.glue import ops
 from helpers import assert_child_stops_with, random_routing, random_weights, random_x
 
 MESSAGE = r"topk_ids outside \[0, num_experts\)"
-
-
-@pytest.fixture
-def interpreter_asserts(monkeypatch):
-    from triton.runtime import interpreter
-
-    builder = interpreter.interpreter_builder
-    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
 
 
 @pytest.mark.usefixtures("interpreter_asserts")

@@ -18,17 +18,13 @@ from moekit.routing import RoutingConfig, route
 def take_the_kernel(monkeypatch) -> None:
     """route() takes the routing kernel (routing/fused.py, the path of GPU logits) for CPU tensors,
     in Triton's interpreter with its device_assert on; skips the test outside the interpreter."""
-    import dataclasses
-
     import moekit.env
     import moekit.routing as routing
+    from helpers import interpreter_asserts_on
 
     if not moekit.env.interpreting():
         pytest.skip("the routing kernel runs on CPU tensors only under TRITON_INTERPRET=1")
-    from triton.runtime import interpreter
-
-    builder = interpreter.interpreter_builder
-    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
+    interpreter_asserts_on(monkeypatch)
     monkeypatch.setattr(routing, "_use_kernel", lambda logits: True)
 
 

@@ -67,20 +67,12 @@ def assert_paths_agree(logits, cfg, bias, got, want):
 # ----------------------------------------------------------------------------------------------
 
 
-def _torch_ops(logits, cfg, bias):
-    from moekit.routing import route_with_torch_ops
-
-    return route_with_torch_ops(logits.float(), cfg.top_k, scoring=cfg.scoring, renormalize=cfg.renormalize,
-                                num_groups=cfg.num_groups, topk_groups=cfg.topk_groups, bias=bias,
-                                routed_scaling_factor=cfg.routed_scaling_factor)
-
-
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
 def test_agreement_passes_itself_and_catches_a_wrong_expert_or_weight(family):
     cfg, e = FAMILIES[family]
     logits = make_logits(40, e, seed=5)
     bias = make_bias(e, 5) if cfg.use_correction_bias else None
-    weights, ids = _torch_ops(logits, cfg, bias)
+    weights, ids = torch_path(logits, cfg, bias)
     same = agreement.compare((weights, ids), (weights, ids), logits, cfg, bias)
     assert same.passed and same.same == 40 and same.worst_weight_rel == 0.0
     clear = int((~agreement.near_ties(logits, cfg, bias)).nonzero()[0])  # a row with no near-tie
@@ -99,7 +91,7 @@ def test_agreement_counts_an_exact_tie_apart():
     near-tie, not a wrong expert."""
     cfg = RoutingConfig(top_k=2, renormalize=False)
     logits = torch.tensor([[2.0, 1.0, 1.0, -1.0], [3.0, 0.5, -2.0, 1.5]])
-    weights, ids = _torch_ops(logits, cfg, None)
+    weights, ids = torch_path(logits, cfg, None)
     assert agreement.near_ties(logits, cfg, None).tolist() == [True, False]
     swapped = ids.clone()
     swapped[0, 1] = 3 - swapped[0, 1]  # expert 1 <-> expert 2, tied with it
@@ -112,7 +104,7 @@ def test_a_near_tie_excuses_another_right_pick_only():
     weights for them, choice values matching the reference's position by position."""
     cfg = RoutingConfig(top_k=2, renormalize=False)
     logits = torch.tensor([[2.0, 1.0, 1.0, -1.0]])
-    weights, ids = _torch_ops(logits, cfg, None)
+    weights, ids = torch_path(logits, cfg, None)
     other = ids.clone()
     other[0, 1] = 3 - other[0, 1]  # the other tied expert: right
     assert agreement.compare((weights, other), (weights, ids), logits, cfg, None).passed
@@ -132,7 +124,7 @@ def test_a_group_tie_excuses_the_other_group_only_whole():
     pick; experts from both groups are not."""
     cfg = RoutingConfig(top_k=2, scoring="sigmoid", renormalize=True, num_groups=2, topk_groups=1)
     logits = torch.tensor([[1.0, 0.0, 0.0, 1.0]])  # groups {0, 1} and {2, 3} tie
-    weights, ids = _torch_ops(logits, cfg, None)
+    weights, ids = torch_path(logits, cfg, None)
     assert agreement.near_ties(logits, cfg, None).tolist() == [True]
     other_group = torch.tensor([[3, 2]] if int(ids[0, 0]) < 2 else [[0, 1]], dtype=torch.int32)
     assert agreement.compare((weights, other_group), (weights, ids), logits, cfg, None).passed

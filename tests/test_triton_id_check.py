@@ -29,14 +29,6 @@ PATHS = {
 }
 
 
-@pytest.fixture
-def interpreter_asserts(monkeypatch):
-    from triton.runtime import interpreter
-
-    builder = interpreter.interpreter_builder
-    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
-
-
 def _problem(scheme, M, E=5, H=128, N=96, K=2, device="cpu"):
     tw, ids = random_routing(M, E, K, device=device)
     return random_x(M, H, device=device), random_weights(E, H, N, scheme, device=device), tw, ids
