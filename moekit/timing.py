@@ -17,6 +17,9 @@ If capture fails (a host synchronisation inside `fn`, an op that graphs cannot h
 measurement is made with eager calls instead of replays, and `Timing.note` says so.
 
 On the CPU: `time.perf_counter` around `fn()`, after the warm-up; no cache flush.
+
+`eager_us_per_call` measures something else: the wall time of back-to-back eager calls, host
+launch cost included (scripts/bench_route.py, bench_hf_router.py).
 """
 
 from __future__ import annotations
@@ -110,6 +113,21 @@ def time_graphs(
         with torch.cuda.device(device):
             return _time_cuda(fns, reps, warmup, flush_l2, use_graph, rounds, before_each)
     return _time_cpu(fns, reps, warmup, rounds, before_each)
+
+
+def eager_us_per_call(fn: Callable[[], object], calls: int, warmup: int = 10) -> float:
+    """Wall time per call of `calls` back-to-back eager calls after `warmup` (the GPU synchronised
+    before and after): the host's launch cost included, what an eager decode step pays per call,
+    which a graph replay hides."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / calls * 1e6
 
 
 def _round_sizes(reps: int, rounds: int) -> list[int]:

@@ -12,14 +12,13 @@ a disagreement stops the script).
 """
 import argparse
 import json
-import time
 
 import torch
 
 import moekit.routing as routing
 from moekit.routing import agreement
 from moekit.models import get_model
-from moekit.timing import time_graphs
+from moekit.timing import eager_us_per_call, time_graphs
 
 DEFAULT_MODELS = ["glm-4.5v-fp8", "deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b-fp8", "llama-4-maverick-fp8"]
 
@@ -31,17 +30,6 @@ def run_path(kernel: bool, logits, cfg, bias):
         return routing.route(logits, config=cfg, correction_bias=bias)
     finally:
         routing._use_kernel = saved
-
-
-def eager_us(fn, calls: int) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def main(argv=None) -> int:
@@ -74,7 +62,7 @@ def main(argv=None) -> int:
             for label, t in timings.items():
                 if isinstance(t, BaseException):
                     raise t
-                eager = eager_us(fns[label], args.eager_calls)
+                eager = eager_us_per_call(fns[label], args.eager_calls)
                 rows.append({"model": name, "E": E, "top_k": cfg.top_k, "M": M, "path": label,
                              "graph_median_us": t.median_us, "graph_p20_us": t.p20_us, "graph_p80_us": t.p80_us,
                              "eager_us_per_call": eager, "agreement": agree})

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|fast|decode|gemm2|unmarked|pending|ids|route|halfheight|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|fast|decode|gemm2|unmarked|pending|ids|route|hfroute|halfheight|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points (BENCHMARKS.md, Reference points): the expert GEMMs alone
@@ -49,6 +49,9 @@
 #        cutlass (which also skips fused_moe's own id check since the twenty-first); not part of `all`.
 # route: scripts/bench_route.py: moekit.route's routing kernel against its torch ops, per preset
 #        and batch size, in CUDA graphs and eager back-to-back calls; not part of `all`.
+# hfroute: scripts/bench_hf_router.py: transformers' routers against the same routers fused by
+#        moekit.hf.fuse_routers (GLM-4.5, DeepSeek-V3, Qwen3, Mixtral, Llama-4 router sizes), in CUDA
+#        graphs and eager back-to-back calls; not part of `all`.
 # halfheight: the 128-row Gluon GEMM1's half-height tile timed on and off (diag_half_tail.py,
 #        DeepSeek-V3 / Qwen3 block FP8 and Mixtral per-channel, precise mode; measured in the
 #        nineteenth session: bitwise, no clear win, so it stays off); not part of `all`.
@@ -165,7 +168,7 @@ if [[ " ${steps[*]} " == *" pending "* ]]; then
   # each file logged on its own: a call stopped at its limit still returns the finished files'
   # (PENDING_TESTS="test_a test_b" runs only those: split the list over calls of the device tool)
   for f in ${PENDING_TESTS:-test_routing_kernel test_glue_id_check test_nan_propagation test_routing test_layer \
-           test_glue test_torch_backend test_cutlass_gpu test_triton_id_check test_api}; do
+           test_glue test_torch_backend test_cutlass_gpu test_triton_id_check test_api test_hf_routers}; do
     python3 -m pytest -q -p no:cacheprovider "tests/$f.py" "${pytest_args[@]}" >"$WORK/pending_$f.log" 2>&1 || status=1
     tail -n 3 "$WORK/pending_$f.log"
   done
@@ -177,6 +180,9 @@ if [[ " ${steps[*]} " == *" ids "* ]]; then
 fi
 if [[ " ${steps[*]} " == *" route "* ]]; then
   python3 scripts/bench_route.py --json "$WORK/route.json" || status=1
+fi
+if [[ " ${steps[*]} " == *" hfroute "* ]]; then
+  python3 scripts/bench_hf_router.py --json "$WORK/hf_router.json" || status=1
 fi
 if [[ " ${steps[*]} " == *" halfheight "* ]]; then
   tall=M128-N128-K128-G8-w8-s4-ov  # the 128-row Gluon GEMM1 (the tables' tall entries' tile)

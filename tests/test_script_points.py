@@ -64,7 +64,7 @@ def test_a_bad_point_names_what_is_wrong(text, message):
         diag_points.parse_point(text)
 
 
-@pytest.mark.parametrize("script", ["bench_ids_dtype", "bench_route", "diag_decode", "diag_fast", "diag_gemm2",
+@pytest.mark.parametrize("script", ["bench_ids_dtype", "bench_route", "bench_hf_router", "diag_decode", "diag_fast", "diag_gemm2",
                                     "diag_gemm2_resident", "diag_prefill", "diag_half_tail", "diag_configs"])
 def test_each_script_imports_and_parses_its_arguments(script):
     """Each GPU script that reads models or points starts on the CPU (its imports resolve)."""

@@ -303,3 +303,20 @@ def test_event_times_exclude_the_hosts_launch_of_the_first_call(monkeypatch):
     samples = timing._event_times(lambda: device.launch(100.0), 6, before_each=lambda: hooks.append(1))
     assert samples == pytest.approx([100.0] * 6)
     assert len(hooks) == 6  # the untimed call runs without the hook: the hook's sequence is the timed calls'
+
+
+def test_eager_us_per_call_counts_warmup_apart(monkeypatch):
+    """Each call costs 2 ms of (fake) wall time: the result is 2000 µs per call, the warm-up calls
+    run but are not counted."""
+    from moekit import timing
+
+    clock = [0.0]
+    calls = []
+
+    def fn():
+        calls.append(1)
+        clock[0] += 2e-3
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    assert timing.eager_us_per_call(fn, calls=7, warmup=3) == pytest.approx(2000.0)
+    assert len(calls) == 10

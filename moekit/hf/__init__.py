@@ -5,6 +5,7 @@
     model = moekit.hf.from_pretrained(path)            # FP8 checkpoints: experts stay FP8
     model = moekit.hf.from_pretrained(path, scheme="fp8-channel-token")   # quantize bf16 on load
     moekit.hf.patch_model(model)                       # an already loaded model
+    moekit.hf.fuse_routers(model)                      # routers through moekit.route (opt-in)
     moekit.hf.save_pretrained(model, out)              # compressed-tensors FP8 checkpoint
 
 Importing this module imports transformers; `import moekit` alone never does.
@@ -13,6 +14,7 @@ Importing this module imports transformers; `import moekit` alone never does.
 from .experts import IMPLEMENTATION, MoekitExperts, experts_modules, moekit_experts_forward, register, set_backend
 from .families import FAMILIES, UnsupportedModelError
 from .load import from_pretrained, patch_model, quantize_model
+from .routers import fuse_routers, unfuse_routers
 from .save import save_pretrained
 
 register()
@@ -24,12 +26,14 @@ __all__ = [
     "UnsupportedModelError",
     "experts_modules",
     "from_pretrained",
+    "fuse_routers",
     "moekit_experts_forward",
     "patch_model",
     "quantize_model",
     "register",
     "save_pretrained",
     "set_backend",
+    "unfuse_routers",
     "experts_nbytes",
 ]
 

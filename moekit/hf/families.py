@@ -30,6 +30,8 @@ class Family:
     experts_class: the class holding the routed experts' weights.
     block_class: for families whose MoE block itself must change (Llama-4: the router weight
         multiplies the input), the block class moekit replaces; None otherwise.
+    router_class: the class of the family's router (what `routers.fuse_routers` can run through
+        `moekit.route`).
     projections: checkpoint names of the (gate, up, down) projections of one expert.
     transposed: the experts module stores gate_up_proj [E, H, 2N] and down_proj [E, N, H].
     apply_on_input: the router weight multiplies the expert's input (Llama-4).
@@ -40,6 +42,7 @@ class Family:
     module: str
     experts_class: str
     block_class: str | None = None
+    router_class: str | None = None
     projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     transposed: bool = False
     apply_on_input: bool = False
@@ -65,16 +68,20 @@ _ORIGINALS: dict[tuple[str, str], type] = {}
 _TM = "transformers.models"
 FAMILIES: tuple[Family, ...] = (
     Family("mixtral", ("mixtral",), f"{_TM}.mixtral.modeling_mixtral", "MixtralExperts",
-           projections=("w1", "w3", "w2")),
-    Family("qwen2_moe", ("qwen2_moe",), f"{_TM}.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeExperts"),
-    Family("qwen3_moe", ("qwen3_moe",), f"{_TM}.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeExperts"),
-    Family("olmoe", ("olmoe",), f"{_TM}.olmoe.modeling_olmoe", "OlmoeExperts"),
-    Family("deepseek_v3", ("deepseek_v3",), f"{_TM}.deepseek_v3.modeling_deepseek_v3", "DeepseekV3Experts"),
-    Family("glm4_moe", ("glm4_moe",), f"{_TM}.glm4_moe.modeling_glm4_moe", "Glm4MoeExperts"),
+           router_class="MixtralTopKRouter", projections=("w1", "w3", "w2")),
+    Family("qwen2_moe", ("qwen2_moe",), f"{_TM}.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeExperts",
+           router_class="Qwen2MoeTopKRouter"),
+    Family("qwen3_moe", ("qwen3_moe",), f"{_TM}.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeExperts",
+           router_class="Qwen3MoeTopKRouter"),
+    Family("olmoe", ("olmoe",), f"{_TM}.olmoe.modeling_olmoe", "OlmoeExperts", router_class="OlmoeTopKRouter"),
+    Family("deepseek_v3", ("deepseek_v3",), f"{_TM}.deepseek_v3.modeling_deepseek_v3", "DeepseekV3Experts",
+           router_class="DeepseekV3TopkRouter"),
+    Family("glm4_moe", ("glm4_moe",), f"{_TM}.glm4_moe.modeling_glm4_moe", "Glm4MoeExperts",
+           router_class="Glm4MoeTopkRouter"),
     Family("glm4v_moe", ("glm4v_moe", "glm4v_moe_text"), f"{_TM}.glm4v_moe.modeling_glm4v_moe",
-           "Glm4vMoeTextExperts"),
+           "Glm4vMoeTextExperts", router_class="Glm4vMoeTextTopkRouter"),
     Family("llama4", ("llama4", "llama4_text"), f"{_TM}.llama4.modeling_llama4", "Llama4TextExperts",
-           block_class="Llama4TextMoe", transposed=True, apply_on_input=True),
+           block_class="Llama4TextMoe", router_class="Llama4Router", transposed=True, apply_on_input=True),
 )
 
 

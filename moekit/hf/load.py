@@ -33,6 +33,7 @@ from ..weights import _calibrate  # quantize_weights' own measurement of static 
 from . import checkpoint as ckpt_mod
 from .experts import ExpertsError, MoekitExperts, check_hf_experts, experts_modules, register, set_backend
 from .families import Family, UnsupportedModelError, family_of_config, family_of_module
+from .routers import RoutedExperts, fuse_routers, routers_to_fuse, swap_routers
 
 log = logging.getLogger("moekit.hf")
 
@@ -105,9 +106,12 @@ def llama4_block_class(family: Family) -> type:
 
         def forward(self, hidden_states):
             x = hidden_states.reshape(-1, self.hidden_dim)
-            router_scores, router_logits = self.router(x)  # scores [T, E]: sigmoid of the top-k, 0 elsewhere
-            ids = torch.topk(router_logits, self.top_k, dim=1).indices
-            weights = router_scores.gather(1, ids)
+            routed, router_logits = self.router(x)
+            if isinstance(routed, RoutedExperts):  # a fused router (routers.py)
+                weights, ids = routed
+            else:  # transformers' router: scores [T, E], sigmoid of the top-k, 0 elsewhere
+                ids = torch.topk(router_logits, self.top_k, dim=1).indices
+                weights = routed.gather(1, ids)
             out = self.shared_expert(x)
             out.add_(self.experts(x, ids, weights))
             return out, router_logits
@@ -437,7 +441,8 @@ def _model_dtype(model: nn.Module, modules: dict[str, MoekitExperts]) -> torch.d
 
 
 def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backend: str | None = "auto", *,
-                checkpoint: str | Path | None = None, calibration: torch.Tensor | None = None) -> nn.Module:
+                checkpoint: str | Path | None = None, calibration: torch.Tensor | None = None,
+                fused_routing: bool = False) -> nn.Module:
     """Run the routed experts of an already loaded transformers model through moekit.
 
     Every experts module of a supported family (Llama-4: its MoE block) is replaced by a
@@ -447,9 +452,12 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
       fp8-tensor-static measures its activation scales on `calibration` (token ids [B, T]).
     - checkpoint=PATH: the experts are (re)loaded from that checkpoint's safetensors files, FP8
       as stored (e.g. a model that transformers loaded with dequantized experts).
+    - fused_routing=True: the routers run through moekit.route too (routers.py), each checked
+      against transformers' own first.
     Returns the model.
     """
     register()
+    routers = routers_to_fuse(model) if fused_routing else []  # refused before anything changes
     family, modules, _ = _to_moekit_modules(model)
     if not modules:
         from .families import FAMILIES
@@ -476,6 +484,7 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
     set_backend(model, backend)
     _check_backend(modules, backend, _model_dtype(model, modules))
     _set_implementation(model)
+    swap_routers(routers)
     return model
 
 
@@ -522,7 +531,8 @@ def _tokens(calibration, folder: Path):
 
 
 def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str | QuantScheme | None = None, *,
-                    dtype: torch.dtype = torch.bfloat16, calibration=None, model_class=None, **kwargs) -> nn.Module:
+                    dtype: torch.dtype = torch.bfloat16, calibration=None, model_class=None,
+                    fused_routing: bool = False, **kwargs) -> nn.Module:
     """Load a local transformers MoE model with its routed experts in moekit.
 
     FP8 checkpoints (compressed-tensors fp8 tensor/channel/block, DeepSeek-style quant_method
@@ -531,7 +541,8 @@ def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str 
     Unquantized checkpoints keep bf16 experts (scheme=None) or are quantized on load to `scheme`
     one expert at a time; fp8-tensor-static also needs `calibration` (token ids, or a text that
     the model folder's tokenizer encodes). `backend`: a moekit backend name or "auto" (then
-    MOEKIT_BACKEND, then moekit's choice). Other keyword arguments go to transformers'
+    MOEKIT_BACKEND, then moekit's choice). `fused_routing=True`: the routers run through
+    moekit.route too (routers.py), each checked against transformers' own first. Other keyword arguments go to transformers'
     from_pretrained (device_map, attn_implementation, ...); `model_class` overrides the Auto class.
     """
     from transformers import AutoConfig
@@ -584,6 +595,8 @@ def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str 
         quantize_model(model, want, _tokens(calibration, folder))
     set_backend(model, backend)
     _check_backend(modules, backend, _model_dtype(model, modules))
+    if fused_routing:
+        fuse_routers(model)
     return model
 
 

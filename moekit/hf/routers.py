@@ -1,0 +1,253 @@
+"""transformers' routers run through `moekit.route`: on a GPU one Triton launch per layer instead
+of the router's own 5-15 torch ops (softmax or sigmoid, top-k, group masks, gathers, divisions).
+
+    moekit.hf.fuse_routers(model)      # or from_pretrained(..., fused_routing=True) / patch_model
+    moekit.hf.unfuse_routers(model)    # transformers' own routers again
+
+Opt-in: transformers' routers stay the default. The fused router keeps each router's contract
+(the same outputs, in the same structure, so `output_router_logits` still records the logits)
+with two differences, both within the rule (docs/routing.md):
+  - expert ids are int32 (transformers': int64), ordered by decreasing choice;
+  - on an exact tie of choice values the lowest expert id wins (torch.topk: any of them), and
+    weights may differ from transformers' in the last float32 bits (the softmax's sum order).
+Before a router is swapped, the two are run on the same random hidden states and compared
+(`check_router`): a transformers whose router routes otherwise (an older DeepSeek-V3 / GLM-4.5
+router that fills dropped groups with 0.0, say) is refused with the reason, never swapped.
+
+The swap changes the router's class to a subclass (same parameters, same state dict, same
+`isinstance`), so saving, hooks and `torch.compile` (where route() runs as its torch ops) see the
+router they know.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..routing import RoutingConfig, route
+from ..routing.agreement import WEIGHT_ATOL, WEIGHT_RTOL, near_ties
+from .families import FAMILIES, Family, UnsupportedModelError
+
+CHECK_TOKENS = 64  # random tokens a router is checked on before it is swapped
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterRule:
+    """How a family's transformers router routes, in moekit.route's terms.
+
+    scoring: "softmax" (Mixtral, Qwen2/3-MoE, OLMoE) or "sigmoid".
+    renormalize: True (always, Mixtral), False (never, Llama-4), or the router attribute that says
+        (Qwen/OLMoE's and DeepSeek's norm_topk_prob).
+    grouped: DeepSeek-V3-style routing: correction bias, groups and scaling factor from the router.
+    float32_logits: the router's linear runs in float32 (DeepSeek-V3, GLM-4.5).
+    weights_in_logits_dtype: the router returns its weights in the logits' dtype (Qwen, OLMoE,
+        Llama-4), else float32.
+    dense_scores: Llama-4's router returns (scores [T, E], logits) rather than (logits, weights, ids).
+    """
+
+    scoring: str
+    renormalize: bool | str = True
+    grouped: bool = False
+    float32_logits: bool = False
+    weights_in_logits_dtype: bool = False
+    dense_scores: bool = False
+
+
+_SOFTMAX_TOPK = RouterRule("softmax", renormalize="norm_topk_prob", weights_in_logits_dtype=True)
+_GROUPED_SIGMOID = RouterRule("sigmoid", renormalize="norm_topk_prob", grouped=True, float32_logits=True)
+RULES: dict[str, RouterRule] = {
+    "mixtral": RouterRule("softmax", renormalize=True),
+    "qwen2_moe": _SOFTMAX_TOPK,
+    "qwen3_moe": _SOFTMAX_TOPK,
+    "olmoe": _SOFTMAX_TOPK,
+    "deepseek_v3": _GROUPED_SIGMOID,
+    "glm4_moe": _GROUPED_SIGMOID,
+    "glm4v_moe": _GROUPED_SIGMOID,
+    "llama4": RouterRule("sigmoid", renormalize=False, weights_in_logits_dtype=True, dense_scores=True),
+}
+
+
+class RoutedExperts(NamedTuple):
+    """What a fused Llama-4 router returns in place of its dense scores: the MoE block moekit puts
+    in Llama-4 models (load.llama4_block_class) takes it as it is."""
+
+    weights: torch.Tensor  # [T, k], the logits' dtype
+    ids: torch.Tensor  # [T, k] int32
+
+
+def _attr(router: nn.Module, name: str):
+    if not hasattr(router, name):
+        raise UnsupportedModelError(
+            f"{type(router).__name__} has no attribute {name!r}: this transformers version's router is not "
+            "the one moekit's fused routing was written for; leave fused_routing off"
+        )
+    return getattr(router, name)
+
+
+def routing_config(router: nn.Module, rule: RouterRule) -> RoutingConfig:
+    """The router's rule as a RoutingConfig, read from the router's own attributes."""
+    renormalize = rule.renormalize if isinstance(rule.renormalize, bool) else bool(_attr(router, rule.renormalize))
+    top_k = int(_attr(router, "top_k"))
+    if not rule.grouped:
+        return RoutingConfig(top_k=top_k, scoring=rule.scoring, renormalize=renormalize)
+    return RoutingConfig(
+        top_k=top_k, scoring=rule.scoring, renormalize=renormalize,
+        num_groups=int(_attr(router, "num_group")), topk_groups=int(_attr(router, "topk_group")),
+        use_correction_bias=True, routed_scaling_factor=float(_attr(router, "routed_scaling_factor")),
+    )
+
+
+def _logits(router: nn.Module, hidden_states: torch.Tensor, rule: RouterRule) -> torch.Tensor:
+    weight = router.weight
+    hidden = hidden_states.reshape(-1, weight.shape[-1])
+    if rule.float32_logits:
+        return F.linear(hidden.float(), weight.float())
+    return F.linear(hidden, weight, getattr(router, "bias", None))
+
+
+def fused_forward(self: nn.Module, hidden_states: torch.Tensor):
+    """The forward of a fused router: transformers' contract, moekit.route's rule."""
+    return _route_as(self, RULES[self.moekit_family], hidden_states)
+
+
+def _route_as(router: nn.Module, rule: RouterRule, hidden_states: torch.Tensor):
+    logits = _logits(router, hidden_states, rule)
+    config = routing_config(router, rule)
+    bias = router.e_score_correction_bias if rule.grouped else None
+    weights, ids = route(logits, config=config, correction_bias=bias)
+    if rule.weights_in_logits_dtype:
+        weights = weights.to(logits.dtype)
+    if rule.dense_scores:
+        return RoutedExperts(weights, ids), logits
+    return logits, weights, ids
+
+
+def _original_topk(router: nn.Module, original: type, hidden: torch.Tensor, rule: RouterRule):
+    """(weights, ids, logits) from transformers' own forward of the router."""
+    out = original.forward(router, hidden)
+    if rule.dense_scores:
+        scores, logits = out
+        ids = torch.topk(logits, int(router.top_k), dim=-1).indices
+        return scores.gather(-1, ids), ids, logits
+    logits, weights, ids = out
+    return weights, ids, logits
+
+
+def check_router(router: nn.Module, family: Family, dtype: torch.dtype, tokens: int = CHECK_TOKENS) -> str | None:
+    """Run transformers' router and the fused one on the same random hidden states; None where
+    they agree, else what differs. Ids are compared as sets per token (transformers' DeepSeek-V3
+    router does not sort them), except on near-ties (routing.agreement.near_ties: either pick is
+    right there); weights at the same experts within 1e-5 relative in float32 (a few ulps of
+    the softmax's sum order, as routing.agreement allows) or one ulp of a narrower dtype (both
+    sides round the same float32 weight)."""
+    rule = RULES[family.name]
+    original = family.original_class(family.router_class)
+    weight = router.weight
+    if weight.device.type == "meta":
+        return None  # nothing to run yet: the weights are not loaded
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, weight.shape[-1], generator=g).to(weight.device, dtype)
+    with torch.no_grad():
+        w_hf, ids_hf, logits = _original_topk(router, original, hidden, rule)
+        routed = _route_as(router, rule, hidden)
+        w, ids = routed[0] if rule.dense_scores else routed[1:]
+    if ids.shape != ids_hf.shape:
+        return f"ids of shape {tuple(ids.shape)}, transformers' {tuple(ids_hf.shape)}"
+    ids_sorted, order = ids.long().sort(-1)
+    ids_hf_sorted, order_hf = ids_hf.long().sort(-1)
+    same = (ids_sorted == ids_hf_sorted).all(-1)
+    config = routing_config(router, rule)
+    bias = router.e_score_correction_bias if rule.grouped else None
+    wrong = ~same & ~near_ties(logits.float(), config, bias)
+    if bool(wrong.any()):
+        return f"{int(wrong.sum())} of {tokens} random tokens chose other experts than transformers' router"
+    if w.dtype != w_hf.dtype:
+        return f"weights are {w.dtype}, transformers' {w_hf.dtype}"
+    w_sorted = w.gather(-1, order)[same].double()
+    w_hf_sorted = w_hf.gather(-1, order_hf)[same].double()
+    tol = WEIGHT_RTOL if w.dtype == torch.float32 else torch.finfo(w.dtype).eps
+    diff = (w_sorted - w_hf_sorted).abs() / (w_hf_sorted.abs() + WEIGHT_ATOL / WEIGHT_RTOL)
+    rel = diff.max() if diff.numel() else 0.0
+    if not float(rel) <= tol:
+        return f"weights differ from transformers' by {float(rel):.2e} relative (allowed {tol:.1e})"
+    return None
+
+
+def family_of_router(module: nn.Module) -> Family | None:
+    """The family whose transformers router `module` is (fused or not)."""
+    name = type(module).__name__
+    for family in FAMILIES:
+        if family.router_class is None or name not in (family.router_class, f"Fused{family.router_class}"):
+            continue
+        try:
+            if isinstance(module, family.original_class(family.router_class)):
+                return family
+        except (ImportError, AttributeError):  # a transformers without this family
+            continue
+    return None
+
+
+_FUSED_CLASSES: dict[type, type] = {}
+
+
+def _fused_class(original: type, family: Family) -> type:
+    if original not in _FUSED_CLASSES:
+        cls = type(f"Fused{original.__name__}", (original,),
+                   {"forward": fused_forward, "moekit_family": family.name, "moekit_original": original,
+                    "__module__": __name__, "__doc__": f"{original.__name__} routed by moekit.route."})
+        _FUSED_CLASSES[original] = cls
+    return _FUSED_CLASSES[original]
+
+
+def is_fused(router: nn.Module) -> bool:
+    return type(router) in _FUSED_CLASSES.values()
+
+
+def fuse_routers(model: nn.Module, *, check: bool = True, dtype: torch.dtype | None = None) -> int:
+    """Run every router of a supported family in `model` through moekit.route. Returns how many
+    routers were swapped (already fused ones are left as they are). With `check` (the default),
+    each router is first compared with transformers' own on random hidden states of `dtype` (the
+    model's by default) and a disagreement raises UnsupportedModelError before any is swapped."""
+    return swap_routers(routers_to_fuse(model, check=check, dtype=dtype))
+
+
+def routers_to_fuse(model: nn.Module, *, check: bool = True, dtype: torch.dtype | None = None) -> list:
+    """fuse_routers' first half: the routers to swap, each checked (nothing is changed yet)."""
+    routers = [(name, m, family_of_router(m)) for name, m in model.named_modules()]
+    routers = [(name, m, f) for name, m, f in routers if f is not None and not is_fused(m)]
+    if not routers and not any(is_fused(m) for m in model.modules()):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no router of a family moekit can route "
+            f"({', '.join(f.name for f in FAMILIES)})"
+        )
+    if dtype is None:
+        dtype = getattr(model, "dtype", None)
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2):
+            dtype = torch.bfloat16
+    for name, router, family in routers:
+        routing_config(router, RULES[family.name])  # the attributes it reads exist
+        problem = check_router(router, family, dtype) if check else None
+        if problem is not None:
+            raise UnsupportedModelError(f"{name} ({type(router).__name__}): {problem}; leave fused_routing off")
+    return routers
+
+
+def swap_routers(routers: list) -> int:
+    """fuse_routers' second half: swap the class of each router that routers_to_fuse returned."""
+    for _, router, family in routers:
+        router.__class__ = _fused_class(family.original_class(family.router_class), family)
+    return len(routers)
+
+
+def unfuse_routers(model: nn.Module) -> int:
+    """transformers' own routers again. Returns how many were restored."""
+    count = 0
+    for m in model.modules():
+        if is_fused(m):
+            m.__class__ = type(m).moekit_original
+            count += 1
+    return count

@@ -1,0 +1,185 @@
+"""transformers' routers run through moekit.route (moekit/hf/routers.py): the same routing and the
+same outputs as transformers' own routers on every family, the check that refuses a router that
+routes otherwise, and the swap back.
+
+On the CPU route() runs its torch ops, the same float32 formulas as transformers' routers in the
+same order, so outputs are compared bitwise here; on a GPU (test_fused_routers_on_gpu) the routing
+kernel's last bits and tie-breaking may differ, and the model's output is compared within the
+experts' own tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import moekit.hf as mh  # noqa: E402
+from moekit.hf import routers as R  # noqa: E402
+from moekit.hf.families import UnsupportedModelError  # noqa: E402
+
+from test_hf_tiny import FAMILY_NAMES, HIDDEN, VOCAB, tiny_model  # noqa: E402
+
+
+def _routers(model):
+    return [m for m in model.modules() if R.family_of_router(m) is not None]
+
+
+def _tokens(seed=0, shape=(2, 11)):
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_fused_router_keeps_transformers_contract(family):
+    """Each fused router returns what transformers' returns, in the same structure: the same
+    logits, the same experts per token, the same weights (bitwise on the CPU), in the same dtype;
+    ids in int32 ordered by decreasing choice."""
+    model = tiny_model(family)
+    routers = _routers(model)
+    assert routers, f"{family}: the tiny model has no router"
+    g = torch.Generator().manual_seed(1)
+    hidden = (torch.randn(37, HIDDEN, generator=g) * 2).to(torch.bfloat16)  # odd count, spread logits
+    with torch.no_grad():
+        before = [r(hidden) for r in routers]
+        assert mh.fuse_routers(model) == len(routers)
+        after = [r(hidden) for r in routers]
+    for r, want, got in zip(routers, before, after):
+        assert R.is_fused(r) and isinstance(r, R.family_of_router(r).original_class(type(r).moekit_original.__name__))
+        if R.RULES[family].dense_scores:  # Llama-4: (scores [T, E], logits) -> (RoutedExperts, logits)
+            scores, logits_hf = want
+            (weights, ids), logits = got
+            ids_hf = torch.topk(logits_hf, r.top_k, dim=-1).indices
+            w_hf = scores.gather(-1, ids_hf)
+        else:
+            logits_hf, w_hf, ids_hf = want
+            logits, weights, ids = got
+        assert torch.equal(logits, logits_hf)
+        assert ids.dtype == torch.int32 and weights.dtype == w_hf.dtype
+        ids_sorted, order = ids.long().sort(-1)
+        ids_hf_sorted, order_hf = ids_hf.sort(-1)
+        assert torch.equal(ids_sorted, ids_hf_sorted)
+        assert torch.equal(weights.gather(-1, order), w_hf.gather(-1, order_hf))
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_model_output_unchanged_and_swap_back(family):
+    """A whole model with fused routers gives transformers' output bitwise on the CPU (reference
+    experts on both sides); unfuse_routers restores the original classes and the state dict is the
+    same throughout."""
+    model = mh.patch_model(tiny_model(family), backend="reference")
+    tokens = _tokens()
+    keys = list(model.state_dict())
+    classes = [type(r) for r in _routers(model)]
+    with torch.no_grad():
+        want = model(tokens).logits
+        mh.fuse_routers(model)
+        got = model(tokens).logits
+        assert list(model.state_dict()) == keys
+        assert mh.unfuse_routers(model) == len(classes)
+        back = model(tokens).logits
+    assert torch.equal(got, want) and torch.equal(back, want)
+    assert [type(r) for r in _routers(model)] == classes
+
+
+def test_router_logits_still_recorded():
+    """output_router_logits records the fused routers' logits, as transformers' (its recorder
+    hooks the router class, of which the fused class is a subclass)."""
+    model = mh.patch_model(tiny_model("mixtral"), backend="reference")
+    tokens = _tokens()
+    with torch.no_grad():
+        want = model(tokens, output_router_logits=True).router_logits
+        mh.fuse_routers(model)
+        got = model(tokens, output_router_logits=True).router_logits
+    assert len(got) == len(want) == 2
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_patch_model_fused_routing_and_fuse_twice():
+    model = mh.patch_model(tiny_model("qwen3_moe"), backend="reference", fused_routing=True)
+    assert all(R.is_fused(r) for r in _routers(model)) and len(_routers(model)) == 2
+    assert mh.fuse_routers(model) == 0  # already fused: nothing swapped, no error
+
+
+def test_a_router_that_routes_otherwise_is_refused(monkeypatch):
+    """A transformers whose router follows another rule than moekit's for its family (simulated:
+    moekit's rule without the groups and the correction bias) is refused by the check, naming
+    the router and what differs, and nothing is swapped; patch_model leaves the experts too."""
+    model = tiny_model("deepseek_v3")
+    for m in model.modules():  # a large bias that moves the choice (transformers' rule uses it)
+        if hasattr(m, "e_score_correction_bias"):
+            m.e_score_correction_bias.copy_(torch.linspace(0.5, -0.5, m.e_score_correction_bias.numel()))
+    monkeypatch.setitem(R.RULES, "deepseek_v3", R.RouterRule("sigmoid", renormalize="norm_topk_prob",
+                                                                float32_logits=True))
+    experts_before = {n: type(m) for n, m in model.named_modules() if n.endswith(".experts")}
+    with pytest.raises(UnsupportedModelError, match=r"mlp\.gate \(DeepseekV3TopkRouter\): \d+ of 64 random tokens "
+                       r"chose other experts.*leave fused_routing off"):
+        mh.patch_model(model, backend="reference", fused_routing=True)
+    assert not any(R.is_fused(r) for r in _routers(model))
+    assert {n: type(m) for n, m in model.named_modules() if n.endswith(".experts")} == experts_before
+
+
+def test_weights_that_differ_are_refused(monkeypatch):
+    """Qwen3 renormalizes (norm_topk_prob=True in the tiny config); a rule that does not gives the
+    same experts with other weights: refused, with the size of the difference."""
+    model = tiny_model("qwen3_moe")
+    monkeypatch.setitem(R.RULES, "qwen3_moe", R.RouterRule("softmax", renormalize=False, weights_in_logits_dtype=True))
+    with pytest.raises(UnsupportedModelError, match=r"weights differ from transformers' by .* relative"):
+        mh.fuse_routers(model)
+    assert not any(R.is_fused(r) for r in _routers(model))
+
+
+def test_router_without_an_expected_attribute():
+    model = tiny_model("glm4_moe")
+    router = _routers(model)[0]
+    del router.routed_scaling_factor
+    with pytest.raises(UnsupportedModelError, match=r"Glm4MoeTopkRouter has no attribute 'routed_scaling_factor'"):
+        mh.fuse_routers(model)
+
+
+def test_a_model_without_routers():
+    with pytest.raises(UnsupportedModelError, match="has no router of a family moekit can route"):
+        mh.fuse_routers(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+def test_check_compares_order_free_and_excuses_ties():
+    """transformers' DeepSeek-V3 router returns its top-k unsorted: the check compares sets. An
+    exact tie between the k-th and (k+1)-th expert (all-equal router weights: every logit ties)
+    is excused, since either pick is right."""
+    model = tiny_model("deepseek_v3")
+    router = _routers(model)[0]
+    family = R.family_of_router(router)
+    assert R.check_router(router, family, torch.bfloat16) is None
+    with torch.no_grad():
+        router.weight.fill_(0.01)
+        router.e_score_correction_bias.zero_()
+    assert R.check_router(router, family, torch.bfloat16) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "llama4"])
+def test_fused_routers_on_gpu(family):
+    """On a GPU the fused router is one launch of the routing kernel, and the model's output stays
+    within the experts' own agreement: fused routing differs only in the weights' last float32
+    bits and on exact ties, so the bf16 logits agree to bf16 resolution except where a token's
+    tie went the other way (then within the 2e-2 the backends' model check allows)."""
+    from moekit import routing
+
+    dev = torch.device("cuda")
+    model = mh.patch_model(tiny_model(family).to(dev), backend="reference")
+    tokens = _tokens().to(dev)
+    with torch.no_grad():
+        want = model(tokens).logits.float()
+        mh.fuse_routers(model)
+        calls = []
+        original = routing._use_kernel
+        routing_use = lambda logits: calls.append(original(logits)) or calls[-1]  # noqa: E731
+        routing._use_kernel = routing_use
+        try:
+            got = model(tokens).logits.float()
+        finally:
+            routing._use_kernel = original
+    assert calls and all(calls), "the fused routers did not take the routing kernel"
+    rel = float((got - want).norm() / want.norm())
+    assert rel < 2e-2, rel
