@@ -2,8 +2,9 @@
 same outputs as transformers' own routers on every family, the check that refuses a router that
 routes otherwise, and the swap back.
 
-On the CPU route() runs its torch ops, the same float32 formulas as transformers' routers in the
-same order, so outputs are compared bitwise here; on a GPU (test_fused_routers_on_gpu) the routing
+On the CPU route() runs its torch ops, the same float32 formulas as transformers' routers, so the
+tiny models (top-2: a sum of two terms has one rounding whatever the order) are compared bitwise
+here; with more terms the renormalization sum's order may move a weight's last bits. On a GPU (test_fused_routers_on_gpu) the routing
 kernel's last bits and tie-breaking may differ, and the model's output is compared within the
 experts' own tolerance.
 """
@@ -80,6 +81,35 @@ def test_model_output_unchanged_and_swap_back(family):
         back = model(tokens).logits
     assert torch.equal(got, want) and torch.equal(back, want)
     assert [type(r) for r in _routers(model)] == classes
+
+
+def test_glm45v_text_router():
+    """GLM-4.5V's text router (no tiny model of the family here): built alone with 4 groups of 4
+    experts, 2 kept, top-4, a scaling factor and a random bias, inside a container module; fused,
+    it returns transformers' logits bitwise and its experts and weights on the CPU."""
+    import transformers as T
+    from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextTopkRouter
+
+    config = T.Glm4vMoeTextConfig(hidden_size=HIDDEN, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                                  topk_group=2, routed_scaling_factor=2.0, norm_topk_prob=True)
+    g = torch.Generator().manual_seed(3)
+    model = torch.nn.ModuleDict({"gate": Glm4vMoeTextTopkRouter(config)})
+    with torch.no_grad():
+        model.gate.weight.copy_(torch.randn(16, HIDDEN, generator=g) * 0.2)
+        model.gate.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.1)
+    hidden = torch.randn(29, HIDDEN, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        logits_hf, w_hf, ids_hf = model.gate(hidden)
+        assert mh.fuse_routers(model, dtype=torch.bfloat16) == 1
+        logits, w, ids = model.gate(hidden)
+    assert type(model.gate).__name__ == "FusedGlm4vMoeTextTopkRouter"
+    assert torch.equal(logits, logits_hf)
+    ids_sorted, order = ids.long().sort(-1)
+    ids_hf_sorted, order_hf = ids_hf.sort(-1)
+    assert torch.equal(ids_sorted, ids_hf_sorted)
+    # the same weights up to the renormalization sum's order (transformers sums its unsorted top-k,
+    # route() its sorted top-k): 4 terms, a few float32 ulps (~1.2e-7 each) at most
+    torch.testing.assert_close(w.gather(-1, order), w_hf.gather(-1, order_hf), rtol=5e-7, atol=0)
 
 
 def test_router_logits_still_recorded():
