@@ -9,7 +9,7 @@ Opt-in: transformers' routers stay the default. The fused router keeps each rout
 with two differences, both within the rule (docs/routing.md):
   - expert ids are int32 (transformers': int64), ordered by decreasing choice;
   - on an exact tie of choice values the lowest expert id wins (torch.topk: any of them), and
-    weights may differ from transformers' in the last float32 bits (the softmax's sum order).
+    weights may differ from transformers' in the last float32 bits (the order of the sums).
 Before a router is swapped, the two are run on the same random hidden states and compared
 (`check_router`): a transformers whose router routes otherwise (an older DeepSeek-V3 / GLM-4.5
 router that fills dropped groups with 0.0, say) is refused with the reason, never swapped.
