@@ -216,7 +216,7 @@ def cmd_eval(args) -> int:
     opts = EvalOptions(
         model=args.model, backends=args.backends, text=args.text, max_tokens=args.max_tokens,
         gen_tokens=args.gen_tokens, seq_len=args.seq_len, scheme=args.scheme, out=args.out,
-        argv=getattr(args, "argv", None),
+        fused_routing=args.fused_routing, argv=getattr(args, "argv", None),
     )
     try:
         run_eval(opts, console)
@@ -332,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens generated for tokens/s (0: skip)")
     ev.add_argument("--scheme", default=None, help="quantize a bf16 checkpoint's experts on load to this scheme")
     ev.add_argument("--out", default=None, metavar="FILE", help="write the JSON report here")
+    ev.add_argument("--fused-routing", action="store_true",
+                    help="also run each backend with transformers' routers fused into moekit.route "
+                         "(rows BACKEND+fused-routing; reference keeps transformers' routers)")
     ev.set_defaults(func=cmd_eval)
     return parser
 

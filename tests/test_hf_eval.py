@@ -47,6 +47,26 @@ def test_eval_writes_report(model_dir, tmp_path):
     assert report["experts_bytes"] > 0
 
 
+def test_eval_fused_routing_rows(model_dir, tmp_path):
+    """--fused-routing adds a row per backend with the routers fused; reference keeps
+    transformers' routers. On the CPU the fused routers (top-2: one rounding in any order) give
+    transformers' routing bitwise, so a fused row's scores are its backend's exactly: KL 0 and
+    top-1 agreement 1 between the two rows. The model's routers are transformers' again after."""
+    out = tmp_path / "report.json"
+    rc = main(["eval", "--model", str(model_dir), "--backends", "torch", "--max-tokens", "60",
+               "--seq-len", "30", "--gen-tokens", "3", "--fused-routing", "--out", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["fused_routing"] is True
+    assert list(report["backends"]) == ["reference", "torch", "torch+fused-routing"]
+    fused = report["backends"]["torch+fused-routing"]
+    assert fused["backend"] == "torch" and fused["fused_routing"] is True
+    assert report["backends"]["torch"]["fused_routing"] is False
+    pair = report["pairwise"]["torch|torch+fused-routing"]
+    assert pair["kl_mean"] == 0 and pair["top1_agreement"] == 1
+    assert fused["generated"] == report["backends"]["torch"]["generated"]
+
+
 def test_eval_bad_input(model_dir, tmp_path, capsys):
     assert main(["eval", "--model", str(tmp_path / "nowhere")]) == 2
     assert "not a local model folder" in capsys.readouterr().out

@@ -31,6 +31,7 @@ from ..tables import write_json_atomically
 
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "eval.txt"
 PROMPT_TOKENS = 16
+FUSED_SUFFIX = "+fused-routing"  # the row of a backend run with the routers fused
 
 
 class EvalInputError(ValueError):
@@ -48,6 +49,7 @@ class EvalOptions:
     scheme: str | None = None
     out: str | None = None
     device: str | None = None
+    fused_routing: bool = False  # also run each backend with the routers fused (routers.py)
     argv: list[str] | None = None
 
 
@@ -182,6 +184,7 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
 
     from .experts import ExpertsError
     from .families import UnsupportedModelError
+    from .routers import fuse_routers, routers_to_fuse, unfuse_routers
 
     if opts.max_tokens < 2:
         raise EvalInputError(f"--max-tokens must be at least 2, got {opts.max_tokens}")
@@ -220,33 +223,48 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
     results: dict[str, dict] = {}
     logps: dict[str, torch.Tensor] = {}
     prompt = ids[None, :PROMPT_TOKENS]
-    for b in backends:
+    runs = [(b, False) for b in backends]
+    if opts.fused_routing:  # reference keeps transformers' routers: the baseline of every row
+        try:
+            routers_to_fuse(model)  # each router checked against transformers' once, before any run
+        except UnsupportedModelError as e:
+            raise EvalInputError(" ".join(str(e).split())) from None
+        runs += [(b, True) for b in backends if b != "reference"]
+    for b, fused in runs:
+        if fused:
+            fuse_routers(model, check=False)
+        else:
+            unfuse_routers(model)
+        label = f"{b}{FUSED_SUFFIX}" if fused else b
         mh.set_backend(model, b)
         t0 = time.perf_counter()
         lp, nll = _score(model, ids, opts.seq_len, device)
         score_s = time.perf_counter() - t0
-        logps[b] = lp
-        r = {"perplexity": math.exp(float(nll.mean())), "mean_nll": float(nll.mean()), "score_seconds": score_s}
+        logps[label] = lp
+        r = {"perplexity": math.exp(float(nll.mean())), "mean_nll": float(nll.mean()), "score_seconds": score_s,
+             "backend": b, "fused_routing": fused}
         if opts.gen_tokens:
             new, tps = _generate(model, prompt, opts.gen_tokens, device)
             r.update(tokens_per_s=tps, generated=new)
-        results[b] = r
+        results[label] = r
         if console is not None:
-            console.print(f"  {b}: perplexity {r['perplexity']:.3f}" + (f", {r['tokens_per_s']:.1f} tokens/s" if opts.gen_tokens else ""))
+            console.print(f"  {label}: perplexity {r['perplexity']:.3f}" + (f", {r['tokens_per_s']:.1f} tokens/s" if opts.gen_tokens else ""))
     ref = logps["reference"]
     for b, r in results.items():
         r.update({f"{k}_vs_reference": v for k, v in _compare(ref, logps[b]).items()})
         if opts.gen_tokens:
             same = sum(x == y for x, y in zip(results["reference"]["generated"], r["generated"]))
             r["generated_match_reference"] = same / max(len(r["generated"]), 1)
-    pairwise = {f"{a}|{b}": _compare(logps[a], logps[b]) for i, a in enumerate(backends) for b in backends[i + 1:]}
+    unfuse_routers(model)
+    labels = list(results)
+    pairwise = {f"{a}|{b}": _compare(logps[a], logps[b]) for i, a in enumerate(labels) for b in labels[i + 1:]}
 
     report = {
         "model": str(folder), "text": str(text_path), "scheme": first.scheme.name, "device": str(device),
         "dtype": str(dtype).replace("torch.", ""), "tokens": int(ids.numel()),
         "positions_scored": int(ref.shape[0]), "seq_len": opts.seq_len, "gen_tokens": opts.gen_tokens,
         "experts_modules": len(modules), "experts_bytes": mh.experts_nbytes(model),
-        "backends": results, "pairwise": pairwise, "argv": opts.argv,
+        "backends": results, "pairwise": pairwise, "fused_routing": opts.fused_routing, "argv": opts.argv,
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
     }
     if console is not None:
@@ -259,7 +277,7 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
                           f"{r['tokens_per_s']:.1f}" if "tokens_per_s" in r else "-",
                           f"{r['generated_match_reference']:.0%}" if "generated_match_reference" in r else "-")
         console.print(table)
-        if len(backends) > 2:
+        if len(labels) > 2:
             pt = Table(title="between backends")
             for col in ("pair", "KL (mean)", "top-1 agreement"):
                 pt.add_column(col)
