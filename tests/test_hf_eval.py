@@ -47,15 +47,27 @@ def test_eval_writes_report(model_dir, tmp_path):
     assert report["experts_bytes"] > 0
 
 
-def test_eval_fused_routing_rows(model_dir, tmp_path):
+def test_eval_fused_routing_rows(model_dir, tmp_path, monkeypatch):
     """--fused-routing adds a row per backend with the routers fused; reference keeps
     transformers' routers. On the CPU the fused routers (top-2: one rounding in any order) give
     transformers' routing bitwise, so a fused row's scores are its backend's exactly: KL 0 and
     top-1 agreement 1 between the two rows. The model's routers are transformers' again after."""
+    from moekit.hf import routers
+
+    routed = []  # the token counts route() saw outside the check (whose calls take CHECK_TOKENS)
+
+    def spy(logits, **kwargs):
+        if logits.shape[0] != routers.CHECK_TOKENS:
+            routed.append(logits.shape[0])
+        return route(logits, **kwargs)
+
+    route = routers.route
+    monkeypatch.setattr(routers, "route", spy)
     out = tmp_path / "report.json"
     rc = main(["eval", "--model", str(model_dir), "--backends", "torch", "--max-tokens", "60",
                "--seq-len", "30", "--gen-tokens", "3", "--fused-routing", "--out", str(out)])
     assert rc == 0
+    assert routed, "the fused rows never ran the fused routers"  # compressed-tensors wraps every forward
     report = json.loads(out.read_text())
     assert report["fused_routing"] is True
     assert list(report["backends"]) == ["reference", "torch", "torch+fused-routing"]

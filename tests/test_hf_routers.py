@@ -36,7 +36,7 @@ def test_fused_router_keeps_transformers_contract(family):
     """Each fused router returns what transformers' returns, in the same structure: the same
     logits, the same experts per token, the same weights (bitwise on the CPU), in the same dtype;
     ids in int32 ordered by decreasing choice."""
-    model = tiny_model(family)
+    model = mh.patch_model(tiny_model(family), backend="reference")
     routers = _routers(model)
     assert routers, f"{family}: the tiny model has no router"
     g = torch.Generator().manual_seed(1)
@@ -93,7 +93,8 @@ def test_glm45v_text_router():
     config = T.Glm4vMoeTextConfig(hidden_size=HIDDEN, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
                                   topk_group=2, routed_scaling_factor=2.0, norm_topk_prob=True)
     g = torch.Generator().manual_seed(3)
-    model = torch.nn.ModuleDict({"gate": Glm4vMoeTextTopkRouter(config)})
+    # the router beside moekit's experts, as in a patched model (fuse_routers refuses it otherwise)
+    model = torch.nn.ModuleDict({"gate": Glm4vMoeTextTopkRouter(config), "experts": mh.MoekitExperts(16, HIDDEN, 32)})
     with torch.no_grad():
         model.gate.weight.copy_(torch.randn(16, HIDDEN, generator=g) * 0.2)
         model.gate.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.1)
@@ -153,7 +154,7 @@ def test_a_router_that_routes_otherwise_is_refused(monkeypatch):
 def test_weights_that_differ_are_refused(monkeypatch):
     """Qwen3 renormalizes (norm_topk_prob=True in the tiny config); a rule that does not gives the
     same experts with other weights: refused, with the size of the difference."""
-    model = tiny_model("qwen3_moe")
+    model = mh.patch_model(tiny_model("qwen3_moe"), backend="reference")
     monkeypatch.setitem(R.RULES, "qwen3_moe", R.RouterRule("softmax", renormalize=False, weights_in_logits_dtype=True))
     with pytest.raises(UnsupportedModelError, match=r"weights differ from transformers' by .* relative"):
         mh.fuse_routers(model)
@@ -161,7 +162,7 @@ def test_weights_that_differ_are_refused(monkeypatch):
 
 
 def test_router_without_an_expected_attribute():
-    model = tiny_model("glm4_moe")
+    model = mh.patch_model(tiny_model("glm4_moe"), backend="reference")
     router = _routers(model)[0]
     del router.routed_scaling_factor
     with pytest.raises(UnsupportedModelError, match=r"Glm4MoeTopkRouter has no attribute 'routed_scaling_factor'"):
@@ -173,18 +174,99 @@ def test_a_model_without_routers():
         mh.fuse_routers(torch.nn.Sequential(torch.nn.Linear(4, 4)))
 
 
-def test_check_compares_order_free_and_excuses_ties():
-    """transformers' DeepSeek-V3 router returns its top-k unsorted: the check compares sets. An
-    exact tie between the k-th and (k+1)-th expert (all-equal router weights: every logit ties)
-    is excused, since either pick is right."""
-    model = tiny_model("deepseek_v3")
-    router = _routers(model)[0]
-    family = R.family_of_router(router)
-    assert R.check_router(router, family, torch.bfloat16) is None
+def _all_tied_deepseek_router():
+    """A DeepSeek-V3 router whose logits all tie (equal rows of the weight, no bias): on every
+    token any two experts of one group are a right top-2."""
+    router = _routers(tiny_model("deepseek_v3"))[0]
     with torch.no_grad():
         router.weight.fill_(0.01)
         router.e_score_correction_bias.zero_()
+    return router, R.family_of_router(router)
+
+
+def test_check_excuses_another_right_pick_on_ties(monkeypatch):
+    """On exact ties another pick is right when it is one: here route() made to pick the two
+    highest expert ids (one group, equal weights) where transformers picks others. The check
+    accepts it, and refuses garbage on the same tied rows (expert 0 twice, weight 123)."""
+    router, family = _all_tied_deepseek_router()
     assert R.check_router(router, family, torch.bfloat16) is None
+    route = R.route
+    E = router.weight.shape[0]
+
+    def highest_ids(logits, **kwargs):
+        w, ids = route(logits, **kwargs)
+        return w, torch.arange(E - 1, E - 1 - ids.shape[1], -1, dtype=ids.dtype).expand_as(ids).contiguous()
+
+    def garbage(logits, **kwargs):
+        w, ids = route(logits, **kwargs)
+        return torch.full_like(w, 123.0), torch.zeros_like(ids)
+
+    monkeypatch.setattr(R, "route", highest_ids)
+    hidden = torch.randn(5, HIDDEN).to(torch.bfloat16)
+    _, _, ids_hf = R._original_topk(router, family.original_class(family.router_class), hidden, R.RULES[family.name])
+    assert not torch.equal(ids_hf.sort(-1).values, torch.tensor([[E - 2, E - 1]] * 5))  # the excuse is needed
+    assert R.check_router(router, family, torch.bfloat16) is None
+    monkeypatch.setattr(R, "route", garbage)
+    assert R.check_router(router, family, torch.bfloat16) == (
+        "64 of 64 random tokens chose other experts than transformers' router")
+
+
+def test_fusing_beside_transformers_experts_is_refused():
+    """transformers' own experts read int64 ids (its eager one_hot refuses int32) and its Llama-4
+    block dense scores: fuse_routers needs moekit's experts beside each router."""
+    for family in ("mixtral", "llama4"):
+        model = tiny_model(family)
+        with pytest.raises(UnsupportedModelError, match=r"the experts beside it are transformers' own.*patch_model"):
+            mh.fuse_routers(model)
+        assert not any(R.is_fused(r) for r in _routers(model))
+
+
+def test_a_routers_own_forward_pinned_on_it_is_fine_a_foreign_wrapper_is_refused():
+    """compressed-tensors leaves each module's own forward bound on the instance (which would hide
+    the fused class's): dropped at the swap, and the fused forward runs. A wrapper of another
+    kind (accelerate's offloading hook, say) would keep calling transformers' forward: refused."""
+    model = mh.patch_model(tiny_model("mixtral"), backend="reference")
+    first, second = _routers(model)
+    first.forward = first.forward  # bound, the class's own
+    second.forward = lambda hidden_states: None
+    with pytest.raises(UnsupportedModelError, match=r"layers\.1\.mlp\.gate.*wrapped by a hook of its own"):
+        mh.fuse_routers(model)
+    del second.forward
+    assert mh.fuse_routers(model) == 2 and "forward" not in vars(first)
+    hidden = torch.randn(3, HIDDEN).to(torch.bfloat16)
+    assert first(hidden)[2].dtype == torch.int32  # the fused forward's ids
+
+
+def test_a_float32_router_in_a_bf16_model():
+    """A router kept in float32 (under autocast, say) is checked with float32 hidden states."""
+    model = mh.patch_model(tiny_model("qwen3_moe"), backend="reference")
+    for r in _routers(model):
+        r.float()
+    assert mh.fuse_routers(model) == 2
+
+
+def test_a_router_that_fails_to_run_is_named():
+    model = mh.patch_model(tiny_model("olmoe"), backend="reference")
+    router = _routers(model)[0]
+    router.top_k = 99  # more than its 8 experts
+    with pytest.raises(UnsupportedModelError, match=r"layers\.0\.mlp\.gate \(OlmoeTopKRouter\): running it on the "
+                       r"check's random hidden states failed"):
+        mh.fuse_routers(model)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "llama4"])
+def test_a_model_with_fused_routers_pickles(family, tmp_path):
+    """torch.save of a whole model (fused router classes and moekit's Llama-4 block are found by
+    name) and torch.load give the same output."""
+    model = mh.patch_model(tiny_model(family), backend="reference", fused_routing=True)
+    tokens = _tokens()
+    with torch.no_grad():
+        want = model(tokens).logits
+    torch.save(model, tmp_path / "model.pt")
+    back = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert all(R.is_fused(r) for r in _routers(back))
+    with torch.no_grad():
+        assert torch.equal(back(tokens).logits, want)
 
 
 @pytest.mark.gpu

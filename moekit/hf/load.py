@@ -100,6 +100,8 @@ def llama4_block_class(family: Family) -> type:
     block = family.original_class(family.block_class)
 
     class MoekitLlama4TextMoe(block):
+        takes_routed_experts = True  # a fused router's output (routers.py) as well as transformers'
+
         def __init__(self, config, *args, **kwargs):
             super().__init__(config, *args, **kwargs)
             self.experts = _empty_experts(self.experts, family, config)
@@ -117,6 +119,7 @@ def llama4_block_class(family: Family) -> type:
             return out, router_logits
 
     MoekitLlama4TextMoe.__module__ = __name__
+    MoekitLlama4TextMoe.__qualname__ = "MoekitLlama4TextMoe"  # pickle finds it by name (module __getattr__)
     _CLASSES[key] = MoekitLlama4TextMoe
     return MoekitLlama4TextMoe
 
@@ -457,7 +460,8 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
     Returns the model.
     """
     register()
-    routers = routers_to_fuse(model) if fused_routing else []  # refused before anything changes
+    # refused before anything changes; the experts are checked to be moekit's once they are
+    routers = routers_to_fuse(model, experts_patched=False) if fused_routing else []
     family, modules, _ = _to_moekit_modules(model)
     if not modules:
         from .families import FAMILIES
@@ -613,3 +617,12 @@ def _report(info: dict, folder) -> None:
         if keys:
             shown = ", ".join(map(str, list(keys)[:5])) + (", ..." if len(keys) > 5 else "")
             log.warning("%s: %d checkpoint tensors %s: %s", folder, len(keys), what, shown)
+
+
+def __getattr__(name: str):
+    """`moekit.hf.load.MoekitLlama4TextMoe`, made on demand: pickle finds it here by name."""
+    if name == "MoekitLlama4TextMoe":
+        from .families import family_of
+
+        return llama4_block_class(family_of("llama4"))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
