@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", default=None, metavar="FILE", help="write the JSON report here")
     ev.add_argument("--fused-routing", action="store_true",
                     help="also run each backend with transformers' routers fused into moekit.route "
-                         "(rows BACKEND+fused-routing; reference keeps transformers' routers)")
+                         "(rows BACKEND+fused-routing, against the unfused reference)")
     ev.set_defaults(func=cmd_eval)
     return parser
 

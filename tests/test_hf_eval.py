@@ -48,8 +48,8 @@ def test_eval_writes_report(model_dir, tmp_path):
 
 
 def test_eval_fused_routing_rows(model_dir, tmp_path, monkeypatch):
-    """--fused-routing adds a row per backend with the routers fused; reference keeps
-    transformers' routers. On the CPU the fused routers (top-2: one rounding in any order) give
+    """--fused-routing adds a row per backend with the routers fused (reference's too); the
+    unfused reference row stays every row's baseline. On the CPU the fused routers (top-2: one rounding in any order) give
     transformers' routing bitwise, so a fused row's scores are its backend's exactly: KL 0 and
     top-1 agreement 1 between the two rows. The model's routers are transformers' again after."""
     from moekit.hf import routers
@@ -70,7 +70,8 @@ def test_eval_fused_routing_rows(model_dir, tmp_path, monkeypatch):
     assert routed, "the fused rows never ran the fused routers"  # compressed-tensors wraps every forward
     report = json.loads(out.read_text())
     assert report["fused_routing"] is True
-    assert list(report["backends"]) == ["reference", "torch", "torch+fused-routing"]
+    assert list(report["backends"]) == ["reference", "torch", "reference+fused-routing", "torch+fused-routing"]
+    assert report["pairwise"]["reference|reference+fused-routing"]["kl_mean"] == 0
     fused = report["backends"]["torch+fused-routing"]
     assert fused["backend"] == "torch" and fused["fused_routing"] is True
     assert report["backends"]["torch"]["fused_routing"] is False

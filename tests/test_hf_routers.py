@@ -11,6 +11,11 @@ experts' own tolerance.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,6 +26,8 @@ from moekit.hf import routers as R  # noqa: E402
 from moekit.hf.families import UnsupportedModelError  # noqa: E402
 
 from test_hf_tiny import FAMILY_NAMES, HIDDEN, VOCAB, tiny_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _routers(model):
@@ -254,19 +261,79 @@ def test_a_router_that_fails_to_run_is_named():
         mh.fuse_routers(model)
 
 
+@pytest.fixture(scope="module")
+def fp8_mixtral(tmp_path_factory):
+    pytest.importorskip("compressed_tensors")
+    from test_hf_tiny import fp8_checkpoint
+
+    return fp8_checkpoint(tmp_path_factory, "mixtral")[0]
+
+
+@pytest.mark.parametrize("how", ["patch_model", "from_pretrained"])
 @pytest.mark.parametrize("family", ["mixtral", "llama4"])
-def test_a_model_with_fused_routers_pickles(family, tmp_path):
-    """torch.save of a whole model (fused router classes and moekit's Llama-4 block are found by
-    name) and torch.load give the same output."""
-    model = mh.patch_model(tiny_model(family), backend="reference", fused_routing=True)
+def test_a_model_with_fused_routers_pickles(family, how, tmp_path, tmp_path_factory):
+    """torch.save of a whole model and torch.load in a new process (where the fused router
+    classes, moekit's Llama-4 block and its load-time experts classes are found by name) give the
+    same output."""
+    if how == "patch_model":
+        model = mh.patch_model(tiny_model(family), backend="reference", fused_routing=True)
+    else:
+        folder = tmp_path_factory.mktemp("bf16")
+        tiny_model(family).save_pretrained(folder)
+        model = mh.from_pretrained(folder, backend="reference", fused_routing=True)
     tokens = _tokens()
     with torch.no_grad():
         want = model(tokens).logits
     torch.save(model, tmp_path / "model.pt")
-    back = torch.load(tmp_path / "model.pt", weights_only=False)
-    assert all(R.is_fused(r) for r in _routers(back))
-    with torch.no_grad():
-        assert torch.equal(back(tokens).logits, want)
+    torch.save(tokens, tmp_path / "tokens.pt")
+    child = (
+        "import torch, sys\n"
+        "model = torch.load(sys.argv[1], weights_only=False)\n"
+        "assert all(type(m).__name__.startswith('Fused') for m in model.modules() if 'Router' in type(m).__name__)\n"
+        "with torch.no_grad():\n"
+        "    torch.save(model(torch.load(sys.argv[2])).logits, sys.argv[3])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", child, str(tmp_path / "model.pt"), str(tmp_path / "tokens.pt"),
+                           str(tmp_path / "out.pt")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert torch.equal(torch.load(tmp_path / "out.pt"), want)
+
+
+def test_fuse_unfuse_fuse_on_a_compressed_tensors_checkpoint(fp8_mixtral):
+    """transformers' loading of a compressed-tensors checkpoint has compressed-tensors wrap every
+    module's forward at the first forward (its offloading wrapper, which calls the forward it
+    captured). Fused at load, the wrapper captures the fused forward; unfused, it must call
+    transformers' again; fused again, the fused one. Each state gives its own right output and
+    ids dtype (int32 fused, int64 not)."""
+    from moekit.hf import routers
+
+    model = mh.from_pretrained(fp8_mixtral, backend="reference", fused_routing=True)
+    tokens = _tokens()
+    calls = []
+    route = routers.route
+
+    def spy(logits, **kwargs):
+        calls.append(logits.shape[0])
+        return route(logits, **kwargs)
+
+    routers.route = spy
+    try:
+        with torch.no_grad():
+            fused = model(tokens).logits
+            assert calls, "the fused routers did not run"
+            router = _routers(model)[0]
+            assert "forward" in vars(router)  # compressed-tensors' wrapper, put there at the first forward
+            assert mh.unfuse_routers(model) == 2
+            del calls[:]
+            unfused = model(tokens).logits
+            assert not calls and router(torch.randn(3, HIDDEN).to(torch.bfloat16))[2].dtype == torch.int64
+            assert mh.fuse_routers(model) == 2
+            again = model(tokens).logits
+            assert calls and router(torch.randn(3, HIDDEN).to(torch.bfloat16))[2].dtype == torch.int32
+    finally:
+        routers.route = route
+    assert torch.equal(fused, unfused) and torch.equal(again, fused)  # top-2: the same routing bitwise
 
 
 @pytest.mark.gpu

@@ -134,6 +134,30 @@ def test_a_group_tie_excuses_the_other_group_only_whole():
     assert not verdict.passed and verdict.disagree == 1
 
 
+def test_a_group_tie_excuses_only_the_top_k_of_a_right_set_of_groups():
+    """4 groups of 4, 2 kept, top-3. Group 0 is clearly kept; groups 1 and 2 tie for the second
+    place (the same top-2 sum); group 3 is out. A right pick is experts 0 and 1 and the best of
+    either tied group. Wrong: an expert of group 3; a third expert of group 0 when either tied
+    group's best beats it (the kept set must hold one of them); the tied groups' experts
+    without group 0's best ones."""
+    cfg = RoutingConfig(top_k=3, scoring="sigmoid", renormalize=True, num_groups=4, topk_groups=2)
+    logits = torch.tensor([[3.0, 2.9, -5.0, -5.0, 1.0, 0.5, -5.0, -5.0, 1.0, 0.5, -5.0, -5.0, -1.0, -1.0, -5.0, -5.0]])
+    weights, ids = torch_path(logits, cfg, None)
+    assert agreement.near_ties(logits, cfg, None).tolist() == [True]
+    scores = torch.sigmoid(logits.double())
+
+    def pick(*experts):
+        chosen = torch.tensor([experts])
+        w = scores.gather(1, chosen)
+        return (w / w.sum(-1, keepdim=True)).float(), chosen.int()
+
+    for right in [(0, 1, 4), (0, 1, 8)]:
+        assert agreement.compare(pick(*right), (weights, ids), logits, cfg, None).passed, right
+    for wrong in [(0, 1, 12), (0, 1, 2), (4, 8, 0), (4, 5, 0)]:
+        verdict = agreement.compare(pick(*wrong), (weights, ids), logits, cfg, None)
+        assert not verdict.passed and verdict.disagree == 1, wrong
+
+
 @interpreter_only
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_check_route_kernel_passes_at_each_familys_size(family):

@@ -224,12 +224,12 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
     logps: dict[str, torch.Tensor] = {}
     prompt = ids[None, :PROMPT_TOKENS]
     runs = [(b, False) for b in backends]
-    if opts.fused_routing:  # reference keeps transformers' routers: the baseline of every row
+    if opts.fused_routing:  # a second row per backend; "reference" (unfused) stays every row's baseline
         try:
             routers_to_fuse(model)  # each router checked against transformers' once, before any run
         except UnsupportedModelError as e:
             raise EvalInputError(" ".join(str(e).split())) from None
-        runs += [(b, True) for b in backends if b != "reference"]
+        runs += [(b, True) for b in backends]
     for b, fused in runs:
         if fused:
             fuse_routers(model, check=False)

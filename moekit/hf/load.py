@@ -488,7 +488,7 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
     set_backend(model, backend)
     _check_backend(modules, backend, _model_dtype(model, modules))
     _set_implementation(model)
-    swap_routers(routers)
+    swap_routers(routers, model)
     return model
 
 
@@ -625,4 +625,9 @@ def __getattr__(name: str):
         from .families import family_of
 
         return llama4_block_class(family_of("llama4"))
+    from .families import FAMILIES
+
+    for family in FAMILIES:
+        if family.block_class is None and name == f"Moekit{family.experts_class}":
+            return placeholder_class(family)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -114,6 +114,8 @@ def _logits(router: nn.Module, hidden_states: torch.Tensor, rule: RouterRule) ->
 
 def fused_forward(self: nn.Module, hidden_states: torch.Tensor):
     """The forward of a fused router: transformers' contract, moekit.route's rule."""
+    if not is_fused(self):  # captured by a wrapper (compressed-tensors, accelerate) before unfuse_routers
+        return type(self).forward(self, hidden_states)
     rule = RULES[self.moekit_family]
     logits, weights, ids = _route_core(self, rule, hidden_states)
     if rule.weights_in_logits_dtype:
@@ -246,8 +248,10 @@ def fuse_routers(model: nn.Module, *, check: bool = True, dtype: torch.dtype | N
     router must be moekit's (`patch_model` / `from_pretrained` put them there): transformers' own
     experts read int64 ids, and its Llama-4 block dense scores. With `check` (the default), each
     router is first compared with transformers' own on random hidden states of `dtype` (the
-    model's by default). Anything refused raises UnsupportedModelError before any is swapped."""
-    return swap_routers(routers_to_fuse(model, check=check, dtype=dtype))
+    model's by default; a router that keeps its weight in another dtype and does not cast, such
+    as a float32 Mixtral router in a bf16 model, gets hidden states of its own dtype). Anything
+    refused raises UnsupportedModelError before any is swapped."""
+    return swap_routers(routers_to_fuse(model, check=check, dtype=dtype), model)
 
 
 def _parent(model: nn.Module, name: str) -> nn.Module:
@@ -279,7 +283,7 @@ def _offload_wrapped(router: nn.Module) -> bool:
     f = vars(router).get("forward")
     own = type(router).moekit_original.forward if is_fused(router) else type(router).forward
     wrapped = getattr(getattr(f, "__func__", None), "__wrapped__", None)
-    return (f is not None and getattr(f, "__self__", None) is router and wrapped is own
+    return (f is not None and getattr(f, "__self__", None) is router and wrapped in (own, fused_forward)
             and getattr(router, "_original_forward_func", None) in (own, fused_forward))
 
 
@@ -287,8 +291,8 @@ def _refusal(router: nn.Module) -> str | None:
     """Why a router cannot be swapped for its fused class, whatever its routing."""
     pinned = _own_forward_pinned(router) or _offload_wrapped(router)
     if ("forward" in vars(router) and not pinned) or hasattr(router, "_hf_hook"):
-        return ("its forward is wrapped by a hook of its own (accelerate's or compressed-tensors' offloading, "
-                "say), which would keep calling transformers' forward; fused routing needs the router on its device")
+        return ("its forward is wrapped by a hook of its own (accelerate's offloading, say), which would keep "
+                "calling transformers' forward; fused routing needs the router on its device")
     if router.weight.device.type == "meta":
         return "its weights are not loaded (meta device)"
     return None
@@ -327,8 +331,16 @@ def routers_to_fuse(model: nn.Module, *, check: bool = True, dtype: torch.dtype 
     return routers
 
 
-def swap_routers(routers: list) -> int:
-    """fuse_routers' second half: swap the class of each router that routers_to_fuse returned."""
+def swap_routers(routers: list, model: nn.Module) -> int:
+    """fuse_routers' second half: swap the class of each router that routers_to_fuse returned,
+    once every one of them has moekit's experts beside it (checked first: patch_model asks for
+    the routers before the experts are in place)."""
+    for name, router, _ in routers:
+        if not _reads_fused_output(_parent(model, name)):
+            raise UnsupportedModelError(
+                f"{name} ({type(router).__name__}): the experts beside it are not moekit's, which read int32 "
+                "ids; fused routing left off"
+            )
     for _, router, family in routers:
         if _own_forward_pinned(router):
             del router.forward
@@ -343,7 +355,9 @@ def unfuse_routers(model: nn.Module) -> int:
     count = 0
     for m in model.modules():
         if is_fused(m):
-            if _offload_wrapped(m):
+            if _own_forward_pinned(m):
+                del m.forward
+            elif _offload_wrapped(m):
                 m._original_forward_func = type(m).moekit_original.forward
             m.__class__ = type(m).moekit_original
             count += 1

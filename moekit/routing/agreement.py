@@ -28,9 +28,9 @@ WEIGHT_RTOL = 1e-5
 WEIGHT_ATOL = 1e-7
 
 
-def _rule64(logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | None):
-    """The rule in float64: (choice [M, E] with the unkept groups at -inf, scores [M, E], the
-    row's tie scale [M, 1] = max(|choice|, 1), group_tie [M], expert_tie [M]) (near_ties)."""
+def _choice64(logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | None):
+    """The rule's first steps in float64: (choice [M, E] before any group mask, scores [M, E], the
+    row's tie scale [M, 1] = max(|choice|, 1))."""
     x = logits.double()
     scores = torch.softmax(x, -1) if config.scoring == "softmax" else torch.sigmoid(x)
     if bias is not None:
@@ -39,16 +39,31 @@ def _rule64(logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | No
         choice = x
     else:
         choice = scores
-    scale = choice.abs().amax(-1, keepdim=True).clamp_min(1.0)
-    group_tie = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-    if config.num_groups is not None and config.topk_groups < config.num_groups:
-        grouped = choice.view(x.shape[0], config.num_groups, -1)
-        group_scores = grouped.topk(2, -1).values.sum(-1)
+    return choice, scores, choice.abs().amax(-1, keepdim=True).clamp_min(1.0)
+
+
+def _grouped(config: RoutingConfig) -> bool:
+    return config.num_groups is not None and config.topk_groups < config.num_groups
+
+
+def _group_scores(choice: torch.Tensor, config: RoutingConfig) -> torch.Tensor:
+    """[M, groups]: each group's score, the sum of its two best choice values."""
+    return choice.view(choice.shape[0], config.num_groups, -1).topk(2, -1).values.sum(-1)
+
+
+def _rule64(logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | None):
+    """The rule in float64: (choice [M, E] with the unkept groups at -inf, scores [M, E], the
+    row's tie scale [M, 1] = max(|choice|, 1), group_tie [M], expert_tie [M]) (near_ties)."""
+    choice, scores, scale = _choice64(logits, config, bias)
+    group_tie = torch.zeros(choice.shape[0], dtype=torch.bool, device=choice.device)
+    if _grouped(config):
+        group_scores = _group_scores(choice, config)
         ordered = group_scores.sort(-1, descending=True).values
         kept = config.topk_groups
         group_tie = (ordered[:, kept - 1] - ordered[:, kept]).abs() < TIE * scale[:, 0]
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_scores.topk(kept, -1).indices, True)
-        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(x)
+        choice = choice.view(choice.shape[0], config.num_groups, -1).masked_fill(~keep.unsqueeze(-1), float("-inf"))
+        choice = choice.view_as(scores)
     ordered = choice.sort(-1, descending=True).values[:, : config.top_k + 1]
     expert_tie = ((ordered[:, :-1] - ordered[:, 1:]) < TIE * scale).any(-1)
     return choice, scores, scale, group_tie, expert_tie
@@ -71,12 +86,41 @@ def _rule_weights64(scores: torch.Tensor, ids: torch.Tensor, config: RoutingConf
     return weights * config.routed_scaling_factor
 
 
+def _group_pick_right(choice: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, config: RoutingConfig) -> torch.Tensor:
+    """bool [R]: on rows where groups tie, whether experts `ids` [R, k] (in range) are the top-k of
+    some right set of kept groups. choice [R, E] float64 before any group mask.
+
+    With b the topk_groups-th best group score and t the tie tolerance, the groups above b + t
+    must be kept, those within t of b may be, the others not. The pick is right when its groups
+    are allowed ones, these together with the must-keep groups are at most topk_groups, its choice
+    values are (within t, position by position) the top-k of those groups' experts, and enough
+    other tied groups are left to fill the kept set whose experts would not beat its k-th value
+    (within t): such a kept set then has this pick as its top-k."""
+    R, E = choice.shape
+    kept, per = config.topk_groups, E // config.num_groups
+    tol = TIE * scale  # [R, 1]
+    group_scores = _group_scores(choice, config)
+    boundary = group_scores.sort(-1, descending=True).values[:, kept - 1 : kept]
+    must = group_scores > boundary + tol
+    tied = (group_scores >= boundary - tol) & ~must
+    used = torch.zeros_like(must).scatter_(1, ids // per, True)
+    base = must | used
+    ok = (~used | must | tied).all(-1) & (base.sum(-1) <= kept)
+    mine = choice.gather(1, ids).sort(-1, descending=True).values
+    grouped = choice.view(R, config.num_groups, per)
+    best_of_base = grouped.masked_fill(~base.unsqueeze(-1), float("-inf")).view(R, E).topk(ids.shape[1], -1).values
+    ok &= ((best_of_base - mine).abs() <= tol).all(-1)
+    quiet = grouped.amax(-1) <= mine[:, -1:] + tol  # groups whose experts would not beat the pick
+    ok &= (tied & ~base & quiet).sum(-1) >= kept - base.sum(-1)
+    return ok
+
+
 def _tie_rows_right(w, ids, ids_ref, logits, config, bias, rows: torch.Tensor) -> torch.Tensor:
     """bool over `rows` (near-tie rows where the ids differ): each is a correct pick all the same.
     Its ids are distinct experts in [0, E); its weights are the rule's for those experts (float64,
     WEIGHT_RTOL); where only experts tie (not groups), its choice values match the reference's
-    position by position within TIE; where groups tie, its experts lie in at most topk_groups
-    groups."""
+    position by position within TIE; where groups tie, its experts are the top-k of a right set
+    of kept groups (_group_pick_right)."""
     choice, scores, scale, group_tie, _ = _rule64(logits[rows], config, bias)
     ids, ids_ref, w = ids[rows].long(), ids_ref[rows].long(), w[rows].double()
     num_experts = logits.shape[1]
@@ -85,11 +129,9 @@ def _tie_rows_right(w, ids, ids_ref, logits, config, bias, rows: torch.Tensor) -
     expected = _rule_weights64(scores, safe, config)
     ok &= ((w - expected).abs() <= WEIGHT_ATOL + WEIGHT_RTOL * expected.abs()).all(-1)
     close = ((choice.gather(1, safe) - choice.gather(1, ids_ref)).abs() <= TIE * scale).all(-1)
-    if config.num_groups is not None and config.topk_groups < config.num_groups:
-        group_of = safe // (num_experts // config.num_groups)
-        groups_used = torch.tensor([row.unique().numel() for row in group_of.cpu()], dtype=torch.long,
-                                   device=ok.device)
-        close = torch.where(group_tie, groups_used <= config.topk_groups, close)
+    if _grouped(config):
+        raw = _choice64(logits[rows], config, bias)[0]
+        close = torch.where(group_tie, _group_pick_right(raw, scale, safe, config), close)
     return ok & close
 
 
