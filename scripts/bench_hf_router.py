@@ -10,6 +10,7 @@ checked against its fused form first (routers.check_router; a disagreement stops
         [--batch-sizes 1 8 64 1024] [--json FILE]
 """
 import argparse
+import copy
 import json
 
 import torch
@@ -66,17 +67,23 @@ def main(argv=None) -> int:
         problem = R.check_router(router, family, torch.bfloat16)
         if problem is not None:
             raise SystemExit(f"{name}: the fused router differs from transformers': {problem}")
-        original = family.original_class(family.router_class)
-        fused = R._fused_class(original, family)
+        fused_router = copy.deepcopy(router)  # the same weights, its class swapped as fuse_routers does
+        fused_router.__class__ = R._fused_class(family.original_class(family.router_class), family)
         H = router.weight.shape[-1]
+        probe = torch.randn(4, H, device=dev, dtype=torch.bfloat16)
+        with torch.no_grad():  # int32 ids: the fused forward ran, not transformers' (int64)
+            out = fused_router(probe)
+        ids = out[0].ids if R.RULES[name].dense_scores else out[2]
+        if ids.dtype != torch.int32:
+            raise SystemExit(f"{name}: the fused router ran transformers' forward (ids {ids.dtype})")
         for M in args.batch_sizes:
             hidden = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
 
-            def run(cls, hidden=hidden):
+            def run(module, hidden=hidden):
                 with torch.no_grad():
-                    return cls.forward(router, hidden)
+                    return module(hidden)
 
-            fns = {"transformers": lambda: run(original), "fused": lambda: run(fused)}
+            fns = {"transformers": lambda: run(router), "fused": lambda: run(fused_router)}
             timings = time_graphs(fns, rounds=args.rounds)
             for label, t in timings.items():
                 if isinstance(t, BaseException):
