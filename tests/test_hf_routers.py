@@ -300,7 +300,7 @@ def test_a_model_with_fused_routers_pickles(family, how, tmp_path, tmp_path_fact
     assert torch.equal(torch.load(tmp_path / "out.pt"), want)
 
 
-def test_fuse_unfuse_fuse_on_a_compressed_tensors_checkpoint(fp8_mixtral):
+def test_fuse_unfuse_fuse_on_a_compressed_tensors_checkpoint(fp8_mixtral, monkeypatch):
     """transformers' loading of a compressed-tensors checkpoint has compressed-tensors wrap every
     module's forward at the first forward (its offloading wrapper, which calls the forward it
     captured). Fused at load, the wrapper captures the fused forward; unfused, it must call
@@ -317,28 +317,25 @@ def test_fuse_unfuse_fuse_on_a_compressed_tensors_checkpoint(fp8_mixtral):
         calls.append(logits.shape[0])
         return route(logits, **kwargs)
 
-    routers.route = spy
-    try:
-        with torch.no_grad():
-            fused = model(tokens).logits
-            assert calls, "the fused routers did not run"
-            router = _routers(model)[0]
-            assert "forward" in vars(router)  # compressed-tensors' wrapper, put there at the first forward
-            assert mh.unfuse_routers(model) == 2
-            del calls[:]
-            unfused = model(tokens).logits
-            assert not calls and router(torch.randn(3, HIDDEN).to(torch.bfloat16))[2].dtype == torch.int64
-            assert mh.fuse_routers(model) == 2
-            again = model(tokens).logits
-            assert calls and router(torch.randn(3, HIDDEN).to(torch.bfloat16))[2].dtype == torch.int32
-    finally:
-        routers.route = route
+    monkeypatch.setattr(routers, "route", spy)
+    with torch.no_grad():
+        fused = model(tokens).logits
+        assert calls, "the fused routers did not run"
+        router = _routers(model)[0]
+        assert "forward" in vars(router)  # compressed-tensors' wrapper, put there at the first forward
+        assert mh.unfuse_routers(model) == 2
+        del calls[:]
+        unfused = model(tokens).logits
+        assert not calls and router(torch.randn(3, HIDDEN).to(torch.bfloat16))[2].dtype == torch.int64
+        assert mh.fuse_routers(model) == 2
+        again = model(tokens).logits
+        assert calls and router(torch.randn(3, HIDDEN).to(torch.bfloat16))[2].dtype == torch.int32
     assert torch.equal(fused, unfused) and torch.equal(again, fused)  # top-2: the same routing bitwise
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "llama4"])
-def test_fused_routers_on_gpu(family):
+def test_fused_routers_on_gpu(family, monkeypatch):
     """On a GPU the fused router is one launch of the routing kernel, and the model's output stays
     within the experts' own agreement: fused routing differs only in the weights' last float32
     bits and on exact ties, so the bf16 logits agree to bf16 resolution except where a token's
@@ -348,17 +345,18 @@ def test_fused_routers_on_gpu(family):
     dev = torch.device("cuda")
     model = mh.patch_model(tiny_model(family).to(dev), backend="reference")
     tokens = _tokens().to(dev)
+    calls = []  # route()'s choice of path on each call: True where it took the kernel
+    use_kernel = routing._use_kernel
+
+    def spy(logits):
+        calls.append(use_kernel(logits))
+        return calls[-1]
+
     with torch.no_grad():
         want = model(tokens).logits.float()
         mh.fuse_routers(model)
-        calls = []
-        original = routing._use_kernel
-        routing_use = lambda logits: calls.append(original(logits)) or calls[-1]  # noqa: E731
-        routing._use_kernel = routing_use
-        try:
-            got = model(tokens).logits.float()
-        finally:
-            routing._use_kernel = original
+        monkeypatch.setattr(routing, "_use_kernel", spy)
+        got = model(tokens).logits.float()
     assert calls and all(calls), "the fused routers did not take the routing kernel"
     rel = float((got - want).norm() / want.norm())
     assert rel < 2e-2, rel

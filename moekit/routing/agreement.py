@@ -140,7 +140,7 @@ def tie_picks_right(w: torch.Tensor, ids: torch.Tensor, ids_ref: torch.Tensor, l
     """bool over `rows`: compare()'s verdict on near-tie rows whose picks differ (the module
     docstring), for a reference `ids_ref` in any order (transformers' DeepSeek-V3 router returns
     its top-k unsorted): it is put in decreasing order of choice first. `w` float32 or wider."""
-    choice = _rule64(logits, config, bias)[0]
+    choice = _choice64(logits, config, bias)[0]  # the reference's experts are in kept groups: no mask needed
     ids_ref = ids_ref.long()
     ids_ref = ids_ref.gather(1, choice.gather(1, ids_ref).argsort(dim=-1, descending=True, stable=True))
     return _tie_rows_right(w, ids, ids_ref, logits, config, bias, rows)
