@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|auto|check|full|hf|fast|decode|gemm2|unmarked|pending|ids|route|hfroute|halfheight|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemm2|unmarked|pending|ids|route|hfroute|halfheight|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points (BENCHMARKS.md, Reference points): the expert GEMMs alone
 #        (--mode gemm) and the whole layer, for GLM-4.5V-FP8 TP2, Mixtral-8x7B FP8 and
 #        DeepSeek-V3 TP8, every backend plus auto.
+# anchors: the anchor points alone (ANCHOR_M), shorter than `bench`: the two GEMMs (triton, cutlass)
+#        and the whole layer (triton, cutlass, auto) per model in precise mode, then GEMMs and layer
+#        of the channel-scale models in fast mode (MOEKIT_FP8_ACCUMULATION=fast) at the prefill
+#        anchors, where fast mode is the one in question; no plots. Not part of `all`.
 # auto:  the whole layer on every backend plus auto, at the sizes the shipped decision tables
 #        measured, the sizes between, and others off both grids, 4 routings per point (is auto
 #        within 3% of the fastest everywhere?).
@@ -129,6 +133,24 @@ if want bench; then
       --batch-sizes $ANCHOR_M --no-check --out "$WORK/bench-gemm-$model"
     moekit bench --model "$model" --tp "$tp" --scheme "$scheme" --mode layer --model-estimate \
       --batch-sizes $LAYER_M --out "$WORK/bench-layer-$model"
+  done
+fi
+if [[ " ${steps[*]} " == *" anchors "* ]]; then
+  moekit info
+  for mode in precise fast; do
+    for m in "${MODELS[@]}"; do
+      read -r model tp scheme <<<"$m"
+      sizes=$ANCHOR_M; backends="triton cutlass"
+      [[ $scheme == fp8-block128 ]] && backends=triton  # no block cutlass
+      if [[ $mode == fast ]]; then
+        [[ $scheme == fp8-block128 ]] && continue  # block scales promote every K step in both modes
+        sizes="1024 4096 8192"
+      fi
+      MOEKIT_FP8_ACCUMULATION=$mode moekit bench --model "$model" --tp "$tp" --scheme "$scheme" --mode gemm \
+        --backends $backends --batch-sizes $sizes --no-check --no-plots --out "$WORK/anchors-$mode-gemm-$model" || status=1
+      MOEKIT_FP8_ACCUMULATION=$mode moekit bench --model "$model" --tp "$tp" --scheme "$scheme" --mode layer \
+        --backends $backends auto --batch-sizes $sizes --no-plots --out "$WORK/anchors-$mode-layer-$model" || status=1
+    done
   done
 fi
 if want auto; then
