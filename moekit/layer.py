@@ -114,8 +114,26 @@ class MoELayer(HandleOwner, torch.nn.Module):
             raise TypeError(f"routing must be a moekit.RoutingConfig or None, got {type(routing).__name__}")
         if parallel not in (None, "tp", "ep"):
             raise ValueError(f"parallel must be None, 'tp' or 'ep', got {parallel!r}")
+        if parallel is None and process_group is not None:
+            raise ValueError("process_group is only for parallel='tp' or 'ep' (a layer of one process has no group)")
+        shard = weights.shard
+        if parallel is None and shard is not None and shard.world_size > 1:
+            raise ValueError(
+                f"these weights are one rank's shard ({shard}): pass parallel={shard.parallel!r}, or the whole weights"
+            )
+        if parallel is not None and (shard is None or shard.parallel != parallel):
+            raise ValueError(
+                f"parallel={parallel!r} needs this rank's shard as made by moekit.distributed.shard_weights_{parallel} "
+                f"(or MoELayer.sharded, from the whole weights); got "
+                + ("whole weights (no MoEWeights.shard)" if shard is None else f"a shard for {shard.parallel!r}")
+            )
         if parallel == "ep":
-            if not isinstance(num_experts, int) or num_experts < weights.num_experts:
+            if num_experts is None:
+                raise ValueError("an expert-parallel layer needs num_experts, the model's number of experts")
+            from .distributed.checks import as_count
+
+            num_experts = as_count("num_experts", num_experts)
+            if num_experts < weights.num_experts:
                 raise ValueError(
                     f"an expert-parallel layer needs num_experts, the model's number of experts "
                     f"(>= this rank's {weights.num_experts}), got {num_experts!r}"
@@ -137,7 +155,7 @@ class MoELayer(HandleOwner, torch.nn.Module):
             self.register_buffer(BIAS, correction_bias.to(device=weights.device, dtype=torch.float32))
         elif correction_bias is not None:
             raise ValueError("correction_bias was given but the routing does not use one (use_correction_bias)")
-        self._scheme = weights.scheme
+        self._scheme, self._shard = weights.scheme, weights.shard
         self._weights: MoEWeights | None = weights
 
     # ------------------------------------------------------------------------- constructors
@@ -211,7 +229,7 @@ class MoELayer(HandleOwner, torch.nn.Module):
         w = self._weights
         if w is None:
             buffers = self._buffers
-            w = self._weights = MoEWeights(self._scheme, **{n: buffers.get(n) for n in _TENSORS})
+            w = self._weights = MoEWeights(self._scheme, **{n: buffers.get(n) for n in _TENSORS}, shard=self._shard)
         return w
 
     def __setattr__(self, name, value):

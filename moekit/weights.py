@@ -23,6 +23,20 @@ from .spec import BLOCK, FP8_MAX, MoEShape, QuantScheme, get_scheme
 UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16)
 
 
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Which rank's part of a whole layer's weights a MoEWeights holds, as
+    `moekit.distributed.shard_weights_tp` / `shard_weights_ep` cut it: tp_fused_moe and
+    ep_fused_moe check it against their process group, so that the whole weights or another
+    rank's shard cannot run as this rank's (an unsharded TP layer would return world_size times
+    the output)."""
+
+    parallel: str  # "tp" (a slice of every expert's N) or "ep" (whole experts)
+    rank: int
+    world_size: int
+    whole: int  # the whole layer's intermediate size N (tp) or number of experts E (ep)
+
+
 @dataclasses.dataclass(eq=False)
 class MoEWeights:
     scheme: QuantScheme
@@ -32,6 +46,8 @@ class MoEWeights:
     w2_scale: torch.Tensor | None = None
     a13_scale: torch.Tensor | None = None
     a2_scale: torch.Tensor | None = None
+    # the rank's part of a whole layer these weights are (moekit.distributed), None for a whole layer
+    shard: Shard | None = None
     # Per-backend derived state (e.g. a dequantized copy for the `torch` backend), built once and
     # refreshed in place after a tensor is written: read it through prepared_state().
     prepared: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -120,7 +136,7 @@ class MoEWeights:
 
     def to(self, device: torch.device | str) -> "MoEWeights":
         moved = {k: v.to(device) for k, v in self.tensors().items()}
-        return MoEWeights(self.scheme, **moved)
+        return MoEWeights(self.scheme, **moved, shard=self.shard)
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 (w13 [E, 2N, H], w2 [E, H, N])."""

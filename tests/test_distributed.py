@@ -184,9 +184,45 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             outs["wrong-shard-refused"] = torch.tensor(False)
         except ValueError as e:
             outs["wrong-shard-refused"] = torch.tensor("shard_weights_ep" in str(e))
+        outs.update(_refusals(rank, world, c))
         torch.save(outs, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _raised(call) -> str:
+    """'TypeName: message' of what call() raised, '' where it returned."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the tests read the type and message
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def _refusals(rank: int, world: int, c: Case) -> dict:
+    """Bad input on some ranks, each followed by a good call that must still work: no rank is
+    left waiting in a collective the others never started (the group would then time out)."""
+    W, x, tw, ids = _inputs(c)
+    r = _rows(c, rank)
+    x, tw, ids = x[r], tw[r], ids[r]
+    local = md.shard_weights_ep(W, rank, world)
+    good = md.ep_fused_moe(x, local, tw, ids, c.E, backend=c.backend)
+    bad_ids = ids.clone()
+    if rank == world - 1:  # the last rank alone: an id out of range
+        bad_ids[0, 0] = c.E + 2
+    outs = {
+        "one-rank-bad-ids": _raised(lambda: md.ep_fused_moe(x, local, tw, bad_ids, c.E, backend=c.backend)),
+        "after-one-rank-bad-ids": md.ep_fused_moe(x, local, tw, ids, c.E, backend=c.backend),
+        "ep-good": good,
+        # every rank with the next rank's shard (a global rank mixed up with a group rank, say)
+        "ep-next-rank-shard": _raised(lambda: md.ep_fused_moe(
+            x, md.shard_weights_ep(W, (rank + 1) % world, world), tw, ids, c.E, backend=c.backend)),
+        "tp-next-rank-shard": _raised(lambda: md.tp_fused_moe(  # N divisible by the world size
+            x, md.shard_weights_tp(random_weights(c.E, c.H, c.N * world, c.scheme), (rank + 1) % world, world),
+            tw, ids, backend=c.backend)),
+    }
+    outs["after-refusals"] = md.ep_fused_moe(x, local, tw, ids, c.E, backend=c.backend)
+    return outs
 
 
 _RUNS: dict[int, object] = {}
@@ -384,6 +420,39 @@ def test_expert_parallel_refuses_unsharded_weights(world):
     assert all(bool(o["wrong-shard-refused"]) for o in _outputs(world))
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_bad_input_on_one_rank_raises_on_every_rank(world):
+    """EP: each rank has its own tokens, so a bad id is on one rank. That rank raised and the
+    others waited in the count exchange until the group's timeout; now every rank raises at
+    once (the others naming the failing rank) and the group goes on working."""
+    outs = _outputs(world)
+    last = world - 1
+    assert outs[last]["one-rank-bad-ids"].startswith("ValueError: topk_ids must lie in")
+    for rank in range(last):
+        assert outs[rank]["one-rank-bad-ids"] == (
+            f"RuntimeError: ep_fused_moe: rank(s) [{last}] of the process group refused their inputs "
+            "(their own error says why); no rank ran the layer"
+        )
+    for o in outs:
+        assert torch.equal(o["after-one-rank-bad-ids"], o["ep-good"])
+        assert torch.equal(o["after-refusals"], o["ep-good"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_another_ranks_shard_is_refused(world, mode):
+    """Every rank given the next rank's shard (all wrong, so none waits for another): each raises
+    a ValueError naming both ranks. Before the shard tag EP compared only the number of experts
+    and TP nothing, and both returned garbage."""
+    for rank, o in enumerate(_outputs(world)):
+        other = (rank + 1) % world
+        assert o[f"{mode}-next-rank-shard"] == (
+            f"ValueError: these weights are the shard for {mode} rank {other} of {world}, but this call runs as "
+            f"{mode} rank {rank} of {world} of its process group (shard the whole layer's weights with "
+            f"moekit.distributed.shard_weights_{mode}(weights, {rank}, {world}), or MoELayer.sharded)"
+        )
+
+
 # --------------------------------------------------------------------- sharding (one process)
 
 
@@ -490,15 +559,20 @@ def test_parallel_calls_are_inference_only_and_say_so(one_rank_group, mode):
     assert len(caught) == 1 and not got.requires_grad and torch.equal(got, want)
 
 
-def _no_collective(*args, **kwargs):
-    raise AssertionError("a collective started before the inputs were checked")
-
-
 def test_expert_parallel_checks_everything_before_the_first_collective(one_rank_group, monkeypatch):
     """ep_fused_moe's own checks skipped x's dtype and the top-k limit (and a named backend that
     cannot run was found only by the local fused_moe): those errors came after the count
-    exchange had started, leaving the other ranks waiting in the next collective."""
-    monkeypatch.setattr(dist, "all_to_all_single", _no_collective)
+    exchange had started, leaving the other ranks waiting in the next collective. Each refusal
+    takes part in the count exchange alone, with its failure flag set (so that the other ranks
+    raise too: test_bad_input_on_one_rank_raises_on_every_rank), and in no other collective."""
+    sent = []
+
+    def exchange_only(output, input, *args, **kwargs):  # a one-rank all_to_all: output = input
+        assert input.shape == (1, 2), "the count exchange: [world, (count, failure flag)]"
+        output.copy_(input)
+        sent.append(input.clone())
+
+    monkeypatch.setattr(dist, "all_to_all_single", exchange_only)
     W = random_weights(4, 128, 128, "fp8-channel-token")
     tw, ids = random_routing(5, 4, 2)
     x = random_x(5, 128)
@@ -514,12 +588,15 @@ def test_expert_parallel_checks_everything_before_the_first_collective(one_rank_
         md.ep_fused_moe(x, b, tw, ids, 4)
     with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\)"):
         md.ep_fused_moe(x, W, tw, ids + 4, 4)
-    with pytest.raises(ValueError, match=r"rank 0 of 1 owns experts \[0, 4\) of 4, but local_weights holds 2 experts"):
+    with pytest.raises(ValueError, match=r"the shard for ep rank 0 of 2, but this call runs as ep rank 0 of 1"):
         md.ep_fused_moe(x, md.shard_weights_ep(W, 0, 2), tw, ids, 4)
+    with pytest.raises(ValueError, match=r"rank 0 of 1 owns experts \[0, 4\) of 4, but local_weights holds 2 experts"):
+        md.ep_fused_moe(x, random_weights(2, 128, 128, "bf16"), tw, ids, 4)  # untagged: counted
     with pytest.raises(ValueError, match="apply_router_weight_on_input needs top-k = 1, got top-k = 2"):
         md.ep_fused_moe(x, W, tw, ids, 4, apply_router_weight_on_input=True)
     with pytest.raises(ValueError, match="at least one expert per rank"):
         md.ep_fused_moe(x, W, tw, ids, 0)
+    assert len(sent) == 9 and all(t.tolist() == [[0, 1]] for t in sent), "every refusal flagged its failure"
 
 
 # ---------------------------------------------------------------- the checks can fail (mutations)
@@ -604,3 +681,87 @@ def test_bench_script_under_torchrun(mode, tmp_path):
         assert r["layer_us"] > 0 and 0 <= r["comm_us"] and 0 <= r["comm_share"]
         assert r["check_rel_l2"] < 0.05  # against single-process fused_moe on the full weights
     assert "comm share" in p.stdout
+
+
+# ----------------------------------------------------------- shard tags and argument checks
+
+
+def test_shards_are_tagged_and_keep_their_tag():
+    W = random_weights(4, 128, 256, "fp8-channel-token")
+    tp = md.shard_weights_tp(W, 1, 2)
+    ep = md.shard_weights_ep(W, 1, 2)
+    assert W.shard is None
+    assert tp.shard == moekit.weights.Shard("tp", 1, 2, 256) and ep.shard == moekit.weights.Shard("ep", 1, 2, 4)
+    assert tp.to("cpu").shard == tp.shard
+    layer = moekit.MoELayer(tp, parallel="tp")
+    layer.to("cpu").w13 = layer.w13.clone()  # the layer's weights rebuilt from its buffers
+    assert layer.weights.shard == tp.shard
+    for shard in (md.shard_weights_tp, md.shard_weights_ep):
+        with pytest.raises(ValueError, match="already a shard"):
+            shard(tp, 0, 2)
+
+
+def test_layer_refuses_weights_that_are_not_its_shard(tmp_path):
+    W = random_weights(4, 128, 256, "bf16")
+    with pytest.raises(ValueError, match=r"parallel='tp' needs this rank's shard .* got whole weights"):
+        moekit.MoELayer(W, parallel="tp")  # would have returned world size x the output
+    with pytest.raises(ValueError, match=r"parallel='ep' needs .* got a shard for 'tp'"):
+        moekit.MoELayer(md.shard_weights_tp(W, 0, 2), parallel="ep", num_experts=4)
+    with pytest.raises(ValueError, match=r"one rank's shard .* pass parallel='tp'"):
+        moekit.MoELayer(md.shard_weights_tp(W, 0, 2))
+    assert moekit.MoELayer(md.shard_weights_tp(W, 0, 1)).weights.n == 256  # one rank's shard is the whole
+    with pytest.raises(ValueError, match="process_group is only for parallel='tp' or 'ep'"):
+        moekit.MoELayer(W, process_group=object())
+
+
+def test_counts_must_be_integers():
+    np = pytest.importorskip("numpy")
+    assert md.expert_partition(np.int64(8), 2) == [(0, 4), (4, 8)]  # NumPy integers are integers
+    assert md.expert_range(torch.tensor(5), 1, 2) == (3, 5)
+    for bad in (8.0, "8", True):
+        with pytest.raises(TypeError, match="num_experts must be an int"):
+            md.expert_partition(bad, 2)
+    with pytest.raises(TypeError, match="world_size must be an int"):
+        md.expert_partition(8, 2.0)
+    ep = md.shard_weights_ep(random_weights(4, 128, 128, "bf16"), 0, 2)
+    with pytest.raises(TypeError, match="num_experts must be an int, got bool"):
+        moekit.MoELayer(ep, parallel="ep", num_experts=True)
+    assert moekit.MoELayer(ep, parallel="ep", num_experts=np.int64(4)).num_experts == 4
+
+
+def test_plan_counts_without_bincount():
+    """The pairs per destination, made by a scatter-add (torch.bincount reads min and max on the
+    host on CUDA): the same counts as bincount, for every world size and routing here."""
+    from moekit.distributed.ep import _plan
+
+    for E, world, seed in ((5, 2, 0), (7, 3, 1), (8, 8, 2), (16, 4, 3)):
+        tw, ids = random_routing(37, E, 2, seed=seed)
+        counts = _plan(ids, E, world)[3]
+        dest = torch.bucketize(ids.reshape(-1).long(), torch.tensor([e for _, e in md.expert_partition(E, world)]),
+                               right=True)
+        assert torch.equal(counts, torch.bincount(dest, minlength=world))
+
+
+def test_tp_reduce_dtype_is_checked(one_rank_group):
+    W = md.shard_weights_tp(random_weights(4, 128, 128, "bf16"), 0, 1)
+    tw, ids = random_routing(5, 4, 2)
+    x = random_x(5, 128)
+    for bad in (torch.int32, "float32", torch.bool):
+        with pytest.raises(TypeError, match="reduce_dtype must be a floating point torch.dtype or None"):
+            md.tp_fused_moe(x, W, tw, ids, reduce_dtype=bad)
+    assert torch.equal(md.tp_fused_moe(x, W, tw, ids, reduce_dtype=torch.float64), moekit.fused_moe(x, W, tw, ids))
+
+
+def test_init_from_env_returns_the_group_made_before(one_rank_group, monkeypatch):
+    """A group made before (mp.spawn + init_process_group, no torchrun variables): its rank and
+    backend; RANK and WORLD_SIZE without LOCAL_RANK no longer raise; another backend does."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    env = md.init_from_env()
+    assert (env.rank, env.world_size, env.local_rank, env.backend, env.device) == (0, 1, 0, "gloo", torch.device("cpu"))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert md.init_from_env(backend="GLOO").backend == "gloo"  # names are case-insensitive
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert md.init_from_env().local_rank == 3
+    with pytest.raises(ValueError, match="init_from_env\\(backend='nccl'\\) but the process group already initialised uses 'gloo'"):
+        md.init_from_env(backend="nccl")

@@ -24,9 +24,17 @@ is 2*H bytes of bf16); in exchange the backends' fused weight epilogue does the 
 `apply_router_weight_on_input` (Llama-4: the weight scales the expert's input) works unchanged.
 
 Host synchronisation: all_to_all_single with uneven splits needs the split sizes on the host, so
-step 2 ends with a .tolist() of the received counts (a device-to-host sync per call). That is
-accepted here: the layer is not CUDA-graph capturable under expert parallelism (a fixed-capacity
-dispatch, padding every rank's buffer to a worst case, would be).
+step 2 ends with a .tolist() of the received counts (a device-to-host sync per call; the counts
+themselves are made without one). That is accepted here: the layer is not CUDA-graph capturable
+under expert parallelism (a fixed-capacity dispatch, padding every rank's buffer to a worst case,
+would be).
+
+Bad input on one rank: each rank's tokens are its own, so a bad input (an id out of range, a
+wrong shape, another rank's shard) is usually on one rank only. Every rank checks its inputs
+before any collective and still takes part in step 2, sending a failure flag beside its counts:
+then every rank raises (the failing one its own error, the others a RuntimeError naming it)
+instead of some waiting in the dispatch for the group's timeout. (Ids on a GPU are checked by a
+device-side assertion, which stops that rank's CUDA context instead.)
 
 What is and is not the single-process result (same backend, full weights):
   - For the schemes whose activation quantization is per row (bf16, fp8-tensor-static,
@@ -57,16 +65,17 @@ import torch.distributed as dist
 
 from ..api import fused_moe, grads_would_be_dropped, validate_inputs
 from ..select import select_backend
-from ..weights import MoEWeights
-from .tp import _check_rank
+from ..weights import MoEWeights, Shard
+from .checks import as_count, check_rank, check_shard
 
 _META_BYTES = 8  # int32 local expert id + float32 routing weight, at the front of each row
 
 
 def expert_partition(num_experts: int, world_size: int) -> list[tuple[int, int]]:
     """[(start, end)] of every rank: contiguous, the first num_experts % world_size ranks one more."""
-    _check_rank(0, world_size)
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < world_size:
+    _, world_size = check_rank(0, world_size)
+    num_experts = as_count("num_experts", num_experts)
+    if num_experts < world_size:
         raise ValueError(
             f"expert parallel needs at least one expert per rank: num_experts={num_experts!r}, "
             f"world_size={world_size}"
@@ -78,31 +87,40 @@ def expert_partition(num_experts: int, world_size: int) -> list[tuple[int, int]]
 
 def expert_range(num_experts: int, rank: int, world_size: int) -> tuple[int, int]:
     """(start, end): the experts rank `rank` owns (see expert_partition)."""
-    _check_rank(rank, world_size)
+    rank, world_size = check_rank(rank, world_size)
     return expert_partition(num_experts, world_size)[rank]
 
 
 def shard_weights_ep(weights: MoEWeights, rank: int, world_size: int) -> MoEWeights:
     """Rank `rank`'s experts [start, end) of `weights` (all their scales sliced alike; static
-    activation scales replicated). Contiguous copies: the full weights can be freed afterwards."""
+    activation scales replicated). Contiguous copies: the full weights can be freed afterwards.
+    Tagged (`MoEWeights.shard`) with the rank, the world size and E, which ep_fused_moe checks."""
     if not isinstance(weights, MoEWeights):
         raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
+    if weights.shard is not None:
+        raise ValueError(f"these weights are already a shard ({weights.shard}); shard the whole layer's weights")
+    rank, world_size = check_rank(rank, world_size)
     start, end = expert_range(weights.num_experts, rank, world_size)
     kw = {}
     for name, t in weights.tensors().items():
         per_expert = name in ("w13", "w2", "w13_scale", "w2_scale")  # a13/a2 are not per expert
         kw[name] = t[start:end].contiguous() if per_expert else t.clone()
-    return MoEWeights(weights.scheme, **kw)
+    return MoEWeights(weights.scheme, **kw, shard=Shard("ep", rank, world_size, weights.num_experts))
 
 
 def _check_inputs(x, local_weights, topk_weights, topk_ids, num_experts, rank, world, apply_on_input):
     """Everything fused_moe would refuse on the received rows is refused here, before the first
-    collective, so that every rank raises instead of some waiting for the others forever: its
-    validate_inputs against the model's num_experts (GPU ids: a device-side assertion, no host
-    sync), the shard, and top-k = 1 under apply_router_weight_on_input. Returns topk_weights and
-    topk_ids as validate_inputs does (float32, int32)."""
+    collective (the module docstring: how the other ranks learn of it): its validate_inputs
+    against the model's num_experts (GPU ids: a device-side assertion, no host sync), the shard,
+    and top-k = 1 under apply_router_weight_on_input. Returns topk_weights and topk_ids as
+    validate_inputs does (float32, int32)."""
     start, end = expert_range(num_experts, rank, world)
     topk_weights, topk_ids = validate_inputs(x, local_weights, topk_weights, topk_ids, num_experts=num_experts)
+    check_shard(local_weights, "ep", rank, world)
+    if local_weights.shard is not None and local_weights.shard.whole != num_experts:
+        raise ValueError(
+            f"local_weights are a shard of a layer of {local_weights.shard.whole} experts, but num_experts={num_experts}"
+        )
     if local_weights.num_experts != end - start:
         raise ValueError(
             f"rank {rank} of {world} owns experts [{start}, {end}) of {num_experts}, but local_weights "
@@ -145,17 +163,21 @@ def ep_fused_moe(
                                 apply_router_weight_on_input=apply_router_weight_on_input,
                                 allow_weight_copies=allow_weight_copies)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    topk_weights, topk_ids = _check_inputs(x, local_weights, topk_weights, topk_ids, num_experts, rank, world,
-                                           apply_router_weight_on_input)
-    # the local backend, chosen now for the rows this rank sends (a named backend that cannot run,
-    # a bad environment variable): an error after the first collective would leave the other
-    # ranks waiting in it
-    select_backend(local_weights.shape(1), local_weights.scheme, x.device, x.dtype, max(topk_ids.numel(), 1),
-                   backend, allow_weight_copies=allow_weight_copies)
+    try:
+        topk_weights, topk_ids = _check_inputs(x, local_weights, topk_weights, topk_ids, num_experts, rank, world,
+                                               apply_router_weight_on_input)
+        # the local backend, chosen now for the rows this rank sends (a named backend that cannot
+        # run, a bad environment variable): an error after the dispatch began would leave the
+        # other ranks waiting in it
+        select_backend(local_weights.shape(1), local_weights.scheme, x.device, x.dtype, max(topk_ids.numel(), 1),
+                       backend, allow_weight_copies=allow_weight_copies)
+    except Exception as error:  # noqa: BLE001 - re-raised once the other ranks know (module docstring)
+        _exchange_counts(torch.zeros(world, dtype=torch.long, device=_group_device(group)), group, failed=error)
+        raise
     M, K = topk_ids.shape
     H = x.shape[1]
 
-    # 1. plan, 2. counts (host sync)
+    # 1. plan, 2. counts (host sync; every rank raises here if one failed its checks)
     flat_ids, dest, order, send_counts, starts = _plan(topk_ids, num_experts, world)
     send_splits, recv_splits = _exchange_counts(send_counts, group)
 
@@ -199,7 +221,10 @@ def _plan(topk_ids: torch.Tensor, num_experts: int, world: int):
     flat_ids = topk_ids.reshape(-1).long()
     dest = torch.bucketize(flat_ids, ends, right=True)  # the first range whose end > id
     order = torch.argsort(dest, stable=True)
-    return flat_ids, dest, order, torch.bincount(dest, minlength=world), starts
+    # counted by an integer scatter-add (exact in any order); torch.bincount would read the
+    # ids' min and max on the host first (two device-to-host syncs on CUDA)
+    counts = torch.zeros(world, dtype=torch.long, device=dest.device).scatter_add_(0, dest, torch.ones_like(dest))
+    return flat_ids, dest, order, counts, starts
 
 
 @functools.lru_cache(maxsize=64)
@@ -212,12 +237,30 @@ def _bounds(num_experts: int, world: int, device: torch.device) -> tuple[torch.T
     )
 
 
-def _exchange_counts(send_counts: torch.Tensor, group) -> tuple[list[int], list[int]]:
-    """all_to_all_single of the per-rank pair counts. The .tolist() calls are the device-to-host
-    sync that all_to_all_single's uneven split sizes need (accepted: see the module docstring)."""
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    return send_counts.tolist(), recv_counts.tolist()
+def _group_device(group) -> torch.device:
+    """The device the group's collectives take tensors on: the current GPU for nccl, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _exchange_counts(send_counts: torch.Tensor, group, failed: Exception | None = None) -> tuple[list[int], list[int]]:
+    """all_to_all_single of the per-rank pair counts, each beside a flag saying whether this rank
+    failed its checks (`failed`: then the counts are zeros and the caller re-raises its error).
+    Raises RuntimeError where another rank failed. The .tolist() is the device-to-host sync that
+    all_to_all_single's uneven split sizes need (accepted: see the module docstring)."""
+    flag = torch.full_like(send_counts, int(failed is not None))
+    send = torch.stack([send_counts, flag], dim=1)  # row r goes to rank r
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    received = recv.tolist()
+    failed_ranks = [source for source, (_, flagged) in enumerate(received) if flagged]
+    if failed_ranks and failed is None:
+        raise RuntimeError(
+            f"ep_fused_moe: rank(s) {failed_ranks} of the process group refused their inputs (their own error "
+            f"says why); no rank ran the layer"
+        )
+    return send_counts.tolist(), [count for count, _ in received]
 
 
 def _row_bytes(H: int, dtype: torch.dtype) -> tuple[int, int]:

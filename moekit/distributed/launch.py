@@ -43,11 +43,23 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> DistE
     MASTER_ADDR / MASTER_PORT), or return the group already initialised.
 
     backend: None picks "nccl" when CUDA is available (and sets this process's CUDA device to
-    cuda:LOCAL_RANK first), "gloo" otherwise (device cpu). Without torchrun's variables (a plain
-    `python script.py`) a one-process group is created on a free local port.
+    cuda:LOCAL_RANK first), "gloo" otherwise (device cpu); names are case-insensitive. Without
+    torchrun's variables (a plain `python script.py`) a one-process group is created on a free
+    local port. Joining a group is a rendezvous: every rank of it must call this.
+
+    Where a default group exists already (made by the caller, by torchrun or by
+    torch.multiprocessing and init_process_group), its rank, world size and backend are
+    returned; LOCAL_RANK comes from the environment where set, else from the current CUDA device
+    (nccl) or the rank (gloo: one host assumed). A `backend` other than the group's is an error.
     """
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed")
+    if backend is not None:
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a string ('nccl' or 'gloo') or None, got {type(backend).__name__}")
+        backend = backend.lower()
+    if dist.is_initialized():
+        return _existing_group(backend)
     unset = [k for k in ("RANK", "WORLD_SIZE") if k not in os.environ]
     if len(unset) == 1:
         raise RuntimeError(f"{unset[0]} is not set but {({'RANK', 'WORLD_SIZE'} - set(unset)).pop()} is")
@@ -55,11 +67,6 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> DistE
     rank = _env_int("RANK", 0 if single else None)
     world = _env_int("WORLD_SIZE", 1 if single else None)
     local_rank = _env_int("LOCAL_RANK", rank if single else None)
-
-    if dist.is_initialized():
-        pg_backend = dist.get_backend()
-        device = torch.device(f"cuda:{torch.cuda.current_device()}") if pg_backend == "nccl" else torch.device("cpu")
-        return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, pg_backend)
 
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -84,3 +91,18 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> DistE
         kw.update(init_method="env://", rank=rank, world_size=world)
     dist.init_process_group(**kw)
     return DistEnv(rank, world, local_rank, device, backend)
+
+
+def _existing_group(backend: str | None) -> DistEnv:
+    """The DistEnv of the default group made before (init_from_env's docstring)."""
+    pg_backend = str(dist.get_backend()).lower()
+    if backend is not None and backend != pg_backend:
+        raise ValueError(
+            f"init_from_env(backend={backend!r}) but the process group already initialised uses {pg_backend!r}"
+        )
+    rank = dist.get_rank()
+    nccl = pg_backend == "nccl"
+    default_local = torch.cuda.current_device() if nccl else rank
+    local_rank = _env_int("LOCAL_RANK", default_local)
+    device = torch.device(f"cuda:{local_rank}") if nccl else torch.device("cpu")
+    return DistEnv(rank, dist.get_world_size(), local_rank, device, pg_backend)

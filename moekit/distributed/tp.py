@@ -43,15 +43,8 @@ import torch.distributed as dist
 
 from ..api import fused_moe
 from ..spec import BLOCK
-from ..weights import MoEWeights
-
-
-def _check_rank(rank: int, world_size: int) -> None:
-    for name, v in (("rank", rank), ("world_size", world_size)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+from ..weights import MoEWeights, Shard
+from .checks import check_rank, check_shard
 
 
 def shard_weights_tp(weights: MoEWeights, rank: int, world_size: int) -> MoEWeights:
@@ -66,11 +59,15 @@ def shard_weights_tp(weights: MoEWeights, rank: int, world_size: int) -> MoEWeig
                         output row of H) replicated;
       128x128 blocks    sliced by whole blocks (n must be a multiple of 128: a block is never split);
       a13/a2 (static)   replicated.
-    Returned tensors are contiguous copies: the full weights can be freed afterwards.
+    Returned tensors are contiguous copies: the full weights can be freed afterwards. The result
+    is tagged (`MoEWeights.shard`) with the rank, the world size and the whole N, which
+    tp_fused_moe checks against its process group.
     """
     if not isinstance(weights, MoEWeights):
         raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
-    _check_rank(rank, world_size)
+    if weights.shard is not None:
+        raise ValueError(f"these weights are already a shard ({weights.shard}); shard the whole layer's weights")
+    rank, world_size = check_rank(rank, world_size)
     N = weights.n
     if N % world_size:
         raise ValueError(
@@ -108,7 +105,7 @@ def shard_weights_tp(weights: MoEWeights, rank: int, world_size: int) -> MoEWeig
         for name in ("a13_scale", "a2_scale"):
             if getattr(weights, name) is not None:
                 kw[name] = getattr(weights, name).clone()
-    return MoEWeights(s, w13, w2, **kw)
+    return MoEWeights(s, w13, w2, **kw, shard=Shard("tp", rank, world_size, N))
 
 
 def tp_fused_moe(
@@ -129,10 +126,17 @@ def tp_fused_moe(
     Every rank must pass the same x [M, H], topk_weights and topk_ids (the whole batch); every
     rank gets the same output [M, H] in x's dtype. `backend` is the single-device backend of the
     local experts. `reduce_dtype`: the dtype of the all-reduce (float32 by default: exact and
-    order-independent, see the module docstring); None reduces in x's dtype.
+    order-independent, see the module docstring), a floating point dtype; None reduces in x's dtype.
+    Weights tagged by shard_weights_tp must be this rank's shard (a ValueError otherwise, on the
+    ranks whose shard it is not: the others then wait in the all-reduce until the group's timeout,
+    or until torchrun stops them when the failing rank exits).
     `allow_weight_copies` as for fused_moe (a MoELayer passes False: auto keeps no converted copy).
     Every rank must call this (it is a collective), also with M = 0.
     """
+    if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+        raise TypeError(f"reduce_dtype must be a floating point torch.dtype or None, got {reduce_dtype!r}")
+    if isinstance(local_weights, MoEWeights):
+        check_shard(local_weights, "tp", dist.get_rank(group), dist.get_world_size(group))
     partial = fused_moe(
         x, local_weights, topk_weights, topk_ids, backend,
         apply_router_weight_on_input=apply_router_weight_on_input, allow_weight_copies=allow_weight_copies,
