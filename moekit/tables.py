@@ -59,6 +59,12 @@ def memoized(key: tuple, compute):
         return value
 
 
+def generation() -> int:
+    """How many times clear_cache has run: a cache of its own (a tuned table read once per file
+    version) keys on it, so that clear_cache empties that one too."""
+    return _generation[0]
+
+
 def clear_cache() -> None:
     """Forget every table looked up so far: after writing or editing tables, in this process or
     another (a running process does not watch the folders)."""
@@ -76,9 +82,10 @@ def device_family(name: str) -> str | None:
 
     One GPU model ships under several names (H100 SXM reads 'NVIDIA H100 80GB HBM3', PCIe
     'NVIDIA H100 PCIe', NVL 'NVIDIA H100 NVL'); a table measured on one of them is the best
-    guess for the others when no exact match exists.
+    guess for the others when no exact match exists. A letter after the number names another
+    model (L40S and L40, A10G and A10, V100S and V100) and stays part of the family.
     """
-    m = re.search(r"\b(GH|GB|[A-Z])(\d{2,3})[A-Z]?\b", name.replace("_", " ").upper())
+    m = re.search(r"\b(GH|GB|[A-Z])(\d{2,3}[A-Z]?)\b", name.replace("_", " ").upper())
     return m.group(1) + m.group(2) if m else None
 
 
@@ -154,6 +161,13 @@ def find_tables(
     return found
 
 
+def _created_file_mode() -> int:
+    """0666 less the process's umask: the mode open() gives a new file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_json_atomically(path: str | os.PathLike, data) -> Path:
     """Write JSON to `path` through a temporary file and a rename: a reader (or a kill) never
     sees a half-written file."""
@@ -161,6 +175,9 @@ def write_json_atomically(path: str | os.PathLike, data) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes the file 0600, which the rename would keep: a serving process of another
+        # user could not read the table. The mode a plain open() gives (or the replaced file's).
+        os.fchmod(fd, path.stat().st_mode & 0o777 if path.exists() else _created_file_mode())
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1, sort_keys=False)
             f.write("\n")

@@ -434,3 +434,110 @@ def test_a_triton_table_with_a_non_positive_batch_size_never_breaks_a_forward_pa
             assert config.get_config(SHAPE, FP8, m, H100) == good
     skipped = [r.getMessage() for r in caplog.records if "ignoring the entry" in r.getMessage()]
     assert any(str(path) in s and "'0'" in s for s in skipped) and any("'-4'" in s for s in skipped), skipped
+
+
+def _write_triton_table(tmp_path, entries, meta=None, shape=SHAPE):
+    path = tmp_path / "triton" / tables.table_name(shape, FP8, H100)
+    tables.write_json_atomically(path, {"meta": meta or {}, "configs": entries})
+    return path
+
+
+def test_a_triton_table_entry_is_read_strictly(tmp_path, monkeypatch, caplog):
+    """A hand-edited or foreign entry was filled in with KernelConfig's class defaults (vLLM's
+    BLOCK_SIZE_M names, a missing field), took 64.9 as 64 and true as 1: a config nobody chose,
+    without a word. Now such an entry is skipped with a warning naming it, the others are used."""
+    import logging
+
+    from moekit.backends.triton import config
+
+    good = config.KernelConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2)
+    entries = {
+        "1": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4,
+              "num_stages": 3},
+        "2": {k: v for k, v in good.to_dict().items() if k != "num_stages"},
+        "4": {**good.to_dict(), "BLOCK_M": 64.9},
+        "8": {**good.to_dict(), "GROUP_M": True},
+        "16": {**good.to_dict(), "us": 12.5, "default_us": 20.0},  # tune's notes beside the config
+        "1" + "0" * 400: good.to_dict(),  # a huge size: nearest() used to overflow math.log
+    }
+    path = _write_triton_table(tmp_path, entries)
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="moekit.triton"):
+        loaded = config.load_table(path)
+    assert loaded.configs == {16: good, int("1" + "0" * 400): good}
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    for expected in ("batch size 1: unknown key(s) ['BLOCK_SIZE_K', 'BLOCK_SIZE_M', 'BLOCK_SIZE_N', 'GROUP_SIZE_M']",
+                     "batch size 2: missing ['num_stages']", "batch size 4: BLOCK_M is 64.9, expected an integer >= 1",
+                     "batch size 8: GROUP_M is True, expected an integer >= 1"):
+        assert expected in said, said
+    assert config.get_config(SHAPE, FP8, 10**6, H100) == good  # no overflow in a forward pass
+    vllm_file = tables.write_json_atomically(path, {"64": entries["1"]})  # a vLLM file where a table belongs
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="moekit.triton"):
+        assert config.load_table(vllm_file) is None
+    assert "not a moekit triton table: no 'configs' object" in caplog.text
+
+
+def test_a_triton_table_of_another_top_k_is_not_used(tmp_path, monkeypatch, caplog):
+    """Table names carry E, N, H and the scheme, not top-k: a table tuned for a top-1 layer drove
+    a top-2 layer of the same sizes (decision tables already refused it). Now it is skipped with
+    a warning, and the analytic default runs."""
+    import logging
+
+    from moekit.backends.triton import config
+
+    tuned = config.KernelConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2)
+    _write_triton_table(tmp_path, {"64": tuned.to_dict()}, meta={"top_k": 1})
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path))
+    tables.clear_cache()
+    with caplog.at_level(logging.WARNING, logger="moekit.triton"):
+        cfg = config.get_config(SHAPE, FP8, 64, H100)
+    assert cfg == config.default_config(SHAPE, FP8, 64) != tuned
+    assert "measured with top_k=1, this layer has top_k=2: not used" in caplog.text
+    _write_triton_table(tmp_path, {"64": tuned.to_dict()}, meta={"top_k": 2})
+    tables.clear_cache()
+    assert config.get_config(SHAPE, FP8, 64, H100) == tuned
+
+
+def test_clear_cache_rereads_a_table_rewritten_within_one_clock_tick(tmp_path, monkeypatch):
+    """The table cache was keyed by the file's mtime alone and clear_cache() did not empty it: a
+    table rewritten within one tick of a coarse clock was read stale. Here the rewrite keeps the
+    mtime (as such a clock would) and the size; clear_cache() must make the new one count."""
+    from moekit.backends.triton import config
+
+    a = config.KernelConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2)
+    b = config.KernelConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2)
+    path = _write_triton_table(tmp_path, {"64": a.to_dict()})
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path))
+    tables.clear_cache()
+    assert config.get_config(SHAPE, FP8, 64, H100) == a
+    st = path.stat()
+    path.write_text(path.read_text().replace('"BLOCK_M": 32', '"BLOCK_M": 64'))  # in place: same inode and size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    tables.clear_cache()
+    assert config.get_config(SHAPE, FP8, 64, H100) == b
+
+
+def test_tables_are_written_readable_by_others(tmp_path):
+    """mkstemp made every table, journal and vLLM export 0600, kept by the rename: a serving
+    process of another user could not read them. Now a new file gets open()'s mode (0666 less
+    the umask), a replaced one keeps its mode."""
+    old = os.umask(0o022)
+    try:
+        path = tables.write_json_atomically(tmp_path / "t.json", {})
+        assert path.stat().st_mode & 0o777 == 0o644
+        path.chmod(0o664)
+        tables.write_json_atomically(path, {"a": 1})
+        assert path.stat().st_mode & 0o777 == 0o664
+    finally:
+        os.umask(old)
+
+
+def test_device_families_keep_the_letter_after_the_number():
+    """'NVIDIA L40' took the tables of an L40S (and V100 those of a V100S, A10 of an A10G): the
+    family dropped the letter, against the README's 'used only on that model'."""
+    family = tables.device_family
+    assert family("NVIDIA H100 80GB HBM3") == family("NVIDIA H100 PCIe") == family("NVIDIA_H100_NVL") == "H100"
+    assert family("NVIDIA L40S") == "L40S" != family("NVIDIA L40") == "L40"
+    assert family("Tesla V100S-PCIE-32GB") == "V100S" != family("Tesla V100-SXM2-16GB") == "V100"
+    assert family("NVIDIA A10G") == "A10G" and family("NVIDIA GH200 480GB") == "GH200"

@@ -1628,3 +1628,60 @@ def test_fast_mode_widens_the_wrong_output_tolerance(monkeypatch):
     monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
     assert runner.output_tolerance() == 4e-2 and runner.Worker._wrong_output(off, ref) is None
     assert runner.Worker._wrong_output(ref * 1.1, ref).endswith("(tolerance 0.04)")  # a wrong scale still fails
+
+
+# ------------------------------------------------- problems of one run that would share a file
+
+
+def _tiny_top_k(tmp_path, name, top_k):
+    (tmp_path / name).mkdir(parents=True)
+    folder = tiny_mixtral(tmp_path / name, experts=4, hidden=128, intermediate=128, layers=2)
+    config = read(folder / "config.json")
+    (folder / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": top_k}))
+    return folder
+
+
+def test_problems_that_would_write_the_same_file_are_refused(tmp_path, tiny_model, monkeypatch):
+    """Two problems of one run wrote the same file, the last one's results replacing the
+    other's without a backup or a word: two schemes in one vLLM file (its name says
+    dtype=fp8_w8a8 for both), and two layers alike but for top-k in one moekit table (and one
+    journal folder, so that a rerun measured everything again). Refused before anything runs."""
+    timer = FakeTimer().install(monkeypatch)
+    out = tmp_path / "out"
+    with pytest.raises(TuneInputError, match=r"\(fp8-channel-token, top-2, H=128\) and .*\(fp8-tensor-dynamic, top-2, "
+                                             r"H=128\) would write the same vLLM config file"):
+        tune(tiny_model, out, "fp8-channel-token,fp8-tensor-dynamic", export_vllm=str(tmp_path / "vllm"))
+    top2, top1 = _tiny_top_k(tmp_path / "two", "a", 2), _tiny_top_k(tmp_path / "two", "b", 1)
+    opts = TuneOptions(models=[str(top2), str(top1)], scheme="fp8-channel-token", batch_sizes=SIZES, reps=1,
+                       warmup=0, out=str(out), space=interpreter_space, argv=["tune"], gemm2=False)
+    with pytest.raises(TuneInputError, match=r"top-2.* and .*top-1.* would write the same moekit table \(their "
+                                             r"top-k differs"):
+        run_tune(opts, Console(file=io.StringIO(), width=200, no_color=True))
+    assert timer.calls == [] and not (out / "triton").exists()
+    # without the export, two schemes have tables of their own: allowed
+    result, _ = tune(tiny_model, out, "fp8-channel-token,fp8-tensor-dynamic")
+    assert len([p for p in (out / "triton").iterdir() if ".bak-" not in p.name]) == 2
+
+
+def test_a_size_between_in_one_run_and_tuned_in_the_next_is_a_tuned_size(tmp_path, tiny_model, monkeypatch):
+    """A size between the tuned ones of an earlier run kept its 'between' mark after a later run
+    searched it: the sizes around it were then timed with the wrong neighbours' configs (and it
+    never showed as incomplete). Here M = 4 is between in run 1 (sizes 1, 16) and tuned in run 2
+    (1, 4, 16), where FAST_CFG wins it: M = 8, between 4 and 16 now, must time FAST_CFG."""
+    fast, other = triton(FAST_CFG), triton(OTHER_CFG)
+
+    class PerSize(FakeTimer):  # OTHER_CFG wins at 1 and 16, FAST_CFG at 4
+        def __call__(self, fn, *, reps, warmup, device, what):
+            timing = super().__call__(fn, reps=reps, warmup=warmup, device=device, what=what)
+            us = {(other, "1"): 10.0, (other, "16"): 10.0, (fast, "1"): 12.0, (fast, "16"): 12.0,
+                  (fast, "4"): 5.0, (other, "4"): 50.0}.get((self.current, what.split(" at M=")[1]))
+            return Timing.from_samples([us], "fake") if us is not None else timing
+
+    PerSize().install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out, batch_sizes=["1", "16"])
+    assert "between_configs" in journals(out)[4]
+    tune(tiny_model, out, batch_sizes=["1", "4", "16"])
+    j = journals(out)
+    assert "between_configs" not in j[4] and j[4]["search"]
+    assert config_key(FAST_CFG) in j[8]["between_configs"], "M = 8 timed without M = 4's best config"

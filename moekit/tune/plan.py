@@ -159,6 +159,33 @@ def _other_backends(requested: Sequence[str] | None) -> list[str] | None:
     return names
 
 
+def _refuse_shared_files(problems: list[TuneProblem], export_vllm: bool) -> None:
+    """TuneInputError where two problems of one run would write the same file, each overwriting
+    the other's results: moekit's table names carry no top-k (problems alike but for top-k), and
+    vLLM's file names no hidden size and no activation scheme (fp8-channel-token and
+    fp8-tensor-dynamic both name `dtype=fp8_w8a8`)."""
+    from .output import vllm_file_name
+
+    def describe(p: TuneProblem) -> str:
+        return f"{'/'.join(p.models)} ({p.scheme.name}, top-{p.shape.top_k}, H={p.shape.hidden})"
+
+    kinds = [("moekit table", lambda p: (p.shape.num_experts, p.shape.hidden, p.shape.n, p.scheme.name),
+              "their top-k differs, which the table's name does not say", "")]
+    if export_vllm:
+        kinds.append(("vLLM config file", lambda p: vllm_file_name(p.shape.num_experts, p.shape.n, "GPU", p.scheme),
+                      "vLLM's file name has E, N, the device and the weights' dtype only",
+                      " (or leave --export-vllm out)"))
+    for what, key, why, alternative in kinds:
+        first: dict = {}
+        for p in problems:
+            other = first.setdefault(key(p), p)
+            if other is not p:
+                raise TuneInputError(
+                    f"{describe(other)} and {describe(p)} would write the same {what} ({why}): tune them "
+                    f"in separate runs, each with its own --out and --export-vllm folders{alternative}"
+                )
+
+
 def build_plan(opts: TuneOptions, device: torch.device) -> TunePlan:
     """Check every option; raises TuneInputError naming the first problem. Creates the output
     folder(s) last, so that bad input leaves nothing behind."""
@@ -208,6 +235,7 @@ def build_plan(opts: TuneOptions, device: torch.device) -> TunePlan:
             by_table[key] = problem
             problems.append(problem)
 
+    _refuse_shared_files(problems, opts.export_vllm is not None)
     out_dir, created = prepare_out_dir(opts.out or Path("moekit-results") / "tune", "tune")
     created_dirs = [out_dir] if created else []
     export_dir = None

@@ -358,6 +358,11 @@ class Worker:
         fp = fingerprint(self.plan, self.name, p.scheme)
         journals = {M: Journal.open(journal_path(self.plan.out_dir, table_file, M), fp, problem_fields(p), M,
                                     self.reporter.log) for M in self.sizes}
+        for j in journals.values():  # a size between the tuned ones in an earlier run, tuned now
+            if "between_configs" in j.data or "between_config" in j.data:
+                j.data.pop("between_configs", None)
+                j.data.pop("between_config", None)
+                j.save()
         searching = self.plan.search_space != "none"
         estimate = {M: self._static_candidates(p, M, journals[M]) if searching else 0 for M in self.sizes}
         self.reporter.add_total(sum(estimate.values()) + sum(len(self._baseline_todo(p, j)) for j in journals.values()))

@@ -21,10 +21,10 @@ over the union of the fast-mode table's sizes and the precise table's (fast entr
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import json
-import math
 import logging
 from pathlib import Path
 
@@ -229,6 +229,32 @@ class KernelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: int(v) for k, v in d.items() if k in names})
 
+    # what a table entry must give, and what `moekit tune` writes beside a config (for people)
+    TABLE_REQUIRED = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+    TABLE_NOTES = ("us", "default_us")
+
+    @classmethod
+    def from_table_entry(cls, entry) -> "KernelConfig":
+        """A tuned table's entry, strictly (a file may be edited by hand, or be vLLM's): the six
+        launch fields present, every field a non-negative integer (not a float or a bool; the six
+        positive), no other key than the fields and tune's notes. ValueError naming the first
+        problem: an entry filled in with the class defaults would run a config nobody chose."""
+        if not isinstance(entry, dict):
+            raise ValueError(f"expected an object of launch parameters, got {type(entry).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(k for k in entry if k not in names and k not in cls.TABLE_NOTES)
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown}: a moekit config has {names} (vLLM's BLOCK_SIZE_M ... are "
+                             "not read; `moekit tune --export-vllm` writes vLLM's files, not the other way round)")
+        missing = [k for k in cls.TABLE_REQUIRED if k not in entry]
+        if missing:
+            raise ValueError(f"missing {missing}")
+        for k in names:
+            v, least = entry.get(k, 0), 1 if k in cls.TABLE_REQUIRED else 0
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"{k} is {v!r}, expected an integer >= {least}")
+        return cls(**{k: entry[k] for k in names if k in entry})
+
 
 def _gluon_scheme_problems(flag: str, scheme: QuantScheme) -> list[str]:
     """Why `flag`=1 (OVERLAP or OVERLAP2) cannot run `scheme`, as far as the scheme goes."""
@@ -262,22 +288,48 @@ def default_config(shape: MoEShape, scheme: QuantScheme, num_tokens: int) -> Ker
     return KernelConfig(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128 if scheme.is_fp8 else 64, GROUP_M=8, num_warps=8, num_stages=4)
 
 
+@dataclasses.dataclass(frozen=True)
+class TunedTable:
+    configs: dict[int, KernelConfig]  # by batch size
+    top_k: int | None  # the top-k it was measured with (meta.top_k), None where the meta has none
+
+
+def load_table(path: Path) -> TunedTable | None:
+    """A tuned triton table, read once per version of the file (and again after
+    moekit.tables.clear_cache()); None, with a warning, for a file that is not one."""
+    st = path.stat()
+    return _load_table(path, (st.st_mtime_ns, st.st_size, st.st_ino), tables.generation())
+
+
 @functools.lru_cache(maxsize=256)
-def _load_table(path: Path, mtime: float) -> dict[int, KernelConfig] | None:
+def _load_table(path: Path, stamp, generation: int = 0) -> TunedTable | None:
+    """load_table's cached work: `stamp` and `generation` only key the cache (a rewritten file,
+    also within one tick of a coarse clock, has another size or inode, or a clear_cache between)."""
     try:
         data = json.loads(path.read_text())
-        mismatch = accumulation_mismatch(path.name, data.get("meta", {}))
+        if not isinstance(data, dict) or not isinstance(data.get("configs"), dict):
+            raise ValueError("not a moekit triton table: no 'configs' object (vLLM's own config files are not "
+                             "read here)")
+        meta = data.get("meta", {})
+        if not isinstance(meta, dict):
+            raise ValueError(f"'meta' is a {type(meta).__name__}, expected an object")
+        mismatch = accumulation_mismatch(path.name, meta)
         if mismatch:
             raise ValueError(mismatch)
+        top_k = meta.get("top_k")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"meta.top_k is {top_k!r}, expected a positive integer")
         configs = {}
-        for key, c in data["configs"].items():
-            m = int(key)
-            if m < 1:  # nearest() takes log(size / M): a forward pass would fail on it
+        for key, entry in data["configs"].items():
+            if not (key.isascii() and key.isdigit() and str(int(key)) == key and int(key) > 0):
                 log.warning("moekit: tuned table %s: ignoring the entry of batch size %r (not a positive "
                             "integer)", path, key)
                 continue
-            configs[m] = KernelConfig.from_dict(c)
-        return configs
+            try:
+                configs[int(key)] = KernelConfig.from_table_entry(entry)
+            except ValueError as e:
+                log.warning("moekit: tuned table %s: ignoring the entry of batch size %s: %s", path, key, e)
+        return TunedTable(configs, top_k)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         log.warning("moekit: ignoring tuned table %s: %s", path, e)
         return None
@@ -285,9 +337,14 @@ def _load_table(path: Path, mtime: float) -> dict[int, KernelConfig] | None:
 
 def _first_table(shape: MoEShape, scheme: QuantScheme, device_name: str, accumulation: str):
     for path in find_tables("triton", shape, scheme, device_name, accumulation):
-        table = _load_table(path, path.stat().st_mtime)
-        if table:
-            return table, path
+        table = load_table(path)
+        if table is not None and table.top_k not in (None, shape.top_k):
+            # its name has E, N, H and the scheme, not top-k: measured on other rows per expert
+            log.warning("moekit: tuned table %s was measured with top_k=%d, this layer has top_k=%d: not used",
+                        path, table.top_k, shape.top_k)
+            continue
+        if table is not None and table.configs:
+            return table.configs, path
     return None
 
 
@@ -306,10 +363,18 @@ def tuned_configs(shape: MoEShape, scheme: QuantScheme, device_name: str) -> tup
 def nearest(table: dict[int, KernelConfig], num_tokens: int) -> KernelConfig:
     """The config measured at the batch size nearest to num_tokens in log space (tuned sizes are
     powers of two, and the regime changes with the ratio, not the difference); ties: the smaller
-    size. (The backend decision tables interpolate between the two measured sizes around M
-    instead: moekit.decisions.)"""
+    size, decided in integers (log m - log lo <= log hi - log m  <=>  m*m <= lo*hi), as float
+    logs round a geometric midpoint either way. (The backend decision tables interpolate between
+    the two measured sizes around M instead: moekit.decisions.)"""
     m = max(num_tokens, 1)
-    return table[min(table, key=lambda size: (abs(math.log(size / m)), size))]
+    sizes = sorted(table)
+    i = bisect.bisect_left(sizes, m)
+    if i < len(sizes) and sizes[i] == m or i == 0:
+        return table[sizes[i]]
+    if i == len(sizes):
+        return table[sizes[-1]]
+    lo, hi = sizes[i - 1], sizes[i]
+    return table[lo if m * m <= lo * hi else hi]
 
 
 def gemv_may_win(shape: MoEShape, num_tokens: int) -> bool:
