@@ -731,3 +731,157 @@ def test_dense_router_scores_are_gathered_and_bad_ids_get_moekits_message():
     assert torch.equal(got, moekit.fused_moe(x, w, dense.gather(1, ids), ids, backend="reference"))
     with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\)"):
         run_experts(torch.nn.Module(), w, x, torch.tensor([[4, 0], [1, 3], [3, 2]]), dense, backend="reference")
+
+
+# ------------------------------------------- saving and loading edge cases (a reviewing helper's)
+
+
+def test_a_tied_lm_head_is_ignored_by_the_saved_quantization_config(tmp_path):
+    """The tied lm_head was dropped as a copy of the embedding before the config's `ignore` was
+    made from what remained: compressed-tensors then read lm_head as an FP8 Linear without a
+    scale, and the reloaded model gave NaN logits."""
+    from test_hf_tiny import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("qwen3_moe")
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    model = mh.from_pretrained(tmp_path / "bf16", scheme="fp8-channel-token", backend="reference")
+    mh.save_pretrained(model, tmp_path / "fp8")
+    assert "lm_head" in json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]["ignore"]
+    again = mh.from_pretrained(tmp_path / "fp8", backend="reference")
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=tokens()).logits, model(input_ids=tokens()).logits)
+
+
+def _fp8_dense_checkpoint(bf16_folder, fp8_folder, out):
+    """`fp8_folder` (moekit's FP8 checkpoint of the bf16 model) with its attention layers FP8 per
+    channel too, as compressed-tensors checkpoints of whole models hold them."""
+    from safetensors.torch import load_file, save_file
+
+    from moekit import quant
+
+    tensors = load_file(fp8_folder / "model.safetensors")
+    config = json.loads((fp8_folder / "config.json").read_text())
+    ignore = config["quantization_config"]["ignore"]
+    for name in [n for n in ignore if ".self_attn." in n]:
+        q, scale = quant.quantize_weight(tensors[f"{name}.weight"][None], "channel")
+        tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"] = q[0], scale[0][:, None]
+        ignore.remove(name)
+    shutil.copytree(fp8_folder, out)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_saving_after_a_forward_keeps_dense_fp8_layers_fp8(bf16_dirs, tmp_path):
+    """compressed-tensors decompresses dense FP8 layers at the first forward (weight bf16, scale
+    kept, input still quantized); saved so, they were written bf16 with stale scales and listed in
+    `ignore`, and reloaded they ran unquantized (logits off by 2.5). Now they go back to FP8 with
+    their own scales: load, forward, save, load gives the same logits bitwise. A weight changed
+    after loading cannot go back, and is refused by name."""
+    from safetensors.torch import load_file
+
+    pytest.importorskip("compressed_tensors")
+    mh.save_pretrained(mh.from_pretrained(bf16_dirs("qwen3_moe"), scheme="fp8-channel-token", backend="reference"),
+                       tmp_path / "experts")
+    folder = _fp8_dense_checkpoint(bf16_dirs("qwen3_moe"), tmp_path / "experts", tmp_path / "dense")
+    model = mh.from_pretrained(folder, backend="reference")
+    with torch.no_grad():
+        before = model(input_ids=tokens()).logits
+    mh.save_pretrained(model, tmp_path / "after-forward")
+    saved = load_file(tmp_path / "after-forward" / "model.safetensors")
+    assert saved["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert torch.equal(saved["model.layers.0.self_attn.q_proj.weight"],
+                       load_file(folder / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"])
+    again = mh.from_pretrained(tmp_path / "after-forward", backend="reference")
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=tokens()).logits, before)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        q_proj.weight.mul_(1.1)  # a change after loading, more than a rounding
+    with pytest.raises(mh.UnsupportedModelError, match=r"model\.layers\.0\.self_attn\.q_proj: .* changed after loading"):
+        mh.save_pretrained(model, tmp_path / "changed")
+
+
+def test_bf16_llama4_experts_are_saved_fused_as_transformers_reads_them(tmp_path):
+    """Unquantized Llama-4 experts were saved per expert, names transformers' Llama-4 does not
+    read: it loaded them as missing, newly initialized (logits off by 5). Now fused
+    gate_up_proj [E, H, 2N] and down_proj [E, N, H], as Llama-4's own checkpoints."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("llama4")
+    with torch.no_grad():
+        want = model(input_ids=tokens()).logits
+    mh.save_pretrained(mh.patch_model(model, backend="torch"), tmp_path / "bf16")
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16,
+                                                        output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(input_ids=tokens()).logits, want)
+
+
+def test_a_refused_patch_model_leaves_the_model_as_it_was(bf16_dirs, tmp_path):
+    """transformers' quantized Llama-4 has per-expert layers; patch_model without checkpoint=
+    swapped the block for moekit's and its experts for empty ones before refusing: the model no
+    longer ran. Now it refuses first, and the model runs as before."""
+    from transformers import AutoModelForCausalLM
+
+    mh.save_pretrained(mh.from_pretrained(bf16_dirs("llama4"), scheme="fp8-channel-token", backend="reference"),
+                       tmp_path / "fp8")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        before = model(input_ids=tokens()).logits
+    with pytest.raises(mh.UnsupportedModelError, match="hold no weights moekit can use .* pass checkpoint="):
+        mh.patch_model(model)
+    assert type(model.model.layers[0].feed_forward.experts).__name__ != "MoekitExperts"
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=tokens()).logits, before)
+
+
+def test_calibration_token_ids_as_a_list_are_ids_not_text(bf16_dirs):
+    """A list of ids (what a tokenizer's input_ids are) was turned into its text and tokenized:
+    the scales were calibrated on other tokens. A list is now the ids themselves; anything but
+    ids or a text is a TypeError."""
+    from moekit.hf.load import _calibration_ids
+
+    ids = tokens()
+    assert torch.equal(_calibration_ids(ids.tolist()), ids) and torch.equal(_calibration_ids(ids[0].tolist()), ids[0])
+    by_tensor = mh.from_pretrained(bf16_dirs("olmoe"), scheme="fp8-tensor-static", calibration=ids, backend="reference")
+    by_list = mh.from_pretrained(bf16_dirs("olmoe"), scheme="fp8-tensor-static", calibration=ids.tolist(),
+                                 backend="reference")
+    for (_, a), (_, b) in zip(sorted(mh.experts_modules(by_tensor).items()), sorted(mh.experts_modules(by_list).items())):
+        assert torch.equal(a.moe_weights().a13_scale, b.moe_weights().a13_scale)
+    for bad in (3.5, [[1, 2], [3]], ["a", "b"], {"ids": 1}):
+        with pytest.raises(TypeError, match="calibration"):
+            _calibration_ids(bad)
+    with pytest.raises(TypeError, match="a text needs the model folder's tokenizer"):
+        mh.patch_model(tiny_model("olmoe"), scheme="fp8-tensor-static", calibration="some text")
+
+
+def test_static_scheme_on_unquantized_experts_under_an_fp8_config(bf16_dirs, tmp_path, caplog):
+    """An FP8 (static) config whose experts are stored bf16: scheme="fp8-tensor-static" left them
+    bf16 while the warning said they were quantized. Now they are, and the hint names the scheme."""
+    folder = tmp_path / "model"
+    shutil.copytree(bf16_dirs("olmoe"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    (folder / "config.json").write_text(json.dumps(config))
+    model = mh.from_pretrained(folder, scheme="fp8-tensor-static", calibration=tokens(), backend="reference")
+    assert {m.scheme.name for m in mh.experts_modules(model).values()} == {"fp8-tensor-static"}
+    with caplog.at_level(logging.WARNING):
+        mh.from_pretrained(folder, backend="reference")
+    assert "pass scheme='fp8-tensor-static' to quantize them" in caplog.text
+
+
+def test_from_pretrained_dtype_is_checked_first(bf16_dirs):
+    """dtype="bfloat16" (transformers' string form) failed deep inside with a raw torch error after
+    the whole model had loaded, float32 with a message naming no module. Names and "auto" are
+    taken; anything else is refused before loading, saying what is accepted."""
+    model = mh.from_pretrained(bf16_dirs("mixtral"), dtype="float16", backend="reference")
+    assert model.dtype == torch.float16
+    assert mh.from_pretrained(bf16_dirs("mixtral"), dtype="auto", backend="reference").dtype == torch.bfloat16
+    for bad in (torch.float32, "float32", "half-ish"):
+        with pytest.raises(ValueError, match="moekit runs the model in torch.bfloat16 or torch.float16"):
+            mh.from_pretrained(bf16_dirs("mixtral"), dtype=bad)

@@ -275,7 +275,7 @@ def fill_from_checkpoint(model: nn.Module, folder: str | Path, family: Family, c
                         log.warning("%s: quantization_config says %s but the experts are stored as %s; "
                                     "they are loaded as stored%s", folder, ckpt_scheme.name, stored,
                                     f" and quantized to {scheme.name}" if scheme and scheme.is_fp8 else
-                                    " (pass scheme= to quantize them)")
+                                    f" (pass scheme={ckpt_scheme.name!r} to quantize them)")
                         said_unquantized = True
                     target = scheme or BF16
                     read_as = BF16 if target.static_activation else target
@@ -462,6 +462,12 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
     register()
     # refused before anything changes; the experts are checked to be moekit's once they are
     routers = routers_to_fuse(model, experts_patched=False) if fused_routing else []
+    if checkpoint is None:
+        weightless = _experts_without_weights(model)
+        if weightless:
+            raise UnsupportedModelError(f"{weightless}: these experts hold no weights moekit can use (per-expert "
+                                        "layers of transformers' quantized Llama-4); pass checkpoint=")
+    calibration = _calibration_ids(calibration)
     family, modules, _ = _to_moekit_modules(model)
     if not modules:
         from .families import FAMILIES
@@ -470,6 +476,7 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
             f"{type(model).__name__} has no experts module of a family moekit runs "
             f"({', '.join(f.name for f in FAMILIES)})"
         )
+    _set_implementation(model)  # before a calibration forward, which runs the experts
     if checkpoint is not None:
         raw = _raw_config(Path(checkpoint))
         ckpt_scheme = _checkpoint_scheme(raw, checkpoint)
@@ -487,9 +494,19 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
             quantize_model(model, scheme, calibration)
     set_backend(model, backend)
     _check_backend(modules, backend, _model_dtype(model, modules))
-    _set_implementation(model)
     swap_routers(routers, model)
     return model
+
+
+def _experts_without_weights(model: nn.Module) -> str | None:
+    """The name of a Llama-4 block whose experts are per-expert layers (transformers' quantized
+    Llama-4): _to_moekit_modules would leave it empty experts, to be filled from a checkpoint."""
+    for name, module in model.named_modules():
+        fam = family_of_module(module)
+        if (fam is not None and fam.block_class is not None and type(module).__name__ == fam.block_class
+                and isinstance(getattr(module, "experts", None), nn.ModuleList)):
+            return f"{name}.experts"
+    return None
 
 
 # --------------------------------------------------------------------------------- loading
@@ -525,17 +542,51 @@ def _model_class(config):
     return AutoModelForCausalLM
 
 
-def _tokens(calibration, folder: Path):
+def _calibration_ids(calibration, folder: Path | None = None) -> torch.Tensor | None:
+    """Calibration token ids as a tensor: a tensor as it is, a list (or tuple) of ids, or of lists
+    of ids (what a tokenizer's input_ids are), as one; a text through the model folder's tokenizer.
+    Anything else (a list turned into its text) would calibrate on the wrong tokens: TypeError."""
     if calibration is None or isinstance(calibration, torch.Tensor):
         return calibration
-    from transformers import AutoTokenizer
+    if isinstance(calibration, (list, tuple)):
+        try:
+            ids = torch.tensor(calibration)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"calibration: a list must hold token ids (ints, or equal-length lists of ints): {e}") from None
+        if ids.dtype not in (torch.int64, torch.int32) or ids.dim() not in (1, 2) or not ids.numel():
+            raise TypeError(f"calibration: a list must hold token ids (ints, or equal-length lists of ints), got "
+                            f"{ids.dtype} of shape {tuple(ids.shape)}")
+        return ids
+    if isinstance(calibration, str):
+        if folder is None:
+            raise TypeError("calibration: pass token ids (a tensor or a list of ints); a text needs the model "
+                            "folder's tokenizer, which patch_model does not have (from_pretrained does)")
+        from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(folder)
-    return tok(str(calibration), return_tensors="pt").input_ids
+        return AutoTokenizer.from_pretrained(folder)(calibration, return_tensors="pt").input_ids
+    raise TypeError(f"calibration must be token ids (a tensor or a list of ints) or a text, got "
+                    f"{type(calibration).__name__}")
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _model_dtype_arg(dtype, raw: dict) -> torch.dtype:
+    """from_pretrained's dtype: torch.bfloat16 or torch.float16, their names, or "auto" (the
+    config's own when it is one of those, else bf16); anything else refused before loading."""
+    if dtype == "auto":
+        named = raw.get("torch_dtype") or raw.get("dtype") or (raw.get("text_config") or {}).get("torch_dtype")
+        return _DTYPES.get(str(named).removeprefix("torch."), torch.bfloat16)
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    if dtype in _DTYPES.values():
+        return dtype
+    raise ValueError(f"dtype={dtype!r}: moekit runs the model in torch.bfloat16 or torch.float16 (or their "
+                     "names, or 'auto' for the config's own)")
 
 
 def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str | QuantScheme | None = None, *,
-                    dtype: torch.dtype = torch.bfloat16, calibration=None, model_class=None,
+                    dtype: torch.dtype | str = torch.bfloat16, calibration=None, model_class=None,
                     fused_routing: bool = False, **kwargs) -> nn.Module:
     """Load a local transformers MoE model with its routed experts in moekit.
 
@@ -554,6 +605,7 @@ def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str 
     register()
     folder = Path(path)
     raw = _raw_config(folder)
+    dtype = _model_dtype_arg(dtype, raw)
     ckpt_scheme = _checkpoint_scheme(raw, folder)
     config = AutoConfig.from_pretrained(folder)
     family = family_of_config(config)
@@ -595,8 +647,10 @@ def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str 
     if not modules:
         raise UnsupportedModelError(f"{type(model).__name__}: no experts module was built for family {family.name}")
     fill_from_checkpoint(model, folder, family, ckpt_scheme, want, dtype)
-    if want is not None and want.static_activation and not ckpt_scheme.is_fp8:
-        quantize_model(model, want, _tokens(calibration, folder))
+    if want is not None and want.static_activation and any(not m.scheme.is_fp8 for m in modules.values()):
+        # read as bf16 to be calibrated (also under an FP8 config whose experts are stored unquantized)
+        _set_implementation(model)  # the calibration forward runs moekit's experts without a warning
+        quantize_model(model, want, _calibration_ids(calibration, folder))
     set_backend(model, backend)
     _check_backend(modules, backend, _model_dtype(model, modules))
     if fused_routing:

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..spec import BLOCK, QuantScheme
+from ..spec import BLOCK, FP8_MAX, QuantScheme
 from .experts import experts_modules
 from .families import UnsupportedModelError, family_of
 from .load import prefix_of_module
@@ -70,10 +70,14 @@ def quantization_config(scheme: QuantScheme, ignore: list[str]) -> dict:
     }
 
 
-def _expert_tensors(module, prefix: str, projections) -> dict[str, torch.Tensor]:
+def _expert_tensors(module, prefix: str, projections, transposed: bool = False) -> dict[str, torch.Tensor]:
     w = module.moe_weights()
     s = w.scheme
     N, E = w.n, w.num_experts
+    if transposed and not s.is_fp8:
+        # unquantized Llama-4 checkpoints hold the experts fused, and transformers reads only
+        # that (per-expert names would load as missing, the experts newly initialized)
+        return {f"{prefix}.gate_up_proj": w.w13.transpose(1, 2), f"{prefix}.down_proj": w.w2.transpose(1, 2)}
     gate, up, down = projections
     out: dict[str, torch.Tensor] = {}
     for e in range(E):
@@ -133,8 +137,57 @@ def _fp8_linear_names(model: nn.Module, state: dict[str, torch.Tensor], scheme: 
             state[f"{at}input_scale"] = activation.float().reshape(1)
 
 
-def _non_expert_state(model: nn.Module, expert_names: list[str], scheme: QuantScheme) -> dict[str, torch.Tensor]:
-    """The rest of the model under its checkpoint names (tied copies dropped)."""
+def _full_scale(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+    """A dense layer's weight_scale broadcast over its [out, in] weight: per tensor ([1] or []),
+    per output channel ([out, 1]) or per 128x128 block ([ceil(out/128), ceil(in/128)]); None for
+    another shape."""
+    out_f, in_f = shape
+    scale = scale.float()
+    if scale.numel() == 1:
+        return scale.reshape(1, 1)
+    if tuple(scale.shape) in ((out_f, 1), (out_f,)):
+        return scale.reshape(out_f, 1)
+    if tuple(scale.shape) == (-(-out_f // BLOCK), -(-in_f // BLOCK)):
+        return scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:out_f, :in_f]
+    return None
+
+
+def _compress_decompressed(state: dict[str, torch.Tensor]) -> None:
+    """The dense FP8 layers that compressed-tensors decompressed, back to FP8, in place.
+
+    At a model's first forward compressed-tensors decompresses its dense FP8 layers: `weight`
+    becomes the dequantized bf16 weight, `weight_scale` stays, and the layer still quantizes its
+    input. Saved so, the checkpoint had bf16 weights with stale scales, listed in `ignore`: the
+    reloaded layers ran unquantized. Each such weight is quantized again with its own scale; it
+    must come back within its dtype's rounding (the FP8 weight times the scale, rounded once),
+    else it changed since it was loaded and saving it as FP8 would lose that: refused, by name."""
+    for key in [k for k in state if k.endswith(".weight_scale")]:
+        name = key[: -len(".weight_scale")]
+        weight = state.get(f"{name}.weight")
+        if weight is None or weight.dim() != 2 or not weight.is_floating_point() or weight.dtype == torch.float8_e4m3fn:
+            continue
+        full = _full_scale(state[key], weight.shape)
+        if full is None:
+            raise UnsupportedModelError(f"cannot save {name}: its weight_scale has shape {tuple(state[key].shape)}, not that of "
+                              f"a per-tensor, per-channel or 128x128-block scale of a {tuple(weight.shape)} weight")
+        fp8 = (weight.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        # the product rounded to bf16 once is within 2^-8 of it, relatively (2^-7 allows a second
+        # rounding, of the scale); FP8's own spacing is 2^-3 to 2^-4, so the FP8 value found is
+        # the one stored, and a weight changed since (by more than a rounding) shows
+        err = (fp8.float() * full - weight.float()).abs()
+        if not bool((err <= fp8.float().abs() * full * 2.0**-7 + torch.finfo(weight.dtype).tiny).all()):
+            raise UnsupportedModelError(
+                f"cannot save {name}: its weight is {weight.dtype} beside an FP8 weight_scale (compressed-tensors "
+                "decompressed it at the first forward), but it is no longer the FP8 weight times that scale: it "
+                "changed after loading, and an FP8 checkpoint would lose the change"
+            )
+        state[f"{name}.weight"] = fp8
+
+
+def _non_expert_state(model: nn.Module, expert_names: list[str], scheme: QuantScheme
+                      ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The rest of the model under its checkpoint names (tied copies dropped), and the names of
+    the tied copies dropped (a tied lm_head is a Linear the quantization config must ignore)."""
     from transformers.core_model_loading import revert_weight_conversion
 
     state = model.state_dict()
@@ -142,15 +195,19 @@ def _non_expert_state(model: nn.Module, expert_names: list[str], scheme: QuantSc
     state = {k: v for k, v in state.items() if not k.startswith(inside)}
     if scheme.is_fp8:
         _fp8_linear_names(model, state, scheme)
+        _compress_decompressed(state)
     seen: dict[tuple, str] = {}
+    tied = []
     for k in list(state):  # tied weights (embeddings / lm_head) are stored once
         v = state[k]
         ident = (v.device, v.data_ptr(), v.dtype, tuple(v.shape), tuple(v.stride()))
         if v.numel() and ident in seen:
+            if k.endswith(".weight") and v.dim() == 2 and v.dtype != torch.float8_e4m3fn:
+                tied.append(k)
             del state[k]
         else:
             seen[ident] = k
-    return revert_weight_conversion(model, state)
+    return revert_weight_conversion(model, state), tied
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -158,7 +215,7 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().to("cpu")
     if t.untyped_storage().nbytes() != t.numel() * t.element_size():  # a view (one expert of w13)
         t = t.clone()
-    return t
+    return t.contiguous()  # a transposed view (Llama-4's fused unquantized experts): safetensors takes rows
 
 
 def _write_shards(tensors: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> None:
@@ -211,19 +268,20 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
 
-    tensors = _non_expert_state(model, list(modules), scheme)
+    tensors, tied = _non_expert_state(model, list(modules), scheme)
     for name, m in modules.items():
         family = family_of(m.family)
         projections = family.projections if family else ("gate_proj", "up_proj", "down_proj")
         prefix = prefix_of_module(model, name, family) if family else name
-        tensors.update(_expert_tensors(m, prefix, projections))
+        tensors.update(_expert_tensors(m, prefix, projections, transposed=bool(family and family.transposed)))
 
     dense_fp8 = [k for k, t in tensors.items() if k.endswith(".weight") and t.dtype == torch.float8_e4m3fn
                  and ".experts." not in k]
     config = copy.deepcopy(model.config)
     if scheme.is_fp8:
-        ignore = sorted(k[: -len(".weight")] for k, t in tensors.items()
-                        if k.endswith(".weight") and t.dim() == 2 and t.dtype != torch.float8_e4m3fn)
+        ignore = sorted({k[: -len(".weight")] for k, t in tensors.items()
+                         if k.endswith(".weight") and t.dim() == 2 and t.dtype != torch.float8_e4m3fn}
+                        | {k[: -len(".weight")] for k in tied})  # a tied lm_head is a bf16 Linear too
         config.quantization_config = quantization_config(scheme, ignore)
     elif dense_fp8:
         raise UnsupportedModelError(
