@@ -41,6 +41,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
+from rich.markup import escape
 
 from . import roofline
 from .api import fused_moe, validate_inputs
@@ -244,7 +245,24 @@ def resolve_problems(models: Sequence[str], tp: int, scheme: str | None, device:
                 f"of 128, got {shape.n} (intermediate {spec.shape.intermediate} / tp {tp})"
             )
         problems.append(Problem(spec, shape, s, scaled))
-    return problems
+    return _distinct_names(models, problems)
+
+
+def _distinct_names(models: Sequence[str], problems: list[Problem]) -> list[Problem]:
+    """A config file's model is named after its folder, so two config files of one folder (or two
+    folders named alike) got one name, and were refused as the same model given twice: those
+    keep the --model text as given, as their name. The same model given twice keeps its name
+    (and is refused by the caller)."""
+    count: dict[str, int] = {}
+    for p in problems:
+        count[p.name] = count.get(p.name, 0) + 1
+    where = {model: str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else model
+             for model in models}
+    out = []
+    for model, p in zip(models, problems):
+        clash = count[p.name] > 1 and len({where[m] for m, q in zip(models, problems) if q.name == p.name}) > 1
+        out.append(dataclasses.replace(p, spec=dataclasses.replace(p.spec, name=model)) if clash else p)
+    return out
 
 
 def _one_line(e: BaseException) -> str:
@@ -530,6 +548,10 @@ def make_routings(kind: str, M: int, shape: MoEShape, count: int, *, seed: int =
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref||; ValueError where the shapes differ (broadcasting [1, H] against
+    [M, H] would give a number for a wrong output)."""
+    if out.shape != ref.shape:
+        raise ValueError(f"output has shape {tuple(out.shape)}, expected {tuple(ref.shape)} (the reference's)")
     out, ref = out.double(), ref.double()
     return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
 
@@ -635,6 +657,9 @@ def git_commit() -> str:
         except (OSError, subprocess.SubprocessError):
             return None
 
+    tracked = git("ls-files", "--error-unmatch", "__init__.py")  # moekit installed inside another project's
+    if tracked is None or tracked.returncode != 0:                # tree (a .venv in it): not its commit
+        return "unknown"
     head = git("rev-parse", "HEAD")
     commit = head.stdout.strip() if head is not None and head.returncode == 0 else ""
     if not commit:
@@ -752,16 +777,28 @@ class _Plan:
     columns: list[str]
 
 
-def _validate(opts: BenchOptions, device: torch.device) -> _Plan:
-    if opts.mode not in ("layer", "gemm"):
-        raise BenchInputError(f"--mode: {opts.mode!r} is not 'layer' or 'gemm'")
+MAX_SEED = 2**31  # input_seed(seed, M) stays far inside a torch Generator's 64-bit seed
+
+
+def check_run_settings(seed) -> None:
+    """BenchInputError for what bench, check and tune refuse before anything runs: the
+    environment's MOEKIT_FP8_ACCUMULATION and MOEKIT_PDL (else every triton point would fail on
+    them, or a table be built with a traceback) and a --seed out of range."""
     from .backends.triton.launch import fp8_accumulation, pdl_wanted
 
     try:
-        fp8_accumulation()  # refused here, once, rather than at every triton point of the run
+        fp8_accumulation()
         pdl_wanted()
     except ValueError as e:
         raise BenchInputError(str(e)) from None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
+        raise BenchInputError(f"--seed must be an integer in [0, {MAX_SEED}), got {seed!r}")
+
+
+def _validate(opts: BenchOptions, device: torch.device) -> _Plan:
+    if opts.mode not in ("layer", "gemm"):
+        raise BenchInputError(f"--mode: {opts.mode!r} is not 'layer' or 'gemm'")
+    check_run_settings(opts.seed)
     if not isinstance(opts.reps, int) or opts.reps < 1:
         raise BenchInputError(f"--reps must be a positive integer, got {opts.reps!r}")
     if not isinstance(opts.warmup, int) or opts.warmup < 0:
@@ -1042,11 +1079,12 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
     if interrupted:
         why = f"stopped by {type(crash).__name__}: {crash}" if crash is not None else "interrupted"
         console.print(f"{why}: {len(rows)} of {total} points measured; wrote them to "
-                      f"{', '.join(str(f) for f in files)} (partial: no plots)", highlight=False, soft_wrap=True)
+                      f"{', '.join(str(f) for f in files)} (partial: no plots)", highlight=False, soft_wrap=True,
+                      markup=False)  # paths and messages are the user's text, not rich markup
         if crash is not None:
             raise crash
     else:
-        console.print(f"wrote {', '.join(str(f) for f in files)}", highlight=False)
+        console.print(f"wrote {', '.join(str(f) for f in files)}", highlight=False, markup=False)
     return BenchResult(plan.out_dir, files, plan.columns, rows, meta, errors, interrupted)
 
 
@@ -1116,18 +1154,28 @@ def _write(plan: _Plan, rows: list[dict], meta: dict, opts: BenchOptions, partia
     if meta["cpu_scaled_down"]:
         title += " (scaled-down CPU shape)"
     if partial:
-        return write_atomically(plan.out_dir, dict(zip(PARTIAL_FILES, (write_csv, write_json))))
-    writers: dict[str, Callable[[Path], None]] = {"bench.csv": write_csv}
-    if opts.plots:
-        writers["latency.png"] = lambda path: plots.latency_plot(rows, path, title=title)
-        writers["efficiency.png"] = lambda path: plots.efficiency_plot(
-            rows, path, title=title, has_ceilings=meta["ceilings"] is not None
-        )
-    writers["bench.json"] = write_json  # last: its presence says the run completed
+        writers = dict(zip(PARTIAL_FILES, (write_csv, write_json)))
+    else:
+        writers = {"bench.csv": write_csv}
+        if opts.plots:
+            writers["latency.png"] = lambda path: plots.latency_plot(rows, path, title=title)
+            writers["efficiency.png"] = lambda path: plots.efficiency_plot(
+                rows, path, title=title, has_ceilings=meta["ceilings"] is not None
+            )
+        writers["bench.json"] = write_json  # last: its presence says the run completed
     files = write_atomically(plan.out_dir, writers)
-    for name in PARTIAL_FILES:  # an earlier interrupted run's (--overwrite): superseded now
-        (plan.out_dir / name).unlink(missing_ok=True)
+    remove_superseded(plan.out_dir, RESULT_FILES + PARTIAL_FILES, writers)
     return files
+
+
+def remove_superseded(out_dir: Path, names: Sequence[str], written) -> None:
+    """An earlier run's result files this run did not rewrite (it was given --overwrite): its
+    plots beside a run with --no-plots, its complete bench.json beside this run's partial
+    files, its partial files beside this complete run. Left there they would describe another
+    run than the files beside them."""
+    for name in names:
+        if name not in written:
+            (out_dir / name).unlink(missing_ok=True)
 
 
 def _fmt(value, spec: str) -> str:
@@ -1136,7 +1184,7 @@ def _fmt(value, spec: str) -> str:
     return format(value, spec)
 
 
-def _print_wide(console, renderable) -> None:
+def print_wide(console, renderable) -> None:
     """Print at the terminal's width; into a pipe or file (logs, CI), wide enough not to squeeze."""
     if console.is_terminal or console.width >= 160:
         console.print(renderable)
@@ -1172,7 +1220,7 @@ def print_table(console, rows: list[dict], columns: list[str], model_estimate: b
     for model in dict.fromkeys(r["model"] for r in rows):
         model_rows = [r for r in rows if r["model"] == model]
         table = Table(
-            title=f"{model} ({model_rows[0]['scheme']}, {model_rows[0]['mode']})", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True
+            title=escape(f"{model} ({model_rows[0]['scheme']}, {model_rows[0]['mode']})"), box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True
         )
         for h in heads:
             table.add_column(h, justify="left" if h == "backend" else "right")
@@ -1191,7 +1239,7 @@ def print_table(console, rows: list[dict], columns: list[str], model_estimate: b
             if model_estimate:
                 cells.append(_fmt(None if r.get("model_moe_us") is None else r["model_moe_us"] / 1e3, ".2f"))
             table.add_row(*cells)
-        _print_wide(console, table)
+        print_wide(console, table)
     notes = {r["note"] for r in rows if r.get("note") and r.get("median_us") is not None}
     for note in sorted(notes):
         console.print(f"note: {note}", highlight=False)

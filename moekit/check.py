@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from rich.markup import escape
 
 from . import quant
 from .api import fused_moe
@@ -33,7 +34,7 @@ from .bench import (
     BenchInputError,
     Problem,
     _one_line,
-    _print_wide,
+    print_wide,
     cpu_banner,
     default_device,
     environment,
@@ -44,9 +45,11 @@ from .bench import (
     parse_dtype,
     parse_names,
     plan_backends,
+    check_run_settings,
     input_seed,
     prepare_out_dir,
     remove_if_empty,
+    remove_superseded,
     resolve_problems,
     uniform_routing,
     write_atomically,
@@ -387,6 +390,7 @@ def run_check(opts: CheckOptions, console=None) -> CheckReport:
 
     console = console or Console()
     device = default_device()
+    check_run_settings(opts.seed)
     if not isinstance(opts.seeds, int) or opts.seeds < 1:
         raise BenchInputError(f"--seeds must be a positive integer, got {opts.seeds!r}")
     dtype = parse_dtype(opts.dtype)
@@ -460,6 +464,8 @@ def _run(opts, console, device, dtype, batch_sizes, problems: list[Problem], pla
                         try:
                             with torch.no_grad():
                                 out = fused_moe(x, weights, tw, ids, backend=name)
+                            if out.shape != x.shape:
+                                raise ValueError(f"output has shape {tuple(out.shape)}, expected {tuple(x.shape)}")
                         except Exception as e:  # noqa: BLE001 - a backend that raises fails the check
                             info["errors"].append(f"{case.label}: {type(e).__name__}: {_one_line(e)[:200]}")
                             progress.advance(task)
@@ -549,7 +555,8 @@ def _run(opts, console, device, dtype, batch_sizes, problems: list[Problem], pla
 
     if interrupted:
         files = write_atomically(out_dir, {PARTIAL_FILE: write_json})
-        console.print(f"interrupted: wrote the cases checked so far to {files[0]} (no verdict)", highlight=False,
+        remove_superseded(out_dir, (RESULT_FILE,), (PARTIAL_FILE,))  # an earlier complete run's (--overwrite)
+        console.print(f"interrupted: wrote the cases checked so far to {files[0]} (no verdict)", highlight=False, markup=False,
                       soft_wrap=True)
         return CheckReport(False, out_dir, files, report, interrupted=True)
     files = write_atomically(out_dir, {RESULT_FILE: write_json})
@@ -565,7 +572,7 @@ def _run(opts, console, device, dtype, batch_sizes, problems: list[Problem], pla
     else:
         verdict = "[red]some backends FAIL[/]" + (f" (none checked on {', '.join(unchecked)})" if unchecked else "") \
             + routing_note
-    console.print(f"{verdict}; wrote {files[0]}", highlight=False)
+    console.print(f"{verdict}; wrote {escape(str(files[0]))}", highlight=False)
     return CheckReport(all_passed, out_dir, files, report)
 
 
@@ -607,10 +614,9 @@ def _print_routing(console, routing: dict) -> None:
 
 def _print_model(console, p: Problem, backends_out: list[dict], pair_worst: dict) -> None:
     from rich import box
-    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"{p.name} ({p.scheme.name}, {p.shape.describe()}) vs float64", box=box.SIMPLE_HEAD)
+    table = Table(title=escape(f"{p.name} ({p.scheme.name}, {p.shape.describe()}) vs float64"), box=box.SIMPLE_HEAD)
     for h in ("backend", "class", "own rounding", "worst rel L2", "limit", "worst max rel", "limit", "min cos",
               "limit", "result"):
         table.add_column(h, justify="left" if h in ("backend", "class", "own rounding", "result") else "right")
@@ -627,7 +633,7 @@ def _print_model(console, p: Problem, backends_out: list[dict], pair_worst: dict
         own += ["GEMM1 out in bf16"] if b["problem"]["gemm1_output_rounded"] else []
         table.add_row(b["backend"], b["class"], ", ".join(own) or "-", f(w["rel_l2"]), f(t["rel_l2"], ".0e"), f(w["max_rel"]),
                       f(t["max_rel"], ".1e"), f(w["cos"], ".6f"), f(t["min_cos"], ".6f"), result)
-    _print_wide(console, table)
+    print_wide(console, table)
     for b in backends_out:
         for err in b["errors"][:3]:
             console.print(f"  {b['backend']} error: {escape(err)}", highlight=False)

@@ -62,7 +62,9 @@ def cmd_info(args) -> int:
         reasons = backend.supports(shape, scheme, device)
         status = "[green]available[/]" if not reasons else "[red]unavailable[/]: " + "; ".join(reasons)
         table.add_row(name, status, backend.description)
-    console.print(table)
+    from moekit.bench import print_wide
+
+    print_wide(console, table)  # in a pipe rich assumes 80 columns and would cut the names
     return 0
 
 
@@ -81,7 +83,9 @@ def cmd_models(args) -> int:
             name, str(s.num_experts), str(s.hidden), str(s.intermediate), str(s.top_k),
             str(s.shared_experts), str(s.num_layers), spec.scheme.name, routing,
         )
-    console.print(table)
+    from moekit.bench import print_wide
+
+    print_wide(console, table)
     return 0
 
 
@@ -172,7 +176,7 @@ def cmd_select(args) -> int:
     from moekit.spec import get_scheme
 
     def positive(flag, value):
-        if value is None or not str(value).isdigit() or int(value) < 1:
+        if value is None or not (str(value).isascii() and str(value).isdigit()) or int(value) < 1:
             raise UsageError(f"{flag} must be a positive integer, got {value!r}")
         return int(value)
 

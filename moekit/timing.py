@@ -137,14 +137,23 @@ def _round_sizes(reps: int, rounds: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(rounds)]
 
 
-def _interleave(names: list[str], reps: int, rounds: int, measure: Callable[[str, int], list[float]]) -> dict[str, list[float]]:
-    """measure(name, n) -> n samples; called round by round, the order rotating each round."""
+def _interleave(names: list[str], reps: int, rounds: int, measure: Callable[[str, int], list[float]],
+                failed: dict[str, Exception]) -> dict[str, list[float]]:
+    """measure(name, n) -> n samples; called round by round, the order rotating each round. A
+    name whose measure raises is put in `failed` and left out of the later rounds: one backend
+    failing on a later call (a routing of the rotation, no warm-up asked for) is its own row's
+    error, not the end of the run."""
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r, n in enumerate(_round_sizes(reps, rounds)):
         for i in range(len(names)):
             name = names[(r + i) % len(names)]
-            samples[name] += measure(name, n)
-    return samples
+            if name in failed:
+                continue
+            try:
+                samples[name] += measure(name, n)
+            except Exception as e:  # noqa: BLE001 - reported for this name, the others go on
+                failed[name] = e
+    return {name: times for name, times in samples.items() if name not in failed}
 
 
 # ------------------------------------------------------------------------------------- CPU
@@ -171,7 +180,7 @@ def _time_cpu(fns, reps: int, warmup: int, rounds: int, before_each=None) -> dic
             out.append((time.perf_counter() - start) * 1e6)
         return out
 
-    for name, samples in _interleave(ready, reps, rounds, measure).items():
+    for name, samples in _interleave(ready, reps, rounds, measure, results).items():
         results[name] = Timing.from_samples(samples, "cpu")
     return {name: results[name] for name in fns}
 
@@ -292,7 +301,9 @@ def _time_cuda(fns, reps: int, warmup: int, flush_l2: bool, use_graph: bool, rou
         return _event_times(body, n, hook)
 
     names = list(prepared) + ([FLUSH] if flush is not None and prepared else [])
-    samples = _interleave(names, reps, rounds, measure)
+    samples = _interleave(names, reps, rounds, measure, results)
+    if FLUSH in results:  # the flush itself failed: nothing can be timed against it
+        raise results.pop(FLUSH)
     flush_us = float(np.median(samples.pop(FLUSH))) if FLUSH in samples else None
     for name, times in samples.items():
         _, method, note, _ = prepared[name]

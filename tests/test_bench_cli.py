@@ -313,6 +313,8 @@ def _bad_cases(tmp_path, tiny_config):
         "routing ids out of range": (m + ["--routing", str(out_of_range)], "[0, 4)"),
         "routing of floats": (m + ["--routing", str(floats)], "must be integers"),
         "no routings": (m + ["--routings", "0"], "--routings must be a positive integer"),
+        "seed too large": (m + ["--seed", str(2**44)], "--seed must be an integer in [0, 2147483648)"),
+        "negative seed": (m + ["--seed", "-1"], "--seed must be an integer in [0, 2147483648)"),
     }
 
 
@@ -321,7 +323,7 @@ CASES = [
     "baseline that cannot run", "zero batch size", "negative batch size", "text batch size",
     "fractional batch size", "unwritable out", "out is a file", "bad scheme", "bad tp", "tp not dividing",
     "routing file missing", "routing top-k mismatch", "routing ids out of range", "routing of floats",
-    "no routings",
+    "no routings", "seed too large", "negative seed",
 ]
 
 
@@ -392,6 +394,7 @@ def test_argparse_errors_exit_2(capsys):
     ((0, "abc123\n"), (0, ""), "abc123"),
     ((0, "abc123\n"), (0, " M moekit/spec.py\n"), "abc123-dirty"),  # what ran is not HEAD
     ((128, ""), (0, ""), "unknown"),  # not a git checkout
+    ((0, "abc123\n"), (1, ""), "unknown"),  # moekit installed inside another project's tree: not its commit
 ])
 def test_git_commit_says_when_the_code_differs_from_head(monkeypatch, head, status, want):
     import subprocess
@@ -400,6 +403,8 @@ def test_git_commit_says_when_the_code_differs_from_head(monkeypatch, head, stat
 
     def fake_run(cmd, **kw):
         rc, out = head if "rev-parse" in cmd else status
+        if "ls-files" in cmd:  # is the package tracked by the checkout found? (status's rc says)
+            rc, out = status[0], ""
         return subprocess.CompletedProcess(cmd, rc, out, "")
 
     monkeypatch.setattr(bench.subprocess, "run", fake_run)
@@ -652,3 +657,87 @@ def test_plots_leave_out_points_a_log_axis_cannot_hold():
     series = plots._by_model(rows)
     assert [r["batch_size"] for r in series["m"]["a"]] == [2] and "b" not in series["m"]
     assert "n" in series and not series["n"]
+
+
+class FlakyBackend(ReferenceBackend):
+    """Runs once (the warm-up), then fails: a backend failing on a later call of the timing."""
+
+    name = "flaky"
+    calls = 0
+
+    def run(self, x, weights, topk_weights, topk_ids):
+        type(self).calls += 1
+        if type(self).calls > 1:
+            raise RuntimeError("kernel failed on a later call")
+        return super().run(x, weights, topk_weights, topk_ids)
+
+
+class ShortBackend(ReferenceBackend):
+    """Returns one row for the whole batch: broadcasting would have given it a rel err."""
+
+    name = "short"
+
+    def run(self, x, weights, topk_weights, topk_ids):
+        return super().run(x, weights, topk_weights, topk_ids)[:1]
+
+
+def test_a_backend_failing_while_timed_is_its_own_rows_error(tmp_path, tiny_config, registry):
+    """On the CPU only the warm-up calls were guarded: a backend failing on a later call (a routing
+    of the rotation, --warmup 0) ended the run with a traceback and nothing written."""
+    FlakyBackend.calls = 0
+    registry(FlakyBackend())
+    out = tmp_path / "o"
+    assert main(["bench", "--model", str(tiny_config), "--batch-sizes", "2", "--backends", "flaky", "reference",
+                 "--baseline", "reference", "--no-plots", "--out", str(out), "--reps", "3", "--warmup", "1"]) == 1
+    _, rows = read_csv(out / "bench.csv")
+    flaky = next(r for r in rows if r["backend"] == "flaky")
+    assert "kernel failed on a later call" in flaky["note"] and flaky["median_us"] == ""
+    assert float(next(r for r in rows if r["backend"] == "reference")["median_us"]) > 0
+
+
+def test_an_output_of_the_wrong_shape_fails_its_row(tmp_path, tiny_config, registry):
+    registry(ShortBackend())
+    out = tmp_path / "o"
+    assert main(["bench", "--model", str(tiny_config), "--batch-sizes", "4", "--backends", "short", "reference",
+                 "--baseline", "reference", "--no-plots", "--out", str(out), *FAST]) == 1
+    _, rows = read_csv(out / "bench.csv")
+    short = next(r for r in rows if r["backend"] == "short")
+    assert "output has shape (1, 64), expected (4, 64)" in short["note"] and short["rel_err"] == ""
+
+
+def test_overwrite_leaves_no_file_of_the_earlier_run(tmp_path, tiny_config, monkeypatch):
+    """With --overwrite, the earlier run's plots stayed beside a --no-plots run (showing other
+    backends and sizes than its CSV), and its complete bench.json beside an interrupted run's
+    partial files."""
+    out = tmp_path / "o"
+    base = ["bench", "--model", str(tiny_config), "--backends", "reference", "--baseline", "reference",
+            "--out", str(out), *FAST]
+    assert main([*base, "--batch-sizes", "2"]) == 0
+    assert (out / "latency.png").exists()
+    assert main([*base, "--batch-sizes", "4", "--no-plots", "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["bench.csv", "bench.json"]
+    interrupt_at_call(monkeypatch, 2)
+    assert run_main([*base, "--batch-sizes", "2", "4", "--overwrite"]) == 130
+    assert sorted(p.name for p in out.iterdir()) == ["bench.partial.csv", "bench.partial.json"]
+
+
+def test_paths_and_names_are_not_read_as_markup(tmp_path, tiny_config, capsys):
+    """An --out with brackets was written, then printing its name raised rich's MarkupError
+    (a traceback, exit 1, after a successful run)."""
+    out = tmp_path / "o[/x]"
+    assert main(["bench", "--model", str(tiny_config), "--batch-sizes", "2", "--backends", "reference",
+                 "--baseline", "reference", "--no-plots", "--out", str(out), *FAST]) == 0
+    assert f"wrote {out / 'bench.csv'}" in " ".join(capsys.readouterr().out.split())
+
+
+def test_two_config_files_of_one_folder_are_two_models(tmp_path, tiny_config):
+    """A config file's model is named after its folder: two config files of one folder were
+    refused as the same model given twice. They keep the --model text as their names."""
+    other = tiny_config / "other.json"
+    other.write_text((tiny_config / "config.json").read_text())
+    out = tmp_path / "o"
+    a, b = str(tiny_config / "config.json"), str(other)
+    assert main(["bench", "--model", a, "--model", b, "--batch-sizes", "2", "--backends", "reference",
+                 "--baseline", "reference", "--no-plots", "--out", str(out), *FAST]) == 0
+    _, rows = read_csv(out / "bench.csv")
+    assert {r["model"] for r in rows} == {a, b}

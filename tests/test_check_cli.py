@@ -149,6 +149,7 @@ def test_check_default_backends_are_every_runnable_one(tmp_path, tiny_config, ca
         (["--model", PRESET, "--batch-sizes", "0"], "not a positive integer"),
         (["--model", PRESET, "--backends", "auto"], "'auto'"),
         (["--model", PRESET, "--backends", "nope"], "unknown backend"),
+        (["--model", PRESET, "--seed", "-3"], "--seed must be an integer in [0, 2147483648)"),
     ],
 )
 def test_check_bad_input_is_one_line_and_exit_2(args, expected, tmp_path, capsys):
@@ -410,3 +411,13 @@ def test_ctrl_c_during_the_routing_check_keeps_the_models_checked(tmp_path, monk
     first, second = report["models"]
     assert first["routing"] is not None and second["routing"] is None
     assert second["backends"][0]["passed"] is True and report["passed"] is None
+
+
+@pytest.mark.parametrize("name,value", [("MOEKIT_FP8_ACCUMULATION", "bogus"), ("MOEKIT_PDL", "maybe")])
+def test_check_refuses_a_bad_triton_setting_first(name, value, tmp_path, monkeypatch, capsys):
+    """check ran on: a traceback while building its table (triton on an FP8 scheme) or every
+    backend, reference included, reported as failing, and a FAIL report written."""
+    monkeypatch.setenv(name, value)
+    assert main(["check", "--model", PRESET, "--out", str(tmp_path / "o")]) == 2
+    assert f"{name}='{value}'" in one_line_error(capsys)
+    assert not (tmp_path / "o").exists()

@@ -96,3 +96,17 @@ def test_bench_measures_its_ceilings_in_the_same_run_unless_told():
     assert parse("bench", *model, "--refresh-ceilings").refresh_ceilings is True
     assert parse("bench", *model, "--cached-ceilings").refresh_ceilings is False
     assert BenchOptions(models=["mixtral-8x7b"]).refresh_ceilings is True
+
+
+def test_models_and_info_are_readable_in_a_pipe(capsys):
+    """Into a pipe rich assumed 80 columns and cut the names ('glm-4…'), unlike bench and check."""
+    from moekit.models import PRESETS
+
+    from moekit.backends import backend_names
+
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in PRESETS) and "…" not in out
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in backend_names()) and "…" not in out

@@ -366,6 +366,7 @@ def test_select_cli_heuristic_refusals_environment(tmp_path, monkeypatch, capsys
         (["--model", "glm-4.5v-fp8", "--batch-size", "4", "--device-name", "NVIDIA B200"], "unknown GPU 'NVIDIA B200'"),
         (["--model", "glm-4.5v-fp8", "--batch-size", "0"], "--batch-size must be a positive integer, got '0'"),
         (["--model", "glm-4.5v-fp8", "--batch-size", "many"], "--batch-size must be a positive integer"),
+        (["--model", "glm-4.5v-fp8", "--batch-size", "²"], "--batch-size must be a positive integer"),  # isdigit, not int()
         (["--model", "glm-4.5v-fp8"], "--batch-size must be a positive integer, got None"),
         (["--batch-size", "4"], "give --model"),
         (["--model", "gpt-5", "--batch-size", "4"], "unknown model 'gpt-5'"),

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from ..bench import _print_wide, default_device
+from ..bench import print_wide, default_device
 from . import runner
 from .plan import (
     TuneInputError,
@@ -142,7 +142,7 @@ def _finish(plan: TunePlan, console, device_names: list[str]) -> tuple[list[Path
             backend_doc = _read_backend_table(plan.out_dir / "backends" / table_file)
             shown = [by_size[M] for M in plan.batch_sizes if M in by_size]
             if shown:
-                _print_wide(console, summary_table(f"{p.label} on {name}", shown, backend_doc))
+                print_wide(console, summary_table(f"{p.label} on {name}", shown, backend_doc))
             for note in notes:
                 console.print(f"  {note}", highlight=False, soft_wrap=True)
             missing = uncovered(by_size, plan.batch_sizes, p.backends)

@@ -12,12 +12,12 @@ from pathlib import Path
 import torch
 
 from ..backends import get_backend
-from ..backends.triton.launch import fp8_accumulation, pdl_wanted
 from ..bench import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_ROUTINGS,
     ROUTINGS,
     BenchInputError,
+    check_run_settings,
     load_routing_file,
     parse_batch_sizes,
     parse_dtype,
@@ -192,9 +192,8 @@ def build_plan(opts: TuneOptions, device: torch.device) -> TunePlan:
     if opts.search_space not in SEARCH_SPACES:
         raise TuneInputError(f"--search-space: {opts.search_space!r} is not one of {', '.join(SEARCH_SPACES)}")
     try:
-        fp8_accumulation()  # conditions of every measurement (runner.fingerprint)
-        pdl_wanted()
-    except ValueError as e:
+        check_run_settings(opts.seed)  # MOEKIT_FP8_ACCUMULATION and MOEKIT_PDL: conditions of every measurement
+    except BenchInputError as e:
         raise TuneInputError(str(e)) from None
     helpers = default_helpers(device) if opts.compile_workers is None else opts.compile_workers
     for name, value, least in (("--reps", opts.reps, 1), ("--warmup", opts.warmup, 0), ("--compile-workers", helpers, 0),
