@@ -228,6 +228,16 @@ def _capture(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def _restore_generator(rng: torch.Generator, state: torch.Tensor) -> None:
+    """The device's default CUDA generator as it was before a capture that failed. The capture
+    marked it as capturing and, ended by an error, never unmarked it: every later random draw on
+    the device then raised ("Offset increment outside graph capture encountered unexpectedly";
+    the benchmark's own ceilings measurement was the first to). A fresh state replaces its own,
+    and takes the seed and offset it had."""
+    rng.graphsafe_set_state(torch.Generator(device=rng.device).graphsafe_get_state())
+    rng.set_state(state)
+
+
 def _prepare_cuda(fn, warmup: int, use_graph: bool):
     """Warm `fn` up and capture it: (what to replay, method, note, the graph to keep alive)."""
     # Eager warm-up on a side stream, as torch requires before a capture.
@@ -241,6 +251,8 @@ def _prepare_cuda(fn, warmup: int, use_graph: bool):
 
     graph, note = None, None
     if use_graph:
+        rng = torch.cuda.default_generators[torch.cuda.current_device()]
+        rng_state = rng.get_state()
         try:
             graph = _capture(fn)
             graph.replay()  # one replay before timing: first-replay costs stay out of the samples
@@ -253,6 +265,7 @@ def _prepare_cuda(fn, warmup: int, use_graph: bool):
                 torch.cuda.synchronize()
             except Exception:  # noqa: BLE001
                 pass
+            _restore_generator(rng, rng_state)
     run = graph.replay if graph is not None else fn
     return run, ("cuda-graph" if graph is not None else "cuda-eager"), note, graph
 

@@ -627,7 +627,8 @@ def test_a_nan_output_is_an_error_with_its_time_kept(tmp_path, tiny_config, regi
     bad = next(r for r in rows if r["backend"] == "nanout")
     assert bad["note"] == "error: output has NaN or inf values" and bad["rel_err"] == ""
     assert float(bad["median_us"]) > 0  # timed all the same
-    assert next(r for r in rows if r["backend"] == "reference")["note"] == ""
+    # (on a GPU the reference's host copies cannot be captured: it is timed eagerly, and says so)
+    assert not next(r for r in rows if r["backend"] == "reference")["note"].startswith("error")
 
 
 def test_a_zero_median_is_an_error_that_says_why_the_rates_are_empty(tmp_path, tiny_config, monkeypatch):

@@ -138,7 +138,8 @@ def test_check_default_backends_are_every_runnable_one(tmp_path, tiny_config, ca
     checked = {b["backend"] for b in model["backends"]}
     skipped = set(model["skipped_backends"])
     assert checked | skipped == set(moekit.backend_names())
-    assert "reference" in checked
+    # the ground truth is float64 here; on a GPU `reference` is checked only when named (slow)
+    assert "reference" in (checked if not torch.cuda.is_available() else skipped)
 
 
 @pytest.mark.parametrize(
