@@ -47,10 +47,10 @@
 #        test_api.py; twentieth session), and route()'s routing kernel (test_routing_kernel.py,
 #        test_routing.py, test_layer.py) and the glue's id check, int64 ids read as they are by cutlass
 #        and torch (test_glue_id_check.py; twenty-first session), and transformers' routers fused
-#        (test_hf_routers.py; twenty-second). The gpu-marked tests of test_routing_kernel,
-#        test_glue_id_check and test_hf_routers passed on an H100 in the twenty-second session;
-#        their unmarked ones have not run on CUDA. Not part of `all`. PENDING_TESTS
-#        ("test_routing_kernel test_api", say) picks files: all of them may not fit one call.
+#        (test_hf_routers.py; twenty-second). All of them passed on an H200 in the twenty-third
+#        session (BENCHMARKS.md); the list stays for the next code written without a GPU. Not
+#        part of `all`. PENDING_TESTS ("test_routing_kernel test_api", say) picks files: all of
+#        them may not fit one call.
 # ids:   scripts/bench_ids_dtype.py --narrow: the whole layer with int32 ids, int64 ids, and int64
 #        ids narrowed first (what fused_moe did before the twentieth session), on triton, then on
 #        cutlass (which also skips fused_moe's own id check since the twenty-first); not part of `all`.
