@@ -59,7 +59,7 @@ def grads_would_be_dropped(x, weights, topk_weights) -> bool:
     nothing, so the common call does not pay for entering it."""
     if not torch.is_grad_enabled() or not isinstance(weights, MoEWeights):
         return False
-    tensors = (x, topk_weights, weights.w13, weights.w2)
+    tensors = (x, topk_weights, *weights.tensors().values())  # scales too (an nn.Parameter scale)
     if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
         return False
     warnings.warn(

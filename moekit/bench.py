@@ -43,12 +43,12 @@ import numpy as np
 import torch
 from rich.markup import escape
 
-from . import roofline
+from . import env, roofline
 from .api import fused_moe, validate_inputs
 from .backends.reference import reference_moe
 from .backends import backend_names, get_backend
 from .models import ModelSpec, get_model
-from .select import select_backend
+from .select import ENV_VAR, select_backend
 from .spec import MoEShape, QuantScheme, get_scheme
 from .timing import DEFAULT_REPS, DEFAULT_WARMUP, DEFAULT_ROUNDS, Timing, time_graphs
 from .weights import MoEWeights, quantize_weights
@@ -1125,6 +1125,9 @@ def auto_summary(rows: list[dict]) -> list[str]:
         line = f"auto on {model}: chose the fastest backend at {fastest} of {len(scored)} batch sizes"
         if worst[AUTO_COLUMN] > 0:
             line += f"; worst choice {worst['chosen']} at M={worst['batch_size']}, {100 * worst[AUTO_COLUMN]:+.1f}%"
+        forced = env.get(ENV_VAR)
+        if forced:  # the rows named auto ran the environment's backend: not auto's choice to credit
+            line += f" (but {ENV_VAR}={forced} chose for auto, not its tables)"
         lines.append(line)
     return lines
 

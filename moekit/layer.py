@@ -230,15 +230,28 @@ class MoELayer(HandleOwner, torch.nn.Module):
         if w is None:
             buffers = self._buffers
             w = self._weights = MoEWeights(self._scheme, **{n: buffers.get(n) for n in _TENSORS}, shard=self._shard)
+            older = self.__dict__.pop("_older_weights", None)
+            if older is not None:  # derived state over unchanged storage is refreshed in place, not freed
+                w.carry_prepared_from(older)
         return w
+
+    def _drop_weights(self) -> None:
+        """The weights are rebuilt (and re-validated) over the buffers at their next use, taking
+        over the old ones' derived state: a CUDA graph captured before load_state_dict() or
+        .half() reads that state's memory, which must stay where it is."""
+        old = self.__dict__.get("_weights")
+        if old is not None:
+            self.__dict__["_older_weights"] = old
+        self.__dict__["_weights"] = None
 
     def __setattr__(self, name, value):
         if name in _TENSORS:
-            self.__dict__["_weights"] = None  # a new weight tensor: rebuild (and re-validate) the weights
+            self._drop_weights()  # a new weight tensor
         super().__setattr__(name, value)
 
     def register_buffer(self, name, tensor, persistent=True):
-        self.__dict__["_weights"] = None
+        if "_weights" in self.__dict__:
+            self._drop_weights()
         super().register_buffer(name, tensor, persistent)
 
     def memory(self) -> dict:
@@ -247,7 +260,7 @@ class MoELayer(HandleOwner, torch.nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         out = apply_keeping_dtypes(self, fn, *args, **kwargs)
-        self._weights = None
+        self._drop_weights()
         return out
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -268,7 +281,7 @@ class MoELayer(HandleOwner, torch.nn.Module):
                     f"(scheme {self._scheme.name}); load weights of the same scheme"
                 )
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        self._weights = None  # new values: every backend's prepared state is stale
+        self._drop_weights()  # new values: every backend's prepared state is refreshed at its next use
 
     # ---------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, *routing: torch.Tensor) -> torch.Tensor:

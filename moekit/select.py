@@ -31,7 +31,7 @@ import torch
 from . import decisions, env, tables
 from .accumulation import FP8_ACCUMULATION_ENV, fp8_accumulation, table_accumulation
 from .backends.base import assume_capability, backend_names, get_backend
-from .spec import MoEShape, QuantScheme
+from .spec import MoEShape, QuantScheme, get_scheme
 
 ENV_VAR = "MOEKIT_BACKEND"
 log = logging.getLogger("moekit.select")
@@ -197,7 +197,10 @@ def select_backend(
 
     `device` may be a `DeviceSpec` (a GPU described by name and capability, not present).
     `allow_weight_copies=False`: auto passes over backends that would keep a converted copy of
-    the weights (a backend named by argument or MOEKIT_BACKEND is still used)."""
+    the weights (a backend named by argument or MOEKIT_BACKEND is still used). `scheme` may be
+    a scheme's name, as everywhere else."""
+    if not isinstance(scheme, QuantScheme):
+        scheme = get_scheme(scheme)
     env_backend, config_dir, interpret, accumulation = _environment()
     if not isinstance(device, (torch.device, DeviceSpec)):
         device = torch.device(device)

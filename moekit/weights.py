@@ -12,6 +12,7 @@ Static activation scales (fp8-tensor-static): a13_scale and a2_scale, float32 [1
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from . import quant
 from .spec import BLOCK, FP8_MAX, MoEShape, QuantScheme, get_scheme
 
 UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16)
+TENSOR_FIELDS = ("w13", "w2", "w13_scale", "w2_scale", "a13_scale", "a2_scale")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,22 @@ class MoEWeights:
     def __post_init__(self):
         self.scheme = get_scheme(self.scheme)
         _validate(self)
+        self.__dict__["_validated"] = True
+
+    def __setattr__(self, name, value):
+        """A tensor replaced after construction is validated as the constructor validates it
+        (a non-contiguous w13 gave the triton backend garbage; a scale of the wrong shape failed
+        deep inside a backend): the old tensor is put back and the error raised."""
+        if name not in TENSOR_FIELDS or not self.__dict__.get("_validated"):
+            super().__setattr__(name, value)
+            return
+        old = self.__dict__.get(name)
+        super().__setattr__(name, value)
+        try:
+            _validate(self)
+        except ValueError:
+            super().__setattr__(name, old)
+            raise
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -98,8 +116,7 @@ class MoEWeights:
         return MoEShape(self.num_experts, self.hidden, self.n, top_k)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        names = ("w13", "w2", "w13_scale", "w2_scale", "a13_scale", "a2_scale")
-        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        return {k: getattr(self, k) for k in TENSOR_FIELDS if getattr(self, k) is not None}
 
     @property
     def nbytes(self) -> int:
@@ -116,16 +133,26 @@ class MoEWeights:
         in the tensor's `_version`. Stale state is refreshed in place, refresh(state), into its
         own memory: a CUDA graph captured with it must never read freed memory, and so reads the
         new values. Where a tensor's storage changed (an attribute replaced by another tensor),
-        build() runs again."""
+        build() runs again. Tensors made under torch.inference_mode keep no version counter: after
+        writing those in place, call invalidate(). The state is built outside inference mode
+        (normal tensors), so that it can be refreshed in place in or out of it."""
         stamp = self._values_stamp()
         state, made_from = self.prepared.get(backend), self._stamps.get(backend)
         if state is None or made_from != stamp:
-            if state is not None and [ptr for ptr, _ in made_from] == [ptr for ptr, _ in stamp]:
-                refresh(state)
-            else:
-                state = self.prepared[backend] = build()
+            with torch.inference_mode(False), torch.no_grad():
+                if state is not None and [ptr for ptr, _ in made_from] == [ptr for ptr, _ in stamp]:
+                    refresh(state)
+                else:
+                    state = self.prepared[backend] = build()
             self._stamps[backend] = stamp
         return state
+
+    def invalidate(self) -> None:
+        """Every backend's derived state is refreshed (in place, in its own memory) at its next
+        use: for weights written in place that torch cannot see written, those made under
+        torch.inference_mode (they keep no version counter)."""
+        for backend, stamp in self._stamps.items():
+            self._stamps[backend] = tuple((ptr, "invalidated") for ptr, _ in stamp)
 
     def _values_stamp(self) -> tuple:
         # Inference tensors (made under torch.inference_mode) keep no version counter; writes to
@@ -137,6 +164,13 @@ class MoEWeights:
     def to(self, device: torch.device | str) -> "MoEWeights":
         moved = {k: v.to(device) for k, v in self.tensors().items()}
         return MoEWeights(self.scheme, **moved, shard=self.shard)
+
+    def carry_prepared_from(self, older: "MoEWeights") -> None:
+        """Take over `older`'s derived state (the same layer's weights, rebuilt over its
+        buffers): state over unchanged storage is then refreshed in place instead of made anew,
+        so that a CUDA graph captured with it never reads freed memory (MoELayer after
+        load_state_dict or .to() of the same device)."""
+        self.prepared, self._stamps = older.prepared, older._stamps
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 (w13 [E, 2N, H], w2 [E, H, N])."""
@@ -233,6 +267,9 @@ def _validate(w: MoEWeights) -> None:
                     f"scheme {s.name} uses static activation scales, so MoEWeights.{name} is required"
                 )
             _check_tensor(name, t, (torch.float32,), (1,), device)
+            value = float(t)  # one host read, at construction
+            if not (math.isfinite(value) and value > 0):  # 0 would silently zero every output
+                raise ValueError(f"MoEWeights.{name} must be positive and finite, got {value}")
         elif t is not None:
             raise ValueError(f"scheme {s.name} computes activation scales per call; {name} must be None")
 
@@ -254,6 +291,10 @@ def quantize_weights(
     scheme = get_scheme(scheme)
     if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
         raise TypeError("quantize_weights takes torch tensors w13 [E, 2N, H] and w2 [E, H, N]")
+    given = [name for name, v in (("input_scales", input_scales), ("calibration", calibration)) if v is not None]
+    if given and not scheme.static_activation:
+        raise ValueError(f"{' and '.join(given)}: only for fp8-tensor-static (static activation scales); scheme "
+                         f"{scheme.name} computes its activation scales per call")
     if not w13.is_floating_point() or w13.dtype == quant.FP8_DTYPE:
         raise ValueError(f"quantize_weights needs float weights, got w13 of dtype {w13.dtype}")
     if not scheme.is_fp8:
@@ -270,7 +311,11 @@ def quantize_weights(
         if input_scales is not None and calibration is not None:
             raise ValueError("give either input_scales= or calibration=, not both")
         if input_scales is not None:
-            a13, a2 = (torch.as_tensor(s, dtype=torch.float32, device=w13.device).reshape(1) for s in input_scales)
+            scales = [torch.as_tensor(s, dtype=torch.float32, device=w13.device) for s in input_scales]
+            if len(scales) != 2 or any(s.numel() != 1 for s in scales):
+                raise ValueError(f"input_scales must be two scalars (a13, a2), the scales of GEMM1's and GEMM2's "
+                                 f"inputs; got {len(scales)} of sizes {[s.numel() for s in scales]}")
+            a13, a2 = (s.reshape(1) for s in scales)
         elif calibration is not None:
             a13, a2 = _calibrate(w13, w2, calibration)
         else:

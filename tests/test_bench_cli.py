@@ -742,3 +742,12 @@ def test_two_config_files_of_one_folder_are_two_models(tmp_path, tiny_config):
                  "--baseline", "reference", "--no-plots", "--out", str(out), *FAST]) == 0
     _, rows = read_csv(out / "bench.csv")
     assert {r["model"] for r in rows} == {a, b}
+
+
+def test_auto_summary_says_when_the_environment_chose_for_auto(monkeypatch):
+    """With MOEKIT_BACKEND set, the rows named auto ran that backend, yet the summary credited
+    auto ('chose the fastest backend')."""
+    rows = [{"model": "m", "batch_size": 4, "chosen": "reference", bench.AUTO_COLUMN: 0.0}]
+    assert "MOEKIT_BACKEND" not in bench.auto_summary(rows)[0]
+    monkeypatch.setenv("MOEKIT_BACKEND", "reference")
+    assert bench.auto_summary(rows)[0].endswith("(but MOEKIT_BACKEND=reference chose for auto, not its tables)")

@@ -236,3 +236,126 @@ def test_quantize_weights_refuses_mismatched_layers():
             moekit.quantize_weights(a, b, "fp8-channel-token")
     with pytest.raises(ValueError, match="multiple of 128"):
         moekit.quantize_weights(w13, w2, "fp8-block128")
+
+
+# ------------------------------------------------- a reviewing helper's findings (this session)
+
+
+def _torch_state_ptrs(weights):
+    from moekit.layer import _tensors_in
+
+    return [t.data_ptr() for t in _tensors_in(weights.prepared["torch"])]
+
+
+def test_layer_keeps_derived_state_in_place_through_load_state_dict_and_half():
+    """MoELayer rebuilt its MoEWeights after load_state_dict() and .half() and dropped the old
+    one's derived state: a new dequantized copy (cutlass: new expanded scales) in new memory,
+    the old freed under a CUDA graph captured with it. The state now carries over: same memory,
+    refreshed to the new values."""
+    w = random_weights(E, H, N, "fp8-tensor-dynamic", seed=3)
+    layer = moekit.MoELayer(w, backend="torch")
+    tw, ids = random_routing(M, E, K)
+    x = random_x(M, H)
+    layer(x, tw, ids)
+    ptrs = _torch_state_ptrs(layer.weights)
+    new = random_weights(E, H, N, "fp8-tensor-dynamic", seed=4)
+    layer.load_state_dict(new.tensors())
+    out = layer(x, tw, ids)
+    assert _torch_state_ptrs(layer.weights) == ptrs
+    assert torch.equal(out, moekit.fused_moe(x, new, tw, ids, backend="torch"))
+    layer.half()  # FP8 weights and float32 scales stay where they are (x's dtype is the activations')
+    layer(x, tw, ids)
+    assert _torch_state_ptrs(layer.weights) == ptrs
+
+
+def test_inference_mode_weights_refresh_after_invalidate():
+    """Tensors made under inference_mode keep no version counter, so an in-place write (an RL
+    weight sync) left the torch backend computing with the old weights. invalidate() refreshes
+    the state in place; and state built inside inference_mode is refreshed outside it too (it
+    was an inference tensor, which cannot be written there)."""
+    tw, ids = random_routing(M, E, K)
+    x = random_x(M, H)
+    with torch.inference_mode():
+        w = random_weights(E, H, N, "fp8-channel-token", seed=5)
+        moekit.fused_moe(x, w, tw, ids, backend="torch")
+        ptrs = _torch_state_ptrs(w)
+        new = random_weights(E, H, N, "fp8-channel-token", seed=6)
+        for name, t in new.tensors().items():
+            getattr(w, name).copy_(t)
+        w.invalidate()
+        out = moekit.fused_moe(x, w, tw, ids, backend="torch")
+        assert torch.equal(out, moekit.fused_moe(x, new, tw, ids, backend="torch"))
+        assert _torch_state_ptrs(w) == ptrs
+    plain = random_weights(E, H, N, "fp8-channel-token", seed=5)
+    with torch.inference_mode():
+        moekit.fused_moe(x, plain, tw, ids, backend="torch")  # state built in inference mode
+    plain.w13.copy_(new.w13)
+    plain.w13_scale.copy_(new.w13_scale)
+    plain.w2.copy_(new.w2)
+    plain.w2_scale.copy_(new.w2_scale)
+    assert torch.equal(moekit.fused_moe(x, plain, tw, ids, backend="torch"),
+                       moekit.fused_moe(x, new, tw, ids, backend="torch"))
+
+
+def test_a_scale_that_requires_grad_warns_and_runs():
+    """Only x, the routing weights, w13 and w2 were looked at: a scale that required grad (an
+    nn.Parameter) reached torch.mm(out=...) and raised instead of the documented warning."""
+    w = random_weights(E, H, N, "fp8-channel-token", seed=7)
+    tw, ids = random_routing(M, E, K)
+    x = random_x(M, H)
+    want = moekit.fused_moe(x, w, tw, ids, backend="torch")
+    w.w13_scale.requires_grad_()
+    with pytest.warns(UserWarning, match="inference only"):
+        got = moekit.fused_moe(x, w, tw, ids, backend="torch")
+    assert torch.equal(got, want)
+
+
+def test_a_tensor_replaced_after_construction_is_validated():
+    """Validation ran in the constructor only: a non-contiguous w13 assigned afterwards gave the
+    triton backend garbage (rel L2 1.3). Now refused as the constructor refuses it, the old
+    tensor kept."""
+    w = random_weights(E, H, N, "fp8-channel-token", seed=8)
+    old = w.w13
+    with pytest.raises(ValueError, match="w13 is not contiguous"):
+        w.w13 = w.w13.transpose(1, 2).contiguous().transpose(1, 2)
+    assert w.w13 is old
+    with pytest.raises(ValueError, match="w2_scale"):
+        w.w2_scale = torch.ones(E, H + 1)
+    doubled = w.w2_scale * 2
+    w.w2_scale = doubled  # a valid replacement is taken
+    assert w.w2_scale is doubled
+
+
+def test_static_activation_scales_must_be_positive_and_finite():
+    """from_fp8 took a13_scale = 0 (every output silently zero) or NaN, which quantize_weights
+    refused."""
+    w = random_weights(E, H, N, "fp8-tensor-static", seed=9)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="MoEWeights.a13_scale must be positive and finite"):
+            moekit.MoEWeights.from_fp8("fp8-tensor-static", w.w13, w.w2, w.w13_scale, w.w2_scale,
+                                       torch.tensor([bad]), w.a2_scale)
+
+
+def test_quantize_weights_refuses_arguments_it_would_ignore():
+    w13, w2 = _bf16_experts()
+    for scheme in ("fp8-channel-token", "fp8-tensor-dynamic", "bf16"):
+        with pytest.raises(ValueError, match="only for fp8-tensor-static"):
+            moekit.quantize_weights(w13, w2, scheme, input_scales=(0.1, 0.1))
+        with pytest.raises(ValueError, match="only for fp8-tensor-static"):
+            moekit.quantize_weights(w13, w2, scheme, calibration=torch.randn(4, H))
+    for bad in ((0.1,), (torch.tensor([0.1, 0.2]), 0.1), (0.1, 0.1, 0.1)):
+        with pytest.raises(ValueError, match="input_scales must be two scalars"):
+            moekit.quantize_weights(w13, w2, "fp8-tensor-static", input_scales=bad)
+
+
+def test_select_takes_a_schemes_name_and_cutlass_counts_groups_as_torch_does():
+    """select_backend with scheme="fp8-channel-token" raised AttributeError ('str' has no
+    is_fp8); cutlass took 1024 experts, but torch's grouped GEMMs check group_count < 1024."""
+    from moekit.spec import MoEShape
+
+    shape = MoEShape(E, H, N, K)
+    assert select_backend(shape, "fp8-channel-token", "cpu").backend == select_backend(
+        shape, moekit.spec.get_scheme("fp8-channel-token"), "cpu").backend
+    reasons = cutlass.CutlassBackend().supports(MoEShape(1024, 128, 128, 8), moekit.spec.get_scheme("fp8-channel-token"),
+                                                torch.device("cpu"))
+    assert any("1024 experts" in r and "at most 1023" in r for r in reasons), reasons

@@ -38,7 +38,8 @@ from ..weights import MoEWeights
 from . import glue
 from .base import Backend, device_capability
 
-MAX_EXPERTS = 1024  # torch's kernel prepares the groups with one thread block of E threads
+# torch's grouped GEMMs (ScaledGroupMM.cu, GroupMM.cu) check group_count < 1024: at most 1023 experts
+MAX_EXPERTS = 1023
 
 
 # --------------------------------------------------------------------------------- the GEMM

@@ -53,9 +53,11 @@ def prepared_weights(weights: MoEWeights, dtype: torch.dtype) -> tuple[torch.Ten
 
     cache = weights.prepared_state("torch", dict, refresh)
     if dtype not in cache:
-        w13 = torch.empty(weights.w13.shape, dtype=dtype, device=weights.device)
-        w2 = torch.empty(weights.w2.shape, dtype=dtype, device=weights.device)
-        cache[dtype] = _write_weights(weights, w13, w2)
+        # normal tensors, as prepared_state makes them: refreshed in place in or out of inference mode
+        with torch.inference_mode(False), torch.no_grad():
+            w13 = torch.empty(weights.w13.shape, dtype=dtype, device=weights.device)
+            w2 = torch.empty(weights.w2.shape, dtype=dtype, device=weights.device)
+            cache[dtype] = _write_weights(weights, w13, w2)
     return cache[dtype]
 
 
@@ -78,6 +80,9 @@ def _glue_impl(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
+GROUPED_MM_MAX_GROUPS = 1023  # torch's GroupMM.cu checks group_count < 1024
+
+
 def _use_grouped_mm(x: torch.Tensor, weights: MoEWeights) -> bool:
     return (
         x.device.type == "cuda"
@@ -85,6 +90,7 @@ def _use_grouped_mm(x: torch.Tensor, weights: MoEWeights) -> bool:
         and device_capability(x.device) in GROUPED_MM_CAPABILITIES
         and weights.hidden % 8 == 0  # 16-byte row strides for the GEMM's TMA loads
         and weights.n % 8 == 0
+        and weights.num_experts <= GROUPED_MM_MAX_GROUPS  # more: the per-expert loop
         and grouped_mm_fn() is not None
     )
 
