@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -238,7 +240,7 @@ _LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layers")
 # Families whose config nests the language model under text_config.
 _TEXT_CONFIG_FAMILIES = ("llama4", "glm4v_moe")
 _DEEPSEEK_FAMILIES = ("deepseek_v3", "kimi_k2", "deepseek_v2")
-_GLM_FAMILIES = ("glm4_moe", "glm4v_moe")
+_GLM_FAMILIES = ("glm4_moe", "glm4v_moe", "glm4_moe_lite")  # lite: GLM-4.7-Flash, DeepSeek-like attention
 _QWEN_FAMILIES = ("qwen2_moe", "qwen3_moe")
 # The language model's own model_type, as a text sub-config or a text-only model saves it: it
 # routes like its family (a "llama4_text" config read as generic would be softmax, renormalized).
@@ -293,8 +295,9 @@ def parse_config(source: Mapping[str, Any] | str | os.PathLike, tp: int = 1) -> 
         )
 
     num_layers = _count_moe_layers(text, where)
-    shared = _shared_experts(text)
+    shared = _shared_experts(text, family)
     routing = _routing(text, family, top_k)
+    _check_groups(routing, num_experts)
     quant = config.get("quantization_config")
     if quant is None and text is not config:
         quant = text.get("quantization_config")
@@ -365,6 +368,12 @@ def _count_moe_layers(text: dict, where: str) -> int:
     moe_layers = text.get("moe_layers")  # llama4_text (newer transformers write it out)
     if isinstance(moe_layers, list) and moe_layers:
         return len(moe_layers)
+    types = text.get("mlp_layer_types")  # glm4_moe_lite: "dense" / "sparse" per layer
+    if isinstance(types, list) and types:
+        count = sum(1 for t in types if t == "sparse")
+        if count < 1:
+            raise _unsupported("mlp_layer_types", types, "mlp_layer_types with at least one 'sparse' layer")
+        return count
     total = _get_int(text, _LAYER_KEYS)
     if total is None or total < 1:
         raise ValueError(
@@ -372,9 +381,14 @@ def _count_moe_layers(text: dict, where: str) -> int:
         )
     first_dense = _get_int(text, ("first_k_dense_replace",)) or 0  # DeepSeek, Kimi, GLM
     freq = text.get("moe_layer_freq", 1)  # DeepSeek: an int; Megatron-style exports: a 0/1 list
-    mlp_only = set(text.get("mlp_only_layers") or ())  # Qwen2/3-MoE
-    sparse_step = _get_int(text, ("decoder_sparse_step",)) or 1  # Qwen2/3-MoE
-    interleave = _get_int(text, ("interleave_moe_layer_step",)) or 1  # Llama-4
+    if not (isinstance(freq, list) or (isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1)):
+        raise _unsupported("moe_layer_freq", freq, "moe_layer_freq a positive integer or a list of 0/1")
+    mlp_only = text.get("mlp_only_layers") or ()  # Qwen2/3-MoE
+    if not isinstance(mlp_only, (list, tuple)) or not all(isinstance(i, int) for i in mlp_only):
+        raise _unsupported("mlp_only_layers", mlp_only, "mlp_only_layers a list of layer indices")
+    mlp_only = set(mlp_only)
+    sparse_step = _positive_or_absent(text, "decoder_sparse_step")  # Qwen2/3-MoE
+    interleave = _positive_or_absent(text, "interleave_moe_layer_step")  # Llama-4
     count = 0
     for i in range(total):
         if i < first_dense or i in mlp_only:
@@ -396,13 +410,36 @@ def _count_moe_layers(text: dict, where: str) -> int:
     return count
 
 
-def _shared_experts(text: dict) -> int:
+def _positive_or_absent(text: dict, key: str) -> int:
+    """A layer step of the config: absent or null is 1; 0, a negative or a non-integer is refused
+    (it was read as 1 silently)."""
+    value = text.get(key)
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _unsupported(key, value, f"{key} a positive integer")
+    return value
+
+
+def _check_groups(routing: RoutingConfig, num_experts: int) -> None:
+    """n_group must divide the experts and topk_group fit n_group: route() would refuse them at
+    the first forward, far from the config that said so."""
+    groups, kept = routing.num_groups, routing.topk_groups
+    if groups is None:
+        return
+    if groups < 1 or num_experts % groups:
+        raise _unsupported("n_group", groups, f"n_group a divisor of the number of experts ({num_experts})")
+    if not 1 <= kept <= groups:
+        raise _unsupported("topk_group", kept, f"topk_group between 1 and n_group ({groups})")
+
+
+def _shared_experts(text: dict, family: str) -> int:
     n = _get_int(text, ("n_shared_experts", "num_shared_experts"))
     if n is not None:
         return max(n, 0)
     if (_get_int(text, ("shared_expert_intermediate_size",)) or 0) > 0:  # Qwen2-MoE
         return 1
-    if text.get("model_type") in ("llama4_text", "llama4"):  # every Llama-4 MoE block has one
+    if family == "llama4":  # every Llama-4 MoE block has one (a text_config may not name its type)
         return 1
     return 0
 
@@ -425,7 +462,7 @@ def _routing(text: dict, model_type: str, top_k: int) -> RoutingConfig:
             num_groups=_get_int(text, ("n_group",)) or 1,
             topk_groups=_get_int(text, ("topk_group",)) or 1,
             use_correction_bias=True,
-            routed_scaling_factor=_scale(text),
+            routed_scaling_factor=_scale(text, 1.8 if model_type == "glm4_moe_lite" else 1.0),
         )
     if model_type in _DEEPSEEK_FAMILIES:
         v2 = model_type == "deepseek_v2"
@@ -437,7 +474,11 @@ def _routing(text: dict, model_type: str, top_k: int) -> RoutingConfig:
             # DeepSeek-V2's group_limited_greedy scores a group by its best expert; moekit's
             # grouped top-k scores it by its best two (noaux_tc)
             raise _unsupported("topk_method", method, "topk_method 'greedy' or 'noaux_tc'")
-        groups, kept = _get_int(text, ("n_group",)), _get_int(text, ("topk_group",))
+        _check_noaux(method, scoring)
+        # absent fields take transformers' DeepseekV3Config defaults (8 groups, 4 kept, 2.5)
+        v3 = model_type == "deepseek_v3"
+        groups = _get_int(text, ("n_group",)) or (8 if v3 and "n_group" not in text else None)
+        kept = _get_int(text, ("topk_group",)) or (4 if v3 and "topk_group" not in text else None)
         if method == "greedy" or groups is None or kept is None:
             groups = kept = None
         return RoutingConfig(
@@ -447,7 +488,7 @@ def _routing(text: dict, model_type: str, top_k: int) -> RoutingConfig:
             num_groups=groups,
             topk_groups=kept,
             use_correction_bias=method == "noaux_tc",
-            routed_scaling_factor=_scale(text),
+            routed_scaling_factor=_scale(text, 2.5 if model_type == "deepseek_v3" else 1.0),
         )
     # Generic: softmax unless the config says otherwise; another scoring function is refused (as
     # in the DeepSeek branch), never computed as softmax
@@ -457,6 +498,7 @@ def _routing(text: dict, model_type: str, top_k: int) -> RoutingConfig:
     method = text.get("topk_method")
     if method not in (None, "greedy", "noaux_tc"):
         raise _unsupported("topk_method", method, "topk_method 'greedy' or 'noaux_tc'")
+    _check_noaux(method, scoring)
     groups, kept = _get_int(text, ("n_group",)), _get_int(text, ("topk_group",))
     if method == "greedy" or groups is None or kept is None:
         groups = kept = None
@@ -471,6 +513,13 @@ def _routing(text: dict, model_type: str, top_k: int) -> RoutingConfig:
     )
 
 
+def _check_noaux(method, scoring: str) -> None:
+    """noaux_tc (the correction bias, groups scored by their two best) is a sigmoid rule in
+    DeepSeek's and transformers' code; with softmax no model computes it."""
+    if method == "noaux_tc" and scoring != "sigmoid":
+        raise _unsupported("scoring_func", scoring, "scoring_func 'sigmoid' with topk_method 'noaux_tc'")
+
+
 def _flag(text: dict, key: str, default: bool) -> bool:
     """A boolean of the config: absent or null gives `default`; anything but true / false (a
     string "true", 1) is refused rather than guessed."""
@@ -482,11 +531,15 @@ def _flag(text: dict, key: str, default: bool) -> bool:
     return value
 
 
-def _scale(text: dict) -> float:
+def _scale(text: dict, default: float = 1.0) -> float:
+    """routed_scaling_factor: absent or null gives `default` (the family's transformers default);
+    anything but a positive finite number is refused (it was read as 1.0 silently)."""
     value = text.get("routed_scaling_factor")
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    return 1.0
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise _unsupported("routed_scaling_factor", value, "routed_scaling_factor a positive number")
+    return float(value)
 
 
 def _name(config: dict, folder_name: str | None, model_type: str) -> tuple[str, str | None]:
@@ -540,11 +593,54 @@ def parse_quantization_config(quant: Any) -> QuantScheme:
     if method == "compressed-tensors":
         return _parse_compressed_tensors(quant)
     if method == "fp8":
+        if _skips_experts(quant, ("modules_to_not_convert", "ignored_layers")):
+            return BF16
         return _parse_fp8(quant)
     if method == "fbgemm_fp8":  # FP8 per-channel weights, dynamic per-token activations
+        # (its activation_scale_ub caps a row's amax at the bound; moekit takes the row's own
+        # amax, as finely as the row allows: README, Quantization schemes)
+        if _skips_experts(quant, ("modules_to_not_convert",)):
+            return BF16
         return FP8_CHANNEL_TOKEN
     supported = "quant_method " + ", ".join(_SUPPORTED_METHODS)
     raise _unsupported(f"{_Q}.quant_method", method, supported)
+
+
+# Module names of routed experts as checkpoints write them (one per family layout): what a
+# quantization config's ignore / targets / skip lists are matched against.
+_EXPERT_MODULES = (
+    "model.layers.1.mlp.experts.0.gate_proj", "model.layers.1.mlp.experts.0.down_proj",
+    "model.layers.1.block_sparse_moe.experts.0.w1", "model.layers.1.block_sparse_moe.experts.0.w2",
+    "model.layers.1.feed_forward.experts.0.gate_proj", "model.layers.1.feed_forward.experts.0.down_proj",
+    "language_model.model.layers.1.feed_forward.experts.0.gate_proj",
+    "model.language_model.layers.1.mlp.experts.0.gate_proj",
+)
+
+
+def _skips_experts(quant: dict, keys: tuple[str, ...]) -> bool:
+    """Whether a skip list of quant_method fp8 / fbgemm_fp8 names the routed experts (transformers
+    matches its entries as substrings of module names): then they are not FP8."""
+    for key in keys:
+        entries = quant.get(key) or ()
+        if not isinstance(entries, (list, tuple)):
+            raise _unsupported(f"{_Q}.{key}", entries, f"{key} a list of module names")
+        if any(isinstance(e, str) and e and any(e in name for name in _EXPERT_MODULES) for e in entries):
+            return True
+    return False
+
+
+def _ct_matches(entry, name: str) -> bool:
+    """compressed-tensors' rule for a target or ignore entry: "re:<regex>" matched from the start
+    of the module name, a class name ("Linear": every expert projection is one), else the name."""
+    if not isinstance(entry, str):
+        return False
+    if entry.startswith("re:"):
+        return re.match(entry[3:], name) is not None
+    return entry in ("Linear", name) or (".experts." in entry and entry.endswith(name.rsplit(".", 1)[-1]))
+
+
+def _covers_experts(entries) -> bool:
+    return isinstance(entries, (list, tuple)) and any(_ct_matches(e, n) for e in entries for n in _EXPERT_MODULES)
 
 
 def _parse_fp8(quant: dict) -> QuantScheme:
@@ -552,6 +648,9 @@ def _parse_fp8(quant: dict) -> QuantScheme:
     fmt = quant.get("fmt")
     if fmt is not None and fmt != "e4m3":
         raise _unsupported(f"{_Q}.fmt", fmt, "fmt 'e4m3'")
+    scale_fmt = quant.get("scale_fmt")  # DeepSeek-V3.1: "ue8m0" (README, Quantization schemes)
+    if scale_fmt not in (None, "ue8m0"):
+        raise _unsupported(f"{_Q}.scale_fmt", scale_fmt, "scale_fmt 'ue8m0' or none")
     act = quant.get("activation_scheme")
     block = quant.get("weight_block_size")
     if block is not None:
@@ -572,17 +671,35 @@ def _parse_fp8(quant: dict) -> QuantScheme:
     raise _unsupported(f"{_Q}.activation_scheme", act, "activation_scheme 'static' or 'dynamic'")
 
 
+_CT_FORMATS = ("float-quantized", "naive-quantized")
+
+
 def _parse_compressed_tensors(quant: dict) -> QuantScheme:
+    """The scheme of the config groups that target the routed experts; bf16 where none does (an
+    FP8 KV cache or attention alone) or `ignore` names them. Groups of other layers are not
+    read: moekit runs only the experts."""
     groups = quant.get("config_groups")
     path = f"{_Q}.config_groups"
-    if not isinstance(groups, dict) or not groups:
-        raise _unsupported(path, groups, "a non-empty config_groups object")
-    schemes = {name: _parse_ct_group(group, f"{path}.{name}") for name, group in groups.items()}
+    if groups is None:
+        groups = {}
+    if not isinstance(groups, dict):
+        raise _unsupported(path, groups, "a config_groups object")
+    if _covers_experts(quant.get("ignore")):
+        return BF16  # quantized elsewhere, the experts left in bf16
+    covering = {name: g for name, g in groups.items()
+                if not isinstance(g, dict) or _covers_experts(g.get("targets", ["Linear"]))}
+    if not covering:
+        return BF16
+    fmt = quant.get("format")
+    if fmt is not None and fmt not in _CT_FORMATS:
+        raise _unsupported(f"{_Q}.format", fmt, "format 'float-quantized' (FP8 weights stored as FP8)")
+    schemes = {name: _parse_ct_group(group, f"{path}.{name}") for name, group in covering.items()}
     distinct = set(schemes.values())
     if len(distinct) > 1:
         found = ", ".join(f"{name}: {scheme}" for name, scheme in schemes.items())
         raise ValueError(
-            f"{path}: the groups use different schemes ({found}); moekit runs one scheme per model"
+            f"{path}: the groups that target the experts use different schemes ({found}); moekit runs "
+            "one scheme for every expert"
         )
     return distinct.pop()
 
@@ -590,6 +707,9 @@ def _parse_compressed_tensors(quant: dict) -> QuantScheme:
 def _parse_ct_group(group: Any, path: str) -> QuantScheme:
     if not isinstance(group, dict):
         raise _unsupported(path, group, "a config group object")
+    fmt = group.get("format")
+    if fmt is not None and fmt not in _CT_FORMATS:
+        raise _unsupported(f"{path}.format", fmt, "format 'float-quantized' (FP8 weights stored as FP8)")
     weights = group.get("weights")
     wpath = f"{path}.weights"
     if not isinstance(weights, dict):
@@ -643,5 +763,7 @@ def _parse_ct_group(group: Any, path: str) -> QuantScheme:
 def _check_fp8_args(args: dict, path: str) -> None:
     if args.get("type") != "float":
         raise _unsupported(f"{path}.type", args.get("type"), "type 'float' (FP8)")
+    if args.get("symmetric", True) is not True:  # zero points: no moekit kernel takes them
+        raise _unsupported(f"{path}.symmetric", args.get("symmetric"), "symmetric true (no zero points)")
     if args.get("num_bits") != 8:
         raise _unsupported(f"{path}.num_bits", args.get("num_bits"), "num_bits 8 (FP8 e4m3)")

@@ -600,8 +600,17 @@ def _with_quant(quant):
             r"quantization_config\.config_groups\.group_0\.input_activations: None.*weight-only",
         ),
         (
-            {"quant_method": "compressed-tensors", "config_groups": {}},
-            r"quantization_config\.config_groups: \{\}",
+            _ct({**_w("channel"), "symmetric": False}, _a("token", True)),
+            r"quantization_config\.config_groups\.group_0\.weights\.symmetric: False.*no zero points",
+        ),
+        (
+            {**_ct(_w("channel"), _a("token", True)), "format": "dense"},
+            r"quantization_config\.format: 'dense'.*float-quantized",
+        ),
+        (
+            {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+             "scale_fmt": "e8m0x"},
+            r"quantization_config\.scale_fmt: 'e8m0x'",
         ),
     ],
 )
@@ -617,7 +626,7 @@ def test_compressed_tensors_mixed_groups_raise():
         "weights": _w("block", block_structure=[128, 128]),
         "input_activations": _a("group", True, group_size=128),
     }
-    with pytest.raises(ValueError, match=r"config_groups: the groups use different schemes"):
+    with pytest.raises(ValueError, match=r"config_groups: the groups that target the experts use different schemes"):
         parse_config(_with_quant(quant))
 
 
@@ -714,3 +723,85 @@ def test_non_boolean_norm_topk_prob_raises(base, value):
 def test_null_norm_topk_prob_is_the_family_default():
     assert parse_config({**QWEN3_30B_FP8, "norm_topk_prob": None}).routing.renormalize is False
     assert parse_config({**GENERIC, "norm_topk_prob": False}).routing.renormalize is False
+
+
+# ------------------------------------------------ which quantization reaches the routed experts
+
+
+def test_quantization_that_leaves_the_experts_unquantized_is_bf16():
+    """The FP8 scheme was reported whatever the config said of the experts: `ignore` naming them
+    (a real Llama-4-Maverick checkpoint lists every routed expert), groups targeting attention
+    only, an FP8 KV cache alone (config_groups {} was refused), or fp8 / fbgemm_fp8 skip lists.
+    moekit runs the experts only: those are bf16 then."""
+    channel = _ct(_w("channel"), _a("token", True))
+    attention_only = {**channel, "config_groups": {"group_0": {**channel["config_groups"]["group_0"],
+                                                                 "targets": ["re:.*self_attn.*"]}}}
+    cases = {
+        "ignore regex": {**channel, "ignore": ["lm_head", "re:.*mlp.experts.*"]},
+        "ignore by name": {**channel, "ignore": ["model.layers.1.block_sparse_moe.experts.0.w1"]},
+        "attention only": attention_only,
+        "kv cache only": {"quant_method": "compressed-tensors", "config_groups": {},
+                          "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}},
+        "fp8 skip list": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                          "modules_to_not_convert": ["experts"]},
+        "fbgemm skip list": {"quant_method": "fbgemm_fp8", "modules_to_not_convert": ["feed_forward.experts"]},
+    }
+    for name, quant in cases.items():
+        assert parse_config(_with_quant(quant)).scheme == BF16, name
+    # ignore naming other layers, a regex target of the experts: the experts' scheme
+    assert parse_config(_with_quant({**channel, "ignore": ["lm_head", "re:.*mlp.gate$"]})).scheme == FP8_CHANNEL_TOKEN
+    experts_target = {**channel, "config_groups": {"group_0": {**channel["config_groups"]["group_0"],
+                                                                 "targets": ["re:.*experts.*"]}}}
+    assert parse_config(_with_quant(experts_target)).scheme == FP8_CHANNEL_TOKEN
+
+
+def test_only_the_groups_of_the_experts_must_agree():
+    """A group of the experts beside a group of another scheme for attention was refused ('moekit
+    runs one scheme per model'): only the experts' group matters."""
+    channel = _ct(_w("channel"), _a("token", True))["config_groups"]["group_0"]
+    static = _ct(_w("tensor"), _a("tensor", False))["config_groups"]["group_0"]
+    quant = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "experts": {**channel, "targets": ["re:.*experts.*"]},
+        "attention": {**static, "targets": ["re:.*self_attn.*"]},
+    }}
+    assert parse_config(_with_quant(quant)).scheme == FP8_CHANNEL_TOKEN
+    both = {**quant, "config_groups": {"a": {**channel, "targets": ["Linear"]}, "b": {**static, "targets": ["Linear"]}}}
+    with pytest.raises(ValueError, match="the groups that target the experts use different schemes"):
+        parse_config(_with_quant(both))
+
+
+def test_deepseek_v31_scale_fmt_is_read_as_block_fp8():
+    quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+             "scale_fmt": "ue8m0", "fmt": "e4m3"}
+    assert parse_config(_with_quant(quant)).scheme == FP8_BLOCK128
+
+
+def test_routing_fields_are_checked_and_defaulted_as_transformers_does():
+    """GLM-4.7-Flash (glm4_moe_lite) routed as softmax (its family was unknown); noaux_tc with
+    softmax was accepted; a routed_scaling_factor of "2.5", -1 or 0 became 1.0; a DeepSeek-V3
+    config without its group fields lost transformers' defaults; bad layer steps were read as
+    1; n_group not dividing the experts failed only at the first forward."""
+    lite = {"model_type": "glm4_moe_lite", "n_routed_experts": 64, "num_experts_per_tok": 4, "hidden_size": 2048,
+            "moe_intermediate_size": 1536, "num_hidden_layers": 4, "mlp_layer_types": ["dense", "sparse", "sparse",
+                                                                                    "sparse"]}
+    spec = parse_config(lite)
+    assert spec.routing.scoring == "sigmoid" and spec.routing.use_correction_bias
+    assert spec.routing.routed_scaling_factor == 1.8 and spec.shape.num_layers == 3
+    v3 = {"model_type": "deepseek_v3", "n_routed_experts": 256, "num_experts_per_tok": 8, "hidden_size": 7168,
+          "moe_intermediate_size": 2048, "num_hidden_layers": 61, "first_k_dense_replace": 3}
+    r = parse_config(v3).routing
+    assert (r.num_groups, r.topk_groups, r.routed_scaling_factor) == (8, 4, 2.5)
+    for bad, match in (({"scoring_func": "softmax"}, "scoring_func: 'softmax'.*with topk_method 'noaux_tc'"),
+                       ({"routed_scaling_factor": "2.5"}, "routed_scaling_factor: '2.5'"),
+                       ({"routed_scaling_factor": 0}, "routed_scaling_factor: 0"),
+                       ({"n_group": 7}, "n_group: 7 is not supported.*divisor of the number of experts"),
+                       ({"topk_group": 9}, "topk_group: 9 is not supported"),
+                       ({"moe_layer_freq": "2"}, "moe_layer_freq: '2'")):
+        with pytest.raises(ValueError, match=match):
+            parse_config({**v3, **bad})
+    qwen = {"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "hidden_size": 64,
+            "moe_intermediate_size": 32, "num_hidden_layers": 4}
+    for bad, match in (({"mlp_only_layers": 3}, "mlp_only_layers: 3"),
+                       ({"decoder_sparse_step": 0}, "decoder_sparse_step: 0")):
+        with pytest.raises(ValueError, match=match):
+            parse_config({**qwen, **bad})
