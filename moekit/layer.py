@@ -152,6 +152,11 @@ class MoELayer(HandleOwner, torch.nn.Module):
         if routing is not None and routing.use_correction_bias:
             if correction_bias is None:
                 correction_bias = torch.zeros(self.num_experts, device=weights.device)
+            if (not isinstance(correction_bias, torch.Tensor) or not correction_bias.is_floating_point()
+                    or tuple(correction_bias.shape) != (self.num_experts,)):
+                got = (f"{correction_bias.dtype} of shape {tuple(correction_bias.shape)}"
+                       if isinstance(correction_bias, torch.Tensor) else type(correction_bias).__name__)
+                raise ValueError(f"correction_bias must be a float tensor of shape ({self.num_experts},), got {got}")
             self.register_buffer(BIAS, correction_bias.to(device=weights.device, dtype=torch.float32))
         elif correction_bias is not None:
             raise ValueError("correction_bias was given but the routing does not use one (use_correction_bias)")

@@ -228,6 +228,18 @@ def check_intermediate(scheme: QuantScheme, N: int) -> None:
         )
 
 
+def _host_value(t: torch.Tensor) -> float | None:
+    """A one-element tensor's value read on the host, or None where it cannot be read now: while
+    a CUDA graph is being captured (a MoELayer rebuilding its weights in a captured forward; a
+    host read would break the capture), or a tensor without values (meta, torch.compile's fakes)."""
+    if t.is_meta or torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    try:
+        return float(t)
+    except RuntimeError:  # a traced or fake tensor: no value to read
+        return None
+
+
 def _validate(w: MoEWeights) -> None:
     s = w.scheme
     for name in ("w13", "w2"):
@@ -267,8 +279,8 @@ def _validate(w: MoEWeights) -> None:
                     f"scheme {s.name} uses static activation scales, so MoEWeights.{name} is required"
                 )
             _check_tensor(name, t, (torch.float32,), (1,), device)
-            value = float(t)  # one host read, at construction
-            if not (math.isfinite(value) and value > 0):  # 0 would silently zero every output
+            value = _host_value(t)  # one host read, at construction
+            if value is not None and not (math.isfinite(value) and value > 0):  # 0: every output zero
                 raise ValueError(f"MoEWeights.{name} must be positive and finite, got {value}")
         elif t is not None:
             raise ValueError(f"scheme {s.name} computes activation scales per call; {name} must be None")

@@ -260,3 +260,14 @@ def test_layer_on_the_gpu_chooses_per_call_and_captures_into_a_graph(ran):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def test_the_correction_bias_is_checked_when_the_layer_is_made():
+    """A bias of the wrong length failed only at the first forward; an integer one was converted
+    quietly (route() and load_state_dict refuse it)."""
+    w = moekit.MoELayer.random(spec(), seed=0).weights
+    rule = spec().routing
+    for bad, what in ((torch.zeros(w.num_experts + 1), "of shape"), (torch.zeros(w.num_experts, dtype=torch.int64),
+                                                                      "torch.int64")):
+        with pytest.raises(ValueError, match=f"correction_bias must be a float tensor of shape .*{what}"):
+            moekit.MoELayer(w, rule, correction_bias=bad)

@@ -491,8 +491,42 @@ def test_config_bias_required_and_forbidden():
 def test_config_fields_are_validated_too():
     with pytest.raises(ValueError, match=r"top_k must be an integer in \[1, E=8\], got 9"):
         route(L, config=RoutingConfig(top_k=9))
-    with pytest.raises(ValueError, match=r"unknown scoring 'relu'"):
-        route(L, config=RoutingConfig(top_k=2, scoring="relu"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"RoutingConfig.scoring 'relu'"):  # refused when made
+        RoutingConfig(top_k=2, scoring="relu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"apply_on_input .* needs top_k=1, got top_k=2"):
+        RoutingConfig(top_k=2, scoring="sigmoid", apply_on_input=True)  # failed at the first forward
+    for bad in ({"top_k": 0}, {"top_k": True}, {"top_k": 2, "renormalize": 1}):
+        with pytest.raises(ValueError, match="RoutingConfig"):
+            RoutingConfig(**bad)
+
+
+def test_a_keyword_beside_config_is_refused_even_at_its_default():
+    """The conflict check compared each keyword with its default: renormalize=True beside a
+    config saying False was dropped without a word."""
+    cfg = RoutingConfig(top_k=2, renormalize=False)
+    for kw in ({"renormalize": True}, {"scoring": "softmax"}, {"routed_scaling_factor": 1.0}):
+        with pytest.raises(ValueError, match=r"pass either config or the keywords \['" + next(iter(kw))):
+            route(L, config=cfg, **kw)
+    with pytest.raises(ValueError, match="config must be a moekit.RoutingConfig, got dict"):
+        route(L, config={"top_k": 2})
+    for bad in ("2.5", None, float("nan"), True):
+        with pytest.raises(ValueError, match="routed_scaling_factor must be a finite number > 0"):
+            route(L, 2, routed_scaling_factor=bad)
+
+
+def test_route_traces_whole_under_dynamic_shapes():
+    """torch.compile(dynamic=True) made routed_scaling_factor a symbolic float, which
+    math.isfinite cannot trace: fullgraph failed (DeepSeek-V3's fused routers included)."""
+    cfg = RoutingConfig(top_k=2, scoring="sigmoid", routed_scaling_factor=2.5)
+
+    def fn(logits):
+        return route(logits, config=cfg)
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+    for m in (3, 5):
+        logits = make_logits(m, 8, seed=m)
+        got, want = compiled(logits), fn(logits)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_no_host_sync_where_checks_run_on_the_device(monkeypatch):

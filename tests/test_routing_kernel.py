@@ -394,3 +394,20 @@ def test_gpu_a_non_finite_logit_stops_with_the_message():
         moekit.route(logits, 8)
         torch.cuda.synchronize()
     """), "router_logits has NaN or inf values")
+
+
+@interpreter_only
+@pytest.mark.usefixtures("kernel_path")
+def test_a_non_finite_bias_fails_the_kernels_assertion():
+    """route() checks a bias once per version; a write through .data keeps the version, and the
+    kernel then routed around the NaN expert without a word. It checks the bias it reads."""
+    from triton.runtime.errors import InterpreterError
+
+    cfg, e = FAMILIES["deepseek_v3"]
+    logits, bias = make_logits(5, e, seed=4), make_bias(e, 4)
+    rule = dict(scoring="sigmoid", renormalize=True, num_groups=cfg.num_groups, topk_groups=cfg.topk_groups,
+                routed_scaling_factor=cfg.routed_scaling_factor)
+    fused.route_fused(logits, cfg.top_k, bias=bias, **rule)
+    bias.data[3] = float("nan")
+    with pytest.raises(InterpreterError, match="correction_bias has NaN or inf values"):
+        fused.route_fused(logits, cfg.top_k, bias=bias, **rule)

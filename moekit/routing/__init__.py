@@ -36,6 +36,35 @@ class RoutingConfig:
     routed_scaling_factor: float = 1.0
     apply_on_input: bool = False
 
+    def __post_init__(self):
+        """What needs no logits to check (route() checks the rest against E): a rule that could
+        not run was accepted and failed at the first forward (apply_on_input at top-k 2)."""
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ValueError(f"RoutingConfig.top_k must be a positive integer, got {self.top_k!r}")
+        if self.scoring not in _SCORINGS:
+            raise ValueError(f"RoutingConfig.scoring {self.scoring!r}: expected one of {_SCORINGS}")
+        for name in ("renormalize", "use_correction_bias", "apply_on_input"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RoutingConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.apply_on_input and self.top_k != 1:
+            raise ValueError(f"RoutingConfig.apply_on_input (the weight scales the expert's input, Llama-4) "
+                             f"needs top_k=1, got top_k={self.top_k}")
+
+
+class _Default:
+    """route()'s default of a rule keyword: told apart from the same value passed explicitly, so
+    that a keyword given beside `config` is refused even when it equals the default."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def _given(value):
+    return value.value if isinstance(value, _Default) else value
+
 
 _SCORINGS = ("softmax", "sigmoid")
 # Added to the denominator when renormalizing, as DeepSeek-V3's HF code does: sigmoid weights can
@@ -48,12 +77,12 @@ def route(
     router_logits: torch.Tensor,
     top_k: int | None = None,
     *,
-    renormalize: bool = True,
-    scoring: str = "softmax",
+    renormalize: bool = _Default(True),
+    scoring: str = _Default("softmax"),
     num_groups: int | None = None,
     topk_groups: int | None = None,
     correction_bias: torch.Tensor | None = None,
-    routed_scaling_factor: float = 1.0,
+    routed_scaling_factor: float = _Default(1.0),
     config: RoutingConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose each token's top-k experts and their weights.
@@ -73,8 +102,9 @@ def route(
     Llama-4 is sigmoid, top-1, renormalize=False: its weight sigmoid(chosen logit) is what the
     model multiplies the expert's input by (`RoutingConfig.apply_on_input`; not route()'s job).
 
-    With `config`, its fields give the rule and the other rule keywords must stay at their
-    defaults; `correction_bias` is still passed here, since it is a tensor of the checkpoint.
+    With `config`, its fields give the rule and the other rule keywords must not be given (not
+    even at their defaults); `correction_bias` is still passed here, since it is a tensor of the
+    checkpoint.
 
     On a GPU, outside torch.compile and unless the weights need a gradient, the rule runs as one
     Triton kernel (fused.py), which also asserts the logits finite; elsewhere as the torch ops
@@ -82,17 +112,15 @@ def route(
     torch.topk any of them).
     """
     if config is not None:
-        overridden = [
+        if not isinstance(config, RoutingConfig):
+            raise ValueError(f"route(): config must be a moekit.RoutingConfig, got {type(config).__name__}")
+        overridden = [  # given explicitly, even at the default's value
             name
-            for name, value, default in (
-                ("top_k", top_k, None),
-                ("renormalize", renormalize, True),
-                ("scoring", scoring, "softmax"),
-                ("num_groups", num_groups, None),
-                ("topk_groups", topk_groups, None),
-                ("routed_scaling_factor", routed_scaling_factor, 1.0),
+            for name, value in (
+                ("top_k", top_k), ("renormalize", renormalize), ("scoring", scoring), ("num_groups", num_groups),
+                ("topk_groups", topk_groups), ("routed_scaling_factor", routed_scaling_factor),
             )
-            if value != default
+            if value is not None and not isinstance(value, _Default)
         ]
         if overridden:
             raise ValueError(
@@ -111,6 +139,7 @@ def route(
         top_k, renormalize, scoring = config.top_k, config.renormalize, config.scoring
         num_groups, topk_groups = config.num_groups, config.topk_groups
         routed_scaling_factor = config.routed_scaling_factor
+    renormalize, scoring, routed_scaling_factor = _given(renormalize), _given(scoring), _given(routed_scaling_factor)
 
     _check_logits_form(router_logits)
     num_tokens, num_experts = router_logits.shape
@@ -247,7 +276,11 @@ def _check_rule(top_k, num_experts, scoring, num_groups, topk_groups, routed_sca
         raise ValueError(f"top_k must be an integer in [1, E={num_experts}], got {top_k!r}")
     if scoring not in _SCORINGS:
         raise ValueError(f"unknown scoring {scoring!r}; expected one of {_SCORINGS}")
-    if not (math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
+    # comparisons, not math.isfinite: torch.compile(dynamic=True) makes the factor a symbolic
+    # float, which math.isfinite cannot trace (fullgraph failed); NaN fails both comparisons
+    if isinstance(routed_scaling_factor, bool) or not isinstance(
+            routed_scaling_factor, (int, float, torch.SymInt, torch.SymFloat)) or not (
+            0 < routed_scaling_factor < math.inf):
         raise ValueError(
             f"routed_scaling_factor must be a finite number > 0, got {routed_scaling_factor!r}"
         )

@@ -73,6 +73,9 @@ def route_kernel(
         scores = tl.div_rn(1.0, 1.0 + _exp(-logits, INTERPRET))
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
+        # route() checks a bias once per version on the host side; a write through .data keeps
+        # the version, so the kernel, which reads the bias anyway, checks it too
+        tl.device_assert(tl.abs(bias) < float("inf"), "moekit.route: correction_bias has NaN or inf values")
         choice = scores + bias[None, :]
     elif CHOOSE_ON_LOGITS:
         choice = logits
