@@ -275,16 +275,17 @@ def parse_config(source: Mapping[str, Any] | str | os.PathLike, tp: int = 1) -> 
     hidden = _get_int(text, _HIDDEN_KEYS)
     if family in ("mixtral", "olmoe", "llama4"):
         # these call the expert size intermediate_size (Llama-4 dense MLP: intermediate_size_mlp)
-        intermediate = _get_int(text, ("intermediate_size",))
+        intermediate_keys = ("intermediate_size",)
     else:
-        intermediate = _get_int(text, _INTERMEDIATE_KEYS)
+        intermediate_keys = _INTERMEDIATE_KEYS
+    intermediate = _get_int(text, intermediate_keys)
     missing = [
         "/".join(keys)
         for keys, value in (
             (_EXPERT_KEYS, num_experts),
             (_TOPK_KEYS, top_k),
             (_HIDDEN_KEYS, hidden),
-            (_INTERMEDIATE_KEYS, intermediate),
+            (intermediate_keys, intermediate),  # the keys read for this family, as the error says
         )
         if value is None or value < 1
     ]
