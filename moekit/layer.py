@@ -240,13 +240,19 @@ class MoELayer(HandleOwner, torch.nn.Module):
                 w.carry_prepared_from(older)
         return w
 
-    def _drop_weights(self) -> None:
-        """The weights are rebuilt (and re-validated) over the buffers at their next use, taking
-        over the old ones' derived state: a CUDA graph captured before load_state_dict() or
-        .half() reads that state's memory, which must stay where it is."""
+    def _drop_weights(self, keep_derived: bool = False) -> None:
+        """The weights are rebuilt (and re-validated) over the buffers at their next use.
+        `keep_derived` (after load_state_dict() or .half(), the buffers changed in place): where
+        every buffer is still the storage the weights were made over, the new weights take over
+        the old ones' derived state, refreshed in place: a CUDA graph captured before reads that
+        memory, which must stay where it is. Otherwise (.to() another device, a buffer replaced)
+        nothing of the old weights is kept alive."""
         old = self.__dict__.get("_weights")
-        if old is not None:
-            self.__dict__["_older_weights"] = old
+        self.__dict__.pop("_older_weights", None)
+        if keep_derived and old is not None:
+            now = {n: b.data_ptr() for n, b in self._buffers.items() if n in _TENSORS and b is not None}
+            if now == {n: t.data_ptr() for n, t in old.tensors().items()}:
+                self.__dict__["_older_weights"] = old
         self.__dict__["_weights"] = None
 
     def __setattr__(self, name, value):
@@ -265,7 +271,7 @@ class MoELayer(HandleOwner, torch.nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         out = apply_keeping_dtypes(self, fn, *args, **kwargs)
-        self._drop_weights()
+        self._drop_weights(keep_derived=True)
         return out
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -286,7 +292,7 @@ class MoELayer(HandleOwner, torch.nn.Module):
                     f"(scheme {self._scheme.name}); load weights of the same scheme"
                 )
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        self._drop_weights()  # new values: every backend's prepared state is refreshed at its next use
+        self._drop_weights(keep_derived=True)  # new values: derived state refreshed at its next use
 
     # ---------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, *routing: torch.Tensor) -> torch.Tensor:

@@ -162,9 +162,14 @@ def find_tables(
 
 
 def _created_file_mode() -> int:
-    """0666 less the process's umask: the mode open() gives a new file."""
-    umask = os.umask(0)
-    os.umask(umask)
+    """0666 less the process's umask: the mode open() gives a new file. Read from /proc where it
+    says (setting the umask to read it back would give other threads' files 0666 meanwhile)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0)
+        os.umask(umask)
     return 0o666 & ~umask
 
 

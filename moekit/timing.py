@@ -152,8 +152,22 @@ def _interleave(names: list[str], reps: int, rounds: int, measure: Callable[[str
             try:
                 samples[name] += measure(name, n)
             except Exception as e:  # noqa: BLE001 - reported for this name, the others go on
+                if _cuda_context_broken():  # a sticky error (illegal address): no later timing means anything
+                    raise
                 failed[name] = e
     return {name: times for name, times in samples.items() if name not in failed}
+
+
+def _cuda_context_broken() -> bool:
+    """Whether the CUDA context is unusable after an error (a sticky error fails every later call,
+    a synchronize first)."""
+    if not torch.cuda.is_initialized():
+        return False
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - any failure here means the context is gone
+        return True
+    return False
 
 
 # ------------------------------------------------------------------------------------- CPU

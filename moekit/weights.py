@@ -64,7 +64,9 @@ class MoEWeights:
     def __setattr__(self, name, value):
         """A tensor replaced after construction is validated as the constructor validates it
         (a non-contiguous w13 gave the triton backend garbage; a scale of the wrong shape failed
-        deep inside a backend): the old tensor is put back and the error raised."""
+        deep inside a backend): the old tensor is put back and the error raised. To change
+        several tensors at once (another E, another device), make new weights:
+        dataclasses.replace(weights, w13=..., w2=..., ...) validates them together."""
         if name not in TENSOR_FIELDS or not self.__dict__.get("_validated"):
             super().__setattr__(name, value)
             return
@@ -72,7 +74,7 @@ class MoEWeights:
         super().__setattr__(name, value)
         try:
             _validate(self)
-        except ValueError:
+        except (ValueError, TypeError):
             super().__setattr__(name, old)
             raise
 
@@ -169,8 +171,9 @@ class MoEWeights:
         """Take over `older`'s derived state (the same layer's weights, rebuilt over its
         buffers): state over unchanged storage is then refreshed in place instead of made anew,
         so that a CUDA graph captured with it never reads freed memory (MoELayer after
-        load_state_dict or .to() of the same device)."""
+        load_state_dict or .half()). `older` keeps none of it (it would rebuild its own)."""
         self.prepared, self._stamps = older.prepared, older._stamps
+        older.prepared, older._stamps = {}, {}
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 (w13 [E, 2N, H], w2 [E, H, N])."""

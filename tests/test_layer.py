@@ -129,10 +129,12 @@ def test_state_dict_round_trip_and_stale_copies():
     x, logits = inputs(5)
     want = a(x, logits)
     assert not torch.equal(b(x, logits), want)  # b now holds a dequantized copy of its own weights
-    prepared = b.memory()["prepared"]
+    from moekit.layer import _tensors_in
+
+    ptrs = [t.data_ptr() for t in _tensors_in(b.weights.prepared)]
     b.load_state_dict(a.state_dict())
     assert torch.equal(b(x, logits), want)  # the copy rewritten to a's values...
-    assert b.memory()["prepared"] == prepared  # ...in its own memory (a graph captured with it reads it)
+    assert [t.data_ptr() for t in _tensors_in(b.weights.prepared)] == ptrs  # ...in its own memory
     c = moekit.MoELayer.random(spec(), seed=2, backend="torch")
     c.load_state_dict(a.state_dict(), assign=True)
     assert torch.equal(c(x, logits), want)
@@ -271,3 +273,18 @@ def test_the_correction_bias_is_checked_when_the_layer_is_made():
                                                                       "torch.int64")):
         with pytest.raises(ValueError, match=f"correction_bias must be a float tensor of shape .*{what}"):
             moekit.MoELayer(w, rule, correction_bias=bad)
+
+
+def test_moving_a_layer_keeps_nothing_of_its_old_weights():
+    """Carrying derived state over load_state_dict kept the whole old MoEWeights alive after
+    .to(another device) as well: moving a layer off a GPU freed nothing until it ran again."""
+    import gc
+    import weakref
+
+    layer = moekit.MoELayer.random(spec(), seed=0, backend="torch")
+    x, logits = inputs(3)
+    layer(x, logits)
+    old = weakref.ref(layer.weights.w13)
+    layer.to("meta")
+    gc.collect()
+    assert old() is None and "_older_weights" not in layer.__dict__

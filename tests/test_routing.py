@@ -577,3 +577,15 @@ def test_a_constant_bias_is_checked_on_the_device_once_per_version(monkeypatch):
     with pytest.raises(RuntimeError):  # a NaN written in place is seen
         bias[0] = float("nan")
         route(logits, config=cfg, correction_bias=bias)
+
+
+def test_numpy_numbers_are_numbers():
+    """The symbolic-safe checks turned away NumPy values the earlier ones took."""
+    np = pytest.importorskip("numpy")
+    cfg = RoutingConfig(top_k=np.int64(2), renormalize=np.True_, routed_scaling_factor=np.float32(2.5))
+    assert cfg.top_k == 2 and type(cfg.top_k) is int and cfg.renormalize is True
+    want = route(L, 2, routed_scaling_factor=2.5)
+    got = route(L, 2, routed_scaling_factor=np.float32(2.5))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="RoutingConfig.routed_scaling_factor must be a finite number > 0"):
+        RoutingConfig(top_k=2, routed_scaling_factor=None)

@@ -359,3 +359,11 @@ def test_select_takes_a_schemes_name_and_cutlass_counts_groups_as_torch_does():
     reasons = cutlass.CutlassBackend().supports(MoEShape(1024, 128, 128, 8), moekit.spec.get_scheme("fp8-channel-token"),
                                                 torch.device("cpu"))
     assert any("1024 experts" in r and "at most 1023" in r for r in reasons), reasons
+
+
+def test_a_bad_assignment_of_another_type_is_undone_too():
+    w = random_weights(E, H, N, "fp8-tensor-static", seed=10)
+    old = w.a13_scale
+    with pytest.raises(TypeError):
+        w.a13_scale = 2.0  # not a tensor: _check_tensor's TypeError left it in place
+    assert w.a13_scale is old

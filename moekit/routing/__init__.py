@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Literal
 
+import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -39,16 +41,33 @@ class RoutingConfig:
     def __post_init__(self):
         """What needs no logits to check (route() checks the rest against E): a rule that could
         not run was accepted and failed at the first forward (apply_on_input at top-k 2)."""
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 1:
             raise ValueError(f"RoutingConfig.top_k must be a positive integer, got {self.top_k!r}")
+        object.__setattr__(self, "top_k", int(self.top_k))  # a NumPy integer as a Python one
         if self.scoring not in _SCORINGS:
             raise ValueError(f"RoutingConfig.scoring {self.scoring!r}: expected one of {_SCORINGS}")
         for name in ("renormalize", "use_correction_bias", "apply_on_input"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"RoutingConfig.{name} must be True or False, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):  # NumPy's bool too
+                raise ValueError(f"RoutingConfig.{name} must be True or False, got {value!r}")
+            object.__setattr__(self, name, bool(value))
+        if not _is_scale(self.routed_scaling_factor):
+            raise ValueError(f"RoutingConfig.routed_scaling_factor must be a finite number > 0, "
+                             f"got {self.routed_scaling_factor!r}")
+        if (self.num_groups is None) != (self.topk_groups is None):
+            raise ValueError(f"RoutingConfig.num_groups and topk_groups go together, got {self.num_groups!r} "
+                             f"and {self.topk_groups!r}")
         if self.apply_on_input and self.top_k != 1:
             raise ValueError(f"RoutingConfig.apply_on_input (the weight scales the expert's input, Llama-4) "
                              f"needs top_k=1, got top_k={self.top_k}")
+
+
+def _is_scale(value) -> bool:
+    """A finite number > 0 (NumPy's too, and torch.compile's symbolic numbers: compared, never
+    passed to math.isfinite, which dynamic shapes cannot trace; NaN fails both comparisons)."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymInt, torch.SymFloat)):
+        return False
+    return 0 < value < math.inf
 
 
 class _Default:
@@ -276,11 +295,7 @@ def _check_rule(top_k, num_experts, scoring, num_groups, topk_groups, routed_sca
         raise ValueError(f"top_k must be an integer in [1, E={num_experts}], got {top_k!r}")
     if scoring not in _SCORINGS:
         raise ValueError(f"unknown scoring {scoring!r}; expected one of {_SCORINGS}")
-    # comparisons, not math.isfinite: torch.compile(dynamic=True) makes the factor a symbolic
-    # float, which math.isfinite cannot trace (fullgraph failed); NaN fails both comparisons
-    if isinstance(routed_scaling_factor, bool) or not isinstance(
-            routed_scaling_factor, (int, float, torch.SymInt, torch.SymFloat)) or not (
-            0 < routed_scaling_factor < math.inf):
+    if not _is_scale(routed_scaling_factor):  # torch.compile(dynamic=True): a symbolic float
         raise ValueError(
             f"routed_scaling_factor must be a finite number > 0, got {routed_scaling_factor!r}"
         )
