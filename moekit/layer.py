@@ -25,9 +25,8 @@ from .handles import HandleOwner
 from .models import ModelSpec, get_model
 from .routing import RoutingConfig, route
 from .spec import QuantScheme, get_scheme
-from .weights import MoEWeights
+from .weights import TENSOR_FIELDS, MoEWeights
 
-_TENSORS = ("w13", "w2", "w13_scale", "w2_scale", "a13_scale", "a2_scale")
 BIAS = "e_score_correction_bias"  # the checkpoint's name for DeepSeek-V3 / GLM-4.5's router bias
 
 
@@ -234,7 +233,7 @@ class MoELayer(HandleOwner, torch.nn.Module):
         w = self._weights
         if w is None:
             buffers = self._buffers
-            w = self._weights = MoEWeights(self._scheme, **{n: buffers.get(n) for n in _TENSORS}, shard=self._shard)
+            w = self._weights = MoEWeights(self._scheme, **{n: buffers.get(n) for n in TENSOR_FIELDS}, shard=self._shard)
             older = self.__dict__.pop("_older_weights", None)
             if older is not None:  # derived state over unchanged storage is refreshed in place, not freed
                 w.carry_prepared_from(older)
@@ -250,13 +249,13 @@ class MoELayer(HandleOwner, torch.nn.Module):
         old = self.__dict__.get("_weights")
         self.__dict__.pop("_older_weights", None)
         if keep_derived and old is not None:
-            now = {n: b.data_ptr() for n, b in self._buffers.items() if n in _TENSORS and b is not None}
+            now = {n: b.data_ptr() for n, b in self._buffers.items() if n in TENSOR_FIELDS and b is not None}
             if now == {n: t.data_ptr() for n, t in old.tensors().items()}:
                 self.__dict__["_older_weights"] = old
         self.__dict__["_weights"] = None
 
     def __setattr__(self, name, value):
-        if name in _TENSORS:
+        if name in TENSOR_FIELDS:
             self._drop_weights()  # a new weight tensor
         super().__setattr__(name, value)
 

@@ -38,8 +38,7 @@ from ..weights import MoEWeights
 from . import glue
 from .base import Backend, device_capability
 
-# torch's grouped GEMMs (ScaledGroupMM.cu, GroupMM.cu) check group_count < 1024: at most 1023 experts
-MAX_EXPERTS = 1023
+MAX_EXPERTS = glue.GROUPED_GEMM_MAX_GROUPS
 
 
 # --------------------------------------------------------------------------------- the GEMM

@@ -80,9 +80,6 @@ def _glue_impl(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
-GROUPED_MM_MAX_GROUPS = 1023  # torch's GroupMM.cu checks group_count < 1024
-
-
 def _use_grouped_mm(x: torch.Tensor, weights: MoEWeights) -> bool:
     return (
         x.device.type == "cuda"
@@ -90,7 +87,7 @@ def _use_grouped_mm(x: torch.Tensor, weights: MoEWeights) -> bool:
         and device_capability(x.device) in GROUPED_MM_CAPABILITIES
         and weights.hidden % 8 == 0  # 16-byte row strides for the GEMM's TMA loads
         and weights.n % 8 == 0
-        and weights.num_experts <= GROUPED_MM_MAX_GROUPS  # more: the per-expert loop
+        and weights.num_experts <= glue.GROUPED_GEMM_MAX_GROUPS  # more: the per-expert loop
         and grouped_mm_fn() is not None
     )
 

@@ -27,6 +27,15 @@ def check_rank(rank, world_size) -> tuple[int, int]:
     return rank, world_size
 
 
+def check_whole(weights) -> None:
+    """What shard_weights_tp and shard_weights_ep take: a whole layer's MoEWeights (a shard's
+    tag would no longer say what it holds if it were cut again)."""
+    if not isinstance(weights, MoEWeights):
+        raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
+    if weights.shard is not None:
+        raise ValueError(f"these weights are already a shard ({weights.shard}); shard the whole layer's weights")
+
+
 def check_shard(weights: MoEWeights, parallel: str, rank: int, world_size: int) -> None:
     """ValueError where `weights` carry a shard tag that is not this rank's part under `parallel`
     ("tp" or "ep") over world_size ranks. Weights without a tag (sharded some other way, a

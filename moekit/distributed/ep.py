@@ -66,7 +66,7 @@ import torch.distributed as dist
 from ..api import fused_moe, grads_would_be_dropped, validate_inputs
 from ..select import select_backend
 from ..weights import MoEWeights, Shard
-from .checks import as_count, check_rank, check_shard
+from .checks import as_count, check_rank, check_shard, check_whole
 
 _META_BYTES = 8  # int32 local expert id + float32 routing weight, at the front of each row
 
@@ -95,10 +95,7 @@ def shard_weights_ep(weights: MoEWeights, rank: int, world_size: int) -> MoEWeig
     """Rank `rank`'s experts [start, end) of `weights` (all their scales sliced alike; static
     activation scales replicated). Contiguous copies: the full weights can be freed afterwards.
     Tagged (`MoEWeights.shard`) with the rank, the world size and E, which ep_fused_moe checks."""
-    if not isinstance(weights, MoEWeights):
-        raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
-    if weights.shard is not None:
-        raise ValueError(f"these weights are already a shard ({weights.shard}); shard the whole layer's weights")
+    check_whole(weights)
     rank, world_size = check_rank(rank, world_size)
     start, end = expert_range(weights.num_experts, rank, world_size)
     kw = {}

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from ..api import fused_moe
 from ..spec import BLOCK
 from ..weights import MoEWeights, Shard
-from .checks import check_rank, check_shard
+from .checks import check_rank, check_shard, check_whole
 
 
 def shard_weights_tp(weights: MoEWeights, rank: int, world_size: int) -> MoEWeights:
@@ -63,10 +63,7 @@ def shard_weights_tp(weights: MoEWeights, rank: int, world_size: int) -> MoEWeig
     is tagged (`MoEWeights.shard`) with the rank, the world size and the whole N, which
     tp_fused_moe checks against its process group.
     """
-    if not isinstance(weights, MoEWeights):
-        raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
-    if weights.shard is not None:
-        raise ValueError(f"these weights are already a shard ({weights.shard}); shard the whole layer's weights")
+    check_whole(weights)
     rank, world_size = check_rank(rank, world_size)
     N = weights.n
     if N % world_size:

@@ -33,12 +33,11 @@ from ..handles import HandleOwner
 from ..layer import apply_keeping_dtypes
 from ..select import ENV_VAR, select_backend
 from ..spec import BF16, BLOCK, FP8_BLOCK128
-from ..weights import MoEWeights
+from ..weights import TENSOR_FIELDS, MoEWeights
 
 log = logging.getLogger("moekit.hf")
 
 IMPLEMENTATION = "moekit"
-WEIGHT_NAMES = ("w13", "w2", "w13_scale", "w2_scale", "a13_scale", "a2_scale")
 
 
 class ExpertsError(ValueError):
@@ -300,7 +299,7 @@ class MoekitExperts(HandleOwner, nn.Module):
                 f"{self.label}: weights of (experts, hidden, intermediate) = {got}, the model "
                 f"expects {expected}"
             )
-        for name in WEIGHT_NAMES:
+        for name in TENSOR_FIELDS:
             if name in self._buffers:
                 del self._buffers[name]
         for name, tensor in weights.tensors().items():
@@ -321,7 +320,7 @@ class MoekitExperts(HandleOwner, nn.Module):
         """The MoEWeights over the current buffers (rebuilt after the module moves)."""
         if not self.loaded:
             raise ExpertsError(f"{self.label}: the experts' weights were never loaded")
-        tensors = {k: self._buffers[k] for k in WEIGHT_NAMES if self._buffers.get(k) is not None}
+        tensors = {k: self._buffers[k] for k in TENSOR_FIELDS if self._buffers.get(k) is not None}
         # values written in place (load_state_dict into the same storage) need no new MoEWeights:
         # it reads these tensors, and its prepared state follows their versions (prepared_state)
         key = tuple((k, t.data_ptr(), t.device, t.dtype, tuple(t.shape)) for k, t in tensors.items())

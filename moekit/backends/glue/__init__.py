@@ -4,4 +4,9 @@ deterministic weighted combine. Triton on the GPU; a small torch fallback on the
 
 from .ops import ALIGN_M, Layout, combine, default_impl, num_permuted_rows, permute, silu_mul
 
-__all__ = ["ALIGN_M", "Layout", "combine", "default_impl", "num_permuted_rows", "permute", "silu_mul"]
+# torch's grouped GEMMs, FP8 (cutlass) and bf16 (the torch backend's grouped path), check
+# group_count < 1024 (ScaledGroupMM.cu, GroupMM.cu): at most this many experts per call
+GROUPED_GEMM_MAX_GROUPS = 1023
+
+__all__ = ["ALIGN_M", "GROUPED_GEMM_MAX_GROUPS", "Layout", "combine", "default_impl", "num_permuted_rows", "permute",
+           "silu_mul"]
