@@ -75,10 +75,7 @@ def _fused_moe(x, weights, topk_weights, topk_ids, backend, apply_router_weight_
                                              narrow=False)
     M, K = topk_ids.shape
     if apply_router_weight_on_input:
-        if K != 1:
-            raise ValueError(f"apply_router_weight_on_input needs top-k = 1, got top-k = {K}")
-        x = (x.float() * topk_weights).to(x.dtype)
-        topk_weights = torch.ones_like(topk_weights)
+        x, topk_weights = weight_input(x, topk_weights)
     choice = select_backend(
         weights.shape(K), weights.scheme, x.device, x.dtype, M, backend, allow_weight_copies=allow_weight_copies
     )
@@ -90,6 +87,18 @@ def _fused_moe(x, weights, topk_weights, topk_ids, backend, apply_router_weight_
     if _ids_checked_on_device(topk_ids) and not impl.checks_expert_ids:
         assert_ids_in_range(topk_ids, weights.num_experts)
     return impl.run(x, weights, topk_weights, topk_ids)
+
+
+def weight_input(x: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama-4's rule (`apply_router_weight_on_input`, top-1): x scaled by its token's routing
+    weight, in float32 then back to x's dtype, and routing weights of one, so that the experts'
+    output is what the model adds up. fused_moe applies it; the bench and the accuracy check apply
+    it to their reference's inputs, so that both sides saw the same x."""
+    if topk_weights.dim() != 2:
+        raise ValueError(f"topk_weights must be 2-D [tokens, top_k], got shape {tuple(topk_weights.shape)}")
+    if topk_weights.shape[1] != 1:
+        raise ValueError(f"apply_router_weight_on_input needs top-k = 1, got top-k = {topk_weights.shape[1]}")
+    return (x.float() * topk_weights.float()).to(x.dtype), torch.ones_like(topk_weights)
 
 
 def assert_ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> None:

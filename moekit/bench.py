@@ -44,7 +44,7 @@ import torch
 from rich.markup import escape
 
 from . import env, roofline
-from .api import fused_moe, validate_inputs
+from .api import fused_moe, validate_inputs, weight_input
 from .backends.reference import reference_moe
 from .backends import backend_names, get_backend
 from .models import ModelSpec, get_model
@@ -173,6 +173,12 @@ class Problem:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def apply_on_input(self) -> bool:
+        """The model scales each token's input by its routing weight (Llama-4, top-1): the layer
+        timed and checked does so too (fused_moe's apply_router_weight_on_input)."""
+        return self.spec.routing.apply_on_input
+
     def describe(self) -> str:
         return f"{self.name} ({self.scheme.name}, {self.shape.describe()})"
 
@@ -191,6 +197,7 @@ class Problem:
             "shape": shape_dict(self.shape),
             "model_shape": shape_dict(self.spec.shape),
             "scaled_down": self.scaled,
+            "apply_router_weight_on_input": self.apply_on_input,
         }
 
 
@@ -853,7 +860,7 @@ def _layer_fn(p: Problem, name: str, mode: str, M: int, x, weights, tw, ids, dev
             row["chosen"] = select_backend(p.shape, p.scheme, device, x.dtype, M, "auto").backend
         if mode == "layer":
             def fn():
-                return fused_moe(x, weights, tw, ids, backend=name)
+                return fused_moe(x, weights, tw, ids, backend=name, apply_router_weight_on_input=p.apply_on_input)
 
             return row, fn
         hook = getattr(get_backend(row["chosen"]), GEMM_ONLY_HOOK, None)
@@ -895,7 +902,8 @@ def _finish_row(
     if opts.check and reference_out is not None:
         try:
             with torch.no_grad():
-                out = fused_moe(x, weights, tw, ids, backend=row["backend"])
+                out = fused_moe(x, weights, tw, ids, backend=row["backend"],
+                                apply_router_weight_on_input=p.apply_on_input)
             err = rel_l2(out, reference_out(row["chosen"]))
         except Exception as e:  # noqa: BLE001
             return _failed(row, e)
@@ -1005,7 +1013,10 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
                                    gemm1_output_rounded(backend_name, p.scheme))
                         if variant not in cache:
                             vtw, vids = validate_inputs(x, weights, tw, ids)
-                            cache[variant] = reference_moe(x, weights, vtw, vids, intermediate_granularity=variant[0],
+                            rx = x
+                            if p.apply_on_input:
+                                rx, vtw = weight_input(x, vtw)
+                            cache[variant] = reference_moe(rx, weights, vtw, vids, intermediate_granularity=variant[0],
                                                            round_gemm1_output=variant[1])
                         return cache[variant]
 

@@ -26,7 +26,7 @@ import torch
 from rich.markup import escape
 
 from . import quant
-from .api import fused_moe
+from .api import fused_moe, weight_input
 from .backends import get_backend
 from .backends.reference import expert_groups
 from .bench import (
@@ -453,6 +453,9 @@ def _run(opts, console, device, dtype, batch_sizes, problems: list[Problem], pla
                     tw, ids = uniform_routing(case.batch_size, p.shape.num_experts, p.shape.top_k,
                                               seed=input_seed(case.seed, case.batch_size), pool=case.pool)
                     tw, ids = tw.to(device), ids.to(device)
+                    # Llama-4 scales the input, not the output: the truth is computed on the
+                    # input fused_moe hands its backend (weight_input), with weights of one
+                    truth_x, truth_tw = weight_input(x, tw) if p.apply_on_input else (x, tw)
                     truths: dict[tuple, torch.Tensor] = {}
                     outputs: dict[str, torch.Tensor] = {}
                     for name in names:
@@ -460,10 +463,11 @@ def _run(opts, console, device, dtype, batch_sizes, problems: list[Problem], pla
                         info = per_backend[name]
                         variant = (info["problem"]["intermediate_granularity"], info["problem"]["gemm1_output_rounded"])
                         if variant not in truths:
-                            truths[variant] = float64_moe(x, weights, tw, ids, *variant)
+                            truths[variant] = float64_moe(truth_x, weights, truth_tw, ids, *variant)
                         try:
                             with torch.no_grad():
-                                out = fused_moe(x, weights, tw, ids, backend=name)
+                                out = fused_moe(x, weights, tw, ids, backend=name,
+                                                apply_router_weight_on_input=p.apply_on_input)
                             if out.shape != x.shape:
                                 raise ValueError(f"output has shape {tuple(out.shape)}, expected {tuple(x.shape)}")
                         except Exception as e:  # noqa: BLE001 - a backend that raises fails the check

@@ -148,3 +148,21 @@ def interpreter_asserts_on(monkeypatch) -> None:
 
     builder = interpreter.interpreter_builder
     monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
+
+
+def input_recording_backend():
+    """A reference backend named "recording" that keeps the (x, topk_weights) of every call in
+    `.inputs`: what fused_moe handed its backend (the routing weights moved onto x, say)."""
+    from moekit.backends.reference import ReferenceBackend
+
+    class InputRecordingBackend(ReferenceBackend):
+        name = "recording"
+
+        def __init__(self):
+            self.inputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def run(self, x, weights, topk_weights, topk_ids):
+            self.inputs.append((x.clone(), topk_weights.clone()))
+            return super().run(x, weights, topk_weights, topk_ids)
+
+    return InputRecordingBackend()

@@ -13,7 +13,7 @@ from moekit import bench, plots, timing
 from moekit.backends.reference import ReferenceBackend
 from moekit.cli import main
 
-from helpers import tiny_mixtral
+from helpers import input_recording_backend, tiny_mixtral
 
 CPU = not torch.cuda.is_available()
 FAST = ["--reps", "2", "--warmup", "1"]
@@ -704,6 +704,24 @@ def test_an_output_of_the_wrong_shape_fails_its_row(tmp_path, tiny_config, regis
     _, rows = read_csv(out / "bench.csv")
     short = next(r for r in rows if r["backend"] == "short")
     assert "output has shape (1, 64), expected (4, 64)" in short["note"] and short["rel_err"] == ""
+
+
+def test_llama4_layers_are_timed_and_checked_with_the_weight_on_the_input(tmp_path, registry):
+    """A Llama-4 layer scales its input by the routing weight (top-1): the bench times that layer
+    (the backend gets weights of one) and checks it against a reference given the same input."""
+    recording = registry(input_recording_backend())
+    out = tmp_path / "o"
+    assert main(["bench", "--model", "llama-4-scout", "--batch-sizes", "3", "--backends", "recording",
+                 "--baseline", "recording", "--no-plots", "--out", str(out), *FAST]) == 0
+    assert recording.inputs
+    for x, tw in recording.inputs:
+        assert torch.equal(tw, torch.ones_like(tw)) and tw.shape == (3, 1)
+    _, rows = read_csv(out / "bench.csv")
+    (row,) = rows
+    # the recording backend is the reference: given the same scaled input, bitwise the same output
+    assert float(row["rel_err"]) == 0.0
+    problem = json.loads((out / "bench.json").read_text())["metadata"]["models"][0]
+    assert problem["apply_router_weight_on_input"] is True
 
 
 def test_overwrite_leaves_no_file_of_the_earlier_run(tmp_path, tiny_config, monkeypatch):

@@ -13,7 +13,7 @@ from moekit.api import validate_inputs
 from moekit.backends.reference import ReferenceBackend, reference_moe
 from moekit.cli import main
 
-from helpers import random_routing, random_weights, random_x, rel_l2, tiny_mixtral
+from helpers import input_recording_backend, random_routing, random_weights, random_x, rel_l2, tiny_mixtral
 
 CPU = not torch.cuda.is_available()
 PRESET = "qwen3-30b-a3b-fp8"  # fp8-block128; on the CPU scaled down to E=16 H=256 N=128 top-8
@@ -93,6 +93,24 @@ def test_check_bf16_model_from_config(tmp_path, tiny_config, torch_backend):
     assert model["scheme"] == "bf16"
     torch_result = next(b for b in model["backends"] if b["backend"] == "torch")
     assert torch_result["passed"] and torch_result["worst"]["rel_l2"] < 1e-2  # no FP8 noise in bf16
+
+
+def test_check_moves_llama4_routing_weights_onto_the_input(tmp_path, registry):
+    """Llama-4 scales each token's input by its routing weight (top-1). The check ran the layer
+    with the weight on the output, a layer no Llama-4 runs; now the backend gets weights of one
+    and the truth is computed on the same scaled input (SiLU is not linear, so a check that
+    mixed the two rules would fail the reference itself: w * f(x) != f(w * x))."""
+    recording = registry(input_recording_backend())
+    out = tmp_path / "c"
+    assert main(["check", "--model", "llama-4-scout", "--backends", "reference", "recording", "--seeds", "1",
+                 "--batch-sizes", "1", "5", "--out", str(out)]) == 0
+    assert len(recording.inputs) >= 2  # a case per batch size, and those on half of the experts
+    for x, tw in recording.inputs:
+        assert torch.equal(tw, torch.ones_like(tw)) and tw.shape[1] == 1
+    report = json.loads((out / "check.json").read_text())
+    (model,) = report["models"]
+    for b in model["backends"]:  # the reference's error is rounding alone: the same rule on both sides
+        assert b["passed"] and b["worst"]["rel_l2"] < 1e-2
 
 
 class WrongBackend(ReferenceBackend):
