@@ -42,7 +42,11 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 
 
 def interpreting() -> bool:
-    """Whether moekit runs its Triton kernels in Triton's CPU interpreter: TRITON_INTERPRET is
-    exactly "1". One rule for every module (the triton backend's launch._interpreting reads it
-    the same way), so that supports(), the glue and the launch steps never disagree."""
-    return get(INTERPRET_ENV) == "1"
+    """Whether moekit runs its Triton kernels in Triton's CPU interpreter: TRITON_INTERPRET as
+    Triton itself reads it (triton.knobs: "1", "true", "on" in any case, and whatever else the
+    installed Triton takes), so that moekit never launches interpreted kernels believing they are
+    compiled ("true" once did: the kernels' interpreter fixes stayed off and the output was
+    garbage). One rule for every module (the glue, the launch steps, supports())."""
+    from triton import knobs  # imported here: env is read by modules that load before triton
+
+    return bool(knobs.runtime.interpret)

@@ -233,16 +233,22 @@ def test_narrow_ids_keeps_every_id_in_range_and_marks_the_rest():
     assert ops.narrow_ids(torch.empty(0, 2, dtype=torch.int64), E).shape == (0, 2)
 
 
-@pytest.mark.parametrize("value,expected", [("1", True), ("0", False), ("", False), ("yes", False), ("true", False)])
+@pytest.mark.parametrize("value,expected", [("1", True), ("0", False), ("", False), ("off", False),
+                                            ("true", True), ("TRUE", True), ("on", True)])
 def test_one_reading_of_triton_interpret(monkeypatch, value, expected):
     """The glue read TRITON_INTERPRET as anything but "" / "0", the triton backend's launch steps
     as exactly "1": with "yes" the glue launched interpreted kernels that the backend's supports()
-    said could not run. Both now follow moekit.env.interpreting (exactly "1")."""
+    said could not run. Then "true", which Triton reads as on, made moekit launch interpreted
+    kernels with its interpreter fixes off (wrong output). Every module now follows
+    moekit.env.interpreting, which is Triton's own reading."""
+    from triton import knobs
+
     from moekit import env
     from moekit.backends.glue import ops
     from moekit.backends.triton import launch
 
     monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert bool(knobs.runtime.interpret) is expected  # Triton's reading, which moekit must share
     assert env.interpreting() is expected
     assert ops.interpreting() is expected
     assert launch._interpreting() is expected

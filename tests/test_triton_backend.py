@@ -211,6 +211,19 @@ def test_config_problems_are_reported():
     assert "BLOCK_N=256 must divide 128" in " ".join(KernelConfig(BLOCK_N=256).problems(moekit.get_scheme("fp8-block128")))
 
 
+@pytest.mark.parametrize("group_m", [0, -3])
+def test_a_group_of_no_rows_is_refused(group_m):
+    """GROUP_M divides the tile order (_kernels._tile_ids): 0 or below passed problems() and a
+    config made by hand (TritonBackend.run(config=), the tuner's API) returned NaN or garbage."""
+    w = random_weights(4, 128, 128, "bf16")
+    tw, ids = random_routing(40, 4, 2)
+    cfg = KernelConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=group_m)
+    assert cfg.problems(w.scheme) == [f"GROUP_M={group_m} must be a positive integer"]
+    with pytest.raises(ValueError, match=f"GROUP_M={group_m} must be a positive integer"):
+        moekit.get_backend("triton").run(random_x(40, 128), w, tw, ids, config=cfg)
+    assert KernelConfig(GEMV=1, BLOCK_N=32, BLOCK_K=128, GROUP_M=0).problems(w.scheme) == []  # no row tiles to group
+
+
 @pytest.mark.parametrize("scheme", ["fp8-tensor-static", "fp8-tensor-dynamic"])
 def test_fp8_tiles_need_k_steps_of_32(scheme):
     """Triton compiles 8-bit tensor-core dots with K >= 32 only: a table entry with BLOCK_K 16

@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from .. import env
+from ..backends.sizes import cdiv, next_pow2
 from ..backends.triton_options import ASSERT_OPTIONS, compile_options
 from . import _RENORM_EPS
 from . import _kernels as k
@@ -26,7 +26,7 @@ MAX_BLOCK_M = 64
 
 def block_m(num_experts: int) -> int:
     """Tokens per program: as many as fill TILE_ELEMENTS, between 1 and MAX_BLOCK_M."""
-    return max(1, min(MAX_BLOCK_M, TILE_ELEMENTS // triton.next_power_of_2(num_experts)))
+    return max(1, min(MAX_BLOCK_M, TILE_ELEMENTS // next_pow2(num_experts)))
 
 
 @functools.lru_cache(maxsize=1)
@@ -63,7 +63,7 @@ def route_fused(
     interpreting = env.interpreting()
     pdl = pdl_enabled(logits.device)
     with on_device(logits.device):
-        k.route_kernel[(triton.cdiv(num_tokens, rows),)](
+        k.route_kernel[(cdiv(num_tokens, rows),)](
             logits, logits.stride(0), logits.stride(1),
             bias if bias is not None else weights,  # any pointer where there is no bias: never read
             weights, ids,
@@ -76,9 +76,9 @@ def route_fused(
             RENORMALIZE=renormalize,
             RENORM_EPS=_RENORM_EPS,
             BLOCK_M=rows,
-            E_PAD=triton.next_power_of_2(num_experts),
-            K_PAD=triton.next_power_of_2(top_k),
-            G_PAD=triton.next_power_of_2(num_groups or 1),
+            E_PAD=next_pow2(num_experts),
+            K_PAD=next_pow2(top_k),
+            G_PAD=next_pow2(num_groups or 1),
             INTERPRET=interpreting,
             PDL=pdl,
             num_warps=4,

@@ -37,6 +37,7 @@ import torch
 
 from ... import env
 from ... import quant as _quant
+from ..sizes import cdiv, next_pow2
 from ..triton_options import ASSERT_OPTIONS, compile_options
 
 ALIGN_M = 16  # rows per expert group: a multiple of this (older torch grouped GEMMs assert it; 16-row
@@ -135,15 +136,6 @@ def _quant_mode(quant: str | None, static_scale: torch.Tensor | None) -> int:
     raise ValueError(f"unknown activation quantization {quant!r}; expected None, 'token' or 'tensor'")
 
 
-def _pow2(n: int) -> int:
-    """The smallest power of two >= n (>= 1)."""
-    return 1 << (max(int(n), 1) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _tl_dtype(dtype: torch.dtype):
     import triton.language as tl
 
@@ -208,8 +200,8 @@ def _permute_triton(x, topk_ids, E, align, mode, static_scale, a, a_scale):
     # int32 or int64: the kernels read either, checked in their own dtype; read as ids_ptr + pair, so
     # a strided view (a column slice of a router's ids) is copied first
     ids = topk_ids.contiguous().view(-1)
-    C = _cdiv(P, BLOCK_P)
-    block_e = max(2, _pow2(E))
+    C = cdiv(P, BLOCK_P)
+    block_e = max(2, next_pow2(E))
     local_rank = torch.empty(P, dtype=torch.int32, device=dev)
     chunk_base = torch.empty(C, E, dtype=torch.int32, device=dev)
     ints = torch.empty(3, E, dtype=torch.int32, device=dev)
@@ -223,16 +215,16 @@ def _permute_triton(x, topk_ids, E, align, mode, static_scale, a, a_scale):
         chunk_base, counts, offs, starts, amax, C, E,
         ALIGN=align, BLOCK_C=max(2, SCAN_TILE // block_e), BLOCK_E=block_e, **_options(),
     )
-    block_k = max(2, _pow2(K))
+    block_k = max(2, next_pow2(K))
     if mode == _QUANT_DYNAMIC:
-        k._row_amax_kernel[(M,)](x, amax, H, x.stride(0), BLOCK_H=min(_pow2(H), 2048), **_options())
+        k._row_amax_kernel[(M,)](x, amax, H, x.stride(0), BLOCK_H=min(next_pow2(H), 2048), **_options())
     scale_src = static_scale if mode == _QUANT_STATIC else amax
     k._permute_kernel[(M,)](
         x, ids, local_rank, chunk_base, starts, row_of_pair,
         a, a_scale if a_scale is not None else amax, scale_src,
         H, K, E, x.stride(0), a.stride(0),
         QUANT=mode, BLOCK_P=BLOCK_P, BLOCK_K=block_k,
-        BLOCK_H=max(16, min(_pow2(H), 4096 // block_k, 2048)), **_options(),
+        BLOCK_H=max(16, min(next_pow2(H), 4096 // block_k, 2048)), **_options(),
     )
     layout = Layout(row_of_pair, offs, counts, a.shape[0], M, K, align, "triton", amax)
     return a, a_scale, layout
@@ -336,7 +328,7 @@ def silu_mul(
     if amax is None:  # a layout built by the torch impl
         amax = torch.zeros(2, dtype=torch.float32, device=dev)
     act_amax = amax[1:]
-    block_n = min(_pow2(N), 1024)
+    block_n = min(next_pow2(N), 1024)
     tl_act = _tl_dtype(act_dtype)
     if mode == _QUANT_DYNAMIC:
         if not layout.act_amax_fresh:  # a second dynamic call on this layout: reset the running max
@@ -393,8 +385,8 @@ def combine(
 
     if y.stride(1) != 1:
         y = y.contiguous()
-    block_h = min(_pow2(H), 1024)
-    k._combine_kernel[(M, _cdiv(H, block_h))](
+    block_h = min(next_pow2(H), 1024)
+    k._combine_kernel[(M, cdiv(H, block_h))](
         y, layout.row_of_pair, w, out, H, K, y.stride(0), out.stride(0), BLOCK_H=block_h, **_options()
     )
     return out
@@ -418,7 +410,7 @@ def ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     P = ids.numel()
     one = P <= IDS_ONE_PROGRAM_MAX
     ok = torch.empty(1, dtype=torch.int32, device=ids.device) if one else torch.ones(1, dtype=torch.int32, device=ids.device)
-    grid = (1,) if one else (_cdiv(P, IDS_CHECK_BLOCK),)
+    grid = (1,) if one else (cdiv(P, IDS_CHECK_BLOCK),)
     with on_device(ids.device):
         k._ids_in_range_kernel[grid](ids, ok, P, num_experts, BLOCK=IDS_CHECK_BLOCK, ONE_PROGRAM=one, **_options())
     return ok
@@ -438,6 +430,6 @@ def narrow_ids(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     out = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
     if ids.numel():
         with on_device(ids.device):
-            k._narrow_ids_kernel[(_cdiv(ids.numel(), NARROW_IDS_BLOCK),)](
+            k._narrow_ids_kernel[(cdiv(ids.numel(), NARROW_IDS_BLOCK),)](
                 ids, out, ids.numel(), num_experts, BLOCK=NARROW_IDS_BLOCK, **_options())
     return out

@@ -162,6 +162,8 @@ class KernelConfig:
             out.append(f"BLOCK_N={self.BLOCK_N} must divide 128 for 128x128 weight blocks")
         if self.num_warps not in (1, 2, 4, 8, 16):
             out.append(f"num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
+        if not self.GEMV and self.GROUP_M < 1:  # the tile order divides by it (_kernels._tile_ids)
+            out.append(f"GROUP_M={self.GROUP_M} must be a positive integer")
         if not 1 <= self.num_stages <= 8:
             out.append(f"num_stages={self.num_stages} must be between 1 and 8")
         if self.JOIN not in (0, 1):

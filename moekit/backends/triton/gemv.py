@@ -7,9 +7,9 @@ _gemv_kernels.py, the why in its docstring. The tuner decides where it beats the
 from __future__ import annotations
 
 import torch
-import triton
 
 from ...weights import MoEWeights
+from ..sizes import cdiv, next_pow2
 from . import _gemv_kernels as gk
 from .config import KernelConfig
 # launch.py imports this module only inside functions (run, prepare_gemm_only): launch is loaded here
@@ -37,7 +37,7 @@ def gemm2_groups(cfg: KernelConfig, top_k: int) -> int:
     of 512 then read one group per pair; Mixtral (top-2) four. Beyond top-8 the tile grows with
     the pairs (one group each), and a top-k short of a power of two leaves padded rows idle: no
     such preset was measured."""
-    return max(1, 2 * (cfg.BLOCK_K // 128) // triton.next_power_of_2(top_k))
+    return max(1, 2 * (cfg.BLOCK_K // 128) // next_pow2(top_k))
 
 
 def _gemm2_input_mode(weights: MoEWeights, row_intermediate: bool) -> int:
@@ -70,7 +70,7 @@ def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfi
     out = torch.empty(M * K, N, dtype=torch.float8_e4m3fn if out_mode == 2 else out_dtype, device=dev)
     w_scale = weights.w13_scale
     stride_wse, stride_wsn = _scale_strides(w_scale)
-    _launch(gk.gemv1_kernel, (M * K, triton.cdiv(N, cfg.BLOCK_N)),
+    _launch(gk.gemv1_kernel, (M * K, cdiv(N, cfg.BLOCK_N)),
         a, a_scale if a_scale is not None else unused, weights.w13, w_scale if w_scale is not None else unused,
         out, out_scale, out_scale, topk_ids.reshape(-1), weights.num_experts, N, H, K,
         a.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
@@ -89,11 +89,11 @@ def gemv2(act, act_scale, a_mode, weights: MoEWeights, topk_weights, topk_ids, o
     out = torch.empty(M, H, dtype=out_dtype, device=act.device)
     w_scale = weights.w2_scale
     stride_wse, stride_wsn = _scale_strides(w_scale)
-    _launch(gk.gemv2_kernel, (M, triton.cdiv(H, cfg.BLOCK_N)),
+    _launch(gk.gemv2_kernel, (M, cdiv(H, cfg.BLOCK_N)),
         act, act_scale, weights.w2, w_scale if w_scale is not None else act,
         topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1), out, N, H,
         act.stride(0), weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
-        A_MODE=a_mode, B_SCALE=B_SCALE_KIND[weights.scheme.weight], K_TOP=K, K_POW2=triton.next_power_of_2(K),
+        A_MODE=a_mode, B_SCALE=B_SCALE_KIND[weights.scheme.weight], K_TOP=K, K_POW2=next_pow2(K),
         BLOCK_N=cfg.BLOCK_N, GROUPS=gemm2_groups(cfg, K), INTERPRET=_interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -28,7 +28,6 @@ import contextvars
 import functools
 
 import torch
-import triton
 import triton.language as tl
 
 from ... import env
@@ -36,6 +35,7 @@ from ...accumulation import FP8_ACCUMULATION_ENV, FP8_ACCUMULATIONS, fp8_accumul
 from ...spec import MoEShape, QuantScheme
 from ...weights import MoEWeights
 from ..base import Backend, device_capability
+from ..sizes import cdiv, next_pow2
 from ..triton_options import ASSERT_OPTIONS, compile_options
 from . import _kernels as k
 from .config import KernelConfig, get_config
@@ -252,7 +252,7 @@ class TritonBackend(Backend):
         M would; without a table, the default's largest regime (512+ rows per expert) holds for up
         to 256 experts."""
         M, K = topk_ids.shape
-        slices = triton.cdiv(M, max(1, MAX_ALIGN_PAIRS // K))
+        slices = cdiv(M, max(1, MAX_ALIGN_PAIRS // K))
         rows, longer = divmod(M, slices)  # the first `longer` slices get rows + 1
         out = torch.empty(M, weights.hidden, dtype=x.dtype, device=x.device)
         end = 0
@@ -330,13 +330,13 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
             BLOCK_M=block_m, CHUNK=SINGLE_ALIGN_MAX_PAIRS, E_BLOCK=E_BLOCK,
         )
     else:
-        chunks = triton.cdiv(P, CHUNK)
+        chunks = cdiv(P, CHUNK)
         chunk_counts = torch.empty(chunks, E, dtype=torch.int32, device=dev)
         total = torch.empty(E, dtype=torch.int32, device=dev)
         _launch(k.align_count_kernel, (chunks,), ids, chunk_counts, P, E, CHUNK=CHUNK, E_BLOCK=E_BLOCK)
         _launch(k.align_scan_kernel, (1,),
             chunk_counts, total, count, start, chunks, E,
-            BLOCK_M=block_m, C_POW2=triton.next_power_of_2(chunks), E_BLOCK=SCAN_E_BLOCK,
+            BLOCK_M=block_m, C_POW2=next_pow2(chunks), E_BLOCK=SCAN_E_BLOCK,
         )
         _launch(k.align_scatter_kernel, (chunks,), ids, sorted_pairs, chunk_counts, start, P, E, CHUNK=CHUNK)
     return align
@@ -370,12 +370,12 @@ def _input_scale(x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
     if weights.scheme.activation == "token":
         return torch.empty(M, dtype=torch.float32, device=x.device)
     if weights.scheme.activation == "group":
-        return torch.empty(M, triton.cdiv(H, 128), dtype=torch.float32, device=x.device)
+        return torch.empty(M, cdiv(H, 128), dtype=torch.float32, device=x.device)
     return torch.empty(1, dtype=torch.float32, device=x.device)
 
 
 def _block_h(H: int) -> int:
-    return triton.next_power_of_2(max(H, 128))
+    return next_pow2(max(H, 128))
 
 
 def quantize_input(x: torch.Tensor, weights: MoEWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -444,8 +444,8 @@ def _half_tail(width: int, block_n: int, joined: int) -> int:
 def _tiles(align: Alignment, cfg: KernelConfig, width: int, tiles_per_program: int = 1) -> tuple[int]:
     """The grid: programs for every row block the worst routing can fill, times the runs of
     `tiles_per_program` column tiles that cover `width`."""
-    column_tiles = triton.cdiv(width, cfg.BLOCK_N)
-    return (triton.cdiv(align.max_rows, cfg.BLOCK_M) * triton.cdiv(column_tiles, tiles_per_program),)
+    column_tiles = cdiv(width, cfg.BLOCK_N)
+    return (cdiv(align.max_rows, cfg.BLOCK_M) * cdiv(column_tiles, tiles_per_program),)
 
 
 def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
@@ -490,7 +490,7 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
     elif cfg.BLOCK_N == 128:  # token and group rules: a tile row is one 1x128 group (module docstring)
         out_mode, a_mode = 3, 4
         out = torch.empty(align.max_rows, N, dtype=fp8, device=dev)
-        scale = torch.empty(align.max_rows, triton.cdiv(N, 128), dtype=torch.float32, device=dev)
+        scale = torch.empty(align.max_rows, cdiv(N, 128), dtype=torch.float32, device=dev)
     else:
         out_mode, a_mode, scale = 0, 2, None
         out = torch.empty(align.max_rows, N, dtype=out_dtype, device=dev)
@@ -507,7 +507,7 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
             a.stride(0), stride_as,
             weights.w13.stride(0), weights.w13.stride(1), stride_wse, stride_wsn, out.stride(0), scale.stride(0),
             A_SCALE=A_SCALE_KIND[scheme.activation], B_SCALE=B_SCALE_KIND[scheme.weight],
-            ACT_DTYPE=_TL_DTYPE[out_dtype], E_POW2=triton.next_power_of_2(E),
+            ACT_DTYPE=_TL_DTYPE[out_dtype], E_POW2=next_pow2(E),
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
             STAGES=cfg.num_stages, num_warps=cfg.num_warps, **rows,
         )
@@ -524,7 +524,7 @@ def gemm1(a, a_scale, weights: MoEWeights, align: Alignment, top_k: int, out_dty
         scale.stride(0) if scale is not None and scale.dim() == 2 else 0,
         A_SCALE=A_SCALE_KIND[scheme.activation] if scheme.is_fp8 else 0,
         B_SCALE=B_SCALE_KIND[scheme.weight],
-        OUT_MODE=out_mode, ACT_DTYPE=_TL_DTYPE[out_dtype], E_POW2=triton.next_power_of_2(E),
+        OUT_MODE=out_mode, ACT_DTYPE=_TL_DTYPE[out_dtype], E_POW2=next_pow2(E),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, PROMOTE=fp8_promote(cfg),
         JOIN=joined, HALF_TAIL=_half_tail(N, cfg.BLOCK_N, joined),
         INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -592,7 +592,7 @@ def quantize_intermediate_rows(values: torch.Tensor, align: Alignment, num_exper
     block = _block_h(N)
     _launch(k.quantize_sorted_rows_kernel, (rows,),
         values, q, scale, align.count, align.start, num_experts, N, values.stride(0), q.stride(0),
-        E_POW2=triton.next_power_of_2(num_experts), BLOCK_H=block, INTERPRET=_interpreting(),
+        E_POW2=next_pow2(num_experts), BLOCK_H=block, INTERPRET=_interpreting(),
         num_warps=8 if block >= 8192 else 4,  # a whole row per program: 16K values at Mixtral's N
     )
     return Intermediate(q, scale, 5)
@@ -617,7 +617,7 @@ def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights
             align.sorted_pairs, align.count, align.start, E, N, H,
             values.stride(0), act.scale.stride(0), weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn,
             out.stride(0),
-            B_SCALE=B_SCALE_KIND[scheme.weight], E_POW2=triton.next_power_of_2(E),
+            B_SCALE=B_SCALE_KIND[scheme.weight], E_POW2=next_pow2(E),
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
             STAGES=cfg.num_stages, num_warps=cfg.num_warps,
         )
@@ -629,7 +629,7 @@ def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights
         align.num_pairs, E, N, H,
         values.stride(0), act.scale.stride(0) if act.scale is not None else 0,  # (rows,) or (rows, groups)
         weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
-        A_MODE=act.a_mode, B_SCALE=B_SCALE_KIND[scheme.weight], E_POW2=triton.next_power_of_2(E),
+        A_MODE=act.a_mode, B_SCALE=B_SCALE_KIND[scheme.weight], E_POW2=next_pow2(E),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         N_TILES=cfg.gemm2_tiles, PROMOTE=fp8_promote(cfg), INTERPRET=_interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -642,6 +642,6 @@ def combine(pairs: torch.Tensor, M: int, K: int, out: torch.Tensor | None = None
     H = pairs.shape[1]
     if out is None:
         out = torch.empty(M, H, dtype=pairs.dtype, device=pairs.device)
-    block_h = min(triton.next_power_of_2(H), 1024)
-    _launch(k.combine_kernel, (M, triton.cdiv(H, block_h)), pairs, out, H, K_TOP=K, BLOCK_H=block_h, INTERPRET=_interpreting())
+    block_h = min(next_pow2(H), 1024)
+    _launch(k.combine_kernel, (M, cdiv(H, block_h)), pairs, out, H, K_TOP=K, BLOCK_H=block_h, INTERPRET=_interpreting())
     return out
