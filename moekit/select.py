@@ -42,7 +42,8 @@ log = logging.getLogger("moekit.select")
 # bound holds (None: no bound) applies, and auto takes the first backend of its order that can
 # run (and, in a MoELayer, keeps no copy of the weights). A device type not listed here: reference.
 #
-# A rule may carry a third element, the smallest intermediate size per GPU (N) it applies to.
+# A rule may carry a third element, the smallest intermediate size per GPU (N) it applies to, and
+# a fourth, the FP8 accumulation mode it applies to (accumulation.table_accumulation; None: any).
 #
 # Evidence (H200, torch 2.11, triton 3.6, 2026-12-03, `moekit bench` whole layer, BENCHMARKS.md):
 # triton (analytic default configs) was the fastest backend at every batch size 1..8192 on
@@ -51,11 +52,14 @@ log = logging.getLogger("moekit.select")
 # N=14336) up to M=512 (128 rows per expert: 754 vs 783 µs). From M=1024 on Mixtral (256+ rows per
 # expert of a 14336-wide expert) CUTLASS's grouped GEMM won: 1126 vs 1265 µs at 1024, 3124 vs 3992
 # at 4096, 6593 vs 7586 at 8192. Hence: few, wide experts with many rows each -> cutlass first.
+# In fast accumulation mode (MOEKIT_FP8_ACCUMULATION=fast) triton won there too, untuned (H100,
+# 2026-12-05, twenty-fourth session: Mixtral 1109 vs 1139 µs at 1024, 2762 vs 3555 at 4096, 5460
+# vs 6888 at 8192; H200 2815 vs 3700 at 4096), so the cutlass rule is for precise mode only.
 # Shapes with a decision table (shipped or tuned) never reach these rules.
 HEURISTIC_RULES: dict[str, tuple[tuple, ...]] = {
     "cuda": (
         (255, ("triton", "cutlass", "torch", "reference")),
-        (None, ("cutlass", "triton", "torch", "reference"), 4096),
+        (None, ("cutlass", "triton", "torch", "reference"), 4096, "precise"),
         (None, ("triton", "cutlass", "torch", "reference")),
     ),
     "cpu": ((None, ("torch", "reference")),),
@@ -389,14 +393,17 @@ class _Resolver:
     def heuristic(self, m: int, note: str = "") -> Choice:
         rules = HEURISTIC_RULES.get(self.device.type, ((None, ("reference",)),))
         rows = m * self.shape.top_k / self.shape.num_experts
-        bound, order, min_n = None, rules[-1][1], 0
+        accumulation = table_accumulation(self.scheme)
+        bound, order, min_n, mode = None, rules[-1][1], 0, None
         for bound, order, *rest in rules:
-            min_n = rest[0] if rest else 0
-            if (bound is None or rows <= bound) and self.shape.n >= min_n:
+            min_n, mode = (list(rest) + [0, None])[:2]
+            if (bound is None or rows <= bound) and self.shape.n >= min_n and mode in (None, accumulation):
                 break
         rule = "" if bound is None else f" (rows per expert {rows:g} <= {bound:g})"
         if min_n:
             rule += f" (rows per expert {rows:g}, intermediate {self.shape.n} >= {min_n})"
+        if mode:
+            rule += f" ({mode} FP8 accumulation)"
         passed = [n for n in order if n in self.avoided]
         passed_note = f"; passed over {', '.join(passed)}: {COPY_REASON}" if passed else ""
         for name in order:

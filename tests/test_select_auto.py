@@ -399,6 +399,21 @@ def test_shipped_heuristic_puts_cutlass_first_only_for_wide_experts_with_many_ro
     assert [pick(narrow, m) for m in (1, 4096, 8192)] == ["triton"] * 3
 
 
+def test_shipped_heuristic_keeps_triton_for_wide_experts_in_fast_mode(monkeypatch):
+    """In fast accumulation mode triton beat cutlass at Mixtral prefill even untuned (H100,
+    BENCHMARKS.md twenty-fourth session: 2762 vs 3555 µs at M = 4096), and auto without a table
+    took cutlass there, 29% slower: the cutlass rule is for precise mode only."""
+    device = DeviceSpec.from_name(H100)
+    wide = MoEShape(8, 4096, 14336, 2)
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
+    choice = select_backend(wide, FP8, device, torch.bfloat16, 4096)
+    assert (choice.backend, choice.source) == ("triton", "heuristic")
+    assert select_backend(wide, FP8, device, torch.bfloat16, 8192).backend == "triton"
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "precise")
+    choice = select_backend(wide, FP8, device, torch.bfloat16, 4096)
+    assert choice.backend == "cutlass" and "precise FP8 accumulation" in choice.detail
+
+
 def test_bad_fp8_accumulation_is_an_error_of_select_and_explain(monkeypatch, capsys):
     """A bad MOEKIT_FP8_ACCUMULATION was only warned about by the decision tables (auto then
     ran another backend) and reached explain() from a table-name helper; now select_backend and
