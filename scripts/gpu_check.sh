@@ -230,7 +230,7 @@ if [[ " ${steps[*]} " == *" pending "* ]]; then
 fi
 if [[ " ${steps[*]} " == *" ids "* ]]; then
   python3 scripts/bench_ids_dtype.py --narrow --json "$WORK/ids_dtype.json" || status=1
-  python3 scripts/bench_ids_dtype.py --narrow --backend cutlass --models glm-4.5v-fp8:2 mixtral-8x7b:1 \
+  python3 scripts/bench_ids_dtype.py --narrow --backend cutlass --models glm-4.5v-fp8:2 mixtral-8x7b:1:fp8-channel-token \
     --json "$WORK/ids_dtype_cutlass.json" || status=1
 fi
 if [[ " ${steps[*]} " == *" route "* ]]; then
