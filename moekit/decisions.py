@@ -273,13 +273,19 @@ def find_table(
     except ValueError as e:  # a bad MOEKIT_FP8_ACCUMULATION: select refuses it first; here, never raise
         warnings.warn(f"moekit: {e}; reading the precise-mode decision tables", BackendTableWarning, stacklevel=2)
         accumulation = "precise"
-    precise = _first_valid(shape, scheme, device_name, "precise", skipped)
-    if accumulation == "precise":
-        return precise
-    fast = _first_valid(shape, scheme, device_name, accumulation, skipped)
-    if fast is None or precise is None:
-        return fast or precise
-    return refine(precise, fast)
+    found = precise = _first_valid(shape, scheme, device_name, "precise", skipped)
+    used = [precise] if precise else []
+    if accumulation != "precise":
+        fast = _first_valid(shape, scheme, device_name, accumulation, skipped)
+        # this GPU's own measurements win over a table borrowed from another GPU model
+        if fast is not None and not (precise and tables.is_borrowed(fast.path, device_name)
+                                     and not tables.is_borrowed(precise.path, device_name)):
+            found = refine(precise, fast) if precise is not None else fast
+            used.append(fast)
+    for table in used:
+        if tables.is_borrowed(table.path, device_name):
+            tables.note_borrowed(table.path, device_name, "backend decision")
+    return found
 
 
 def _first_valid(shape, scheme, device_name, accumulation: str, skipped: list | None) -> BackendTable | None:

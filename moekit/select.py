@@ -66,12 +66,8 @@ HEURISTIC_RULES: dict[str, tuple[tuple, ...]] = {
 }
 # ===============================================================================================
 
-# GPU models whose compute capability moekit knows, for devices described by name (--device-name).
-KNOWN_CAPABILITIES: dict[str, tuple[int, int]] = {
-    "H100": (9, 0), "H200": (9, 0), "H20": (9, 0), "GH200": (9, 0),
-    "A100": (8, 0),
-    "L40S": (8, 9), "L4": (8, 9),
-}
+# GPU models whose compute capability moekit knows by name (--device-name): moekit.tables.
+KNOWN_CAPABILITIES = tables.KNOWN_CAPABILITIES
 COPY_REASON = "keeps a converted copy of the weights (a MoELayer's auto avoids it; name it to use it)"
 _PER_M_LIMIT = 1 << 14  # memoised batch sizes per problem; beyond, choices are computed each call
 
@@ -265,6 +261,9 @@ def explain(
     if choice.source == "table":
         where = r.table.locate(num_tokens).describe()
         lines += [f"from: decision table {r.table.path}", f"  {where}"]
+        if tables.is_borrowed(r.table.path, device_name(device) or ""):
+            lines.append("  (measured on another GPU model of the same architecture: no table of this one; "
+                         "`moekit tune` here writes one)")
         rest = choice.detail.split(where, 1)[-1].lstrip("; ")
         if rest:
             lines.append(f"  {rest}")

@@ -24,6 +24,7 @@ process or another, are seen after `clear_cache()` (`moekit.select.clear_cache()
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
@@ -33,6 +34,8 @@ from typing import Literal
 from . import env
 from .accumulation import FP8_ACCUMULATIONS
 from .spec import MoEShape, QuantScheme
+
+log = logging.getLogger("moekit.tables")
 
 CONFIG_DIR_ENV = "MOEKIT_CONFIG_DIR"
 SHIPPED_ROOT = Path(__file__).resolve().parent / "configs"
@@ -89,6 +92,40 @@ def device_family(name: str) -> str | None:
     return m.group(1) + m.group(2) if m else None
 
 
+# GPU models whose compute capability moekit knows by name: devices described by name (`moekit
+# select --device-name`), and tables borrowed between GPU models of one architecture (find_tables).
+KNOWN_CAPABILITIES: dict[str, tuple[int, int]] = {
+    "H100": (9, 0), "H200": (9, 0), "H20": (9, 0), "H800": (9, 0), "GH200": (9, 0),
+    "A100": (8, 0),
+    "L40S": (8, 9), "L4": (8, 9),
+}
+
+
+def architecture(name: str) -> tuple[int, int] | None:
+    """The compute capability of a GPU model named like a device ('NVIDIA H100 80GB HBM3' ->
+    (9, 0)), or None for a model not in KNOWN_CAPABILITIES."""
+    return KNOWN_CAPABILITIES.get(device_family(name) or "")
+
+
+def is_borrowed(path: Path, device_name: str) -> bool:
+    """Whether the table at `path` was measured on another GPU model than `device_name`'s (one of
+    the same architecture, find_tables' last resort)."""
+    named = parse_table_name(path.name)
+    return named is not None and device_family(named["device_name"]) != device_family(device_name)
+
+
+_borrowed_noted: set[tuple[str, str]] = set()
+
+
+def note_borrowed(path: Path, device_name: str, what: str) -> None:
+    """Say once per (table, device), at info level, that a table of another GPU model is in use."""
+    if (str(path), device_name) in _borrowed_noted:
+        return
+    _borrowed_noted.add((str(path), device_name))
+    log.info("moekit: no %s table of %s for this problem; using %s, measured on another GPU of the same "
+             "architecture (run `moekit tune` here for tables of this GPU)", what, device_name, path)
+
+
 def table_name(shape: MoEShape, scheme: QuantScheme, device_name: str, accumulation: str = "precise") -> str:
     """The file name of a table; `accumulation` as moekit.accumulation.table_accumulation says."""
     if accumulation not in FP8_ACCUMULATIONS:
@@ -136,13 +173,19 @@ def find_tables(
     """Candidate table files of one accumulation mode, best first.
 
     In each folder (user folders before shipped ones): the exact device name, then another
-    device name of the same GPU model (H100 SXM for an H100 PCIe, say). Callers take the first
-    file that loads; a file that fails to load is skipped with a warning by the caller.
+    device name of the same GPU model (H100 SXM for an H100 PCIe, say). After every folder's,
+    the tables of other GPU models of the same architecture (`architecture`: an H200's for an
+    H100), user folders first: on an H100 the H200's tables beat the analytic defaults at all 21
+    anchor points, by 1-33% (BENCHMARKS.md, twenty-fourth session), and a table of this GPU
+    model, wherever it is, comes before them. Callers take the first file that loads; a file that
+    fails to load is skipped with a warning by the caller.
     """
     exact = table_name(shape, scheme, device_name, accumulation)
     family = device_family(device_name)
+    arch = architecture(device_name)
     stem_without_device = exact.replace(f"device_name={normalize_device_name(device_name)},", "")
     found: list[Path] = []
+    borrowed: list[Path] = []
     for d in search_dirs(kind):
         if (d / exact).is_file():
             found.append(d / exact)
@@ -152,13 +195,16 @@ def find_tables(
             named = parse_table_name(path.name)
             other = named["device_name"] if named else None
             if (
-                path.name != exact
-                and other is not None
-                and device_family(other) == family
-                and path.name.replace(f"device_name={other},", "") == stem_without_device
+                path.name == exact
+                or other is None
+                or path.name.replace(f"device_name={other},", "") != stem_without_device
             ):
+                continue
+            if device_family(other) == family:
                 found.append(path)
-    return found
+            elif arch is not None and architecture(other) == arch:
+                borrowed.append(path)
+    return found + borrowed
 
 
 def _created_file_mode() -> int:

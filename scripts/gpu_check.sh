@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|othercard|auto|check|full|hf|fast|decode|gemm2|unmarked|pending|ids|route|hfroute|halfheight|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemm2|unmarked|pending|ids|route|hfroute|halfheight|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points (BENCHMARKS.md, Reference points): the expert GEMMs alone
@@ -11,12 +11,6 @@
 #        and the whole layer (triton, cutlass, auto) per model in precise mode, then GEMMs and layer
 #        of the channel-scale models in fast mode (MOEKIT_FP8_ACCUMULATION=fast) at the prefill
 #        anchors, where fast mode is the one in question; no plots. Not part of `all`.
-# othercard: on a card without shipped tables (an H100: they were measured on an H200), the whole
-#        layer at the anchor points three ways: the triton backend on its analytic defaults (what
-#        runs there today), then triton, cutlass and auto with the shipped tables of FROM_CARD
-#        (default NVIDIA_H200) copied under this card's name into a MOEKIT_CONFIG_DIR, in precise
-#        mode and, for the channel-scale models, fast mode at 1024-8192: are another Hopper's
-#        tables better than no tables here? Not part of `all`.
 # auto:  the whole layer on every backend plus auto, at the sizes the shipped decision tables
 #        measured, the sizes between, and others off both grids, 4 routings per point (is auto
 #        within 3% of the fastest everywhere?).
@@ -157,30 +151,6 @@ if [[ " ${steps[*]} " == *" anchors "* ]]; then
       MOEKIT_FP8_ACCUMULATION=$mode moekit bench --model "$model" --tp "$tp" --scheme "$scheme" --mode layer \
         --backends $backends auto --batch-sizes $sizes --no-plots --out "$WORK/anchors-$mode-layer-$model" || status=1
     done
-  done
-fi
-if [[ " ${steps[*]} " == *" othercard "* ]]; then
-  # the shipped tables are named after the card they were measured on; copies named after this
-  # card, in a folder of their own, stand in for tables measured here
-  card=$(python3 -c "import torch; print(torch.cuda.get_device_name().strip().replace(' ', '_'))")
-  borrowed="$WORK/borrowed-tables"
-  for kind in triton backends; do
-    mkdir -p "$borrowed/$kind"
-    for f in moekit/configs/$kind/*device_name=${FROM_CARD:-NVIDIA_H200},*; do
-      cp "$f" "$borrowed/$kind/$(basename "$f" | sed "s/device_name=${FROM_CARD:-NVIDIA_H200},/device_name=$card,/")"
-    done
-  done
-  for m in "${MODELS[@]}"; do
-    read -r model tp scheme <<<"$m"
-    backends="triton cutlass"; [[ $scheme == fp8-block128 ]] && backends=triton
-    moekit bench --model "$model" --tp "$tp" --scheme "$scheme" --mode layer --backends triton \
-      --batch-sizes $ANCHOR_M --no-check --no-plots --out "$WORK/othercard-untuned-$model" || status=1
-    MOEKIT_CONFIG_DIR="$borrowed" moekit bench --model "$model" --tp "$tp" --scheme "$scheme" --mode layer \
-      --backends $backends auto --batch-sizes $ANCHOR_M --no-check --no-plots --out "$WORK/othercard-borrowed-$model" || status=1
-    [[ $scheme == fp8-block128 ]] && continue
-    MOEKIT_FP8_ACCUMULATION=fast MOEKIT_CONFIG_DIR="$borrowed" moekit bench --model "$model" --tp "$tp" \
-      --scheme "$scheme" --mode layer --backends $backends auto --batch-sizes 1024 4096 8192 --no-check --no-plots \
-      --out "$WORK/othercard-borrowed-fast-$model" || status=1
   done
 fi
 if want auto; then

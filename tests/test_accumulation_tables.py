@@ -56,9 +56,9 @@ def test_table_names_carry_the_mode_only_where_it_matters(monkeypatch):
     assert table_accumulation(BLOCK) == table_accumulation(get_scheme("bf16")) == "precise"
 
 
-def write_configs(root, configs: dict[int, KernelConfig], accumulation="precise", scheme=FP8):
-    path = root / "triton" / tables.table_name(SHAPE, scheme, H100, accumulation)
-    meta = {"device_name": H100, **({"fp8_accumulation": accumulation} if accumulation != "precise" else {})}
+def write_configs(root, configs: dict[int, KernelConfig], accumulation="precise", scheme=FP8, device_name=H100):
+    path = root / "triton" / tables.table_name(SHAPE, scheme, device_name, accumulation)
+    meta = {"device_name": device_name, **({"fp8_accumulation": accumulation} if accumulation != "precise" else {})}
     return tables.write_json_atomically(path, {"meta": meta, "configs": {str(m): c.to_dict() for m, c in configs.items()}})
 
 
@@ -109,10 +109,37 @@ def test_every_shipped_table_says_the_mode_its_name_says():
         assert json.loads(path.read_text())["meta"].get("fp8_accumulation", "precise") == named["fp8_accumulation"], path.name
 
 
-def write_decisions(root, points, accumulation="precise"):
-    path = root / "backends" / tables.table_name(SHAPE, FP8, H100, accumulation)
+def write_decisions(root, points, accumulation="precise", device_name=H100):
+    path = root / "backends" / tables.table_name(SHAPE, FP8, device_name, accumulation)
     meta = {"fp8_accumulation": accumulation} if accumulation != "precise" else {}
-    return tables.write_json_atomically(path, table_data(SHAPE, FP8, H100, points, **meta))
+    return tables.write_json_atomically(path, table_data(SHAPE, FP8, device_name, points, **meta))
+
+
+H200 = "NVIDIA H200"
+
+
+def test_a_borrowed_fast_table_does_not_refine_this_gpus_own_precise_one(tmp_path, monkeypatch):
+    """A table of another GPU model is the last resort: in fast mode, an H200 fast table does not
+    override an H100's own precise measurements (configs and decisions alike), and refines a
+    precise table borrowed from the H200 as it would on the H200."""
+    monkeypatch.setattr(tables, "_borrowed_noted", set())
+    user = tmp_path / "user"
+    write_configs(user, {4096: FAST_LARGEST}, "fast", device_name=H200)
+    write_decisions(user, {4096: {"triton": 350.0, "cutlass": 400.0}}, "fast", device_name=H200)
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, "fast")
+    # nothing of the H100's own: the H200's fast tables
+    assert get_config(SHAPE, FP8, 4096, H100) == FAST_LARGEST and choose(4096).backend == "triton"
+    # the H100's own precise tables: they win over the H200's fast ones
+    write_configs(user, {4096: PRECISE_LARGE})
+    write_decisions(user, {4096: {"triton": 500.0, "cutlass": 400.0}})
+    select.clear_cache()
+    assert get_config(SHAPE, FP8, 4096, H100) == PRECISE_LARGE and choose(4096).backend == "cutlass"
+    # an H200 precise table under the H200 fast one: refined, as on the H200
+    for kind in ("triton", "backends"):
+        (user / kind / tables.table_name(SHAPE, FP8, H100)).unlink()
+    write_configs(user, {1: PRECISE_SMALL, 4096: PRECISE_LARGE}, device_name=H200)
+    select.clear_cache()
+    assert [get_config(SHAPE, FP8, m, H100) for m in (1, 4096)] == [PRECISE_SMALL, FAST_LARGEST]
 
 
 def choose(m):

@@ -145,8 +145,32 @@ def test_a_table_of_the_same_gpu_model_serves_another_name_of_it(tmp_path):
     path = write_table(tables.SHIPPED_ROOT, {8: {"cutlass": 1.0, "triton": 2.0}})  # H100 SXM
     choice = select_backend(SHAPE, FP8, DeviceSpec.from_name("NVIDIA H100 PCIe"), num_tokens=8)
     assert (choice.backend, choice.source) == ("cutlass", "table") and str(path) in choice.detail
-    choice = select_backend(SHAPE, FP8, DeviceSpec.from_name("NVIDIA H200"), num_tokens=8)
-    assert choice.source == "heuristic"  # another GPU model: not used
+    choice = select_backend(SHAPE, FP8, DeviceSpec.from_name("NVIDIA L40S"), num_tokens=8)
+    assert choice.source == "heuristic"  # another architecture (sm_89): not used
+
+
+def test_a_table_of_another_gpu_of_the_same_architecture_comes_last(tmp_path, monkeypatch, caplog):
+    """On an H100 the H200's tables beat no tables at all 21 anchor points (BENCHMARKS.md,
+    twenty-fourth session): a GPU without a table of its own takes one of the same architecture,
+    says so once, and any table of its own model, in whichever folder, comes first."""
+    monkeypatch.setattr(tables, "_borrowed_noted", set())
+    h200 = write_table(tables.SHIPPED_ROOT, {8: {"cutlass": 1.0, "triton": 2.0}}, device_name="NVIDIA H200")
+    with caplog.at_level("INFO", logger="moekit.tables"):
+        choices = [h100(8), h100(8)]
+    assert all(c.source == "table" and c.backend == "cutlass" and str(h200) in c.detail for c in choices)
+    noted = [r.getMessage() for r in caplog.records if r.name == "moekit.tables"]
+    assert len(noted) == 1 and str(h200) in noted[0] and "another GPU of the same architecture" in noted[0]
+    text = "\n".join(select.explain(SHAPE, FP8, DeviceSpec.from_name(H100), torch.bfloat16, 8))
+    assert f"from: decision table {h200}" in text and "measured on another GPU model of the same architecture" in text
+    a100 = select_backend(SHAPE, FP8, DeviceSpec.from_name("NVIDIA A100-SXM4-80GB"), num_tokens=8)
+    assert a100.source == "heuristic"  # sm_80: not Hopper's tables
+    # a user folder's H200 table still comes after a shipped table of the H100 itself
+    write_table(tmp_path / "user", {8: {"torch": 1.0, "cutlass": 2.0}}, device_name="NVIDIA H200")
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path / "user"))
+    assert h100(8).backend == "torch"  # borrowed: the user's H200 table before the shipped H200 one
+    own = write_table(tables.SHIPPED_ROOT, {8: {"triton": 1.0, "cutlass": 2.0}})
+    select.clear_cache()
+    assert h100(8).backend == "triton" and str(own) in h100(8).detail
 
 
 # ----------------------------------------------------------------------- bad tables: one warning
@@ -302,7 +326,7 @@ def test_device_names_give_capabilities(name, cap):
 
 
 def test_unknown_device_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match="unknown GPU 'NVIDIA B200'.*H100, H200, H20, GH200, A100, L40S, L4"):
+    with pytest.raises(ValueError, match="unknown GPU 'NVIDIA B200'.*H100, H200, H20, H800, GH200, A100, L40S, L4"):
         DeviceSpec.from_name("NVIDIA B200")
 
 

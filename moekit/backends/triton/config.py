@@ -352,14 +352,21 @@ def _first_table(shape: MoEShape, scheme: QuantScheme, device_name: str, accumul
 
 def tuned_configs(shape: MoEShape, scheme: QuantScheme, device_name: str) -> tuple[dict[int, KernelConfig], Path] | None:
     """(configs by batch size, the file they came from), or None. In fast accumulation mode a
-    fast-mode table refines the precise one (moekit.tables): its sizes over the precise table's."""
-    precise = _first_table(shape, scheme, device_name, "precise")
-    if table_accumulation(scheme) == "precise":
-        return precise
-    fast = _first_table(shape, scheme, device_name, "fast")
-    if fast is None:
-        return precise
-    return ({**precise[0], **fast[0]} if precise else fast[0]), fast[1]
+    fast-mode table refines the precise one (moekit.tables): its sizes over the precise table's,
+    unless it was measured on another GPU model and the precise table on this one (this GPU's
+    own measurements win over a borrowed table's)."""
+    found = precise = _first_table(shape, scheme, device_name, "precise")
+    used = [precise] if precise else []
+    if table_accumulation(scheme) == "fast":
+        fast = _first_table(shape, scheme, device_name, "fast")
+        if fast is not None and not (precise and tables.is_borrowed(fast[1], device_name)
+                                     and not tables.is_borrowed(precise[1], device_name)):
+            found = ({**precise[0], **fast[0]} if precise else fast[0]), fast[1]
+            used.append(fast)
+    for _, path in used:
+        if tables.is_borrowed(path, device_name):
+            tables.note_borrowed(path, device_name, "tuned triton")
+    return found
 
 
 def nearest(table: dict[int, KernelConfig], num_tokens: int) -> KernelConfig:
