@@ -418,24 +418,31 @@ def make_x(M: int, H: int, device: torch.device, *, seed: int = 0, dtype: torch.
     return torch.randn(M, H, generator=g).to(dtype).to(device)
 
 
-def _topk_weights(M: int, K: int, g: torch.Generator) -> torch.Tensor:
-    w = torch.rand(M, K, generator=g) + 0.1
+def _topk_weights(M: int, K: int, g: torch.Generator, renormalize: bool = True) -> torch.Tensor:
+    """Random routing weights: each row summing to 1 (`renormalize`, the model's rule), else each
+    weight in (0.05, 0.95) on its own, as a sigmoid router's unnormalized scores (Llama-4: a top-1
+    weight of 1 would make scaling the input and scaling the output the same)."""
+    w = torch.rand(M, K, generator=g)
+    if not renormalize:
+        return w * 0.9 + 0.05
+    w = w + 0.1
     return w / w.sum(dim=1, keepdim=True)
 
 
-def uniform_routing(M: int, E: int, K: int, *, seed: int = 0, pool: Sequence[int] | None = None):
+def uniform_routing(M: int, E: int, K: int, *, seed: int = 0, pool: Sequence[int] | None = None,
+                    renormalize: bool = True):
     """(topk_weights float32 [M, K], topk_ids int32 [M, K]) on the CPU: K distinct experts per
-    token, uniformly at random (from `pool` only, if given)."""
+    token, uniformly at random (from `pool` only, if given); weights as _topk_weights says."""
     g = torch.Generator().manual_seed(seed)
     experts = torch.arange(E) if pool is None else torch.as_tensor(list(pool))
     if K > len(experts):
         raise ValueError(f"top-k {K} exceeds the {len(experts)} experts to choose from")
     choice = torch.rand(M, len(experts), generator=g).topk(K, dim=1).indices
     ids = experts[choice]
-    return _topk_weights(M, K, g), ids.to(torch.int32)
+    return _topk_weights(M, K, g, renormalize), ids.to(torch.int32)
 
 
-def skewed_routing(M: int, E: int, K: int, *, seed: int = 0):
+def skewed_routing(M: int, E: int, K: int, *, seed: int = 0, renormalize: bool = True):
     """K distinct experts per token, drawn with Zipf-like popularity: the r-th most popular expert
     (a seeded permutation decides which) is chosen with weight 1 / r^ZIPF_EXPONENT."""
     g = torch.Generator().manual_seed(seed)
@@ -443,7 +450,7 @@ def skewed_routing(M: int, E: int, K: int, *, seed: int = 0):
     ranks[torch.randperm(E, generator=g)] = torch.arange(1, E + 1, dtype=torch.float32)
     popularity = ranks.pow(-ZIPF_EXPONENT)
     ids = torch.multinomial(popularity.expand(M, E).contiguous(), K, replacement=False, generator=g)
-    return _topk_weights(M, K, g), ids.to(torch.int32)
+    return _topk_weights(M, K, g, renormalize), ids.to(torch.int32)
 
 
 def load_routing_file(path: str, spec: ModelSpec) -> torch.Tensor:
@@ -482,22 +489,25 @@ def load_routing_file(path: str, spec: ModelSpec) -> torch.Tensor:
     return data
 
 
-def recorded_routing(ids: torch.Tensor, M: int, shape: MoEShape, *, seed: int = 0):
+def recorded_routing(ids: torch.Tensor, M: int, shape: MoEShape, *, seed: int = 0, renormalize: bool = True):
     """The first M rows of recorded ids (tiled when fewer), folded onto a scaled-down shape's
     experts (id mod E) and top-k (first columns) when the shape is smaller than the model's."""
     reps = -(-M // ids.shape[0])
     rows = ids.repeat(reps, 1)[:M]
     rows = rows[:, : shape.top_k] % shape.num_experts
     g = torch.Generator().manual_seed(seed)
-    return _topk_weights(M, shape.top_k, g), rows.to(torch.int32)
+    return _topk_weights(M, shape.top_k, g, renormalize), rows.to(torch.int32)
 
 
-def make_routing(kind: str, M: int, shape: MoEShape, *, seed: int = 0, recorded: torch.Tensor | None = None):
+def make_routing(kind: str, M: int, shape: MoEShape, *, seed: int = 0, recorded: torch.Tensor | None = None,
+                 renormalize: bool = True):
+    """One routing of batch size M: recorded ids, or `kind` ("uniform", "skewed"); weights as
+    _topk_weights says (`renormalize`: the model's rule)."""
     if recorded is not None:
-        return recorded_routing(recorded, M, shape, seed=seed)
+        return recorded_routing(recorded, M, shape, seed=seed, renormalize=renormalize)
     if kind == "skewed":
-        return skewed_routing(M, shape.num_experts, shape.top_k, seed=seed)
-    return uniform_routing(M, shape.num_experts, shape.top_k, seed=seed)
+        return skewed_routing(M, shape.num_experts, shape.top_k, seed=seed, renormalize=renormalize)
+    return uniform_routing(M, shape.num_experts, shape.top_k, seed=seed, renormalize=renormalize)
 
 
 # Each layer point is timed over this many routings of the same batch size (replays cycle through
@@ -544,12 +554,13 @@ class RoutingRotation:
 
 
 def make_routings(kind: str, M: int, shape: MoEShape, count: int, *, seed: int = 0,
-                  recorded: torch.Tensor | None = None, device=None) -> RoutingRotation:
+                  recorded: torch.Tensor | None = None, device=None, renormalize: bool = True) -> RoutingRotation:
     """`count` routings of batch size M (the first is make_routing's with `seed`) in a rotation.
     Recorded routing (a file) gives one: its rows are the file's, whatever the seed."""
     routings = []
     for r in range(1 if recorded is not None else count):
-        tw, ids = make_routing(kind, M, shape, seed=seed + r * ROUTING_SEED_STEP, recorded=recorded)
+        tw, ids = make_routing(kind, M, shape, seed=seed + r * ROUTING_SEED_STEP, recorded=recorded,
+                               renormalize=renormalize)
         routings.append((tw.to(device), ids.to(device)))
     return RoutingRotation(routings)
 
@@ -999,7 +1010,8 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
                     seed = input_seed(opts.seed, M)
                     x = make_x(M, p.shape.hidden, device, seed=seed, dtype=dtype)
                     rotation = make_routings(plan.routing_kind, M, p.shape, routings, seed=seed,
-                                             recorded=plan.recorded.get(p.name), device=device)
+                                             recorded=plan.recorded.get(p.name), device=device,
+                                             renormalize=p.spec.routing.renormalize)
                     tw, ids = rotation.topk_weights, rotation.topk_ids
                     cache: dict[tuple, torch.Tensor] = {}
 

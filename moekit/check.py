@@ -451,7 +451,8 @@ def _run(opts, console, device, dtype, batch_sizes, problems: list[Problem], pla
                 for case in cases:
                     x = make_x(case.batch_size, p.shape.hidden, device, seed=input_seed(case.seed, case.batch_size), dtype=dtype)
                     tw, ids = uniform_routing(case.batch_size, p.shape.num_experts, p.shape.top_k,
-                                              seed=input_seed(case.seed, case.batch_size), pool=case.pool)
+                                              seed=input_seed(case.seed, case.batch_size), pool=case.pool,
+                                              renormalize=p.spec.routing.renormalize)
                     tw, ids = tw.to(device), ids.to(device)
                     # Llama-4 scales the input, not the output: the truth is computed on the
                     # input fused_moe hands its backend (weight_input), with weights of one

@@ -46,7 +46,15 @@ def interpreting() -> bool:
     Triton itself reads it (triton.knobs: "1", "true", "on" in any case, and whatever else the
     installed Triton takes), so that moekit never launches interpreted kernels believing they are
     compiled ("true" once did: the kernels' interpreter fixes stayed off and the output was
-    garbage). One rule for every module (the glue, the launch steps, supports())."""
-    from triton import knobs  # imported here: env is read by modules that load before triton
+    garbage). One rule for every module (the glue, the launch steps, supports()). Asked about 9
+    times per layer call: Triton's answer is remembered per value of the variable."""
+    raw_value = raw(INTERPRET_ENV)
+    answer = _INTERPRETING.get(raw_value)
+    if answer is None:
+        from triton import knobs  # imported here: env is read by modules that load before triton
 
-    return bool(knobs.runtime.interpret)
+        answer = _INTERPRETING[raw_value] = bool(knobs.runtime.interpret)
+    return answer
+
+
+_INTERPRETING: dict = {}  # TRITON_INTERPRET's raw value -> Triton's reading of it

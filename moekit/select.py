@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import logging
 import re
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -66,8 +67,12 @@ HEURISTIC_RULES: dict[str, tuple[tuple, ...]] = {
 }
 # ===============================================================================================
 
-# GPU models whose compute capability moekit knows by name (--device-name): moekit.tables.
-KNOWN_CAPABILITIES = tables.KNOWN_CAPABILITIES
+# GPU models whose compute capability moekit knows, for devices described by name (--device-name).
+KNOWN_CAPABILITIES: dict[str, tuple[int, int]] = {
+    "H100": (9, 0), "H200": (9, 0), "H20": (9, 0), "H800": (9, 0), "GH200": (9, 0),
+    "A100": (8, 0),
+    "L40S": (8, 9), "L4": (8, 9),
+}
 COPY_REASON = "keeps a converted copy of the weights (a MoELayer's auto avoids it; name it to use it)"
 _PER_M_LIMIT = 1 << 14  # memoised batch sizes per problem; beyond, choices are computed each call
 
@@ -261,9 +266,12 @@ def explain(
     if choice.source == "table":
         where = r.table.locate(num_tokens).describe()
         lines += [f"from: decision table {r.table.path}", f"  {where}"]
-        if tables.is_borrowed(r.table.path, device_name(device) or ""):
-            lines.append("  (measured on another GPU model of the same architecture: no table of this one; "
-                         "`moekit tune` here writes one)")
+        # a fast-mode table may refine a precise one of another file: either may be borrowed
+        files = [r.table.path] + ([Path(r.table.meta["refines"])] if "refines" in r.table.meta else [])
+        borrowed = [f.name for f in files if tables.is_borrowed(f, device_name(device) or "")]
+        if borrowed:
+            lines.append(f"  ({' and '.join(borrowed)}: measured on another GPU model of its sharing group, "
+                         "none of this one; `moekit tune` here writes this GPU's own)")
         rest = choice.detail.split(where, 1)[-1].lstrip("; ")
         if rest:
             lines.append(f"  {rest}")

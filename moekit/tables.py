@@ -88,28 +88,27 @@ def device_family(name: str) -> str | None:
     guess for the others when no exact match exists. A letter after the number names another
     model (L40S and L40, A10G and A10, V100S and V100) and stays part of the family.
     """
-    m = re.search(r"\b(GH|GB|[A-Z])(\d{2,3}[A-Z]?)\b", name.replace("_", " ").upper())
+    m = re.search(r"\b(GH|GB|[A-Z])(\d{1,3}[A-Z]?)\b", name.replace("_", " ").upper())
     return m.group(1) + m.group(2) if m else None
 
 
-# GPU models whose compute capability moekit knows by name: devices described by name (`moekit
-# select --device-name`), and tables borrowed between GPU models of one architecture (find_tables).
-KNOWN_CAPABILITIES: dict[str, tuple[int, int]] = {
-    "H100": (9, 0), "H200": (9, 0), "H20": (9, 0), "H800": (9, 0), "GH200": (9, 0),
-    "A100": (8, 0),
-    "L40S": (8, 9), "L4": (8, 9),
-}
+# GPU models that stand in for each other where one has no table of its own (find_tables' last
+# tier), each group in the order its tables are taken: the same architecture (sm_90) and SM count
+# (132), differing in memory. Measured: on an H100 the H200's tables beat the analytic defaults at
+# all 21 anchor points, by 1-33% (BENCHMARKS.md, twenty-fourth session). Models further apart (the
+# cut-down H20; L4 and L40S, one sm_89 but 58 SMs against 142) are left out until measured.
+SHARING_GROUPS: tuple[tuple[str, ...], ...] = (("H200", "H100", "H800", "GH200"),)
 
 
-def architecture(name: str) -> tuple[int, int] | None:
-    """The compute capability of a GPU model named like a device ('NVIDIA H100 80GB HBM3' ->
-    (9, 0)), or None for a model not in KNOWN_CAPABILITIES."""
-    return KNOWN_CAPABILITIES.get(device_family(name) or "")
+def sharing_group(name: str) -> tuple[str, ...] | None:
+    """The SHARING_GROUPS group of a GPU model named like a device, or None."""
+    family = device_family(name)
+    return next((g for g in SHARING_GROUPS if family in g), None)
 
 
 def is_borrowed(path: Path, device_name: str) -> bool:
     """Whether the table at `path` was measured on another GPU model than `device_name`'s (one of
-    the same architecture, find_tables' last resort)."""
+    its sharing group, find_tables' last resort)."""
     named = parse_table_name(path.name)
     return named is not None and device_family(named["device_name"]) != device_family(device_name)
 
@@ -123,7 +122,7 @@ def note_borrowed(path: Path, device_name: str, what: str) -> None:
         return
     _borrowed_noted.add((str(path), device_name))
     log.info("moekit: no %s table of %s for this problem; using %s, measured on another GPU of the same "
-             "architecture (run `moekit tune` here for tables of this GPU)", what, device_name, path)
+             "architecture and SM count (run `moekit tune` here for tables of this GPU)", what, device_name, path)
 
 
 def table_name(shape: MoEShape, scheme: QuantScheme, device_name: str, accumulation: str = "precise") -> str:
@@ -174,15 +173,14 @@ def find_tables(
 
     In each folder (user folders before shipped ones): the exact device name, then another
     device name of the same GPU model (H100 SXM for an H100 PCIe, say). After every folder's,
-    the tables of other GPU models of the same architecture (`architecture`: an H200's for an
-    H100), user folders first: on an H100 the H200's tables beat the analytic defaults at all 21
-    anchor points, by 1-33% (BENCHMARKS.md, twenty-fourth session), and a table of this GPU
-    model, wherever it is, comes before them. Callers take the first file that loads; a file that
+    the tables of the other GPU models of its sharing group (SHARING_GROUPS: an H200's for an
+    H100), user folders first, in the group's order within a folder: a table of this GPU model,
+    wherever it is, comes before them. Callers take the first file that loads; a file that
     fails to load is skipped with a warning by the caller.
     """
     exact = table_name(shape, scheme, device_name, accumulation)
     family = device_family(device_name)
-    arch = architecture(device_name)
+    group = sharing_group(device_name)
     stem_without_device = exact.replace(f"device_name={normalize_device_name(device_name)},", "")
     found: list[Path] = []
     borrowed: list[Path] = []
@@ -191,6 +189,7 @@ def find_tables(
             found.append(d / exact)
         if family is None or not d.is_dir():
             continue
+        lent: list[Path] = []  # this folder's tables of other GPU models, ordered below
         for path in sorted(d.glob("*.json")):
             named = parse_table_name(path.name)
             other = named["device_name"] if named else None
@@ -202,8 +201,9 @@ def find_tables(
                 continue
             if device_family(other) == family:
                 found.append(path)
-            elif arch is not None and architecture(other) == arch:
-                borrowed.append(path)
+            elif group is not None and device_family(other) in group:
+                lent.append(path)
+        borrowed += sorted(lent, key=lambda p: group.index(device_family(parse_table_name(p.name)["device_name"])))
     return found + borrowed
 
 

@@ -14,7 +14,6 @@ Exit status 1 on any of these.
 Run without TRITON_INTERPRET (under it Triton defines no compilable kernels).
 """
 import argparse
-import os
 import re
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from moekit.backends.triton._gluon_kernels import (gemm1_overlap_kernel, gemm1_overlap_tall_kernel,  # noqa: E402
                                                    gemm2_overlap_kernel)
 from moekit.backends.triton_options import compile_options  # noqa: E402 - the launches' options
+from moekit import env  # noqa: E402
 
 
 # (kernel, pointer arguments, integer arguments): every pointer and row stride of these kernels is
@@ -160,7 +160,7 @@ def main() -> int:
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--keep", help="write the PTX and cubins into this folder")
     args = ap.parse_args()
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if env.interpreting():
         sys.exit("unset TRITON_INTERPRET: under it Triton compiles nothing")
     failed = False
     with tempfile.TemporaryDirectory() as tmp:

@@ -33,7 +33,9 @@ def _read_e4m3_nan_as_a_gpu_does():
     interpreter._convert_float = widen_keeping_nan
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+from moekit import env as _moekit_env  # noqa: E402 - after TRITON_INTERPRET is set above
+
+if _moekit_env.interpreting():  # Triton's own reading ("1", "true", "on")
     _read_e4m3_nan_as_a_gpu_does()
 
 

@@ -134,9 +134,15 @@ def test_a_borrowed_fast_table_does_not_refine_this_gpus_own_precise_one(tmp_pat
     write_decisions(user, {4096: {"triton": 500.0, "cutlass": 400.0}})
     select.clear_cache()
     assert get_config(SHAPE, FP8, 4096, H100) == PRECISE_LARGE and choose(4096).backend == "cutlass"
+    # the H100's own fast table over the H200's precise one: moekit select names the borrowed one
+    write_decisions(user, {64: {"triton": 10.0, "cutlass": 12.0}}, device_name=H200)
+    (user / "backends" / tables.table_name(SHAPE, FP8, H100)).unlink()
+    write_decisions(user, {4096: {"triton": 350.0, "cutlass": 400.0}}, "fast")
+    select.clear_cache()
+    text = "\n".join(explain(SHAPE, FP8, DeviceSpec.from_name(H100), torch.bfloat16, 64))
+    assert f"({tables.table_name(SHAPE, FP8, H200)}: measured on another GPU model" in text
     # an H200 precise table under the H200 fast one: refined, as on the H200
-    for kind in ("triton", "backends"):
-        (user / kind / tables.table_name(SHAPE, FP8, H100)).unlink()
+    (user / "triton" / tables.table_name(SHAPE, FP8, H100)).unlink()
     write_configs(user, {1: PRECISE_SMALL, 4096: PRECISE_LARGE}, device_name=H200)
     select.clear_cache()
     assert [get_config(SHAPE, FP8, m, H100) for m in (1, 4096)] == [PRECISE_SMALL, FAST_LARGEST]

@@ -724,6 +724,19 @@ def test_llama4_layers_are_timed_and_checked_with_the_weight_on_the_input(tmp_pa
     assert problem["apply_router_weight_on_input"] is True
 
 
+def test_routing_weights_follow_the_models_renormalization():
+    """Llama-4's weights are sigmoid scores, not renormalized: a top-1 weight drawn as a share of
+    a sum was always 1.0, which made the weight on the input and on the output the same layer, so
+    no test could tell them apart. Unnormalized weights lie in (0.05, 0.95) each."""
+    for routing in (bench.uniform_routing, bench.skewed_routing):
+        tw, _ = routing(64, 8, 1, seed=3)
+        assert torch.equal(tw, torch.ones_like(tw))  # renormalized top-1: the share is all of it
+        tw, _ = routing(64, 8, 1, seed=3, renormalize=False)
+        assert ((tw > 0.05) & (tw < 0.95)).all() and tw.std() > 0.1
+        tw, _ = routing(64, 8, 4, seed=3, renormalize=False)
+        assert not torch.allclose(tw.sum(dim=1), torch.ones(64))
+
+
 def test_overwrite_leaves_no_file_of_the_earlier_run(tmp_path, tiny_config, monkeypatch):
     """With --overwrite, the earlier run's plots stayed beside a --no-plots run (showing other
     backends and sizes than its CSV), and its complete bench.json beside an interrupted run's

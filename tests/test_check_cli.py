@@ -105,7 +105,7 @@ def test_check_moves_llama4_routing_weights_onto_the_input(tmp_path, registry):
     assert main(["check", "--model", "llama-4-scout", "--backends", "reference", "recording", "--seeds", "1",
                  "--batch-sizes", "1", "5", "--out", str(out)]) == 0
     assert len(recording.inputs) >= 2  # a case per batch size, and those on half of the experts
-    for x, tw in recording.inputs:
+    for x, tw in recording.inputs:  # the model's weights are not 1 (unnormalized sigmoid scores)
         assert torch.equal(tw, torch.ones_like(tw)) and tw.shape[1] == 1
     report = json.loads((out / "check.json").read_text())
     (model,) = report["models"]

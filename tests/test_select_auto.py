@@ -149,6 +149,19 @@ def test_a_table_of_the_same_gpu_model_serves_another_name_of_it(tmp_path):
     assert choice.source == "heuristic"  # another architecture (sm_89): not used
 
 
+def test_borrowed_tables_go_by_the_groups_order_not_by_file_name(tmp_path):
+    """In one folder 'NVIDIA_H20,' sorts before 'NVIDIA_H200' and 'GH200' before 'H100': the
+    borrowed tables are taken in SHARING_GROUPS' order (an H800 takes the H200's, then the H100's),
+    and the cut-down H20 lends to no one."""
+    write_table(tables.SHIPPED_ROOT, {8: {"reference": 1.0, "cutlass": 2.0}}, device_name="NVIDIA H20")
+    write_table(tables.SHIPPED_ROOT, {8: {"torch": 1.0, "cutlass": 2.0}}, device_name="NVIDIA GH200 480GB")
+    h200 = write_table(tables.SHIPPED_ROOT, {8: {"cutlass": 1.0, "triton": 2.0}}, device_name="NVIDIA H200")
+    found = tables.find_tables("backends", SHAPE, FP8, "NVIDIA H800")
+    assert [tables.device_family(tables.parse_table_name(p.name)["device_name"]) for p in found] == ["H200", "GH200"]
+    choice = select_backend(SHAPE, FP8, DeviceSpec.from_name("NVIDIA H800"), num_tokens=8)
+    assert choice.backend == "cutlass" and str(h200) in choice.detail
+
+
 def test_a_table_of_another_gpu_of_the_same_architecture_comes_last(tmp_path, monkeypatch, caplog):
     """On an H100 the H200's tables beat no tables at all 21 anchor points (BENCHMARKS.md,
     twenty-fourth session): a GPU without a table of its own takes one of the same architecture,
@@ -161,9 +174,9 @@ def test_a_table_of_another_gpu_of_the_same_architecture_comes_last(tmp_path, mo
     noted = [r.getMessage() for r in caplog.records if r.name == "moekit.tables"]
     assert len(noted) == 1 and str(h200) in noted[0] and "another GPU of the same architecture" in noted[0]
     text = "\n".join(select.explain(SHAPE, FP8, DeviceSpec.from_name(H100), torch.bfloat16, 8))
-    assert f"from: decision table {h200}" in text and "measured on another GPU model of the same architecture" in text
-    a100 = select_backend(SHAPE, FP8, DeviceSpec.from_name("NVIDIA A100-SXM4-80GB"), num_tokens=8)
-    assert a100.source == "heuristic"  # sm_80: not Hopper's tables
+    assert f"from: decision table {h200}" in text and f"({h200.name}: measured on another GPU model" in text
+    for other in ("NVIDIA A100-SXM4-80GB", "NVIDIA H20", "NVIDIA L40S"):  # outside the H200's group
+        assert select_backend(SHAPE, FP8, DeviceSpec.from_name(other), num_tokens=8).source == "heuristic", other
     # a user folder's H200 table still comes after a shipped table of the H100 itself
     write_table(tmp_path / "user", {8: {"torch": 1.0, "cutlass": 2.0}}, device_name="NVIDIA H200")
     monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path / "user"))
@@ -581,3 +594,4 @@ def test_device_families_keep_the_letter_after_the_number():
     assert family("NVIDIA L40S") == "L40S" != family("NVIDIA L40") == "L40"
     assert family("Tesla V100S-PCIE-32GB") == "V100S" != family("Tesla V100-SXM2-16GB") == "V100"
     assert family("NVIDIA A10G") == "A10G" and family("NVIDIA GH200 480GB") == "GH200"
+    assert family("NVIDIA L4") == "L4" and family("Tesla T4") == "T4"  # one digit: its tables had no family
