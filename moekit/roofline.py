@@ -11,7 +11,11 @@ The intermediate [M*K, N] and any per-pair GEMM2 output are not counted: a fused
 sends them to memory, so the floor stays the physical limit.
 
 Ceilings, measured once per device and cached (JSON, keyed by device name + torch + triton):
-    copy bandwidth: a 1 GiB device-to-device copy, counting bytes read + written;
+    copy bandwidth: the faster of two ways to move 1 GiB through device memory, counting bytes
+        read + written: cudaMemcpy (Tensor.copy_) and one elementwise pass (torch.neg, 16-byte
+        accesses). cudaMemcpy alone measured 2.44 TB/s on an H100 where the anchors' copy reached
+        3.00 and moekit's own GEMMs read faster than it (efficiencies above 1; BENCHMARKS.md,
+        twenty-fourth session): a ceiling below what a kernel reaches bounds nothing;
     FP8 matmul rate: torch._scaled_mm 8192^3 with row-wise scales (bf16 output);
     bf16 matmul rate: torch.matmul 8192^3 in bf16 (the rate of the unquantized scheme, and the
         FP8 rate's stand-in on a card without FP8).
@@ -34,6 +38,9 @@ from . import quant
 from .spec import MoEShape, QuantScheme, get_scheme
 
 CACHE_FILE = "ceilings.json"
+# Part of the cache key: ceilings measured another way are measured again (cudaMemcpy alone, before
+# 2026-12-05, gave a copy bandwidth below what kernels read).
+CEILINGS_METHOD = "copy best of memcpy and elementwise"
 _MATMUL_SIZE = 8192
 _COPY_BYTES = 1024**3
 
@@ -104,6 +111,7 @@ class Ceilings:
     triton: str
     measured: str  # ISO date of the measurement
     source: str = "measured"  # "measured" now, or "cache"
+    copy_method: str = "memcpy"  # the way that gave copy_gbps (COPY_WAYS)
 
     def matmul_tflops(self, scheme: QuantScheme) -> float:
         """The rate that bounds this scheme's GEMMs."""
@@ -114,7 +122,7 @@ class Ceilings:
     def describe(self) -> str:
         fp8 = f"FP8 {self.fp8_tflops:.0f} TFLOP/s" if self.fp8_tflops else "no FP8 matmul"
         return (
-            f"copy {self.copy_gbps / 1e3:.2f} TB/s, {fp8}, bf16 {self.bf16_tflops:.0f} TFLOP/s "
+            f"copy {self.copy_gbps / 1e3:.2f} TB/s ({self.copy_method}), {fp8}, bf16 {self.bf16_tflops:.0f} TFLOP/s "
             f"({self.source}, {self.measured})"
         )
 
@@ -148,7 +156,7 @@ def _versions() -> tuple[str, str]:
 
 def cache_key(device_name: str) -> str:
     torch_v, triton_v = _versions()
-    return f"{device_name} | torch {torch_v} | triton {triton_v}"
+    return f"{device_name} | torch {torch_v} | triton {triton_v} | {CEILINGS_METHOD}"
 
 
 def _read_cache(path: Path) -> dict:
@@ -199,18 +207,35 @@ def get_ceilings(device: torch.device | str | None = None, *, refresh: bool = Fa
     return ceilings
 
 
+# Ways to move a buffer through device memory (src, dst: float32 of one size), each reading it and
+# writing it once: the copy ceiling is the fastest (module docstring).
+COPY_WAYS = {
+    "memcpy": lambda src, dst: dst.copy_(src),
+    "elementwise": lambda src, dst: torch.neg(src, out=dst),
+}
+
+
+def best_copy(median_us: dict[str, float], bytes_moved: int) -> tuple[float, str]:
+    """(GB/s, way) of the fastest way: `median_us` per COPY_WAYS name, `bytes_moved` read +
+    written by each."""
+    name = min(median_us, key=median_us.get)
+    return bytes_moved / (median_us[name] * 1e-6) / 1e9, name
+
+
 @torch.no_grad()
 def measure_ceilings(device: torch.device) -> Ceilings:
     """Measure copy bandwidth and matmul rates on a CUDA device, with the shared harness."""
     from .timing import time_graph
 
     with torch.cuda.device(device):
-        src = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device).random_(0, 255)
+        src = torch.empty(_COPY_BYTES // 4, dtype=torch.float32, device=device).uniform_()
         dst = torch.empty_like(src)
-        # A 1 GiB copy dwarfs any L2, so no flush is needed; graphs drop launch overheads.
-        t = time_graph(lambda: dst.copy_(src), reps=20, warmup=3, flush_l2=False, device=device)
-        copy_gbps = 2 * _COPY_BYTES / (t.median_us * 1e-6) / 1e9
-        src = dst = None  # freed (not `del`: the timed lambda above names them)
+        # 1 GiB dwarfs any L2, so no flush is needed; graphs drop launch overheads
+        times = {name: time_graph(lambda way=way: way(src, dst), reps=20, warmup=3, flush_l2=False,
+                                  device=device).median_us
+                 for name, way in COPY_WAYS.items()}
+        copy_gbps, copy_method = best_copy(times, 2 * _COPY_BYTES)
+        src = dst = None  # freed (not `del`: the timed lambdas above name them)
 
         s = _MATMUL_SIZE
         flops = 2 * s**3
@@ -242,6 +267,7 @@ def measure_ceilings(device: torch.device) -> Ceilings:
         copy_gbps=copy_gbps,
         bf16_tflops=bf16_tflops,
         fp8_tflops=fp8_tflops,
+        copy_method=copy_method,
         torch=torch_v,
         triton=triton_v,
         measured=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

@@ -218,6 +218,25 @@ def test_ceilings_are_cached_per_device_and_versions(monkeypatch, tmp_path):
     assert len(measured) == 2
 
 
+def test_copy_ceiling_is_the_fastest_way_and_says_which():
+    """cudaMemcpy alone measured a copy bandwidth on an H100 that moekit's own GEMMs read faster
+    than (efficiency above 1): the ceiling is the fastest of COPY_WAYS, each moving the buffer
+    once each way, and the ceilings say which way gave it."""
+    gib = 1024**3
+    gbps, way = roofline.best_copy({"memcpy": 880.0, "elementwise": 716.0}, 2 * gib)
+    assert way == "elementwise" and gbps == pytest.approx(2 * gib / 716e-6 / 1e9)  # 3.0 TB/s
+    assert roofline.best_copy({"memcpy": 700.0, "elementwise": 716.0}, 2 * gib)[1] == "memcpy"
+    # each way reads src and writes dst, the whole buffer, and nothing else
+    src, dst = torch.randn(1000), torch.zeros(1000)
+    for name, way in roofline.COPY_WAYS.items():
+        dst.zero_()
+        way(src, dst)
+        assert torch.equal(dst.abs(), src.abs()), name
+    ceilings = roofline.Ceilings("fake", 3000.0, 700.0, 1400.0, "t", "t", "now", copy_method="elementwise")
+    assert "copy 3.00 TB/s (elementwise)" in ceilings.describe()
+    assert roofline.CEILINGS_METHOD in roofline.cache_key("Fake GPU")  # older caches measure again
+
+
 def test_time_graphs_interleaves_rounds_with_rotating_order():
     """Several closures are timed in rounds, the order rotating, so that none is always last
     (on a GPU: none always meets the hottest, slowest clocks)."""
