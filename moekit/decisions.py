@@ -274,17 +274,14 @@ def find_table(
         warnings.warn(f"moekit: {e}; reading the precise-mode decision tables", BackendTableWarning, stacklevel=2)
         accumulation = "precise"
     found = precise = _first_valid(shape, scheme, device_name, "precise", skipped)
-    used = [precise] if precise else []
+    precise_path = precise.path if precise is not None else None
+    used = [precise_path] if precise_path else []
     if accumulation != "precise":
         fast = _first_valid(shape, scheme, device_name, accumulation, skipped)
-        # this GPU's own measurements win over a table borrowed from another GPU model
-        if fast is not None and not (precise and tables.is_borrowed(fast.path, device_name)
-                                     and not tables.is_borrowed(precise.path, device_name)):
+        if fast is not None and tables.fast_may_refine(precise_path, fast.path, device_name):
             found = refine(precise, fast) if precise is not None else fast
-            used.append(fast)
-    for table in used:
-        if tables.is_borrowed(table.path, device_name):
-            tables.note_borrowed(table.path, device_name, "backend decision")
+            used.append(fast.path)
+    tables.note_borrowed(used, device_name, "backend decision")
     return found
 
 

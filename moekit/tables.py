@@ -113,16 +113,24 @@ def is_borrowed(path: Path, device_name: str) -> bool:
     return named is not None and device_family(named["device_name"]) != device_family(device_name)
 
 
+def fast_may_refine(precise: Path | None, fast: Path, device_name: str) -> bool:
+    """Whether a fast-mode table refines the precise one found (module docstring): not where it was
+    borrowed from another GPU model and the precise one is this GPU's own, whose measurements win."""
+    return precise is None or not is_borrowed(fast, device_name) or is_borrowed(precise, device_name)
+
+
 _borrowed_noted: set[tuple[str, str]] = set()
 
 
-def note_borrowed(path: Path, device_name: str, what: str) -> None:
-    """Say once per (table, device), at info level, that a table of another GPU model is in use."""
-    if (str(path), device_name) in _borrowed_noted:
-        return
-    _borrowed_noted.add((str(path), device_name))
-    log.info("moekit: no %s table of %s for this problem; using %s, measured on another GPU of the same "
-             "architecture and SM count (run `moekit tune` here for tables of this GPU)", what, device_name, path)
+def note_borrowed(paths, device_name: str, what: str) -> None:
+    """Say once per (table, device), at info level, that a table of another GPU model is in use:
+    each of `paths` (the tables a lookup uses) that is_borrowed."""
+    for path in paths:
+        if not is_borrowed(path, device_name) or (str(path), device_name) in _borrowed_noted:
+            continue
+        _borrowed_noted.add((str(path), device_name))
+        log.info("moekit: no %s table of %s for this problem; using %s, measured on another GPU of the same "
+                 "architecture and SM count (run `moekit tune` here for tables of this GPU)", what, device_name, path)
 
 
 def table_name(shape: MoEShape, scheme: QuantScheme, device_name: str, accumulation: str = "precise") -> str:
@@ -189,7 +197,7 @@ def find_tables(
             found.append(d / exact)
         if family is None or not d.is_dir():
             continue
-        lent: list[Path] = []  # this folder's tables of other GPU models, ordered below
+        lent: list[tuple[int, Path]] = []  # this folder's tables of other GPU models, by the group's order
         for path in sorted(d.glob("*.json")):
             named = parse_table_name(path.name)
             other = named["device_name"] if named else None
@@ -202,8 +210,8 @@ def find_tables(
             if device_family(other) == family:
                 found.append(path)
             elif group is not None and device_family(other) in group:
-                lent.append(path)
-        borrowed += sorted(lent, key=lambda p: group.index(device_family(parse_table_name(p.name)["device_name"])))
+                lent.append((group.index(device_family(other)), path))
+        borrowed += [path for _, path in sorted(lent, key=lambda rank_path: rank_path[0])]
     return found + borrowed
 
 

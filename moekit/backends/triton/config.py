@@ -356,16 +356,13 @@ def tuned_configs(shape: MoEShape, scheme: QuantScheme, device_name: str) -> tup
     unless it was measured on another GPU model and the precise table on this one (this GPU's
     own measurements win over a borrowed table's)."""
     found = precise = _first_table(shape, scheme, device_name, "precise")
-    used = [precise] if precise else []
+    used = [precise[1]] if precise else []
     if table_accumulation(scheme) == "fast":
         fast = _first_table(shape, scheme, device_name, "fast")
-        if fast is not None and not (precise and tables.is_borrowed(fast[1], device_name)
-                                     and not tables.is_borrowed(precise[1], device_name)):
+        if fast is not None and tables.fast_may_refine(precise[1] if precise else None, fast[1], device_name):
             found = ({**precise[0], **fast[0]} if precise else fast[0]), fast[1]
-            used.append(fast)
-    for _, path in used:
-        if tables.is_borrowed(path, device_name):
-            tables.note_borrowed(path, device_name, "tuned triton")
+            used.append(fast[1])
+    tables.note_borrowed(used, device_name, "tuned triton")
     return found
 
 
