@@ -23,6 +23,7 @@ import torch
 pytest.importorskip("transformers", minversion="5.0")
 pytest.importorskip("compressed_tensors")
 
+import moekit  # noqa: E402
 import moekit.hf as mh  # noqa: E402
 from moekit.hf.families import family_of  # noqa: E402
 from moekit.spec import BLOCK, get_scheme  # noqa: E402
@@ -885,3 +886,66 @@ def test_from_pretrained_dtype_is_checked_first(bf16_dirs):
     for bad in (torch.float32, "float32", "half-ish"):
         with pytest.raises(ValueError, match="moekit runs the model in torch.bfloat16 or torch.float16"):
             mh.from_pretrained(bf16_dirs("mixtral"), dtype=bad)
+
+
+def _as_transformers_fp8_experts(model):
+    """Every experts module of a bf16 model replaced by transformers' own FP8Experts (what its FP8
+    quantizer builds for quant_method "fp8" on a GPU), holding the experts quantized to
+    fp8-block128 by moekit; returns {name: (FP8Experts, the same weights as MoEWeights)}."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+
+    from moekit.hf.families import family_of_module
+
+    made = {}
+    for name, module in list(model.named_modules()):
+        if family_of_module(module) is None:
+            continue
+        w = moekit.quantize_weights(module.gate_up_proj.detach(), module.down_proj.detach(), "fp8-block128")
+        fp8 = FP8Experts(model.config, block_size=(BLOCK, BLOCK))
+        for attr, t in (("gate_up_proj", w.w13), ("down_proj", w.w2), ("gate_up_proj_scale_inv", w.w13_scale),
+                        ("down_proj_scale_inv", w.w2_scale)):
+            assert getattr(fp8, attr).shape == t.shape, attr
+            setattr(fp8, attr, torch.nn.Parameter(t, requires_grad=False))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, fp8)
+        made[name] = (fp8, w)
+    assert made
+    return made
+
+
+def _routing(tokens, experts, top_k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=1).indices
+    return ids, torch.rand(tokens, top_k, generator=g).softmax(dim=1)
+
+
+def test_transformers_fp8_experts_run_through_moekit():
+    """transformers 5.25's FP8Experts overrides _apply_gate (its clamped and soft-capped
+    variants), which moekit refused as a gate of its own: experts_implementation="moekit" never ran
+    on FP8 experts. Its gate is SiLU(gate) * up unless one of its knobs is set, and patch_model now
+    takes these modules too (the family is the model's), keeping their FP8 tensors, no copy."""
+    from moekit.hf.experts import ExpertsError, MoekitExperts, moekit_experts_forward
+
+    model = tiny_model("qwen3_moe")
+    made = _as_transformers_fp8_experts(model)
+    x = torch.randn(5, HIDDEN, dtype=torch.bfloat16)
+    ids, tw = _routing(5, EXPERTS, model.config.num_experts_per_tok)
+    # the experts implementation: the FP8 module as it is, bitwise the reference on its tensors
+    fp8, w = next(iter(made.values()))
+    fp8.moekit_backend = "reference"
+    want = moekit.fused_moe(x, w, tw, ids, backend="reference")
+    assert torch.equal(moekit_experts_forward(fp8, x, ids, tw), want)
+    # patch_model: the same weights, in moekit's module
+    mh.patch_model(model, backend="reference")
+    for name, (fp8, w) in made.items():
+        m = model.get_submodule(name)
+        assert isinstance(m, MoekitExperts) and m.scheme == get_scheme("fp8-block128")
+        assert m.moe_weights().w13.data_ptr() == fp8.gate_up_proj.data_ptr()  # no copy
+    first = model.get_submodule(next(iter(made)))
+    assert torch.equal(first(x, ids, tw), want)
+    # a clamped gate is refused, naming what is set
+    model = tiny_model("qwen3_moe")
+    fp8, _ = next(iter(_as_transformers_fp8_experts(model).values()))
+    fp8.limit = 7.0
+    with pytest.raises(ExpertsError, match=r"its gate is clamped or soft-capped \(limit=7\.0\)"):
+        mh.patch_model(model)

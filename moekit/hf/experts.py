@@ -133,6 +133,19 @@ def _is_silu(act) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")
 
 
+# The attributes that change FP8Experts._apply_gate away from SiLU(gate) * up (transformers 5.25).
+FP8_GATE_KNOBS = ("gate_softcap", "up_softcap", "swiglu_alpha", "limit")
+
+
+def _fp8_experts_gate():
+    """transformers' FP8Experts._apply_gate (the function), or None where it does not exist."""
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8Experts
+    except ImportError:  # pragma: no cover - a transformers without FP8 experts
+        return None
+    return getattr(FP8Experts, "_apply_gate", None)
+
+
 def check_hf_experts(module: nn.Module, label: str | None = None) -> None:
     """Raise ExpertsError unless this transformers experts module is one moekit computes
     exactly: SiLU(gate) * up, gate and up concatenated, no bias, no post-expert norm."""
@@ -154,7 +167,13 @@ def check_hf_experts(module: nn.Module, label: str | None = None) -> None:
     if act is not None and not _is_silu(act):
         problems.append(f"its activation is {type(act).__name__}, not SiLU")
     apply_gate = getattr(type(module), "_apply_gate", None)
-    if apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
+    if apply_gate is not None and apply_gate is _fp8_experts_gate():
+        # transformers' FP8Experts has one gate for every model, SiLU(gate) * up unless one of these
+        # is set (it was refused whole, so experts_implementation="moekit" never ran on it)
+        changed = [f"{k}={getattr(module, k)!r}" for k in FP8_GATE_KNOBS if getattr(module, k, None) is not None]
+        if changed:
+            problems.append(f"its gate is clamped or soft-capped ({', '.join(changed)})")
+    elif apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
         problems.append("it overrides the gate (_apply_gate: clamping, soft-capping or similar)")
     if problems:
         raise ExpertsError(

@@ -31,7 +31,8 @@ from ..spec import BF16, QuantScheme, get_scheme
 from ..weights import MoEWeights
 from ..weights import _calibrate  # quantize_weights' own measurement of static activation scales
 from . import checkpoint as ckpt_mod
-from .experts import ExpertsError, MoekitExperts, check_hf_experts, experts_modules, register, set_backend
+from .experts import (ExpertsError, MoekitExperts, _hf_weights, check_hf_experts, experts_modules, register,
+                      set_backend)
 from .families import Family, UnsupportedModelError, family_of_config, family_of_module
 from .routers import RoutedExperts, fuse_routers, routers_to_fuse, swap_routers
 
@@ -376,13 +377,40 @@ def _hf_to_moekit(hf: nn.Module, family: Family, name: str) -> MoekitExperts:
     return new
 
 
+def _hf_fp8_to_moekit(hf: nn.Module, model: nn.Module, name: str) -> tuple[Family, MoekitExperts]:
+    """An FP8 MoekitExperts over transformers' own FP8Experts (quant_method "fp8" loaded on a GPU,
+    one class for every family: the family is the model's), its weights and scales as they are."""
+    family = family_of_config(model.config)
+    if family.transposed:
+        raise UnsupportedModelError(f"{name}: transformers' FP8Experts in a {family.name} model: moekit runs "
+                                    f"{family.name}'s experts from its checkpoint (patch_model(checkpoint=...))")
+    new = _empty_experts(hf, family)
+    new.moekit_name = name
+    new.load(_hf_weights(hf, name))
+    return family, new
+
+
+def _is_fp8_experts(module: nn.Module) -> bool:
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8Experts
+    except ImportError:  # pragma: no cover - a transformers without FP8 experts
+        return False
+    return isinstance(module, FP8Experts)
+
+
 def _to_moekit_modules(model: nn.Module) -> tuple[Family | None, dict[str, MoekitExperts], list[tuple[str, nn.Module]]]:
-    """Replace every transformers experts module (Llama-4: block) of a supported family by a
-    MoekitExperts over the same weights. Returns (family, moekit modules, replaced originals)."""
+    """Replace every transformers experts module (Llama-4: block) of a supported family, and
+    transformers' own FP8Experts, by a MoekitExperts over the same weights. Returns (family,
+    moekit modules, replaced originals)."""
     family = None
     replaced = []
     for name, module in list(model.named_modules()):
         if isinstance(module, MoekitExperts):
+            continue
+        if _is_fp8_experts(module):
+            family, new = _hf_fp8_to_moekit(module, model, name)
+            _replace(model, name, new)
+            replaced.append((name, module))
             continue
         fam = family_of_module(module)
         if fam is None:
