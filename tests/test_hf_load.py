@@ -943,9 +943,26 @@ def test_transformers_fp8_experts_run_through_moekit():
         assert m.moe_weights().w13.data_ptr() == fp8.gate_up_proj.data_ptr()  # no copy
     first = model.get_submodule(next(iter(made)))
     assert torch.equal(first(x, ids, tw), want)
-    # a clamped gate is refused, naming what is set
+    # a clamped gate is refused, naming what is set, before any module is replaced
     model = tiny_model("qwen3_moe")
-    fp8, _ = next(iter(_as_transformers_fp8_experts(model).values()))
+    made = _as_transformers_fp8_experts(model)
+    fp8, _ = list(made.values())[-1]
     fp8.limit = 7.0
     with pytest.raises(ExpertsError, match=r"its gate is clamped or soft-capped \(limit=7\.0\)"):
         mh.patch_model(model)
+    assert all(model.get_submodule(name) is fp8 for name, (fp8, _) in made.items())
+
+
+def test_a_refused_experts_module_leaves_the_model_as_it_was():
+    """patch_model replaced experts modules one at a time: one refused at the last layer left the
+    layers before it replaced. Every module is now checked before the first is replaced."""
+    from moekit.hf.experts import ExpertsError
+    from moekit.hf.families import family_of_module
+
+    model = tiny_model("qwen3_moe")
+    originals = {name: m for name, m in model.named_modules() if family_of_module(m) is not None}
+    assert len(originals) >= 2
+    list(originals.values())[-1].act_fn = torch.nn.GELU()
+    with pytest.raises(ExpertsError, match="its activation is GELU, not SiLU"):
+        mh.patch_model(model)
+    assert all(model.get_submodule(name) is m for name, m in originals.items())

@@ -52,12 +52,19 @@ def _dims(module: nn.Module, family: Family) -> tuple[int, int, int]:
     return E, H, two_n // 2
 
 
+def _check_experts_math(hf_experts: nn.Module, family: Family, label: str | None = None) -> None:
+    """ExpertsError unless moekit computes this transformers experts module's math (SiLU(gate) * up,
+    no bias, ...; check_hf_experts, or the activation alone for Llama-4's transposed experts)."""
+    if not family.transposed:
+        check_hf_experts(hf_experts, label)
+    elif not type(getattr(hf_experts, "act_fn", nn.SiLU())).__name__.startswith("SiLU"):
+        raise ExpertsError(f"{label or type(hf_experts).__name__}: activation {type(hf_experts.act_fn).__name__} "
+                           "is not SiLU")
+
+
 def _empty_experts(hf_experts: nn.Module, family: Family, config=None) -> MoekitExperts:
     """A MoekitExperts without weights, shaped like this transformers experts module."""
-    if not family.transposed:
-        check_hf_experts(hf_experts)
-    elif not type(getattr(hf_experts, "act_fn", nn.SiLU())).__name__.startswith("SiLU"):
-        raise ExpertsError(f"{type(hf_experts).__name__}: activation {type(hf_experts.act_fn).__name__} is not SiLU")
+    _check_experts_math(hf_experts, family)
     E, H, N = _dims(hf_experts, family)
     m = MoekitExperts(E, H, N, family=family.name, source_class=type(hf_experts).__name__,
                       apply_on_input=family.apply_on_input)
@@ -364,12 +371,20 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
+def _check_bf16_experts(hf: nn.Module, family: Family, name: str) -> None:
+    """What _hf_to_moekit refuses, checked without building anything (patch_model: every module
+    before the first is replaced)."""
+    _check_experts_math(hf, family, name)
+    if hf.gate_up_proj.dtype not in (torch.bfloat16, torch.float16):
+        raise ExpertsError(f"{name}: experts are {hf.gate_up_proj.dtype}; moekit needs bf16/fp16 "
+                           "(load with dtype=torch.bfloat16)")
+
+
 def _hf_to_moekit(hf: nn.Module, family: Family, name: str) -> MoekitExperts:
     """A bf16 MoekitExperts over a transformers experts module's weights (no copy unless transposed)."""
+    _check_bf16_experts(hf, family, name)
     new = _empty_experts(hf, family)
     gate_up, down = hf.gate_up_proj.detach(), hf.down_proj.detach()
-    if gate_up.dtype not in (torch.bfloat16, torch.float16):
-        raise ExpertsError(f"{name}: experts are {gate_up.dtype}; moekit needs bf16/fp16 (load with dtype=torch.bfloat16)")
     if family.transposed:
         gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
     new.moekit_name = name
@@ -377,17 +392,43 @@ def _hf_to_moekit(hf: nn.Module, family: Family, name: str) -> MoekitExperts:
     return new
 
 
-def _hf_fp8_to_moekit(hf: nn.Module, model: nn.Module, name: str) -> tuple[Family, MoekitExperts]:
-    """An FP8 MoekitExperts over transformers' own FP8Experts (quant_method "fp8" loaded on a GPU,
-    one class for every family: the family is the model's), its weights and scales as they are."""
+def _fp8_experts_family(hf: nn.Module, model: nn.Module, name: str) -> Family:
+    """The family of transformers' own FP8Experts (one class for every family: the model's), once
+    moekit can run the module (what _hf_fp8_to_moekit refuses, checked without building anything)."""
     family = family_of_config(model.config)
     if family.transposed:
         raise UnsupportedModelError(f"{name}: transformers' FP8Experts in a {family.name} model: moekit runs "
                                     f"{family.name}'s experts from its checkpoint (patch_model(checkpoint=...))")
+    _check_experts_math(hf, family, name)
+    _hf_weights(hf, name)  # the tensors' own checks (block size, scales), remembered on the module
+    return family
+
+
+def _hf_fp8_to_moekit(hf: nn.Module, model: nn.Module, name: str) -> tuple[Family, MoekitExperts]:
+    """An FP8 MoekitExperts over transformers' own FP8Experts (quant_method "fp8" loaded on a GPU),
+    its weights and scales as they are."""
+    family = _fp8_experts_family(hf, model, name)
     new = _empty_experts(hf, family)
     new.moekit_name = name
     new.load(_hf_weights(hf, name))
     return family, new
+
+
+def _refuse_before_change(model: nn.Module) -> None:
+    """Raise what _to_moekit_modules would raise for any experts module, before it replaces the
+    first: a refusal at layer 5 left layers 0-4 replaced (a half-patched model)."""
+    for name, module in model.named_modules():
+        if isinstance(module, MoekitExperts):
+            continue
+        if _is_fp8_experts(module):
+            _fp8_experts_family(module, model, name)
+            continue
+        fam = family_of_module(module)
+        if fam is None or fam.block_class is not None and type(module).__name__ != fam.block_class:
+            continue
+        experts, label = (module.experts, f"{name}.experts") if fam.block_class is not None else (module, name)
+        if not isinstance(experts, (nn.ModuleList, MoekitExperts)):
+            _check_bf16_experts(experts, fam, label)
 
 
 def _is_fp8_experts(module: nn.Module) -> bool:
@@ -496,6 +537,7 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
             raise UnsupportedModelError(f"{weightless}: these experts hold no weights moekit can use (per-expert "
                                         "layers of transformers' quantized Llama-4); pass checkpoint=")
     calibration = _calibration_ids(calibration)
+    _refuse_before_change(model)
     family, modules, _ = _to_moekit_modules(model)
     if not modules:
         from .families import FAMILIES
