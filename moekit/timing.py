@@ -130,6 +130,26 @@ def eager_us_per_call(fn: Callable[[], object], calls: int, warmup: int = 10) ->
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def graph_and_eager(fns: dict[str, Callable[[], object]], *, rounds: int, eager_calls: int) -> dict[str, dict]:
+    """Each closure timed both ways: in CUDA graphs (time_graphs, the closures interleaved in
+    `rounds`) and as `eager_calls` back-to-back eager calls (eager_us_per_call); per name, the
+    row fields graph_median_us, graph_p20_us, graph_p80_us and eager_us_per_call. A closure that
+    failed raises its error (a benchmark script stops on it)."""
+    rows = {}
+    for name, t in time_graphs(fns, rounds=rounds).items():
+        if isinstance(t, BaseException):
+            raise t
+        rows[name] = {"graph_median_us": t.median_us, "graph_p20_us": t.p20_us, "graph_p80_us": t.p80_us,
+                      "eager_us_per_call": eager_us_per_call(fns[name], eager_calls)}
+    return rows
+
+
+def describe_graph_and_eager(row: dict) -> str:
+    """One graph_and_eager row as the scripts print it."""
+    return (f"graph {row['graph_median_us']:7.2f} us ({row['graph_p20_us']:.2f}-{row['graph_p80_us']:.2f}), "
+            f"eager {row['eager_us_per_call']:7.1f} us/call")
+
+
 def _round_sizes(reps: int, rounds: int) -> list[int]:
     """`reps` split over at most `rounds` rounds, as evenly as possible (no empty round)."""
     rounds = min(rounds, reps)

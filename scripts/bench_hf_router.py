@@ -17,7 +17,7 @@ import torch
 
 from moekit.hf import routers as R
 from moekit.hf.families import family_of
-from moekit.timing import eager_us_per_call, time_graphs
+from moekit.timing import describe_graph_and_eager as describe, graph_and_eager
 
 # (config class, its router-size keywords): GLM-4.5V, DeepSeek-V3, Qwen3-30B-A3B, Mixtral-8x7B, Llama-4-Maverick
 SHAPES = {
@@ -84,16 +84,9 @@ def main(argv=None) -> int:
                     return module(hidden)
 
             fns = {"transformers": lambda: run(router), "fused": lambda: run(fused_router)}
-            timings = time_graphs(fns, rounds=args.rounds)
-            for label, t in timings.items():
-                if isinstance(t, BaseException):
-                    raise t
-                eager = eager_us_per_call(fns[label], args.eager_calls)
-                rows.append({"family": name, "E": router.weight.shape[0], "H": H, "M": M, "router": label,
-                             "graph_median_us": t.median_us, "graph_p20_us": t.p20_us, "graph_p80_us": t.p80_us,
-                             "eager_us_per_call": eager})
-                print(f"{name:>12} M={M:<5} {label:>12}: graph {t.median_us:7.2f} us ({t.p20_us:.2f}-{t.p80_us:.2f}),"
-                      f" eager {eager:7.1f} us/call", flush=True)
+            for label, r in graph_and_eager(fns, rounds=args.rounds, eager_calls=args.eager_calls).items():
+                rows.append({"family": name, "E": router.weight.shape[0], "H": H, "M": M, "router": label, **r})
+                print(f"{name:>12} M={M:<5} {label:>12}: {describe(r)}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -18,7 +18,7 @@ import torch
 import moekit.routing as routing
 from moekit.routing import agreement
 from moekit.models import get_model
-from moekit.timing import eager_us_per_call, time_graphs
+from moekit.timing import describe_graph_and_eager as describe, graph_and_eager
 
 DEFAULT_MODELS = ["glm-4.5v-fp8", "deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b-fp8", "llama-4-maverick-fp8"]
 
@@ -58,16 +58,9 @@ def main(argv=None) -> int:
                 raise SystemExit(f"{name} M={M}: the kernel and the torch ops disagree: {verdict}")
             fns = {"kernel": lambda: run_path(True, logits, cfg, bias),
                    "torch ops": lambda: run_path(False, logits, cfg, bias)}
-            timings = time_graphs(fns, rounds=args.rounds)
-            for label, t in timings.items():
-                if isinstance(t, BaseException):
-                    raise t
-                eager = eager_us_per_call(fns[label], args.eager_calls)
-                rows.append({"model": name, "E": E, "top_k": cfg.top_k, "M": M, "path": label,
-                             "graph_median_us": t.median_us, "graph_p20_us": t.p20_us, "graph_p80_us": t.p80_us,
-                             "eager_us_per_call": eager, "agreement": agree})
-                print(f"{name:>22} M={M:<5} {label:>9}: graph {t.median_us:7.2f} us ({t.p20_us:.2f}-{t.p80_us:.2f}),"
-                      f" eager {eager:7.1f} us/call  [{agree}]", flush=True)
+            for label, r in graph_and_eager(fns, rounds=args.rounds, eager_calls=args.eager_calls).items():
+                rows.append({"model": name, "E": E, "top_k": cfg.top_k, "M": M, "path": label, **r, "agreement": agree})
+                print(f"{name:>22} M={M:<5} {label:>9}: {describe(r)}  [{agree}]", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

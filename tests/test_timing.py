@@ -250,6 +250,32 @@ def test_time_graphs_interleaves_rounds_with_rotating_order():
     assert all(len(t.samples) == 5 and t.method == "cpu" for t in result.values())
 
 
+def test_graph_and_eager_gives_each_closure_both_times_and_raises_a_failure():
+    """The route and transformers-router benchmark scripts' one timing step (they had a loop each)."""
+    from moekit.timing import describe_graph_and_eager, graph_and_eager
+
+    calls = {"a": 0, "b": 0}
+
+    def count(name):
+        def fn():
+            calls[name] += 1
+        return fn
+
+    rows = graph_and_eager({"a": count("a"), "b": count("b")}, rounds=2, eager_calls=7)
+    assert list(rows) == ["a", "b"]
+    for name, row in rows.items():
+        assert set(row) == {"graph_median_us", "graph_p20_us", "graph_p80_us", "eager_us_per_call"}
+        assert row["graph_p20_us"] <= row["graph_median_us"] <= row["graph_p80_us"] and row["eager_us_per_call"] > 0
+        assert calls[name] > 7 + 10  # the timed calls, then the eager ones after their warm-up
+        assert describe_graph_and_eager(row).startswith("graph ") and "us/call" in describe_graph_and_eager(row)
+
+    def broken():
+        raise RuntimeError("out of resources")
+
+    with pytest.raises(RuntimeError, match="out of resources"):
+        graph_and_eager({"ok": lambda: None, "broken": broken}, rounds=1, eager_calls=1)
+
+
 def test_time_graphs_reports_a_failing_closure_and_times_the_others():
     def broken():
         raise RuntimeError("out of resources")
