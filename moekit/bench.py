@@ -179,6 +179,11 @@ class Problem:
         timed and checked does so too (fused_moe's apply_router_weight_on_input)."""
         return self.spec.routing.apply_on_input
 
+    def backend_inputs(self, x: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, topk_weights) as fused_moe hands them to its backend for this model: Llama-4's
+        weight moved onto x (api.weight_input), what a reference must be given to compare."""
+        return weight_input(x, topk_weights) if self.apply_on_input else (x, topk_weights)
+
     def describe(self) -> str:
         return f"{self.name} ({self.scheme.name}, {self.shape.describe()})"
 
@@ -1025,9 +1030,7 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
                                    gemm1_output_rounded(backend_name, p.scheme))
                         if variant not in cache:
                             vtw, vids = validate_inputs(x, weights, tw, ids)
-                            rx = x
-                            if p.apply_on_input:
-                                rx, vtw = weight_input(x, vtw)
+                            rx, vtw = p.backend_inputs(x, vtw)
                             cache[variant] = reference_moe(rx, weights, vtw, vids, intermediate_granularity=variant[0],
                                                            round_gemm1_output=variant[1])
                         return cache[variant]

@@ -26,7 +26,7 @@ import torch
 from rich.markup import escape
 
 from . import quant
-from .api import fused_moe, weight_input
+from .api import fused_moe
 from .backends import get_backend
 from .backends.reference import expert_groups
 from .bench import (
@@ -455,8 +455,8 @@ def _run(opts, console, device, dtype, batch_sizes, problems: list[Problem], pla
                                               renormalize=p.spec.routing.renormalize)
                     tw, ids = tw.to(device), ids.to(device)
                     # Llama-4 scales the input, not the output: the truth is computed on the
-                    # input fused_moe hands its backend (weight_input), with weights of one
-                    truth_x, truth_tw = weight_input(x, tw) if p.apply_on_input else (x, tw)
+                    # input fused_moe hands its backend, with weights of one
+                    truth_x, truth_tw = p.backend_inputs(x, tw)
                     truths: dict[tuple, torch.Tensor] = {}
                     outputs: dict[str, torch.Tensor] = {}
                     for name in names:

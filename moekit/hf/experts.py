@@ -137,13 +137,19 @@ def _is_silu(act) -> bool:
 FP8_GATE_KNOBS = ("gate_softcap", "up_softcap", "swiglu_alpha", "limit")
 
 
-def _fp8_experts_gate():
-    """transformers' FP8Experts._apply_gate (the function), or None where it does not exist."""
+def fp8_experts_class() -> type | None:
+    """transformers' own FP8Experts (quant_method "fp8" kept in FP8 on a GPU), or None for a
+    transformers without it."""
     try:
         from transformers.integrations.finegrained_fp8 import FP8Experts
     except ImportError:  # pragma: no cover - a transformers without FP8 experts
         return None
-    return getattr(FP8Experts, "_apply_gate", None)
+    return FP8Experts
+
+
+def _fp8_experts_gate():
+    """FP8Experts._apply_gate (the function), or None where it does not exist."""
+    return getattr(fp8_experts_class(), "_apply_gate", None)
 
 
 def check_hf_experts(module: nn.Module, label: str | None = None) -> None:

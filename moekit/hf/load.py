@@ -31,8 +31,8 @@ from ..spec import BF16, QuantScheme, get_scheme
 from ..weights import MoEWeights
 from ..weights import _calibrate  # quantize_weights' own measurement of static activation scales
 from . import checkpoint as ckpt_mod
-from .experts import (ExpertsError, MoekitExperts, _hf_weights, check_hf_experts, experts_modules, register,
-                      set_backend)
+from .experts import (ExpertsError, MoekitExperts, _hf_weights, check_hf_experts, experts_modules,
+                      fp8_experts_class, register, set_backend)
 from .families import Family, UnsupportedModelError, family_of_config, family_of_module
 from .routers import RoutedExperts, fuse_routers, routers_to_fuse, swap_routers
 
@@ -432,11 +432,8 @@ def _refuse_before_change(model: nn.Module) -> None:
 
 
 def _is_fp8_experts(module: nn.Module) -> bool:
-    try:
-        from transformers.integrations.finegrained_fp8 import FP8Experts
-    except ImportError:  # pragma: no cover - a transformers without FP8 experts
-        return False
-    return isinstance(module, FP8Experts)
+    cls = fp8_experts_class()
+    return cls is not None and isinstance(module, cls)
 
 
 def _to_moekit_modules(model: nn.Module) -> tuple[Family | None, dict[str, MoekitExperts], list[tuple[str, nn.Module]]]:
