@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -175,9 +176,11 @@ def search_dirs(kind: Kind) -> list[Path]:
 
 
 def find_tables(
-    kind: Kind, shape: MoEShape, scheme: QuantScheme, device_name: str, accumulation: str = "precise"
+    kind: Kind, shape: MoEShape, scheme: QuantScheme, device_name: str, accumulation: str = "precise",
+    skip_roots: Sequence[Path] = (),
 ) -> list[Path]:
-    """Candidate table files of one accumulation mode, best first.
+    """Candidate table files of one accumulation mode, best first (none from the table roots in
+    `skip_roots`: the tuner looks past its own output, moekit.tune.runner.incumbents).
 
     In each folder (user folders before shipped ones): the exact device name, then another
     device name of the same GPU model (H100 SXM for an H100 PCIe, say). After every folder's,
@@ -192,7 +195,10 @@ def find_tables(
     stem_without_device = exact.replace(f"device_name={normalize_device_name(device_name)},", "")
     found: list[Path] = []
     borrowed: list[Path] = []
+    skipped = {Path(root).resolve() for root in skip_roots}
     for d in search_dirs(kind):
+        if skipped and d.parent.resolve() in skipped:
+            continue
         if (d / exact).is_file():
             found.append(d / exact)
         if family is None or not d.is_dir():

@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import io
 import json
+import os
 import re
 
 import pytest
@@ -28,7 +29,7 @@ from moekit.backends.triton.config import KernelConfig, default_config, get_conf
 from moekit.bench import make_weights
 from moekit.cli import main
 from moekit.spec import BF16, FP8_BLOCK128, FP8_CHANNEL_TOKEN, MoEShape, get_scheme
-from moekit.tables import CONFIG_DIR_ENV
+from moekit.tables import CONFIG_DIR_ENV, table_name
 from moekit.timing import Timing
 from moekit.tune import (
     TuneOptions,
@@ -341,6 +342,78 @@ def test_each_measurement_runs_the_config_it_is_filed_under(tmp_path, tiny_model
     for what, key in triton_calls:
         first.setdefault(what, key)
     assert all(what == f"triton {key}" for what, key in first.items())
+
+
+# A config outside interpreter_space (so the search never reaches it): a table's, the incumbent.
+TABLE_CFG = KernelConfig(32, 32, 128, 4, 4, 2)
+
+
+def write_table_of(folder, configs: dict[int, KernelConfig], device: str):
+    """A triton table of the tiny model's layer on `device` in `folder`/triton, as tune writes one."""
+    path = folder / "triton" / table_name(SHAPE, FP8_CHANNEL_TOKEN, device)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"meta": {"top_k": SHAPE.top_k},
+                                "configs": {str(m): c.to_dict() for m, c in configs.items()}}))
+    return path
+
+
+@pytest.mark.parametrize("fastest", [True, False])
+def test_the_config_a_table_gave_before_is_timed_and_kept_where_fastest(fastest, tmp_path, tiny_model, monkeypatch):
+    """A tune that replaces a table (an H100's own replacing the H200's it borrowed, say) times the
+    config the backend ran at each size before it, beside the default: the new table keeps it
+    where it is the fastest, so no budget, however short, writes a slower table."""
+    device = torch.cuda.get_device_name() if CUDA else "cpu"  # the name tune files tables under
+    assert TABLE_CFG not in interpreter_space(FP8_CHANNEL_TOKEN) and not TABLE_CFG.problems(FP8_CHANNEL_TOKEN)
+    write_table_of(tmp_path / "before", {1: TABLE_CFG, 4: TABLE_CFG}, device)
+    monkeypatch.setenv(CONFIG_DIR_ENV, str(tmp_path / "before"))
+    us = {triton(FAST_CFG): 40.0, triton(TABLE_CFG): 30.0 if fastest else 50.0}
+    timer = FakeTimer(us=us, run=True).install(monkeypatch)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out)
+    assert result.exit_code == 0
+    # timed once per size (M=2: the size between 1 and 4), and ran as itself (run=True: a config
+    # that cannot run is recorded failed)
+    timed = [w for w in timer.calls if w.startswith(triton(TABLE_CFG))]
+    assert sorted(timed) == sorted(f"{triton(TABLE_CFG)} at M={m}" for m in (1, 2, 4))
+    for j in journals(out).values():
+        assert j["incumbent"] == {"key": config_key(TABLE_CFG), "config": TABLE_CFG.to_dict()}
+        assert j["configs"][config_key(TABLE_CFG)]["us"] == us[triton(TABLE_CFG)]
+    winner = TABLE_CFG if fastest else FAST_CFG
+    table = read(only_file(out / "triton"))["configs"]
+    assert {m: KernelConfig.from_table_entry(e) for m, e in table.items()} == {m: winner for m in ("1", "2", "4")}
+    assert re.search(r"before µs", text) and text.count(f" {us[triton(TABLE_CFG)]:.1f} ") >= len(SIZES)
+
+    # a rerun finds it measured: nothing is timed again
+    again = FakeTimer(us=us).install(monkeypatch)
+    tune(tiny_model, out)
+    assert not [w for w in again.calls if w.startswith(triton(TABLE_CFG))]
+
+
+def test_the_run_looks_past_its_own_tables_for_the_config_used_before(tmp_path, tiny_model, monkeypatch):
+    """With its output folder in MOEKIT_CONFIG_DIR (how tuned tables are used), a rerun's
+    incumbent is still the table from before the first run, not the first run's own."""
+    device = torch.cuda.get_device_name() if CUDA else "cpu"
+    write_table_of(tmp_path / "before", {1: TABLE_CFG}, device)
+    out = tmp_path / "out"
+    monkeypatch.setenv(CONFIG_DIR_ENV, f"{out}{os.pathsep}{tmp_path / 'before'}")
+    us = {triton(FAST_CFG): 10.0}  # the search's winner, in the run's own table after the first run
+    FakeTimer(us=us).install(monkeypatch)
+    tune(tiny_model, out, batch_sizes=["1"])
+    assert get_config(SHAPE, FP8_CHANNEL_TOKEN, 1, device) == FAST_CFG  # the run's table is found first
+    FakeTimer(us=us).install(monkeypatch)
+    tune(tiny_model, out, batch_sizes=["1"])
+    assert journals(out)[1]["incumbent"]["key"] == config_key(TABLE_CFG)
+
+
+def test_without_a_table_only_the_default_is_timed_first(tmp_path, tiny_model, monkeypatch):
+    monkeypatch.delenv(CONFIG_DIR_ENV, raising=False)
+    timer = FakeTimer().install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out)
+    assert all("incumbent" not in j for j in journals(out).values())
+    space_keys = {triton(c) for c in interpreter_space(FP8_CHANNEL_TOKEN)}
+    defaults = {triton(default_config(SHAPE, FP8_CHANNEL_TOKEN, int(m))) for m in SIZES}
+    assert {w.split(" at M=")[0] for w in timer.calls if w.startswith("triton ")} <= space_keys | defaults
 
 
 # ----------------------------------------------------------------------- resume after a kill
@@ -1392,6 +1465,10 @@ def test_config_from_key_inverts_config_key():
         for base in (c for c in searched if c.num_warps == space.WIDE_TILE_WARPS):
             configs += space.gemm2_variants(base, scheme, grid, space.HOPPER_SHARED_MEMORY, True, overlap_k_steps=8)[0]
     assert any(c.has_gemm2 and c.N_TILES2 for c in configs) and any(c.OVERLAP2 for c in configs)
+    # the joined tile: no search space has it, a table may (runner.incumbents); its key is its own
+    joined = KernelConfig(64, 128, 128, 8, 4, 3, JOIN=1)
+    configs += [joined, joined.with_gemm2(BLOCK_N=64)]
+    assert config_key(joined) != config_key(dataclasses.replace(joined, JOIN=0))
     for cfg in configs:
         assert space.config_from_key(config_key(cfg)) == cfg, config_key(cfg)
     for bad in ("", "M128-N128", "M128-N128-K128-G8-w8-s4+", "gemv-N8-K512-w2", "m128-n128-k128-g8-w8-s4 ",

@@ -53,6 +53,8 @@ class Journal:
 
     {"format", "version", "fingerprint": {...}, "problem": {...}, "batch_size": M, "updated": date,
      "default": "<key of default_config at M>",
+     "incumbent": {"key": "<key>", "config": {...}},  the config a table gave at M (runner.incumbents;
+                                                      absent where none did)
      "configs": {"<key>": {"config": {...}, "us": .., "p20_us": .., "p80_us": .., "method": ..}
                           | {"config": {...}, "error": "<one line>"}},
      "backends": {"<name>": {"us": .., ...} | {"error": "..."}},
@@ -103,6 +105,17 @@ class Journal:
 
     def config(self, key: str) -> dict | None:
         return self.data["configs"].get(key)
+
+    def incumbent(self) -> dict | None:
+        """The config the backend ran at this size before the run (runner.incumbents), as a
+        dict (KernelConfig.to_dict), or None where no table gave one."""
+        found = self.data.get("incumbent")
+        return found["config"] if found else None
+
+    def set_incumbent(self, key: str, config: dict) -> None:
+        if self.data.get("incumbent") != {"key": key, "config": config}:
+            self.data["incumbent"] = {"key": key, "config": config}
+            self.save()
 
     def backend(self, name: str) -> dict | None:
         return self.data["backends"].get(name)

@@ -113,14 +113,16 @@ def _config_text(cfg: dict) -> str:
 
 
 def summary_table(title: str, journals: list[dict], backend_doc: dict | None) -> Table:
-    """Per batch size: the best config, its µs, the default config's, the gain, the winner."""
+    """Per batch size: the best config, its µs, the default config's, the gain, the µs of the
+    config used before (a table's, runner.incumbents: "-" where none was), the winner."""
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
-    for head in ("M", "best triton config", "µs", "default µs", "gain", "winner", "winner µs", "configs"):
+    for head in ("M", "best triton config", "µs", "default µs", "gain", "before µs", "winner", "winner µs", "configs"):
         table.add_column(head, justify="left" if head in ("best triton config", "winner") else "right")
     decisions = (backend_doc or {}).get("batch_sizes", {})
     for j in journals:
         best = best_config(j)
         default = j["configs"].get(j.get("default") or "", {})
+        before = j["configs"].get((j.get("incumbent") or {}).get("key", ""), {})
         decision = decisions.get(str(j["batch_size"]), {})
         winner = decision.get("winner")
         search = j.get("search") or {}
@@ -140,6 +142,7 @@ def summary_table(title: str, journals: list[dict], backend_doc: dict | None) ->
             format_us(best[1]["us"]) if best else "-",
             format_us(default.get("us")),
             gain or "-",
+            format_us(before.get("us")),
             winner or "-",
             format_us(decision.get("us", {}).get(winner)) if winner else "-",
             status,

@@ -1,6 +1,7 @@
-"""Measuring for `moekit tune`: per problem and batch size, the default config and the other
-backends first (so that a budget cut still leaves a complete decision table), then the search and
-GEMM2's own launch.
+"""Measuring for `moekit tune`: per problem and batch size, the default config, the config the
+backend ran there before this run (the incumbent, where a table gave one) and the other backends
+first (so that a budget cut still leaves a complete decision table, and a table no slower than the
+one it replaces), then the search and GEMM2's own launch.
 
 Every measurement is the whole layer through the shared harness (`moekit.timing.time_graph`:
 CUDA graph replays, L2 flushed before each), triton with the config forced
@@ -13,8 +14,8 @@ a GPU the device is synchronised: an error that broke the CUDA context stops the
 (`DeviceBroken`), the config recorded as failed, so a rerun continues past it.
 
 Between the tuned sizes (plan.between): every backend is timed again, triton with the best config
-of each of the two searched sizes around it; the faster of those becomes the triton table's
-config there too, so that the config auto's table timed is the config the backend runs.
+of each of the two searched sizes around it (and the incumbent there); the fastest of those becomes
+the triton table's config there too, so that the config auto's table timed is the config the backend runs.
 A size between two others is measured as soon as both are searched (so a budget cut leaves the
 ones before it done); a last pass after all workers covers the rest (sizes between two workers'
 runs, and every one with --search-space none). A later search that finds a better config for a
@@ -63,7 +64,7 @@ from ..accumulation import table_accumulation
 from ..api import validate_inputs
 from ..backends import get_backend
 from ..backends.triton import launch
-from ..backends.triton.config import KernelConfig, default_config
+from ..backends.triton.config import KernelConfig, default_config, problem_configs
 from ..backends.triton.launch import fp8_accumulation, pdl_wanted
 from ..bench import input_seed, make_routing, make_routings, make_weights, make_x, rel_l2
 from ..spec import QuantScheme
@@ -301,6 +302,20 @@ def order_candidates(configs: Sequence[KernelConfig], neighbour: NeighbourResult
     return sorted(configs, key=prior)
 
 
+def incumbents(plan: TunePlan, p: TuneProblem, device: str, sizes: Sequence[int]) -> dict[int, KernelConfig]:
+    """{batch size: the config the triton backend runs there}, where a table outside this run's
+    output folder gives one: the user's (MOEKIT_CONFIG_DIR), a shipped one, or one borrowed from
+    another GPU model of the sharing group (moekit.tables.SHARING_GROUPS). The tuner times it
+    beside the default config, so the table it writes is never slower at a size it measures than
+    the one it replaces (up to the timing's spread), however short the budget: an H100 tune
+    replaces the H200 table it borrowed entirely, and that table carries configs hand-timed over
+    many sessions, which a short search may not reach. {} where no table is found. The run's
+    own tables are looked past (skip_roots), so that the answer is the same before and after
+    the run writes them."""
+    before = problem_configs(p.shape, p.scheme, device, skip_roots=(plan.out_dir,))
+    return {M: before.get(M) for M in sizes} if before.table else {}
+
+
 def problem_table_name(p: TuneProblem, device: str) -> str:
     """The file name of a tune problem's tables on `device`, in the current accumulation mode."""
     return table_name(p.shape, p.scheme, device, table_accumulation(p.scheme))
@@ -363,6 +378,8 @@ class Worker:
                 j.data.pop("between_configs", None)
                 j.data.pop("between_config", None)
                 j.save()
+        for M, cfg in incumbents(self.plan, p, self.name, self.sizes).items():
+            journals[M].set_incumbent(config_key(cfg), cfg.to_dict())
         searching = self.plan.search_space != "none"
         estimate = {M: self._static_candidates(p, M, journals[M]) if searching else 0 for M in self.sizes}
         self.reporter.add_total(sum(estimate.values()) + sum(len(self._baseline_todo(p, j)) for j in journals.values()))
@@ -425,11 +442,14 @@ class Worker:
         if not tuned or not sizes:
             return
         fp = fingerprint(self.plan, self.name, p.scheme)
+        before = incumbents(self.plan, p, self.name, sizes)
         todo: list[tuple[Journal, list[KernelConfig], list[str]]] = []
         opened: list[Journal] = []
         for M in sizes:
             j = Journal.open(journal_path(self.plan.out_dir, table_file, M), fp, problem_fields(p), M, self.reporter.log)
             opened.append(j)
+            if M in before:
+                j.set_incumbent(config_key(before[M]), before[M].to_dict())
             cfgs = neighbour_configs(tuned, M)
             keys = [config_key(c) for c in cfgs]
             if j.data.get("between_configs") != keys or "between_config" in j.data:
@@ -439,6 +459,8 @@ class Worker:
                 j.data["backends"].pop("triton", None)
                 j.data["between_configs"] = keys
                 j.save()
+            if M in before and before[M] not in cfgs:  # the config the backend ran here before
+                cfgs.append(before[M])
             cfgs = [c for c in cfgs if j.config(config_key(c)) is None]
             names = [n for n in p.backends if j.backend(n) is None]
             if cfgs or names:
@@ -469,11 +491,14 @@ class Worker:
         todo: list[tuple[str, object]] = []
         if j.config(config_key(default)) is None:
             todo.append(("config", default))
+        incumbent = KernelConfig.from_dict(j.incumbent()) if j.incumbent() else None
+        if incumbent is not None and incumbent != default and j.config(config_key(incumbent)) is None:
+            todo.append(("incumbent", incumbent))
         todo += [("backend", name) for name in p.backends if j.backend(name) is None]
         return todo
 
     def _baseline(self, p: TuneProblem, j: Journal) -> None:
-        """The default config and every other backend at this batch size."""
+        """The default config, the incumbent and every other backend at this batch size."""
         M = j.batch_size
         default = default_config(p.shape, p.scheme, M)
         if j.data["default"] != config_key(default):
@@ -487,9 +512,10 @@ class Worker:
             if self.deadline.passed():
                 self.reporter.add_total(-1)
                 continue
-            self.reporter.describe(f"{p.label} M={M}: {'default config' if kind == 'config' else item}")
-            if kind == "config":
-                self._measure_config(p, j, item, inputs, is_default=True)
+            what = {"config": "default config", "incumbent": "the config used before"}.get(kind, item)
+            self.reporter.describe(f"{p.label} M={M}: {what}")
+            if kind in ("config", "incumbent"):
+                self._measure_config(p, j, item, inputs, is_default=kind == "config")
             else:
                 self._measure_backend(p, j, item, inputs)
             self.reporter.advance()

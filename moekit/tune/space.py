@@ -75,6 +75,8 @@ def config_key(cfg: KernelConfig) -> str:
     key = f"M{cfg.BLOCK_M}-N{cfg.BLOCK_N}-K{cfg.BLOCK_K}-G{cfg.GROUP_M}-w{cfg.num_warps}-s{cfg.num_stages}"
     if cfg.OVERLAP:  # GEMM1 in Gluon with the promotion overlapped (KernelConfig.OVERLAP)
         key += "-ov"
+    if cfg.JOIN:  # never in a search space, but a table's config may have it (runner.incumbents)
+        key += "-join"
     if cfg.has_gemm2:  # GEMM2's own launch (gemm2_variants): its whole launch, after a "+"
         g2 = cfg.gemm2()
         key += f"+N{g2.BLOCK_N}-G{g2.GROUP_M}-w{g2.num_warps}-s{g2.num_stages}"
@@ -85,29 +87,29 @@ def config_key(cfg: KernelConfig) -> str:
     return key
 
 
-_TILED_KEY = re.compile(r"M(?P<bm>\d+)-N(?P<bn>\d+)-K(?P<bk>\d+)-G(?P<g>\d+)-w(?P<w>\d+)-s(?P<s>\d+)(?P<ov>-ov)?"
+_TILED_KEY = re.compile(r"M(?P<bm>\d+)-N(?P<bn>\d+)-K(?P<bk>\d+)-G(?P<g>\d+)-w(?P<w>\d+)-s(?P<s>\d+)(?P<ov>-ov)?(?P<join>-join)?"
                         r"(?:\+N(?P<bn2>\d+)-G(?P<g2>\d+)-w(?P<w2>\d+)-s(?P<s2>\d+)(?:-r(?P<r2>\d+))?(?P<ov2>-ov)?)?")
 _GEMV_KEY = re.compile(r"gemv-N(?P<bn>\d+)-K(?P<bk>\d+)-w(?P<w>\d+)-s(?P<s>\d+)")
-_KEY_FORMS = ("M<rows>-N<cols>-K<k>-G<group>-w<warps>-s<stages>[-ov] (optionally +N<cols>-G<group>-w<warps>-s<stages>"
+_KEY_FORMS = ("M<rows>-N<cols>-K<k>-G<group>-w<warps>-s<stages>[-ov][-join] (optionally +N<cols>-G<group>-w<warps>-s<stages>"
               "[-r<runs>][-ov] for GEMM2's own launch, runs 2 or more) or gemv-N<cols>-K<k>-w<warps>-s<stages>, "
               "every number positive")
 
 
 def config_from_key(key: str) -> KernelConfig:
-    """The config `config_key` names (its inverse for every config the tuner times: the key
-    leaves out JOIN, which the search space never sets), for scripts and journals that name
-    configs by key; ValueError, naming the expected forms, for anything else."""
+    """The config `config_key` names (its inverse for every config the tuner times), for scripts
+    and journals that name configs by key; ValueError, naming the expected forms, for anything
+    else."""
     m = _GEMV_KEY.fullmatch(key) or _TILED_KEY.fullmatch(key)
     if m is None:
         raise ValueError(f"config key {key!r}: expected {_KEY_FORMS}")
-    n = {name: int(v) for name, v in m.groupdict().items() if v is not None and name not in ("ov", "ov2")}
+    n = {name: int(v) for name, v in m.groupdict().items() if v is not None and name not in ("ov", "ov2", "join")}
     if 0 in n.values() or n.get("r2", 2) < 2:  # a run of one is written without -r
         raise ValueError(f"config key {key!r}: expected {_KEY_FORMS}")
     if m.re is _GEMV_KEY:
         return KernelConfig(BLOCK_M=16, BLOCK_N=n["bn"], BLOCK_K=n["bk"], GROUP_M=1, num_warps=n["w"],
                             num_stages=n["s"], GEMV=1)
     cfg = KernelConfig(BLOCK_M=n["bm"], BLOCK_N=n["bn"], BLOCK_K=n["bk"], GROUP_M=n["g"], num_warps=n["w"],
-                       num_stages=n["s"], OVERLAP=int(m.group("ov") is not None))
+                       num_stages=n["s"], OVERLAP=int(m.group("ov") is not None), JOIN=int(m.group("join") is not None))
     if "bn2" in n:  # GEMM2's own launch
         cfg = cfg.with_gemm2(BLOCK_N=n["bn2"], GROUP_M=n["g2"], num_warps=n["w2"], num_stages=n["s2"],
                              N_TILES=n.get("r2", 0), OVERLAP=int(m.group("ov2") is not None))

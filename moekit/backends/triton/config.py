@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from ...accumulation import table_accumulation
@@ -337,8 +338,9 @@ def _load_table(path: Path, stamp, generation: int = 0) -> TunedTable | None:
         return None
 
 
-def _first_table(shape: MoEShape, scheme: QuantScheme, device_name: str, accumulation: str):
-    for path in find_tables("triton", shape, scheme, device_name, accumulation):
+def _first_table(shape: MoEShape, scheme: QuantScheme, device_name: str, accumulation: str,
+                 skip_roots: Sequence[Path] = ()):
+    for path in find_tables("triton", shape, scheme, device_name, accumulation, skip_roots):
         table = load_table(path)
         if table is not None and table.top_k not in (None, shape.top_k):
             # its name has E, N, H and the scheme, not top-k: measured on other rows per expert
@@ -350,15 +352,16 @@ def _first_table(shape: MoEShape, scheme: QuantScheme, device_name: str, accumul
     return None
 
 
-def tuned_configs(shape: MoEShape, scheme: QuantScheme, device_name: str) -> tuple[dict[int, KernelConfig], Path] | None:
+def tuned_configs(shape: MoEShape, scheme: QuantScheme, device_name: str,
+                  skip_roots: Sequence[Path] = ()) -> tuple[dict[int, KernelConfig], Path] | None:
     """(configs by batch size, the file they came from), or None. In fast accumulation mode a
     fast-mode table refines the precise one (moekit.tables): its sizes over the precise table's,
     unless it was measured on another GPU model and the precise table on this one (this GPU's
-    own measurements win over a borrowed table's)."""
-    found = precise = _first_table(shape, scheme, device_name, "precise")
+    own measurements win over a borrowed table's). Tables under `skip_roots` are not read."""
+    found = precise = _first_table(shape, scheme, device_name, "precise", skip_roots)
     used = [precise[1]] if precise else []
     if table_accumulation(scheme) == "fast":
-        fast = _first_table(shape, scheme, device_name, "fast")
+        fast = _first_table(shape, scheme, device_name, "fast", skip_roots)
         if fast is not None and tables.fast_may_refine(precise[1] if precise else None, fast[1], device_name):
             found = ({**precise[0], **fast[0]} if precise else fast[0]), fast[1]
             used.append(fast[1])
@@ -403,18 +406,25 @@ def get_config(shape: MoEShape, scheme: QuantScheme, num_tokens: int, device_nam
     looked up once (moekit.tables.memoized: tables written later are seen after
     moekit.select.clear_cache()) and each batch size's answer is remembered beside it."""
     key = ("triton-configs", shape, scheme, device_name, table_accumulation(scheme))
-    return tables.memoized(key, lambda: _ProblemConfigs(shape, scheme, device_name)).get(num_tokens)
+    return tables.memoized(key, lambda: problem_configs(shape, scheme, device_name)).get(num_tokens)
 
 
-class _ProblemConfigs:
+def problem_configs(shape: MoEShape, scheme: QuantScheme, device_name: str | None,
+                    skip_roots: Sequence[Path] = ()) -> "ProblemConfigs":
+    """The configs the backend runs for one problem, per batch size (not remembered: get_config
+    is the remembered lookup), from the tables found outside `skip_roots`."""
+    found = tuned_configs(shape, scheme, device_name, skip_roots) if device_name else None
+    return ProblemConfigs(shape, scheme, found[0] if found else {})
+
+
+class ProblemConfigs:
     """One problem's tuned configs (all, and the tiled ones), and the answer per batch size."""
 
     SIZE_LIMIT = 16384  # remembered batch sizes; beyond it the memo starts again (as select's)
 
-    def __init__(self, shape: MoEShape, scheme: QuantScheme, device_name: str | None):
+    def __init__(self, shape: MoEShape, scheme: QuantScheme, table: dict[int, KernelConfig]):
         self.shape, self.scheme = shape, scheme
-        found = tuned_configs(shape, scheme, device_name) if device_name else None
-        self.table = found[0] if found else {}
+        self.table = table
         self.tiled = {m: c for m, c in self.table.items() if not c.GEMV}
         self.by_size: dict[int, KernelConfig] = {}
 
