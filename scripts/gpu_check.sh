@@ -11,7 +11,8 @@
 #        and the whole layer (triton, cutlass, auto) per model in precise mode, then GEMMs and layer
 #        of the channel-scale models in fast mode (MOEKIT_FP8_ACCUMULATION=fast) at the prefill
 #        anchors, where fast mode is the one in question; no plots. Not part of `all`.
-#        ANCHOR_MODELS ("glm-4.5v-fp8 mixtral-8x7b", say) runs only those models' points.
+#        ANCHOR_MODELS ("glm-4.5v-fp8 mixtral-8x7b", say) runs only those models' points,
+#        ANCHOR_MODES ("precise" or "fast"; default both) only those modes.
 # auto:  the whole layer on every backend plus auto, at the sizes the shipped decision tables
 #        measured, the sizes between, and others off both grids, 4 routings per point (is auto
 #        within 3% of the fastest everywhere?).
@@ -138,7 +139,7 @@ if want bench; then
 fi
 if [[ " ${steps[*]} " == *" anchors "* ]]; then
   moekit info
-  for mode in precise fast; do
+  for mode in ${ANCHOR_MODES:-precise fast}; do
     for m in "${MODELS[@]}"; do
       read -r model tp scheme <<<"$m"
       [[ -n ${ANCHOR_MODELS:-} && " $ANCHOR_MODELS " != *" $model "* ]] && continue

@@ -362,6 +362,7 @@ def test_the_config_a_table_gave_before_is_timed_and_kept_where_fastest(fastest,
     """A tune that replaces a table (an H100's own replacing the H200's it borrowed, say) times the
     config the backend ran at each size before it, beside the default: the new table keeps it
     where it is the fastest, so no budget, however short, writes a slower table."""
+    decisions_on(monkeypatch)  # a config replaces the incumbent once the decision timing confirms it
     device = torch.cuda.get_device_name() if CUDA else "cpu"  # the name tune files tables under
     assert TABLE_CFG not in interpreter_space(FP8_CHANNEL_TOKEN) and not TABLE_CFG.problems(FP8_CHANNEL_TOKEN)
     write_table_of(tmp_path / "before", {1: TABLE_CFG, 4: TABLE_CFG}, device)
@@ -372,8 +373,10 @@ def test_the_config_a_table_gave_before_is_timed_and_kept_where_fastest(fastest,
     result, text = tune(tiny_model, out)
     assert result.exit_code == 0
     # timed once per size (M=2: the size between 1 and 4), and ran as itself (run=True: a config
-    # that cannot run is recorded failed)
+    # that cannot run is recorded failed), then again in each size's decision timing
     timed = [w for w in timer.calls if w.startswith(triton(TABLE_CFG))]
+    assert sorted(w for w in timer.calls if w.startswith(f"decision: {triton(TABLE_CFG)}")) == sorted(
+        f"decision: {triton(TABLE_CFG)} at M={m}" for m in (1, 2, 4))
     assert sorted(timed) == sorted(f"{triton(TABLE_CFG)} at M={m}" for m in (1, 2, 4))
     for j in journals(out).values():
         assert j["incumbent"] == {"key": config_key(TABLE_CFG), "config": TABLE_CFG.to_dict()}
@@ -389,9 +392,31 @@ def test_the_config_a_table_gave_before_is_timed_and_kept_where_fastest(fastest,
     assert not [w for w in again.calls if w.startswith(triton(TABLE_CFG))]
 
 
+def test_an_unconfirmed_config_does_not_replace_the_incumbent(tmp_path, tiny_model, monkeypatch):
+    """Where no current decision timing confirmed a faster config (a budget cut before it, a
+    journal of an older moekit), the table keeps the config used before, however fast another
+    config's separate timing was: the separate timings misranked configs on an H100."""
+    device = torch.cuda.get_device_name() if CUDA else "cpu"
+    write_table_of(tmp_path / "before", {1: TABLE_CFG, 4: TABLE_CFG}, device)
+    monkeypatch.setenv(CONFIG_DIR_ENV, str(tmp_path / "before"))
+    FakeTimer(us={triton(FAST_CFG): 10.0, triton(TABLE_CFG): 50.0}).install(monkeypatch)  # decisions off
+    out = tmp_path / "out"
+    tune(tiny_model, out, between=False)
+    assert all("decision" not in j for j in journals(out).values())
+    table = read(only_file(out / "triton"))["configs"]
+    assert {m: KernelConfig.from_table_entry(e) for m, e in table.items()} == {m: TABLE_CFG for m in SIZES}
+    # without an incumbent, the fastest separate timing stands
+    FakeTimer(us={triton(FAST_CFG): 10.0}).install(monkeypatch)
+    monkeypatch.delenv(CONFIG_DIR_ENV)
+    tune(tiny_model, tmp_path / "out2", between=False)
+    table = read(only_file(tmp_path / "out2" / "triton"))["configs"]
+    assert {m: KernelConfig.from_table_entry(e) for m, e in table.items()} == {m: FAST_CFG for m in SIZES}
+
+
 def test_the_run_looks_past_its_own_tables_for_the_config_used_before(tmp_path, tiny_model, monkeypatch):
     """With its output folder in MOEKIT_CONFIG_DIR (how tuned tables are used), a rerun's
     incumbent is still the table from before the first run, not the first run's own."""
+    decisions_on(monkeypatch)
     device = torch.cuda.get_device_name() if CUDA else "cpu"
     write_table_of(tmp_path / "before", {1: TABLE_CFG}, device)
     out = tmp_path / "out"
@@ -1009,8 +1034,15 @@ def test_decision_timing_makes_the_decision_table(tmp_path, tiny_model, monkeypa
     assert table["meta"]["routings"] == 4
     for m in ("1", "4"):
         assert table["batch_sizes"][m] == {"us": {"triton": 50.0, "torch": 30.0}, "winner": "torch"}
-        assert journals(out)[int(m)]["decision"] == {"config": config_key(FAST_CFG), "routings": 4,
-                                                     "us": {"triton": 50.0, "torch": 30.0}}
+        j = journals(out)[int(m)]
+        decision = j["decision"]
+        # every config that ran (the interpreter space's and the default: at most CONFIRMED_CONFIGS)
+        timed = {k for k, v in j["configs"].items() if "us" in v}
+        assert len(timed) <= output.CONFIRMED_CONFIGS
+        assert set(decision["candidates"]) == timed and decision["candidates"][0] == config_key(FAST_CFG)
+        assert decision["triton_us"] == {k: 50.0 if k == config_key(FAST_CFG) else 100.0 for k in timed}
+        assert {k: decision[k] for k in ("config", "routings", "us")} == {
+            "config": config_key(FAST_CFG), "routings": 4, "us": {"triton": 50.0, "torch": 30.0}}
     # nothing changed: nothing timed again
     again = FakeTimer().install(monkeypatch)
     tune(tiny_model, out, backends=["torch"], search_space="none", between=False)
@@ -1019,7 +1051,8 @@ def test_decision_timing_makes_the_decision_table(tmp_path, tiny_model, monkeypa
     third = FakeTimer(us={"backend torch": 20.0}).install(monkeypatch)
     tune(tiny_model, out, backends=["torch"], search_space="none", between=False, routings=2)
     assert sorted(third.calls) == sorted(f"decision: {w} at M={m}" for m in (1, 4)
-                                         for w in (triton(FAST_CFG), "backend torch"))
+                                         for w in [*(f"triton {k}" for k in journals(out)[m]["decision"]["candidates"]),
+                                                   "backend torch"])
     assert read(only_file(out / "backends"))["batch_sizes"]["4"]["us"]["torch"] == 20.0
 
 
@@ -1033,9 +1066,12 @@ def test_decision_timing_follows_a_better_config_and_reports_failures(tmp_path, 
     data = read(path)
     data["configs"][config_key(FAST_CFG)]["us"] = 1.0  # as if a later search had found it
     path.write_text(json.dumps(data))
-    again = FakeTimer(fail={"backend torch": "out of memory"}).install(monkeypatch)
+    again = FakeTimer(us={triton(FAST_CFG): 40.0}, fail={"backend torch": "out of memory"}).install(monkeypatch)
     _result, text = tune(tiny_model, out, backends=["torch"], search_space="none", between=False)
-    assert sorted(again.calls) == sorted([f"decision: {triton(FAST_CFG)} at M=1", "decision: backend torch at M=1"])
+    candidates = journals(out)[1]["decision"]["candidates"]
+    assert candidates[0] == config_key(FAST_CFG) and journals(out)[1]["decision"]["config"] == config_key(FAST_CFG)
+    assert sorted(again.calls) == sorted([*(f"decision: triton {k} at M=1" for k in candidates),
+                                          "decision: backend torch at M=1"])
     entry = read(only_file(out / "backends"))["batch_sizes"]["1"]
     assert entry["winner"] == "triton" and entry["errors"] == {"torch": "RuntimeError: out of memory"}
     assert "torch failed in the decision timing" in text
@@ -1055,7 +1091,8 @@ def test_decision_timing_runs_the_real_backends_over_the_routings(tmp_path, tiny
     out = tmp_path / "out"
     result, text = tune(tiny_model, out, backends=["torch"], batch_sizes=["3"], search_space="none", routings=2)
     assert result.exit_code == 0, text
-    assert len(runs) == 1 and runs[0].calls == {"triton": 1, "torch": 1}  # reps=1: one timed call each
+    default = triton(default_config(SHAPE, FP8_CHANNEL_TOKEN, 3))  # the one config --search-space none times
+    assert len(runs) == 1 and runs[0].calls == {default: 1, "torch": 1}  # reps=1: one timed call each
     entry = read(only_file(out / "backends"))["batch_sizes"]["3"]
     assert set(entry["us"]) == {"triton", "torch"} and all(v > 0 for v in entry["us"].values())
 
@@ -1106,6 +1143,51 @@ def test_a_decision_for_an_older_config_is_not_used(tmp_path, tiny_model, monkey
     data["decision"] = {"config": config_key(OTHER_CFG), "routings": 4, "us": {"triton": 5.0, "torch": 1.0}}
     path.write_text(json.dumps(data))
     assert output.backend_table([read(path)])["batch_sizes"]["1"]["us"] == {"triton": 50.0, "torch": 80.0}
+
+
+def test_the_table_takes_the_fastest_config_of_the_decision_timing(tmp_path, tiny_model, monkeypatch):
+    """The separate timings (one routing, one config at a time) ranked configs wrongly on an H100
+    (output.CONFIRMED_CONFIGS): the decision timing confirms the fastest few, and the triton table
+    and the decision table take the fastest there. A candidate failing there is recorded and
+    left out; the run goes on."""
+    decisions_on(monkeypatch)
+    monkeypatch.setattr(output, "CONFIRMED_CONFIGS", 2)
+    default4 = default_config(SHAPE, FP8_CHANNEL_TOKEN, 4)
+    separate = {triton(FAST_CFG): 10.0, triton(OTHER_CFG): 20.0, triton(default4): 30.0}
+    timer = FakeTimer(us=separate).install(monkeypatch)
+    # in the decision timing OTHER_CFG is the faster, the default (third separately) is not timed
+    over_routings: dict[str, float | Exception] = {triton(FAST_CFG): 90.0, triton(OTHER_CFG): 60.0}
+
+    def many(fns, **kw):
+        out = timer.many(fns, **kw)
+        for name, us in over_routings.items():
+            if name in out:
+                out[name] = us if isinstance(us, Exception) else Timing.from_samples([us], "fake")
+        return out
+
+    monkeypatch.setattr(runner, "measure_times", many)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out, backends=["torch"], batch_sizes=["4"], between=False)
+    assert result.exit_code == 0, text
+    decision = journals(out)[4]["decision"]
+    assert decision["candidates"] == [config_key(FAST_CFG), config_key(OTHER_CFG)]
+    assert decision["config"] == config_key(OTHER_CFG) and decision["us"]["triton"] == 60.0
+    assert f"decision: {triton(default4)} at M=4" not in timer.calls
+    entry = read(only_file(out / "triton"))["configs"]["4"]
+    assert KernelConfig.from_table_entry(entry) == OTHER_CFG
+    assert read(only_file(out / "backends"))["batch_sizes"]["4"]["us"]["triton"] == 60.0
+    assert re.search(r"4\s+M16 N64 K128 G8 w4 s3", text)  # the summary names the table's config
+
+    # OTHER_CFG fails in the decision timing: recorded, FAST_CFG is the table's
+    out2 = tmp_path / "out2"
+    over_routings[triton(OTHER_CFG)] = RuntimeError("unspecified launch failure")
+    monkeypatch.setattr(runner.Worker, "_check_device", lambda self, what: None)
+    result, text = tune(tiny_model, out2, backends=["torch"], batch_sizes=["4"], between=False)
+    decision = journals(out2)[4]["decision"]
+    assert decision["config"] == config_key(FAST_CFG)
+    assert decision["triton_errors"] == {config_key(OTHER_CFG): "RuntimeError: unspecified launch failure"}
+    assert "errors" not in decision and f"triton {config_key(OTHER_CFG)} failed in the decision timing" in text
+    assert KernelConfig.from_table_entry(read(only_file(out2 / "triton"))["configs"]["4"]) == FAST_CFG
 
 
 def test_decision_timing_at_the_sizes_between(tmp_path, tiny_model, monkeypatch):

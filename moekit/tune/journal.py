@@ -60,8 +60,9 @@ class Journal:
      "backends": {"<name>": {"us": .., ...} | {"error": "..."}},
      "search": {"space": .., "candidates": n, "dropped": {"<key>": why}, "static": {why: count},
                 "complete": bool},
-     "decision": {"config": "<triton key>", "routings": n, "us": {"<backend>": ..},
-                  "errors": {"<backend>": ".."}},  (runner._decide)
+     "decision": {"config": "<triton key chosen>", "candidates": ["<triton key>", ..], "routings": n,
+                  "triton_us": {"<triton key>": ..}, "triton_errors": {"<triton key>": ".."},
+                  "us": {"<backend>": ..}, "errors": {"<backend>": ".."}},  (runner._decide)
      "in_flight": {"<what>": deaths}}
     """
 

@@ -20,10 +20,11 @@ Decision table, version 1 (moekit.decisions reads exactly this):
               "dtype", "routing", "mode": "layer", "moekit", "torch", "triton", "date"},
      "batch_sizes": {"<M>": {"us": {"<backend>": µs}, "winner": "<backend>",
                              "errors": {"<backend>": "<one-line reason>"}}}}
-Each size's µs come from its decision timing when there is one for the current best config
-(every backend and triton's best config in the same interleaved rounds, the replays cycling
-through meta.routings routings: moekit.tune.runner); otherwise from the separate timings
-(triton's fastest measured config, each backend's own).
+Each size's µs come from its decision timing when there is a current one (every backend and
+triton's fastest configs in the same interleaved rounds, the replays cycling through
+meta.routings routings: moekit.tune.runner; triton's µs are those of the fastest config there,
+the one the triton table takes: chosen_config); otherwise from the separate timings (triton's
+fastest measured config, each backend's own).
 """
 
 from __future__ import annotations
@@ -64,6 +65,54 @@ def best_config(journal: dict) -> tuple[str, dict] | None:
         return None
     _, key = min(ran)
     return key, journal["configs"][key]
+
+
+# How many of a size's fastest triton configs (by their separate timings) the decision timing
+# times again, over several routings in interleaved rounds (runner._decide), the incumbent too:
+# the table takes the fastest there. The separate timings are of one routing, one config at a
+# time, and ranked configs wrongly: on an H100 (BENCHMARKS.md, twenty-fifth session) a search's
+# fastest config measured 127 µs at GLM-4.5V M = 8 where every other was 185, and 193 in the
+# decision timing and in `moekit bench`; the tables chosen that way were up to 12% slower in
+# `moekit bench` than the H200's tables they replaced (Mixtral M = 4096).
+CONFIRMED_CONFIGS = 3
+
+
+def decision_candidates(journal: dict) -> list[str]:
+    """The keys of the triton configs a size's decision timing confirms: the CONFIRMED_CONFIGS
+    fastest separately timed (ties: the smaller key), and the incumbent where it ran and is not
+    among them."""
+    ran = sorted((v["us"], k) for k, v in journal["configs"].items() if "us" in v)
+    keys = [k for _, k in ran[:CONFIRMED_CONFIGS]]
+    incumbent = (journal.get("incumbent") or {}).get("key")
+    if incumbent and incumbent not in keys and "us" in journal["configs"].get(incumbent, {}):
+        keys.append(incumbent)
+    return keys
+
+
+def decision_is_current(journal: dict) -> bool:
+    """Whether the decision timing in the journal timed the configs it would time now."""
+    decision = journal.get("decision") or {}
+    return bool(decision) and decision.get("candidates") == decision_candidates(journal)
+
+
+def chosen_config(journal: dict) -> tuple[str, dict] | None:
+    """(key, entry) of the config the triton table takes at this size: the fastest of the
+    decision timing's configs where that timing is current and one of them ran there; else the
+    incumbent where it ran (a config replaces the one used before only once confirmed: a budget
+    cut before the decision timing, or a journal of an older moekit, keeps it); else the fastest
+    separately timed (best_config). None where no config ran."""
+    best = best_config(journal)
+    decision = journal.get("decision") or {}
+    confirmed = decision.get("triton_us") or {}
+    if best is None:
+        return None
+    if confirmed and decision_is_current(journal):
+        key = min(confirmed, key=lambda k: (confirmed[k], k))
+        return key, journal["configs"][key]
+    incumbent = (journal.get("incumbent") or {}).get("key")
+    if incumbent and "us" in journal["configs"].get(incumbent, {}):
+        return incumbent, journal["configs"][incumbent]
+    return best
 
 
 def search_complete(journal: dict) -> bool:
@@ -115,7 +164,7 @@ def triton_table(journals: list[dict], run_meta: dict | None = None) -> dict | N
     configs: dict[str, dict] = {}
     incomplete = []
     for j in journals:
-        best = best_config(j)
+        best = chosen_config(j)
         if best is None:
             continue
         _, entry = best
@@ -148,9 +197,9 @@ def backend_table(journals: list[dict]) -> dict | None:
     for j in journals:
         us: dict[str, float] = {}
         errors: dict[str, str] = {}
-        best = best_config(j)
+        best = chosen_config(j)
         decision = j.get("decision") or {}
-        if best is not None and decision.get("config") == best[0] and decision.get("us"):
+        if best is not None and decision_is_current(j) and decision.get("us"):
             # every backend timed in the same rounds over several routings (runner._decide)
             us, errors = dict(decision["us"]), dict(decision.get("errors", {}))
             routings.add(decision["routings"])
@@ -362,6 +411,9 @@ __all__ = [
     "BACKEND_TABLE_VERSION",
     "backend_table",
     "best_config",
+    "chosen_config",
+    "decision_candidates",
+    "decision_is_current",
     "triton_table",
     "vllm_config",
     "vllm_device_name",

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from ..backends.triton.config import KernelConfig
 from ..bench import format_us
-from .output import best_config
+from .output import best_config, chosen_config
 
 
 class LocalReporter:
@@ -120,7 +120,7 @@ def summary_table(title: str, journals: list[dict], backend_doc: dict | None) ->
         table.add_column(head, justify="left" if head in ("best triton config", "winner") else "right")
     decisions = (backend_doc or {}).get("batch_sizes", {})
     for j in journals:
-        best = best_config(j)
+        best = chosen_config(j)
         default = j["configs"].get(j.get("default") or "", {})
         before = j["configs"].get((j.get("incumbent") or {}).get("key", ""), {})
         decision = decisions.get(str(j["batch_size"]), {})

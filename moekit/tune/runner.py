@@ -22,12 +22,14 @@ runs, and every one with --search-space none). A later search that finds a bette
 neighbour makes the next pass time that config there too.
 
 Decision timing (`_decide`), after the search at each size and after the neighbours' configs at
-each size between: triton with its best config and every other backend again, in the same
-interleaved rounds (one GPU clock state for all), the replays cycling through plan.routings
-routings of the size. The decision table is built from it: with few experts a size lies near a
+each size between: triton with each of its fastest configs (output.decision_candidates: the
+CONFIRMED_CONFIGS fastest separately timed, and the incumbent) and every other backend again, in
+the same interleaved rounds (one GPU clock state for all), the replays cycling through
+plan.routings routings of the size. The triton table takes the fastest config there
+(output.chosen_config), and the decision table is built from it: with few experts a size lies near a
 multiple of a kernel's row tile, and one routing can push an expert over it or not (a 12% swing
 of one triton point, Mixtral-8x7B, H200); auto chooses per size, so it is judged on several.
-Redone when a later search finds a better config, or with another --routings.
+Redone when a later search changes the candidates, or with another --routings.
 
 GEMM2's own launch (`_search_gemm2`), after the search at each size (and under --search-space
 none, on the configs found before): the best config of the search space (and its best 16-warp
@@ -71,7 +73,7 @@ from ..spec import QuantScheme
 from ..tables import table_name
 from ..timing import Timing, time_graph, time_graphs
 from .journal import MAX_DEATHS, Journal, journal_path, load_journals
-from .output import best_config, is_between, neighbour_configs, write_tables
+from .output import chosen_config, decision_candidates, decision_is_current, is_between, neighbour_configs, write_tables
 from .plan import TunePlan, TuneProblem
 from .precompile import Precompiler
 from .space import (
@@ -436,7 +438,7 @@ class Worker:
         table_file = problem_table_name(p, self.name)
         tuned: dict[int, KernelConfig] = {}  # the best config of every searched size (this run's conditions)
         for data in run_journals(self.plan, p, self.name)[0]:
-            best = best_config(data)
+            best = chosen_config(data)
             if best is not None and not is_between(data):
                 tuned[data["batch_size"]] = KernelConfig.from_dict(best[1]["config"])
         if not tuned or not sizes:
@@ -705,47 +707,52 @@ class Worker:
             self._check_device(what)
 
     def _decide(self, p: TuneProblem, j: Journal) -> None:
-        """The decision timing at this size (module docstring): triton with its best config and
-        every other backend, in the same interleaved rounds, the replays cycling through
-        plan.routings routings. Redone when the best config or the number of routings changes.
-        A backend whose separate timing failed (an error, a wrong output, deaths) is not run
-        again: its error stands in the decision."""
-        best = best_config(j.data)
-        if best is None:
+        """The decision timing at this size (module docstring): triton with each of its fastest
+        configs (output.decision_candidates: the incumbent too) and every other backend, in the
+        same interleaved rounds, the replays cycling through plan.routings routings; the fastest
+        triton config there is the table's (output.chosen_config). Redone when the candidates or
+        the number of routings change. A backend whose separate timing failed (an error, a wrong
+        output, deaths) is not run again: its error stands in the decision."""
+        candidates = decision_candidates(j.data)
+        if not candidates:
             return  # no triton config ran: the table keeps the separate timings
-        key, routings = best[0], self.plan.routings
+        routings = self.plan.routings
         failed = {n: r["error"] for n in p.backends if (r := j.backend(n)) is not None and "error" in r}
-        names = ["triton", *(n for n in p.backends if n not in failed)]
+        names = [n for n in p.backends if n not in failed]
         done = j.data.get("decision") or {}
         timed = set(done.get("us", {})) | set(done.get("errors", {}))
-        if done.get("config") == key and done.get("routings") == routings and ("error" in done or set(names) <= timed):
+        if decision_is_current(j.data) and done.get("routings") == routings and (
+                "error" in done or set(names) <= timed):
             return
         M = j.batch_size
-        what = f"decision {key} x{routings}"
+        what = f"decision {'/'.join(candidates)} x{routings}"
         if j.deaths(what) >= MAX_DEATHS:
-            j.data["decision"] = {"config": key, "routings": routings,
+            j.data["decision"] = {"config": candidates[0], "candidates": candidates, "routings": routings,
                                   "error": f"the process died {MAX_DEATHS} times while measuring it"}
             j.save()
             return
-        self.reporter.describe(f"{p.label} M={M}: every backend over {routings} routings")
+        self.reporter.describe(f"{p.label} M={M}: {len(candidates)} triton configs and every backend over "
+                               f"{routings} routings")
         inputs = self._inputs(p, M)
         rotation = make_routings(self.plan.routing_kind, M, p.shape, routings, seed=input_seed(self.plan.seed, M),
                                  recorded=p.recorded, device=self.device)
         x, w, tw, ids = inputs.x, inputs.weights, rotation.topk_weights, rotation.topk_ids
-        config = KernelConfig.from_dict(best[1]["config"])
 
         def layer(backend, kwargs: dict):
             return lambda: backend.run(x, w, tw, ids, **kwargs)
 
-        fns = {name: layer(get_backend(name), {"config": config} if name == "triton" else {}) for name in names}
-        whats = {name: f"{'triton ' + key if name == 'triton' else 'backend ' + name} at M={M}" for name in names}
+        fns = {f"triton {key}": layer(self.triton, {"config": KernelConfig.from_dict(j.config(key)["config"])})
+               for key in candidates}
+        fns.update({name: layer(get_backend(name), {}) for name in names})
+        whats = {name: f"{name if name.startswith('triton ') else 'backend ' + name} at M={M}" for name in fns}
         j.begin(what)
         try:
             with torch.no_grad():
                 timings = measure_times(fns, reps=self.plan.reps, warmup=self.plan.warmup, device=self.device,
                                         what=whats, before_each=rotation if len(rotation) > 1 else None)
         except Exception as e:  # noqa: BLE001 - a failure of the whole timing (a CUDA error, OOM): recorded
-            j.data["decision"] = {"config": key, "routings": routings, "error": one_line(e)}
+            j.data["decision"] = {"config": candidates[0], "candidates": candidates, "routings": routings,
+                                  "error": one_line(e)}
             j.end(what)
             self.reporter.log(f"{p.label} M={M}: the decision timing failed: {one_line(e)}")
             self._check_device(what)
@@ -753,20 +760,32 @@ class Worker:
         except BaseException:
             j.end(what)  # stopped on purpose (Ctrl-C, a test): not a death
             raise
-        us, errors = {}, dict(failed)
+        results: dict[str, float | str] = {}  # name -> µs, or why it failed
         for name, t in timings.items():
             if isinstance(t, BaseException):
-                errors[name] = one_line(t)
+                results[name] = one_line(t)
             elif not (math.isfinite(t.median_us) and t.median_us > 0):
-                errors[name] = f"measured {t.median_us} µs, below the timer's resolution"
+                results[name] = f"measured {t.median_us} µs, below the timer's resolution"
             else:
-                us[name] = round(t.median_us, 3)
-        j.data["decision"] = {"config": key, "routings": routings, "us": us, **({"errors": errors} if errors else {})}
+                results[name] = round(t.median_us, 3)
+        triton_us = {k: v for k in candidates if isinstance(v := results[f"triton {k}"], float)}
+        triton_errors = {k: v for k in candidates if isinstance(v := results[f"triton {k}"], str)}
+        us = {n: v for n in names if isinstance(v := results[n], float)}
+        errors = {**failed, **{n: v for n in names if isinstance(v := results[n], str)}}
+        chosen = min(triton_us, key=lambda k: (triton_us[k], k)) if triton_us else candidates[0]
+        if triton_us:
+            us["triton"] = triton_us[chosen]
+        else:
+            errors["triton"] = triton_errors[chosen]
+        j.data["decision"] = {"config": chosen, "candidates": candidates, "triton_us": triton_us, "routings": routings,
+                              "us": us, **({"errors": errors} if errors else {}),
+                              **({"triton_errors": triton_errors} if triton_errors else {})}
         j.end(what)
-        for name, error in errors.items():
-            if name not in failed:
-                self.reporter.log(f"{p.label} M={M}: {name} failed in the decision timing: {error}")
-        if any(name not in failed for name in errors):
+        new_failures = {**{n: e for n, e in errors.items() if n not in failed and n != "triton"},
+                        **{f"triton {k}": e for k, e in triton_errors.items()}}
+        for name, error in new_failures.items():
+            self.reporter.log(f"{p.label} M={M}: {name} failed in the decision timing: {error}")
+        if new_failures:
             self._check_device(what)
 
     def _default_output(self, p: TuneProblem, inputs: Inputs, M: int) -> torch.Tensor | None:
