@@ -228,3 +228,43 @@ def test_env_raw_follows_os_environ(monkeypatch):
     assert env.value(env.raw("MOEKIT_TEST_ENV_READ")) == "precise"
     del os.environ["MOEKIT_TEST_ENV_READ"]
     assert env.raw("MOEKIT_TEST_ENV_READ") is None
+
+
+def test_every_shipped_table_loads_whole(caplog):
+    """Each shipped table reads without a skipped entry or a warning: the triton configs with
+    KernelConfig.from_table_entry's strict rules, the decision tables with moekit.decisions'."""
+    from moekit.backends.triton import config
+
+    for path in sorted((SHIPPED_ROOT / "triton").glob("*.json")):
+        with caplog.at_level("WARNING", logger="moekit"):
+            table = config.load_table(path)
+        assert table is not None and table.configs, path.name
+        assert len(table.configs) == len(json.loads(path.read_text())["configs"]), path.name
+    assert caplog.text == ""
+    for path in sorted((SHIPPED_ROOT / "backends").glob("*.json")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert decisions.load_table(path).points, path.name
+
+
+def test_a_gpu_with_shipped_precise_tables_ships_the_fast_ones_its_group_has():
+    """A GPU model's own precise table stops a borrowed fast table from refining it
+    (tables.fast_may_refine), so a GPU model shipped with a precise table of a shape must ship its
+    own fast table wherever a model of its sharing group ships one, or fast mode would run the
+    precise configs and decisions there (the H100, twenty-fifth session: auto took cutlass at
+    Mixtral M = 4096 in fast mode, 32% slower than triton)."""
+    for kind in ("triton", "backends"):
+        named = [(tables.parse_table_name(p.name), p.name) for p in (SHIPPED_ROOT / kind).glob("*.json")]
+
+        def stem(info):
+            return tuple(info[k] for k in sorted(info) if k not in ("device_name", "fp8_accumulation"))
+
+        have = {(stem(info), tables.device_family(info["device_name"]), info["fp8_accumulation"]) for info, _ in named}
+        for info, name in named:
+            family = tables.device_family(info["device_name"])
+            group = tables.sharing_group(info["device_name"]) or ()
+            if info["fp8_accumulation"] != "fast":
+                continue
+            for other in group:
+                if other != family and (stem(info), other, "precise") in have:
+                    assert (stem(info), other, "fast") in have, f"{kind}: {other} has a precise table of {name}'s shape, no fast one"
