@@ -68,10 +68,18 @@ def time_graph(
     flush_l2: bool = True,
     device: torch.device | str | None = None,
     use_graph: bool = True,
+    rounds: int = DEFAULT_ROUNDS,
 ) -> Timing:
-    """Time `fn()` (a closure over inputs prepared beforehand). See the module docstring."""
+    """Time `fn()` (a closure over inputs prepared beforehand). See the module docstring.
+
+    Its replays and the L2 flush's (whose median is subtracted from every sample) alternate in
+    `rounds` rounds, as time_graphs does for several closures: timed in one block after the
+    closure's, the flush's median read whatever state the GPU was in for those few ms. The
+    tuner's separate timings, made that way, put configs up to 1.5x faster than the same configs
+    in interleaved rounds and below the roofline floor (H100, BENCHMARKS.md twenty-fifth
+    session); a flush median read high is one explanation, not a measured one."""
     result = time_graphs({"fn": fn}, reps=reps, warmup=warmup, flush_l2=flush_l2, device=device,
-                         use_graph=use_graph, rounds=1)["fn"]
+                         use_graph=use_graph, rounds=rounds)["fn"]
     if isinstance(result, BaseException):
         raise result
     return result

@@ -371,3 +371,23 @@ def test_eager_us_per_call_counts_warmup_apart(monkeypatch):
     monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
     assert timing.eager_us_per_call(fn, calls=7, warmup=3) == pytest.approx(2000.0)
     assert len(calls) == 10
+
+
+def test_one_closure_and_the_flush_alternate_in_rounds(monkeypatch):
+    """time_graph times its closure in rounds like time_graphs, so that on a GPU the L2 flush
+    subtracted from every sample is measured between the closure's blocks, not in one block after
+    them (tune's separate timings read configs below the roofline floor when it was)."""
+    from moekit import timing
+
+    seen = []
+    real = timing._interleave
+
+    def spy(names, reps, rounds, measure, failed):
+        seen.append((list(names), reps, rounds))
+        return real(names, reps, rounds, measure, failed)
+
+    monkeypatch.setattr(timing, "_interleave", spy)
+    t = time_graph(lambda: None, reps=10, warmup=0, device="cpu")
+    assert len(t.samples) == 10 and seen == [(["fn"], 10, timing.DEFAULT_ROUNDS)]
+    time_graph(lambda: None, reps=10, warmup=0, device="cpu", rounds=1)
+    assert seen[-1][2] == 1

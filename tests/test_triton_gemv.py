@@ -170,7 +170,7 @@ def test_vllm_export_says_why_it_skips_the_gemv_path():
     }
     _, table, notes = vllm_table([journal])
     assert table["1"]["BLOCK_SIZE_N"] == 128
-    assert notes == ["M=1: fastest config g not exported (the GEMV path (GEMV=1) has no vLLM counterpart)",
+    assert notes == ["M=1: the table's config g not exported (the GEMV path (GEMV=1) has no vLLM counterpart)",
                      "M=1: exported t, the fastest that vLLM can take"]
 
 

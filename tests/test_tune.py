@@ -61,16 +61,32 @@ class Killed(BaseException):
 DECIDE = runner.Worker._decide
 
 
+def agreeing_decision(self, p, j):
+    """Stands for a decision timing that agreed with the separate timings: its record, with the
+    candidates' separate times and no backend's (so the decision table keeps the separate
+    timings), and nothing measured."""
+    candidates = output.decision_candidates(j.data)
+    if candidates and not output.decision_is_current(j.data):
+        j.data["decision"] = {"config": candidates[0], "candidates": candidates, "routings": self.plan.routings,
+                              "triton_us": {k: j.config(k)["us"] for k in candidates}, "us": {}}
+        j.save()
+
+
 @pytest.fixture(autouse=True)
 def no_decision_timing(monkeypatch):
-    """The decision timing (runner.Worker._decide) is off in the tests of everything else, whose
-    expected calls and tables are those of the separate timings; the tests of the decision
-    timing turn it back on (`decisions_on`)."""
-    monkeypatch.setattr(runner.Worker, "_decide", lambda self, p, j: None)
+    """The decision timing (runner.Worker._decide) measures nothing in the tests of everything
+    else, whose expected calls and tables are those of the separate timings: it records that it
+    agreed with them (agreeing_decision). The tests of the decision timing turn it back on
+    (`decisions_on`); `decisions_off` leaves it out entirely (a budget cut before it)."""
+    monkeypatch.setattr(runner.Worker, "_decide", agreeing_decision)
 
 
 def decisions_on(monkeypatch):
     monkeypatch.setattr(runner.Worker, "_decide", DECIDE)
+
+
+def decisions_off(monkeypatch):
+    monkeypatch.setattr(runner.Worker, "_decide", lambda self, p, j: None)
 
 
 @pytest.fixture(autouse=True)
@@ -396,21 +412,135 @@ def test_an_unconfirmed_config_does_not_replace_the_incumbent(tmp_path, tiny_mod
     """Where no current decision timing confirmed a faster config (a budget cut before it, a
     journal of an older moekit), the table keeps the config used before, however fast another
     config's separate timing was: the separate timings misranked configs on an H100."""
+    decisions_off(monkeypatch)
     device = torch.cuda.get_device_name() if CUDA else "cpu"
     write_table_of(tmp_path / "before", {1: TABLE_CFG, 4: TABLE_CFG}, device)
     monkeypatch.setenv(CONFIG_DIR_ENV, str(tmp_path / "before"))
-    FakeTimer(us={triton(FAST_CFG): 10.0, triton(TABLE_CFG): 50.0}).install(monkeypatch)  # decisions off
+    FakeTimer(us={triton(FAST_CFG): 10.0, triton(TABLE_CFG): 50.0}).install(monkeypatch)
     out = tmp_path / "out"
-    tune(tiny_model, out, between=False)
+    result, text = tune(tiny_model, out, between=False)
     assert all("decision" not in j for j in journals(out).values())
     table = read(only_file(out / "triton"))["configs"]
     assert {m: KernelConfig.from_table_entry(e) for m, e in table.items()} == {m: TABLE_CFG for m in SIZES}
+    # and the run says so: rerun to confirm the faster config
+    keeps = f"the decision timing of its fastest configs (the table keeps {config_key(TABLE_CFG)} there meanwhile)"
+    assert len(result.not_covered) == len(SIZES) and all(keeps in line for line in result.not_covered)
     # without an incumbent, the fastest separate timing stands
     FakeTimer(us={triton(FAST_CFG): 10.0}).install(monkeypatch)
     monkeypatch.delenv(CONFIG_DIR_ENV)
     tune(tiny_model, tmp_path / "out2", between=False)
     table = read(only_file(tmp_path / "out2" / "triton"))["configs"]
     assert {m: KernelConfig.from_table_entry(e) for m, e in table.items()} == {m: FAST_CFG for m in SIZES}
+
+
+def test_the_incumbent_is_confirmed_however_it_ranked_alone(tmp_path, tiny_model, monkeypatch):
+    """The decision timing runs the incumbent even when its separate timing ranked it below the
+    CONFIRMED_CONFIGS fastest, and it stays where it wins there."""
+    decisions_on(monkeypatch)
+    monkeypatch.setattr(output, "CONFIRMED_CONFIGS", 1)
+    device = torch.cuda.get_device_name() if CUDA else "cpu"
+    write_table_of(tmp_path / "before", {4: TABLE_CFG}, device)
+    monkeypatch.setenv(CONFIG_DIR_ENV, str(tmp_path / "before"))
+    timer = FakeTimer(us={triton(FAST_CFG): 10.0, triton(TABLE_CFG): 50.0})
+    timer.install(monkeypatch)
+
+    def many(fns, **kw):  # over the routings the incumbent is the faster
+        out = timer.many(fns, **kw)
+        out[triton(TABLE_CFG)] = Timing.from_samples([30.0], "fake")
+        out[triton(FAST_CFG)] = Timing.from_samples([90.0], "fake")
+        return out
+
+    monkeypatch.setattr(runner, "measure_times", many)
+    out = tmp_path / "out"
+    tune(tiny_model, out, batch_sizes=["4"], between=False)
+    decision = journals(out)[4]["decision"]
+    assert decision["candidates"] == [config_key(FAST_CFG), config_key(TABLE_CFG)]
+    assert decision["config"] == config_key(TABLE_CFG)
+    assert KernelConfig.from_table_entry(read(only_file(out / "triton"))["configs"]["4"]) == TABLE_CFG
+
+
+def test_the_last_size_is_confirmed_when_the_budget_ends_in_its_search(tmp_path, tiny_model, monkeypatch):
+    """The last size's share of the budget ends at the deadline: its decision timing runs after
+    it all the same (seconds), else its search could never replace the incumbent."""
+    decisions_on(monkeypatch)
+    device = torch.cuda.get_device_name() if CUDA else "cpu"
+    write_table_of(tmp_path / "before", {1: TABLE_CFG, 4: TABLE_CFG}, device)
+    monkeypatch.setenv(CONFIG_DIR_ENV, str(tmp_path / "before"))
+    monkeypatch.setattr(space, "GEMM2_GRID_CPU", ((32, 4, 2), (64, 4, 3), (32, 2, 3), (64, 2, 2), (32, 4, 4)))
+    timer = FakeTimer(us={triton(FAST_CFG): 10.0, triton(TABLE_CFG): 50.0}, step=10.0).install(monkeypatch)
+    out = tmp_path / "out"
+    start = timer.now
+    result, text = tune(tiny_model, out, budget="210s", backends=["torch"], gemm2=True, between=False)
+    js = journals(out)
+    decided_at = timer.calls.index(f"decision: {triton(FAST_CFG)} at M=4")
+    assert start + 10.0 * decided_at >= start + 210  # after the deadline
+    assert js[4]["decision"]["config"] == config_key(FAST_CFG)
+    table = read(only_file(out / "triton"))["configs"]
+    assert KernelConfig.from_table_entry(table["4"]) == FAST_CFG
+
+
+def test_every_triton_candidate_failing_in_the_decision_timing(tmp_path, tiny_model, monkeypatch):
+    """No triton config ran in the decision timing: the decision table says triton failed there
+    (auto takes another backend), the triton table keeps its config, and the run goes on."""
+    decisions_on(monkeypatch)
+    monkeypatch.setattr(runner.Worker, "_check_device", lambda self, what: None)
+    timer = FakeTimer(us={triton(FAST_CFG): 10.0})
+    timer.install(monkeypatch)
+
+    def many(fns, **kw):
+        out = timer.many(fns, **kw)
+        return {name: RuntimeError("too many resources requested") if name.startswith("triton ") else t
+                for name, t in out.items()}
+
+    monkeypatch.setattr(runner, "measure_times", many)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out, backends=["torch"], batch_sizes=["4"], between=False)
+    assert result.exit_code == 0, text
+    decision = journals(out)[4]["decision"]
+    assert decision["errors"] == {"triton": "RuntimeError: too many resources requested"}
+    assert set(decision["triton_errors"]) == set(decision["candidates"]) and "triton" not in decision["us"]
+    entry = read(only_file(out / "backends"))["batch_sizes"]["4"]
+    assert entry["winner"] == "torch" and "triton" in entry["errors"]
+    assert KernelConfig.from_table_entry(read(only_file(out / "triton"))["configs"]["4"]) == FAST_CFG
+
+
+def test_the_vllm_export_follows_the_table(tmp_path, tiny_model, monkeypatch):
+    """Where the table keeps the incumbent (no decision timing confirmed FAST_CFG), the vLLM file
+    exports the incumbent too, not the config only the separate timing put first."""
+    decisions_off(monkeypatch)
+    device = torch.cuda.get_device_name() if CUDA else "cpu"
+    write_table_of(tmp_path / "before", {1: TABLE_CFG, 4: TABLE_CFG}, device)
+    monkeypatch.setenv(CONFIG_DIR_ENV, str(tmp_path / "before"))
+    FakeTimer(us={triton(FAST_CFG): 10.0, triton(TABLE_CFG): 50.0}).install(monkeypatch)
+    tune(tiny_model, tmp_path / "out", between=False, export_vllm=str(tmp_path / "vllm"))
+    exported = read(only_file(tmp_path / "vllm"))
+    assert set(exported) == set(SIZES)
+    assert all((v["BLOCK_SIZE_M"], v["BLOCK_SIZE_N"] // 2, v["GROUP_SIZE_M"]) ==  # N: gate and up columns
+               (TABLE_CFG.BLOCK_M, TABLE_CFG.BLOCK_N, TABLE_CFG.GROUP_M) for v in exported.values()), exported
+
+
+def test_a_fast_mode_incumbent_reads_the_precise_table_in_out(tmp_path, tiny_model, monkeypatch):
+    """In fast mode the backend runs the fast table over the precise one; a fast tune into the
+    --out of an earlier precise tune records as incumbent what the backend ran: the precise
+    table there (not a fast one: the run's own)."""
+    from moekit import select
+
+    device = torch.cuda.get_device_name() if CUDA else "cpu"
+    write_table_of(tmp_path / "before", {1: TABLE_CFG, 4: TABLE_CFG}, device)
+    out = tmp_path / "out"
+    monkeypatch.setenv(CONFIG_DIR_ENV, f"{out}{os.pathsep}{tmp_path / 'before'}")
+    decisions_on(monkeypatch)
+    FakeTimer(us={triton(FAST_CFG): 10.0}).install(monkeypatch)
+    tune(tiny_model, out, between=False)  # the precise table into --out: FAST_CFG
+    monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
+    select.clear_cache()
+    ran = {m: get_config(SHAPE, FP8_CHANNEL_TOKEN, m, device) for m in (1, 4)}
+    assert ran == {1: FAST_CFG, 4: FAST_CFG}
+    FakeTimer(us={triton(FAST_CFG): 10.0}).install(monkeypatch)
+    tune(tiny_model, out, between=False)
+    fast = next(d for d in (out / ".progress").iterdir() if d.is_dir() and "fast" in d.name)
+    assert {m: read(fast / f"M={m}.json")["incumbent"]["key"] for m in (1, 4)} == {1: config_key(FAST_CFG),
+                                                                                   4: config_key(FAST_CFG)}
 
 
 def test_the_run_looks_past_its_own_tables_for_the_config_used_before(tmp_path, tiny_model, monkeypatch):
@@ -543,10 +673,17 @@ def test_sizes_between_take_neighbour_configs_of_the_run_conditions_only(tmp_pat
     assert js[4]["between_configs"] == [config_key(FAST_CFG)]
 
 
-def test_a_budget_cut_sets_aside_only_what_it_measured_again(tmp_path, tiny_model, monkeypatch):
+@pytest.mark.parametrize("incumbent", [False, True], ids=["no-table", "table-before"])
+def test_a_budget_cut_sets_aside_only_what_it_measured_again(incumbent, tmp_path, tiny_model, monkeypatch):
     """Other conditions and a budget used up by the first measurement: M=1's journal is set
     aside when its new one is saved, M=4's is left as it was (not measured, nothing lost), and
-    the tables the first run wrote, which the new ones lack sizes of, are kept."""
+    the tables the first run wrote, which the new ones lack sizes of, are kept. Also where a
+    table from before gives an incumbent (the H100 and H200 have shipped ones): recording it is
+    no measurement, and sets nothing aside."""
+    if incumbent:
+        device = torch.cuda.get_device_name() if CUDA else "cpu"
+        write_table_of(tmp_path / "before", {1: TABLE_CFG, 4: TABLE_CFG}, device)
+        monkeypatch.setenv(CONFIG_DIR_ENV, str(tmp_path / "before"))
     FakeTimer().install(monkeypatch)
     out = tmp_path / "out"
     tune(tiny_model, out)

@@ -114,9 +114,14 @@ class Journal:
         return found["config"] if found else None
 
     def set_incumbent(self, key: str, config: dict) -> None:
+        """Record the incumbent; written at once only into a file of this run's conditions
+        already there, else with the first measurement: a fresh journal's first save sets aside
+        the file of other conditions it replaces (open), which a size the run never measures
+        (a budget cut) must keep."""
         if self.data.get("incumbent") != {"key": key, "config": config}:
             self.data["incumbent"] = {"key": key, "config": config}
-            self.save()
+            if self._replaces is None and self.path.is_file():
+                self.save()
 
     def backend(self, name: str) -> dict | None:
         return self.data["backends"].get(name)

@@ -1,7 +1,7 @@
 """What `moekit tune` writes, rebuilt from the journals (moekit.tune.journal) each time:
 
-OUT/triton/<table name>     the triton backend's table: per batch size the fastest config measured
-                            and its µs (read by moekit.backends.triton.config)
+OUT/triton/<table name>     the triton backend's table: per batch size the config chosen there
+                            (chosen_config) and its µs (read by moekit.backends.triton.config)
 OUT/backends/<table name>   the backend decision table: per batch size every backend's µs and the
                             winner (read by moekit.decisions; format below)
 DIR/<vLLM name>             with --export-vllm: the same configs in vLLM's fused_moe file format
@@ -97,16 +97,19 @@ def decision_is_current(journal: dict) -> bool:
 
 def chosen_config(journal: dict) -> tuple[str, dict] | None:
     """(key, entry) of the config the triton table takes at this size: the fastest of the
-    decision timing's configs where that timing is current and one of them ran there; else the
-    incumbent where it ran (a config replaces the one used before only once confirmed: a budget
-    cut before the decision timing, or a journal of an older moekit, keeps it); else the fastest
-    separately timed (best_config). None where no config ran."""
+    decision timing's configs (that timing's last run, current or not); else the incumbent where
+    it ran (a config replaces the one used before only once confirmed: a budget cut before the
+    decision timing, or a journal of an older moekit, keeps it); else the fastest separately
+    timed (best_config). None where no config ran."""
     best = best_config(journal)
-    decision = journal.get("decision") or {}
-    confirmed = decision.get("triton_us") or {}
     if best is None:
         return None
-    if confirmed and decision_is_current(journal):
+    decision = journal.get("decision") or {}
+    # an older decision timing (a later search added candidates, and the budget ended before it
+    # was redone) still confirmed its own winner against the incumbent: kept until redone
+    confirmed = {k: us for k, us in (decision.get("triton_us") or {}).items()
+                 if "us" in journal["configs"].get(k, {})}
+    if confirmed:
         key = min(confirmed, key=lambda k: (confirmed[k], k))
         return key, journal["configs"][key]
     incumbent = (journal.get("incumbent") or {}).get("key")
@@ -290,8 +293,9 @@ def vllm_config(cfg: KernelConfig, scheme: QuantScheme) -> tuple[dict | None, st
 
 
 def vllm_table(journals: list[dict]) -> tuple[str, dict, list[str]] | None:
-    """(file name, {"<M>": config}, notes): per batch size the fastest measured config that vLLM
-    can take (see vllm_config); notes say where that is not the overall fastest, or none could."""
+    """(file name, {"<M>": config}, notes): per batch size the triton table's config
+    (chosen_config) where vLLM can take it (see vllm_config), else the fastest measured that it
+    can; notes say where the table's config is not exported, or none could be."""
     if not journals:
         return None
     problem, fp = journals[-1]["problem"], journals[-1]["fingerprint"]
@@ -299,12 +303,14 @@ def vllm_table(journals: list[dict]) -> tuple[str, dict, list[str]] | None:
     table: dict[str, dict] = {}
     notes = []
     for j in journals:
-        ran = sorted((v["us"], k) for k, v in j["configs"].items() if "us" in v)
-        for rank, (_, key) in enumerate(ran):
+        chosen = chosen_config(j)
+        ran = sorted((v["us"], k) for k, v in j["configs"].items() if "us" in v and k != chosen[0]) if chosen else []
+        ranked = [chosen[0], *(k for _, k in ran)] if chosen else []  # the table's config, then by time
+        for rank, key in enumerate(ranked):
             cfg, why = vllm_config(KernelConfig.from_dict(j["configs"][key]["config"]), scheme)
             if cfg is None:
                 if rank == 0:
-                    notes.append(f"M={j['batch_size']}: fastest config {key} not exported ({why})")
+                    notes.append(f"M={j['batch_size']}: the table's config {key} not exported ({why})")
                 continue
             table[str(j["batch_size"])] = cfg
             if rank:

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from ..backends.triton.config import KernelConfig
 from ..bench import format_us
-from .output import best_config, chosen_config
+from .output import best_config, chosen_config, decision_is_current
 
 
 class LocalReporter:
@@ -168,6 +168,8 @@ def uncovered(journals_by_size: dict[int, dict], batch_sizes: list[int], backend
         elif not search.get("complete"):
             timed = sum(1 for v in j["configs"].values() if not KernelConfig.from_dict(v["config"]).has_gemm2)
             missing.append(f"part of the search ({timed} configs measured, {search['candidates']} candidates)")
+        if best_config(j) is not None and not decision_is_current(j):
+            missing.append(_decision_missing(j))
         for field in ("gemm2", "gemm2_wide", "gemm2_tall"):  # runner.gemm2_bases
             gemm2 = j.get(field)
             if gemm2 is not None and not gemm2.get("complete"):
@@ -176,6 +178,12 @@ def uncovered(journals_by_size: dict[int, dict], batch_sizes: list[int], backend
         if missing:
             lines.append(f"M={M}: not measured: {', '.join(missing)}")
     return lines
+
+
+def _decision_missing(j: dict) -> str:
+    """What a size lacks without a current decision timing, and what its table keeps meanwhile."""
+    keeps = chosen_config(j)[0]
+    return f"the decision timing of its fastest configs (the table keeps {keeps} there meanwhile)"
 
 
 def between_summary(journals_by_size: dict[int, dict], backend_doc: dict | None) -> str:
@@ -196,6 +204,8 @@ def uncovered_between(journals_by_size: dict[int, dict], sizes: list[int], backe
         j = journals_by_size.get(M)
         triton_timed = j is not None and best_config(j) is not None
         missing = [n for n in backends if j is None or (not triton_timed if n == "triton" else n not in j["backends"])]
+        if triton_timed and not decision_is_current(j):
+            missing.append(_decision_missing(j))
         if missing:
             lines.append(f"M={M} (between): not measured: {', '.join(missing)}")
     return lines

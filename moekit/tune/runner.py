@@ -13,9 +13,9 @@ output far from the default config's) is recorded with its reason and skipped. A
 a GPU the device is synchronised: an error that broke the CUDA context stops the run
 (`DeviceBroken`), the config recorded as failed, so a rerun continues past it.
 
-Between the tuned sizes (plan.between): every backend is timed again, triton with the best config
-of each of the two searched sizes around it (and the incumbent there); the fastest of those becomes
-the triton table's config there too, so that the config auto's table timed is the config the backend runs.
+Between the tuned sizes (plan.between): every backend is timed again, triton with the config
+chosen at each of the two searched sizes around it and the incumbent there; the decision timing
+then picks the triton table's config there too, so that the config auto's table timed is the config the backend runs.
 A size between two others is measured as soon as both are searched (so a budget cut leaves the
 ones before it done); a last pass after all workers covers the rest (sizes between two workers'
 runs, and every one with --search-space none). A later search that finds a better config for a
@@ -305,16 +305,17 @@ def order_candidates(configs: Sequence[KernelConfig], neighbour: NeighbourResult
 
 
 def incumbents(plan: TunePlan, p: TuneProblem, device: str, sizes: Sequence[int]) -> dict[int, KernelConfig]:
-    """{batch size: the config the triton backend runs there}, where a table outside this run's
-    output folder gives one: the user's (MOEKIT_CONFIG_DIR), a shipped one, or one borrowed from
+    """{batch size: the config the triton backend runs there}, where a table other than the
+    run's own gives one: the user's (MOEKIT_CONFIG_DIR), a shipped one, or one borrowed from
     another GPU model of the sharing group (moekit.tables.SHARING_GROUPS). The tuner times it
     beside the default config, so the table it writes is never slower at a size it measures than
     the one it replaces (up to the timing's spread), however short the budget: an H100 tune
     replaces the H200 table it borrowed entirely, and that table carries configs hand-timed over
     many sessions, which a short search may not reach. {} where no table is found. The run's
-    own tables are looked past (skip_roots), so that the answer is the same before and after
-    the run writes them."""
-    before = problem_configs(p.shape, p.scheme, device, skip_roots=(plan.out_dir,))
+    own tables (of its accumulation mode, in its --out) are looked past, so that the answer is the
+    same before and after the run writes them; in fast mode a precise table in --out, which the
+    fast tables refine, is read as the backend reads it."""
+    before = problem_configs(p.shape, p.scheme, device, skip_own=(plan.out_dir,))
     return {M: before.get(M) for M in sizes} if before.table else {}
 
 
@@ -381,7 +382,7 @@ class Worker:
                 j.data.pop("between_config", None)
                 j.save()
         for M, cfg in incumbents(self.plan, p, self.name, self.sizes).items():
-            journals[M].set_incumbent(config_key(cfg), cfg.to_dict())
+            journals[M].set_incumbent(config_key(cfg), cfg.to_dict())  # saved with the first measurement
         searching = self.plan.search_space != "none"
         estimate = {M: self._static_candidates(p, M, journals[M]) if searching else 0 for M in self.sizes}
         self.reporter.add_total(sum(estimate.values()) + sum(len(self._baseline_todo(p, j)) for j in journals.values()))
@@ -400,8 +401,9 @@ class Worker:
                 self._search(p, journals[M], previous, estimate[M], self._search_end(share_end))
                 self._search_gemm2(p, journals[M], share_end)
                 self.slots_left -= 1
-                if not self.deadline.passed():
-                    self._decide(p, journals[M])
+                # even past the deadline (seconds): without it this size's search cannot replace
+                # the incumbent (output.chosen_config), and the last size's share ends at the deadline
+                self._decide(p, journals[M])
                 if previous is not None:
                     self._between(p, [b for b in self.plan.between if previous.batch_size < b < M])
                 previous = journals[M]

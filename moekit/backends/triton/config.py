@@ -353,15 +353,17 @@ def _first_table(shape: MoEShape, scheme: QuantScheme, device_name: str, accumul
 
 
 def tuned_configs(shape: MoEShape, scheme: QuantScheme, device_name: str,
-                  skip_roots: Sequence[Path] = ()) -> tuple[dict[int, KernelConfig], Path] | None:
+                  skip_own: Sequence[Path] = ()) -> tuple[dict[int, KernelConfig], Path] | None:
     """(configs by batch size, the file they came from), or None. In fast accumulation mode a
     fast-mode table refines the precise one (moekit.tables): its sizes over the precise table's,
     unless it was measured on another GPU model and the precise table on this one (this GPU's
-    own measurements win over a borrowed table's). Tables under `skip_roots` are not read."""
-    found = precise = _first_table(shape, scheme, device_name, "precise", skip_roots)
+    own measurements win over a borrowed table's). The tables of the current accumulation mode
+    under the table roots `skip_own` are not read (a tune run's own: moekit.tune.runner.incumbents)."""
+    mode = table_accumulation(scheme)
+    found = precise = _first_table(shape, scheme, device_name, "precise", skip_own if mode == "precise" else ())
     used = [precise[1]] if precise else []
-    if table_accumulation(scheme) == "fast":
-        fast = _first_table(shape, scheme, device_name, "fast", skip_roots)
+    if mode == "fast":
+        fast = _first_table(shape, scheme, device_name, "fast", skip_own)
         if fast is not None and tables.fast_may_refine(precise[1] if precise else None, fast[1], device_name):
             found = ({**precise[0], **fast[0]} if precise else fast[0]), fast[1]
             used.append(fast[1])
@@ -410,10 +412,10 @@ def get_config(shape: MoEShape, scheme: QuantScheme, num_tokens: int, device_nam
 
 
 def problem_configs(shape: MoEShape, scheme: QuantScheme, device_name: str | None,
-                    skip_roots: Sequence[Path] = ()) -> "ProblemConfigs":
+                    skip_own: Sequence[Path] = ()) -> "ProblemConfigs":
     """The configs the backend runs for one problem, per batch size (not remembered: get_config
-    is the remembered lookup), from the tables found outside `skip_roots`."""
-    found = tuned_configs(shape, scheme, device_name, skip_roots) if device_name else None
+    is the remembered lookup), from the tables found (tuned_configs: `skip_own`)."""
+    found = tuned_configs(shape, scheme, device_name, skip_own) if device_name else None
     return ProblemConfigs(shape, scheme, found[0] if found else {})
 
 
