@@ -543,6 +543,17 @@ def test_a_fast_mode_incumbent_reads_the_precise_table_in_out(tmp_path, tiny_mod
                                                                                    4: config_key(FAST_CFG)}
 
 
+def test_the_journal_keeps_the_flush_time_each_timing_subtracted(tmp_path, tiny_model, monkeypatch):
+    """A separate timing's L2 flush median (timing.time_graph subtracts it from every sample) is
+    kept beside its µs, so that a timing thrown off by a misread flush can be told afterwards."""
+    FakeTimer().install(monkeypatch)
+    monkeypatch.setattr(runner, "measure_time", lambda fn, **kw: Timing.from_samples([80.0], "cuda-graph", 190.25))
+    out = tmp_path / "out"
+    tune(tiny_model, out, batch_sizes=["1"], between=False)
+    entries = [*journals(out)[1]["configs"].values(), *journals(out)[1]["backends"].values()]
+    assert entries and all(e["flush_us"] == 190.2 and e["us"] == 80.0 for e in entries)
+
+
 def test_the_run_looks_past_its_own_tables_for_the_config_used_before(tmp_path, tiny_model, monkeypatch):
     """With its output folder in MOEKIT_CONFIG_DIR (how tuned tables are used), a rerun's
     incumbent is still the table from before the first run, not the first run's own."""
