@@ -1,6 +1,7 @@
 """moekit: fast FP8 Mixture-of-Experts layers on NVIDIA Hopper, with the choice of kernel measured."""
 
 from .api import fused_moe
+from .compile_ahead import warmup
 from .backends import backend_names, get_backend
 from .layer import MoELayer
 from .routing import RoutingConfig, route
@@ -27,4 +28,5 @@ __all__ = [
     "BackendUnavailableError",
     "backend_names",
     "get_backend",
+    "warmup",
 ]

@@ -214,6 +214,67 @@ def cmd_select(args) -> int:
     return 0
 
 
+def cmd_warmup(args) -> int:
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from moekit.bench import parse_batch_sizes
+    from moekit.compile_ahead import batch_sizes_to_warm, warmup
+    from moekit.models import get_model
+    from moekit.select import BackendUnavailableError
+    from moekit.spec import get_scheme
+    from moekit.weights import empty_weights
+
+    if args.tp < 1:
+        raise UsageError(f"--tp must be a positive integer, got {args.tp}")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    try:
+        listed = parse_batch_sizes(args.batch_sizes, ()) if args.batch_sizes else None
+        sizes = batch_sizes_to_warm(None if listed else args.max_batch_size, listed)
+        problems = []
+        for name in args.model:  # every model checked before the first compiles
+            spec = get_model(name, tp=args.tp)
+            problems.append((spec, get_scheme(args.scheme) if args.scheme else spec.scheme))
+    except ValueError as e:  # BenchInputError too
+        raise UsageError(" ".join(str(e).split())) from None
+    if not torch.cuda.is_available():
+        raise UsageError("moekit warmup compiles GPU kernels: no CUDA GPU is visible here")
+    device = torch.device("cuda")
+    table = Table(title=f"moekit warmup on {torch.cuda.get_device_name(device)}")
+    for head in ("model", "scheme", "sizes via triton", "other backends", "kernels compiled", "seconds"):
+        table.add_column(head, justify="right" if head in ("kernels compiled", "seconds") else "left")
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    for spec, scheme in problems:
+        weights = empty_weights(spec.shape, scheme, device, dtype)  # never read: nothing is launched
+        with Progress(*columns, console=console, transient=True) as progress:
+            task = progress.add_task(f"{spec.name} ({scheme.name})", total=len(sizes))
+            try:
+                report = warmup(weights, spec.shape.top_k, batch_sizes=sizes, dtype=dtype, backend=args.backend,
+                                on_size=lambda M: progress.advance(task))
+            except BackendUnavailableError as e:
+                raise UsageError(f"backend {e.name!r} cannot run {spec.name}: {'; '.join(e.reasons)}") from None
+            except ValueError as e:
+                raise UsageError(f"{spec.name}: {' '.join(str(e).split())}") from None
+        others = "; ".join(f"{b}: {_ranges(ms)}" for b, ms in sorted(report.other_backends.items())) or "-"
+        table.add_row(spec.name, scheme.name, _ranges(report.triton_sizes) or "-", others,
+                      "?" if report.compiled is None else str(report.compiled), f"{report.seconds:.1f}")
+        del weights
+    console.print(table)
+    return 0
+
+
+def _ranges(sizes) -> str:
+    """1, 2, 3, 5, 6 -> '1-3, 5-6'."""
+    runs: list[list[int]] = []
+    for m in sorted(sizes):
+        if runs and m == runs[-1][1] + 1:
+            runs[-1][1] = m
+        else:
+            runs.append([m, m])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
+
+
 def cmd_eval(args) -> int:
     from moekit.hf.eval import EvalInputError, EvalOptions, run_eval  # imports transformers: only here
 
@@ -326,6 +387,20 @@ def build_parser() -> argparse.ArgumentParser:
     select.add_argument("--backend", default=None, help="a backend name, as the backend argument would give it")
     select.add_argument("--dtype", default="bf16", help="activation dtype: bf16 or fp16")
     select.set_defaults(func=cmd_select)
+    warm = command("warmup", "compile the triton kernels a model's MoE layers launch up to a batch size, before serving")
+    warm.add_argument("--model", action="append", required=True, metavar="NAME|PATH",
+                      help="a preset name (see `moekit models`) or a config.json / model folder; repeatable")
+    warm.add_argument(*TP_FLAGS, dest="tp", type=int, default=1, help="tensor parallelism")
+    warm.add_argument("--scheme", default=None, help="quantization scheme (default: the model's own)")
+    warm.add_argument("--max-batch-size", "--max-num-batched-tokens", dest="max_batch_size", type=int, default=8192,
+                      metavar="M", help="compile for every batch size (tokens) from 1 to M (default 8192; vLLM's "
+                                        "--max-num-batched-tokens is the largest a step runs)")
+    warm.add_argument("--batch-sizes", nargs="+", metavar="M", default=None,
+                      help="only these batch sizes (instead of 1 ... --max-batch-size)")
+    warm.add_argument("--backend", default="auto",
+                      help="as fused_moe's backend argument (default auto: the sizes it gives triton)")
+    warm.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="activation dtype")
+    warm.set_defaults(func=cmd_warmup)
     ev = command("eval", "a local transformers MoE model on each backend: perplexity, KL and top-1 vs reference, tokens/s")
     ev.add_argument("--model", required=True, metavar="PATH", help="a local model folder (config.json, safetensors, tokenizer)")
     ev.add_argument("--backends", nargs="+", metavar="NAME", default=None,

@@ -347,6 +347,29 @@ class MoELayer(HandleOwner, torch.nn.Module):
                 )
         return out if x.dim() == 2 else out.reshape(*lead, out.shape[-1])
 
+    def warmup(self, max_batch_size: int | None = None, *, batch_sizes=None, top_k: int | None = None,
+               dtype: torch.dtype = torch.bfloat16, on_size=None):
+        """Compile the triton kernels this layer's calls would launch at each batch size (1 ...
+        max_batch_size, or `batch_sizes`) before serving, launching none: `moekit.warmup` with this
+        layer's weights, backend and top-k (its RoutingConfig's, else `top_k`). Under parallel="tp"
+        each rank warms its own shard at the same sizes. An expert-parallel layer is refused: the
+        rows its local experts receive depend on the routing; warm them with
+        `moekit.warmup(layer.weights, top_k, batch_sizes=...)` at the sizes they get."""
+        from .compile_ahead import warmup
+
+        if self.parallel == "ep":
+            raise ValueError(
+                "MoELayer.warmup does not take an expert-parallel layer (the rows its experts receive depend on the "
+                "routing): call moekit.warmup(layer.weights, top_k, batch_sizes=...) with the local batch sizes"
+            )
+        if self.routing is not None and top_k not in (None, self.routing.top_k):
+            raise ValueError(f"top_k={top_k} differs from this layer's RoutingConfig top_k {self.routing.top_k}")
+        k = self.routing.top_k if self.routing is not None else top_k
+        if k is None:
+            raise ValueError("this MoELayer has no RoutingConfig: pass top_k, the experts per token of its calls")
+        return warmup(self.weights, k, max_batch_size, batch_sizes=batch_sizes, dtype=dtype, backend=self.backend,
+                      on_size=on_size)
+
     def extra_repr(self) -> str:
         w = self.weights
         top_k = f", top_k={self.routing.top_k}" if self.routing is not None else ""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemm2|unmarked|pending|ids|route|hfroute|halfheight|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points (BENCHMARKS.md, Reference points): the expert GEMMs alone
@@ -64,6 +64,9 @@
 # halfheight: the 128-row Gluon GEMM1's half-height tile timed on and off (diag_half_tail.py,
 #        DeepSeek-V3 / Qwen3 block FP8 and Mixtral per-channel, precise mode; measured in the
 #        nineteenth session: bitwise, no clear win, so it stays off); not part of `all`.
+# warmup: `moekit warmup` of the three anchor models up to M = 8192, twice: the first compiles (a
+#        fresh machine: Triton's on-disk cache empty), the second finds every kernel on disk (a
+#        new process); how long each takes. Not part of `all`.
 # FAST_ARGS adds arguments to the fast step's diag_fast.py ("--batch-sizes 1 2 4 8").
 #
 # A step after `tune` in the same call (auto, bench, check) uses the tables just tuned
@@ -221,6 +224,16 @@ if [[ " ${steps[*]} " == *" halfheight "* ]]; then
 fi
 if [[ " ${steps[*]} " == *" decode "* ]]; then
   python3 scripts/diag_decode.py --pdl ${DECODE_ARGS:-} --json "$WORK/diag_decode.json" || status=1
+fi
+if [[ " ${steps[*]} " == *" warmup "* ]]; then
+  for pass in compile from-disk; do
+    for m in "${MODELS[@]}"; do
+      read -r model tp scheme <<<"$m"
+      start=$SECONDS
+      moekit warmup --model "$model" --tp "$tp" --scheme "$scheme" --max-batch-size 8192 || status=1
+      echo "warmup $pass $model: $((SECONDS - start)) s wall, Python start-up included"
+    done
+  done
 fi
 if want hf; then
   python3 scripts/bench_hf_layer.py --tp 2 --scheme fp8-channel-token --backends auto triton cutlass \

@@ -50,7 +50,7 @@ def parse(*argv):
     return build_parser().parse_args(list(argv))
 
 
-@pytest.mark.parametrize("command", ["bench", "check", "tune", "select"])
+@pytest.mark.parametrize("command", ["bench", "check", "tune", "select", "warmup"])
 @pytest.mark.parametrize("flag", ["--tp", "--tp-size", "-tp", "--tensor-parallel-size"])
 def test_vllm_spellings_of_tp_are_aliases(command, flag):
     model = ["--model", "mixtral-8x7b"]

@@ -30,6 +30,7 @@ from moekit.bench import make_weights
 from moekit.cli import main
 from moekit.spec import BF16, FP8_BLOCK128, FP8_CHANNEL_TOKEN, MoEShape, get_scheme
 from moekit.tables import CONFIG_DIR_ENV, table_name
+from moekit.weights import empty_weights
 from moekit.timing import Timing
 from moekit.tune import (
     TuneOptions,
@@ -1482,7 +1483,7 @@ def test_helpers_compile_with_the_workers_shapes_and_dtypes(scheme):
     measures with (Triton specializes on them, so anything else compiles other kernels)."""
     s = get_scheme(scheme)
     real = make_weights(SHAPE, s, torch.device("cpu"))
-    empty = precompile.empty_weights(SHAPE, s, torch.device("cpu"), torch.bfloat16)
+    empty = empty_weights(SHAPE, s, torch.device("cpu"), torch.bfloat16)
     want = {k: (v.shape, v.dtype, v.stride()) for k, v in real.tensors().items()}
     assert {k: (v.shape, v.dtype, v.stride()) for k, v in empty.tensors().items()} == want
 

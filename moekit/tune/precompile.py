@@ -20,9 +20,8 @@ from concurrent import futures
 import torch
 
 from ..backends.triton.config import KernelConfig
-from ..quant import weight_scale_shape
 from ..spec import MoEShape, QuantScheme
-from ..weights import MoEWeights
+from ..weights import empty_weights
 
 
 def default_helpers(device: torch.device) -> int:
@@ -31,22 +30,6 @@ def default_helpers(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return max(0, min(8, (os.cpu_count() or 2) // 2))
-
-
-def empty_weights(shape: MoEShape, scheme: QuantScheme, device: torch.device, dtype: torch.dtype) -> MoEWeights:
-    """Weights with the shapes and dtypes of the scheme, contents undefined (never read; the static
-    activation scales ones, which MoEWeights checks)."""
-    E, H, N = shape.num_experts, shape.hidden, shape.n
-    wdtype = torch.float8_e4m3fn if scheme.is_fp8 else dtype
-    tensors = {"w13": torch.empty(E, 2 * N, H, dtype=wdtype, device=device),
-               "w2": torch.empty(E, H, N, dtype=wdtype, device=device)}
-    if scheme.is_fp8:
-        tensors["w13_scale"] = torch.empty(weight_scale_shape(scheme.weight, E, 2 * N, H), device=device)
-        tensors["w2_scale"] = torch.empty(weight_scale_shape(scheme.weight, E, H, N), device=device)
-        if scheme.static_activation:  # ones: MoEWeights checks these two values (positive, finite)
-            tensors["a13_scale"] = torch.ones(1, device=device)
-            tensors["a2_scale"] = torch.ones(1, device=device)
-    return MoEWeights(scheme, **tensors)
 
 
 # ------------------------------------------------------------------- inside a helper process

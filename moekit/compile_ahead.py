@@ -1,0 +1,138 @@
+"""Compiling the triton backend's kernels before serving: `moekit.warmup`, `MoELayer.warmup` and
+`moekit warmup`.
+
+Triton compiles a kernel again for every new specialization of its arguments: an integer
+argument is specialized on being 1 and on being a multiple of 16, and the launch code derives
+compile-time constants from the batch size (the alignment's chunk count rounded to a power of
+two, the GEMV or the tiled path, and the tuned config of the nearest batch size, each config its
+own kernels). So a server meeting a batch size of a new class compiles during that request: a
+few seconds per kernel on a Hopper host where Triton's on-disk cache does not have it yet.
+
+`warmup` runs the triton backend's launch code at each batch size asked for, inside
+`launch.compile_only()`: every kernel that size would launch is compiled (kept in this process
+and in Triton's on-disk cache, where a later process finds it) and none is launched. The inputs
+are empty tensors, nothing is computed, and a size whose kernels are all compiled already costs
+host time only. Under `backend="auto"` only the sizes auto gives the triton backend are run: the
+other backends' kernels (CUTLASS's, torch's) are built ahead of time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .weights import MoEWeights
+
+# The largest batch size warmup takes: every size up to it is run, a few hundred µs of host time
+# each once compiled, so 65536 is under a minute of host time.
+MAX_WARMUP_BATCH = 65536
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+    triton_sizes: tuple[int, ...]  # the batch sizes run through the triton backend's launch code
+    other_backends: dict[str, tuple[int, ...]]  # backend -> sizes auto gives it (nothing compiled)
+    compiled: int | None  # kernel variants this call compiled (None: this Triton's caches unreadable)
+    seconds: float
+
+
+def batch_sizes_to_warm(max_batch_size: int | None, batch_sizes: Sequence[int] | None) -> list[int]:
+    """The sizes to run: 1 ... max_batch_size, or the ones given (sorted, once each). ValueError
+    naming what is wrong: neither or both given, a size not a positive integer, or above
+    MAX_WARMUP_BATCH."""
+    if (max_batch_size is None) == (batch_sizes is None):
+        raise ValueError("give max_batch_size (every size from 1 to it) or batch_sizes, not both or neither")
+    sizes = list(range(1, _positive("max_batch_size", max_batch_size) + 1)) if batch_sizes is None else [
+        _positive("batch size", m) for m in batch_sizes]
+    if not sizes:
+        raise ValueError("batch_sizes is empty: give at least one positive batch size")
+    if max(sizes) > MAX_WARMUP_BATCH:
+        raise ValueError(f"batch size {max(sizes)} is above {MAX_WARMUP_BATCH} (moekit.compile_ahead.MAX_WARMUP_BATCH)")
+    return sorted(set(sizes))
+
+
+def _positive(what: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+def warmup(
+    weights: MoEWeights,
+    top_k: int,
+    max_batch_size: int | None = None,
+    *,
+    batch_sizes: Sequence[int] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    backend: str | None = "auto",
+    on_size: Callable[[int], object] | None = None,
+) -> WarmupReport:
+    """Compile every triton kernel a `fused_moe(x, weights, ...)` call with `top_k` experts per
+    token and x of `dtype` would launch at each batch size (1 ... max_batch_size, or
+    `batch_sizes`), launching none (module docstring). `backend` as fused_moe takes it: "auto"
+    (MOEKIT_BACKEND first) runs only the sizes it gives triton; "triton" runs all; another backend
+    compiles nothing. `on_size(M)` is called after each size (a progress bar)."""
+    from .api import check_weight_dtype
+    from .backends import get_backend
+    from .backends.triton.launch import compile_only
+    from .select import select_backend
+
+    if not isinstance(weights, MoEWeights):
+        raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= weights.num_experts:
+        raise ValueError(f"top_k must be an integer in [1, {weights.num_experts}] (the experts), got {top_k!r}")
+    sizes = batch_sizes_to_warm(max_batch_size, batch_sizes)
+    check_weight_dtype(dtype, weights)
+    shape, device = weights.shape(top_k), weights.device
+    by_backend: dict[str, list[int]] = {}
+    for M in sizes:  # select_backend raises BackendUnavailableError, with reasons, for a named one that cannot run
+        name = select_backend(shape, weights.scheme, device, dtype, M, backend, allow_weight_copies=False).backend
+        by_backend.setdefault(name, []).append(M)
+    triton_sizes = by_backend.pop("triton", [])
+    start, before = time.perf_counter(), compiled_variants()
+    if triton_sizes:
+        largest = triton_sizes[-1]
+        x = torch.empty(largest, shape.hidden, dtype=dtype, device=device)
+        topk_weights = torch.empty(largest, top_k, dtype=torch.float32, device=device)
+        topk_ids = torch.empty(largest, top_k, dtype=torch.int32, device=device)
+        triton = get_backend("triton")
+        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with on_device, compile_only(), torch.no_grad():  # Triton keeps kernels per current device
+            for M in triton_sizes:  # the first M rows: contiguous views, as a real call's inputs
+                triton.run(x[:M], weights, topk_weights[:M], topk_ids[:M])
+                if on_size is not None:
+                    on_size(M)
+    after = compiled_variants()
+    compiled = None if before is None or after is None else after - before
+    return WarmupReport(tuple(triton_sizes), {k: tuple(v) for k, v in by_backend.items()}, compiled,
+                        time.perf_counter() - start)
+
+
+def compiled_variants() -> int | None:
+    """How many compiled variants the triton backend's kernels hold in this process (Triton's
+    in-memory kernel caches, `JITFunction.device_caches`), or None where this Triton keeps them
+    otherwise. Under the interpreter nothing is compiled: 0."""
+    from .backends.triton import _gemv_kernels, _gluon_kernels, _kernels
+
+    total, seen = 0, set()
+    for module in (_kernels, _gluon_kernels, _gemv_kernels):
+        for kernel in vars(module).values():
+            caches = getattr(kernel, "device_caches", None)
+            if caches is None or id(kernel) in seen:  # a kernel one module imports from another: once
+                continue
+            seen.add(id(kernel))
+            if not isinstance(caches, dict):
+                return None
+            for entry in caches.values():
+                cache = entry[0] if isinstance(entry, tuple) and entry else None
+                if not isinstance(cache, dict):
+                    return None
+                total += len(cache)
+    return total
+
+
+__all__ = ["MAX_WARMUP_BATCH", "WarmupReport", "batch_sizes_to_warm", "compiled_variants", "warmup"]

@@ -1,0 +1,200 @@
+"""moekit.warmup / MoELayer.warmup / `moekit warmup`: the triton kernels compiled ahead, none launched."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from helpers import random_weights
+
+import moekit
+from moekit import select
+from moekit.backends.triton import _kernels, launch
+from moekit.cli import _ranges, main
+from moekit.compile_ahead import MAX_WARMUP_BATCH, batch_sizes_to_warm, compiled_variants, warmup
+from moekit.routing import RoutingConfig
+from moekit.select import BackendUnavailableError, Choice
+
+CUDA = torch.cuda.is_available()
+E, H, N, K = 4, 128, 128, 2
+
+
+@pytest.fixture
+def weights(device):
+    return random_weights(E, H, N, "fp8-channel-token", device=device)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launch of the triton backend: (kernel name, compile-only at the time, M)."""
+    seen: list[tuple[str, bool, int]] = []
+    real_launch, real_run = launch._launch, launch.TritonBackend.run
+    current = {"M": None}
+
+    def spy_launch(kernel, grid, *args, **kwargs):
+        seen.append((getattr(kernel, "__name__", str(kernel)), launch._COMPILE_ONLY.get(), current["M"]))
+        return real_launch(kernel, grid, *args, **kwargs)
+
+    def spy_run(self, x, weights, topk_weights, topk_ids, config=None):
+        current["M"] = x.shape[0]
+        return real_run(self, x, weights, topk_weights, topk_ids, config)
+
+    monkeypatch.setattr(launch, "_launch", spy_launch)
+    monkeypatch.setattr(launch.TritonBackend, "run", spy_run)
+    import moekit.backends.triton.gemv as gemv
+
+    monkeypatch.setattr(gemv, "_launch", spy_launch)
+    return seen
+
+
+def test_every_size_runs_the_launch_code_compiling_only(weights, launches):
+    report = warmup(weights, K, batch_sizes=[17, 1, 3, 3, 64], backend="triton")
+    assert report.triton_sizes == (1, 3, 17, 64) and report.other_backends == {}
+    assert {m for _, _, m in launches} == {1, 3, 17, 64}  # each size's own launch code ran
+    assert launches and all(compile_only for _, compile_only, _ in launches)  # and launched nothing
+    assert not launch._COMPILE_ONLY.get()  # left as it was
+    if not CUDA:
+        assert report.compiled == 0  # the interpreter compiles nothing
+    # max_batch_size: every size from 1
+    launches.clear()
+    assert warmup(weights, K, 5, backend="triton").triton_sizes == (1, 2, 3, 4, 5)
+
+
+def test_auto_warms_only_the_sizes_it_gives_triton(weights, launches, monkeypatch):
+    real = select.select_backend
+
+    def pretend(shape, scheme, device, dtype=torch.bfloat16, num_tokens=1, backend="auto", **kw):
+        if backend in (None, "auto") and num_tokens > 4:
+            return Choice("cutlass", "table", "test: cutlass from 5 up", {})
+        return real(shape, scheme, device, dtype, num_tokens, "triton", **kw)
+
+    monkeypatch.setattr(select, "select_backend", pretend)
+    report = warmup(weights, K, 8)
+    assert report.triton_sizes == (1, 2, 3, 4) and report.other_backends == {"cutlass": (5, 6, 7, 8)}
+    assert {m for _, _, m in launches} == {1, 2, 3, 4}
+    # another backend named: nothing of triton's to compile
+    launches.clear()
+    monkeypatch.setattr(select, "select_backend", lambda *a, **kw: Choice("reference", "argument", "named", {}))
+    report = warmup(weights, K, 3, backend="reference")
+    assert report.triton_sizes == () and report.other_backends == {"reference": (1, 2, 3)} and not launches
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "give max_batch_size .* or batch_sizes, not both or neither"),
+    ({"max_batch_size": 4, "batch_sizes": [1]}, "not both or neither"),
+    ({"max_batch_size": 0}, "max_batch_size must be a positive integer, got 0"),
+    ({"max_batch_size": 2.0}, "max_batch_size must be a positive integer, got 2.0"),
+    ({"batch_sizes": [1, -3]}, "batch size must be a positive integer, got -3"),
+    ({"batch_sizes": []}, "batch_sizes is empty"),
+    ({"batch_sizes": [MAX_WARMUP_BATCH + 1]}, f"above {MAX_WARMUP_BATCH}"),
+])
+def test_bad_sizes_are_refused(weights, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        warmup(weights, K, **kwargs)
+
+
+def test_bad_input_is_refused(weights):
+    with pytest.raises(ValueError, match=r"top_k must be an integer in \[1, 4\]"):
+        warmup(weights, 5, 2)
+    with pytest.raises(TypeError, match="weights must be a moekit.MoEWeights"):
+        warmup(weights.w13, K, 2)
+    bf16 = random_weights(E, H, N, "bf16", device=weights.device)
+    with pytest.raises(ValueError, match="dtype"):
+        warmup(bf16, K, 2, dtype=torch.float16)  # unquantized weights must have x's dtype
+
+
+@pytest.mark.skipif(CUDA, reason="cutlass runs on a GPU")
+def test_a_named_backend_that_cannot_run_says_why(weights):
+    with pytest.raises(BackendUnavailableError):
+        warmup(weights, K, 2, backend="cutlass")
+
+
+def test_moelayer_warmup_takes_its_top_k_and_backend(weights, launches):
+    layer = moekit.MoELayer(weights, RoutingConfig(top_k=K), backend="triton")
+    assert layer.warmup(3).triton_sizes == (1, 2, 3)
+    assert {m for _, _, m in launches} == {1, 2, 3}
+    with pytest.raises(ValueError, match="top_k=1 differs from this layer's RoutingConfig top_k 2"):
+        layer.warmup(3, top_k=1)
+    bare = moekit.MoELayer(weights, backend="triton")
+    with pytest.raises(ValueError, match="no RoutingConfig: pass top_k"):
+        bare.warmup(3)
+    assert bare.warmup(batch_sizes=[7], top_k=1).triton_sizes == (7,)
+
+
+def test_moelayer_warmup_refuses_an_expert_parallel_layer(weights):
+    layer = types.SimpleNamespace(parallel="ep")  # the check comes first: no process group needed
+    with pytest.raises(ValueError, match="does not take an expert-parallel layer"):
+        moekit.MoELayer.warmup(layer, 4)
+
+
+def test_compiled_variants_counts_the_kernel_caches(monkeypatch):
+    class Kernel:  # what Triton's JITFunction keeps per device: (kernel cache, ...)
+        def __init__(self, n):
+            self.device_caches = {0: ({f"key{i}": object() for i in range(n)}, None, None)}
+
+    base = compiled_variants()
+    assert base is not None
+    one, two = Kernel(2), Kernel(3)
+    monkeypatch.setattr(_kernels, "fake_one", one, raising=False)
+    monkeypatch.setattr(_kernels, "fake_two", two, raising=False)
+    monkeypatch.setattr(_kernels, "fake_one_again", one, raising=False)  # one kernel under two names: once
+    assert compiled_variants() == base + 5
+    monkeypatch.setattr(_kernels, "fake_odd", types.SimpleNamespace(device_caches=["not", "a", "dict"]), raising=False)
+    assert compiled_variants() is None  # a Triton that keeps them otherwise: said, not guessed
+
+
+def test_batch_sizes_to_warm_and_ranges():
+    assert batch_sizes_to_warm(3, None) == [1, 2, 3]
+    assert batch_sizes_to_warm(None, [8, 2, 8]) == [2, 8]
+    assert _ranges([1, 2, 3, 5, 6, 9]) == "1-3, 5-6, 9" and _ranges([]) == ""
+
+
+def test_cli_reads_vllms_name_of_the_largest_batch():
+    from moekit.cli import build_parser
+
+    args = build_parser().parse_args(["warmup", "--model", "mixtral-8x7b", "--max-num-batched-tokens", "2048"])
+    assert args.max_batch_size == 2048
+
+
+@pytest.mark.skipif(CUDA, reason="checks the refusal on a machine without CUDA")
+def test_cli_refuses_without_a_gpu(capsys):
+    assert main(["warmup", "--model", "glm-4.5v-fp8", "--tp", "2"]) == 2
+    assert "no CUDA GPU is visible here" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "nope"], "unknown model 'nope'"),
+    (["--model", "glm-4.5v-fp8", "--batch-sizes", "0"], "--batch-sizes: 0 is not a positive integer"),
+    (["--model", "glm-4.5v-fp8", "--batch-sizes", "x"], "--batch-sizes: 'x' is not an integer"),
+    (["--model", "glm-4.5v-fp8", "--max-batch-size", str(MAX_WARMUP_BATCH + 1)], f"above {MAX_WARMUP_BATCH}"),
+    (["--model", "glm-4.5v-fp8", "--tp", "0"], "--tp must be a positive integer"),
+    (["--model", "glm-4.5v-fp8", "--scheme", "nope"], "unknown quantization scheme 'nope'"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    assert main(["warmup", *args]) == 2
+    out = capsys.readouterr().out
+    assert message in " ".join(out.split()) and out.count("\n") == 1
+
+
+@pytest.mark.gpu
+def test_after_warmup_the_calls_compile_nothing(device):
+    """On a GPU: warmup compiles what the calls at its sizes need (in this process), so those
+    calls compile nothing more, and they compute as without it. A shape no other test uses, so
+    that the kernels are not compiled already."""
+    w = random_weights(6, 384, 256, "fp8-channel-token", device=device)
+    sizes = [1, 2, 5, 16, 33, 100]
+    report = warmup(w, 3, batch_sizes=sizes, backend="triton")
+    assert report.compiled is not None and report.compiled > 0
+    count = compiled_variants()
+    from helpers import random_routing, random_x
+
+    for M in sizes:
+        x = random_x(M, 384, device=device, seed=M)
+        tw, ids = random_routing(M, 6, 3, device=device, seed=M)
+        out = moekit.fused_moe(x, w, tw, ids, backend="triton")
+        ref = moekit.fused_moe(x, w, tw, ids, backend="reference")
+        rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert rel < 1e-2, (M, rel)  # the kernel class's limit (moekit/check.py): compiled ahead, same kernels
+    assert compiled_variants() == count
+    assert warmup(w, 3, batch_sizes=sizes, backend="triton").compiled == 0  # again: nothing left to compile
