@@ -224,29 +224,37 @@ def cmd_warmup(args) -> int:
     from moekit.models import get_model
     from moekit.select import BackendUnavailableError
     from moekit.spec import get_scheme
-    from moekit.weights import empty_weights
+    from moekit.weights import check_intermediate, empty_weights
 
     if args.tp < 1:
         raise UsageError(f"--tp must be a positive integer, got {args.tp}")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    if args.batch_sizes and args.max_batch_size is not None:
+        raise UsageError("give --max-batch-size (every size from 1 to it) or --batch-sizes, not both")
     try:
         listed = parse_batch_sizes(args.batch_sizes, ()) if args.batch_sizes else None
-        sizes = batch_sizes_to_warm(None if listed else args.max_batch_size, listed)
+        sizes = batch_sizes_to_warm(None if listed else (args.max_batch_size or 8192), listed)
         problems = []
         for name in args.model:  # every model checked before the first compiles
             spec = get_model(name, tp=args.tp)
-            problems.append((spec, get_scheme(args.scheme) if args.scheme else spec.scheme))
+            scheme = get_scheme(args.scheme) if args.scheme else spec.scheme
+            check_intermediate(scheme, spec.shape.n)
+            problems.append((spec, scheme))
     except ValueError as e:  # BenchInputError too
         raise UsageError(" ".join(str(e).split())) from None
     if not torch.cuda.is_available():
         raise UsageError("moekit warmup compiles GPU kernels: no CUDA GPU is visible here")
     device = torch.device("cuda")
     table = Table(title=f"moekit warmup on {torch.cuda.get_device_name(device)}")
-    for head in ("model", "scheme", "sizes via triton", "other backends", "kernels compiled", "seconds"):
-        table.add_column(head, justify="right" if head in ("kernels compiled", "seconds") else "left")
+    for head in ("model", "scheme", "sizes via triton", "other backends", "new kernel variants", "seconds"):
+        table.add_column(head, justify="right" if head in ("new kernel variants", "seconds") else "left")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     for spec, scheme in problems:
-        weights = empty_weights(spec.shape, scheme, device, dtype)  # never read: nothing is launched
+        try:
+            weights = empty_weights(spec.shape, scheme, device, dtype)  # never read: nothing is launched
+        except torch.cuda.OutOfMemoryError:
+            raise UsageError(f"{spec.name}: its expert weights do not fit this GPU's free memory "
+                             "(warm with a larger --tp, as the server shards them)") from None
         with Progress(*columns, console=console, transient=True) as progress:
             task = progress.add_task(f"{spec.name} ({scheme.name})", total=len(sizes))
             try:
@@ -258,7 +266,7 @@ def cmd_warmup(args) -> int:
                 raise UsageError(f"{spec.name}: {' '.join(str(e).split())}") from None
         others = "; ".join(f"{b}: {_ranges(ms)}" for b, ms in sorted(report.other_backends.items())) or "-"
         table.add_row(spec.name, scheme.name, _ranges(report.triton_sizes) or "-", others,
-                      "?" if report.compiled is None else str(report.compiled), f"{report.seconds:.1f}")
+                      "?" if report.new_variants is None else str(report.new_variants), f"{report.seconds:.1f}")
         del weights
     console.print(table)
     return 0
@@ -392,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a preset name (see `moekit models`) or a config.json / model folder; repeatable")
     warm.add_argument(*TP_FLAGS, dest="tp", type=int, default=1, help="tensor parallelism")
     warm.add_argument("--scheme", default=None, help="quantization scheme (default: the model's own)")
-    warm.add_argument("--max-batch-size", "--max-num-batched-tokens", dest="max_batch_size", type=int, default=8192,
+    warm.add_argument("--max-batch-size", "--max-num-batched-tokens", dest="max_batch_size", type=int, default=None,
                       metavar="M", help="compile for every batch size (tokens) from 1 to M (default 8192; vLLM's "
                                         "--max-num-batched-tokens is the largest a step runs)")
     warm.add_argument("--batch-sizes", nargs="+", metavar="M", default=None,

@@ -13,7 +13,13 @@ few seconds per kernel on a Hopper host where Triton's on-disk cache does not ha
 and in Triton's on-disk cache, where a later process finds it) and none is launched. The inputs
 are empty tensors, nothing is computed, and a size whose kernels are all compiled already costs
 host time only. Under `backend="auto"` only the sizes auto gives the triton backend are run: the
-other backends' kernels (CUTLASS's, torch's) are built ahead of time.
+other backends' kernels (CUTLASS's, torch's) are built ahead of time, except the Triton kernels
+of the glue those two share, not covered here. MoELayer.warmup also runs moekit.route's kernel
+(warm_routing) where the layer routes its own logits.
+
+The kernels depend on the GPU model (its tuned tables pick the configs) and on the environment
+(MOEKIT_FP8_ACCUMULATION, MOEKIT_PDL, MOEKIT_CONFIG_DIR, MOEKIT_BACKEND): warm on the serving GPU
+model, with the server's environment.
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ MAX_WARMUP_BATCH = 65536
 class WarmupReport:
     triton_sizes: tuple[int, ...]  # the batch sizes run through the triton backend's launch code
     other_backends: dict[str, tuple[int, ...]]  # backend -> sizes auto gives it (nothing compiled)
-    compiled: int | None  # kernel variants this call compiled (None: this Triton's caches unreadable)
+    # kernel variants this call added to this process's Triton caches: compiled, or loaded from
+    # Triton's on-disk cache (a second process finds them there); None: this Triton's caches unreadable
+    new_variants: int | None
     seconds: float
 
 
@@ -69,13 +77,17 @@ def warmup(
     batch_sizes: Sequence[int] | None = None,
     dtype: torch.dtype = torch.bfloat16,
     backend: str | None = "auto",
+    ids_dtypes: Sequence[torch.dtype] = (torch.int32, torch.int64),
     on_size: Callable[[int], object] | None = None,
 ) -> WarmupReport:
     """Compile every triton kernel a `fused_moe(x, weights, ...)` call with `top_k` experts per
     token and x of `dtype` would launch at each batch size (1 ... max_batch_size, or
     `batch_sizes`), launching none (module docstring). `backend` as fused_moe takes it: "auto"
     (MOEKIT_BACKEND first) runs only the sizes it gives triton; "triton" runs all; another backend
-    compiles nothing. `on_size(M)` is called after each size (a progress bar)."""
+    compiles nothing. `ids_dtypes`: the dtypes of the calls' topk_ids, each its own kernels
+    (moekit's router gives int32, transformers' routers int64; both by default). `on_size(M)` is
+    called after each size (a progress bar). Largest size first: its workspace, freed, holds
+    every smaller size's, so the caching allocator reserves no more than one call's."""
     from .api import check_weight_dtype
     from .backends import get_backend
     from .backends.triton.launch import compile_only
@@ -87,6 +99,9 @@ def warmup(
         raise ValueError(f"top_k must be an integer in [1, {weights.num_experts}] (the experts), got {top_k!r}")
     sizes = batch_sizes_to_warm(max_batch_size, batch_sizes)
     check_weight_dtype(dtype, weights)
+    ids_dtypes = list(dict.fromkeys(ids_dtypes))
+    if not ids_dtypes or any(d not in (torch.int32, torch.int64) for d in ids_dtypes):
+        raise ValueError(f"ids_dtypes must name torch.int32 and/or torch.int64 (the topk_ids dtypes), got {ids_dtypes}")
     shape, device = weights.shape(top_k), weights.device
     by_backend: dict[str, list[int]] = {}
     for M in sizes:  # select_backend raises BackendUnavailableError, with reasons, for a named one that cannot run
@@ -98,18 +113,45 @@ def warmup(
         largest = triton_sizes[-1]
         x = torch.empty(largest, shape.hidden, dtype=dtype, device=device)
         topk_weights = torch.empty(largest, top_k, dtype=torch.float32, device=device)
-        topk_ids = torch.empty(largest, top_k, dtype=torch.int32, device=device)
+        ids = {d: torch.empty(largest, top_k, dtype=d, device=device) for d in ids_dtypes}
         triton = get_backend("triton")
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with on_device, compile_only(), torch.no_grad():  # Triton keeps kernels per current device
-            for M in triton_sizes:  # the first M rows: contiguous views, as a real call's inputs
-                triton.run(x[:M], weights, topk_weights[:M], topk_ids[:M])
+            for M in reversed(triton_sizes):  # the first M rows: contiguous views, as a real call's inputs
+                for topk_ids in ids.values():
+                    triton.run(x[:M], weights, topk_weights[:M], topk_ids[:M])
                 if on_size is not None:
                     on_size(M)
     after = compiled_variants()
-    compiled = None if before is None or after is None else after - before
-    return WarmupReport(tuple(triton_sizes), {k: tuple(v) for k, v in by_backend.items()}, compiled,
+    new_variants = None if before is None or after is None else after - before
+    return WarmupReport(tuple(triton_sizes), {k: tuple(v) for k, v in by_backend.items()}, new_variants,
                         time.perf_counter() - start)
+
+
+def warm_routing(config, num_experts: int, sizes: Sequence[int], device: torch.device,
+                 logits_dtypes: Sequence[torch.dtype], correction_bias: torch.Tensor | None = None) -> None:
+    """Compile moekit.route's kernel for `config` at the batch-size classes among `sizes` (the
+    kernel's only size-dependent argument is the token count: 1, a multiple of 16, or another)
+    and each logits dtype, by running it on zero logits (a few µs each; it is launched: route has
+    no compile-only path). Nothing on the CPU, where route runs its torch ops."""
+    from .routing import route
+
+    if device.type != "cuda":
+        return
+    with torch.no_grad():
+        for dt in dict.fromkeys(logits_dtypes):
+            for M in size_classes(sizes):
+                route(torch.zeros(M, num_experts, dtype=dt, device=device), config=config,
+                      correction_bias=correction_bias)
+
+
+def size_classes(sizes: Sequence[int]) -> list[int]:
+    """One size of each class Triton specializes an integer on (1; a multiple of 16; any other),
+    the first of each among `sizes`."""
+    classes: dict[tuple[bool, bool], int] = {}
+    for M in sizes:
+        classes.setdefault((M == 1, M % 16 == 0), M)
+    return list(classes.values())
 
 
 def compiled_variants() -> int | None:
@@ -135,4 +177,5 @@ def compiled_variants() -> int | None:
     return total
 
 
-__all__ = ["MAX_WARMUP_BATCH", "WarmupReport", "batch_sizes_to_warm", "compiled_variants", "warmup"]
+__all__ = ["MAX_WARMUP_BATCH", "WarmupReport", "batch_sizes_to_warm", "compiled_variants", "size_classes", "warm_routing",
+           "warmup"]

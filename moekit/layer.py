@@ -351,7 +351,9 @@ class MoELayer(HandleOwner, torch.nn.Module):
                dtype: torch.dtype = torch.bfloat16, on_size=None):
         """Compile the triton kernels this layer's calls would launch at each batch size (1 ...
         max_batch_size, or `batch_sizes`) before serving, launching none: `moekit.warmup` with this
-        layer's weights, backend and top-k (its RoutingConfig's, else `top_k`). Under parallel="tp"
+        layer's weights, backend and top-k (its RoutingConfig's, else `top_k`), topk_ids of int32
+        and int64; with a RoutingConfig also moekit.route's kernel for router logits of float32
+        and `dtype` (compile_ahead.warm_routing, which runs it on zeros). Under parallel="tp"
         each rank warms its own shard at the same sizes. An expert-parallel layer is refused: the
         rows its local experts receive depend on the routing; warm them with
         `moekit.warmup(layer.weights, top_k, batch_sizes=...)` at the sizes they get."""
@@ -367,8 +369,14 @@ class MoELayer(HandleOwner, torch.nn.Module):
         k = self.routing.top_k if self.routing is not None else top_k
         if k is None:
             raise ValueError("this MoELayer has no RoutingConfig: pass top_k, the experts per token of its calls")
-        return warmup(self.weights, k, max_batch_size, batch_sizes=batch_sizes, dtype=dtype, backend=self.backend,
-                      on_size=on_size)
+        report = warmup(self.weights, k, max_batch_size, batch_sizes=batch_sizes, dtype=dtype, backend=self.backend,
+                        on_size=on_size)
+        if self.routing is not None:  # (x, router_logits) calls route first: its kernel too
+            from .compile_ahead import batch_sizes_to_warm, warm_routing
+
+            warm_routing(self.routing, self.num_experts, batch_sizes_to_warm(max_batch_size, batch_sizes),
+                         self.weights.device, (torch.float32, dtype), self._buffers.get(BIAS))
+        return report
 
     def extra_repr(self) -> str:
         w = self.weights

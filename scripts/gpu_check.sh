@@ -64,7 +64,8 @@
 # halfheight: the 128-row Gluon GEMM1's half-height tile timed on and off (diag_half_tail.py,
 #        DeepSeek-V3 / Qwen3 block FP8 and Mixtral per-channel, precise mode; measured in the
 #        nineteenth session: bitwise, no clear win, so it stays off); not part of `all`.
-# warmup: `moekit warmup` of the three anchor models up to M = 8192, twice: the first compiles (a
+# warmup: `moekit warmup` of WARMUP_MODELS (default GLM-4.5V TP2; "glm-4.5v-fp8 mixtral-8x7b
+#        deepseek-v3" for all three anchor models) up to M = 8192, twice: the first compiles (a
 #        fresh machine: Triton's on-disk cache empty), the second finds every kernel on disk (a
 #        new process); how long each takes. Not part of `all`.
 # FAST_ARGS adds arguments to the fast step's diag_fast.py ("--batch-sizes 1 2 4 8").
@@ -229,6 +230,7 @@ if [[ " ${steps[*]} " == *" warmup "* ]]; then
   for pass in compile from-disk; do
     for m in "${MODELS[@]}"; do
       read -r model tp scheme <<<"$m"
+      [[ " ${WARMUP_MODELS:-glm-4.5v-fp8} " != *" $model "* ]] && continue
       start=$SECONDS
       moekit warmup --model "$model" --tp "$tp" --scheme "$scheme" --max-batch-size 8192 || status=1
       echo "warmup $pass $model: $((SECONDS - start)) s wall, Python start-up included"

@@ -9,10 +9,10 @@ import torch
 from helpers import random_weights
 
 import moekit
-from moekit import select
+from moekit import compile_ahead, select
 from moekit.backends.triton import _kernels, launch
 from moekit.cli import _ranges, main
-from moekit.compile_ahead import MAX_WARMUP_BATCH, batch_sizes_to_warm, compiled_variants, warmup
+from moekit.compile_ahead import MAX_WARMUP_BATCH, batch_sizes_to_warm, compiled_variants, size_classes, warmup
 from moekit.routing import RoutingConfig
 from moekit.select import BackendUnavailableError, Choice
 
@@ -27,13 +27,15 @@ def weights(device):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Every kernel launch of the triton backend: (kernel name, compile-only at the time, M)."""
-    seen: list[tuple[str, bool, int]] = []
+    """Every kernel launch of the triton backend: (kernel name, compile-only at the time, M, the
+    arguments as Triton specializes them)."""
+    seen: list[tuple[str, bool, int, tuple]] = []
     real_launch, real_run = launch._launch, launch.TritonBackend.run
     current = {"M": None}
 
     def spy_launch(kernel, grid, *args, **kwargs):
-        seen.append((getattr(kernel, "__name__", str(kernel)), launch._COMPILE_ONLY.get(), current["M"]))
+        seen.append((getattr(kernel, "__name__", str(kernel)), launch._COMPILE_ONLY.get(), current["M"],
+                     specialization(args, kwargs)))
         return real_launch(kernel, grid, *args, **kwargs)
 
     def spy_run(self, x, weights, topk_weights, topk_ids, config=None):
@@ -48,14 +50,53 @@ def launches(monkeypatch):
     return seen
 
 
+def specialization(args, kwargs) -> tuple:
+    """What Triton compiles a kernel for, per argument: a tensor's dtype and whether its address is
+    16-byte aligned, an integer's being 1 or a multiple of 16, the value of anything else (the
+    constexprs and options)."""
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            return ("tensor", str(v.dtype), v.data_ptr() % 16 == 0)
+        if isinstance(v, bool) or not isinstance(v, int):
+            return repr(v)
+        return ("int", v == 1, v % 16 == 0)
+
+    return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
+
+
+def test_the_calls_after_warmup_need_no_other_kernel(weights, launches, monkeypatch):
+    """Every kernel and specialization a real call launches at a size was reached by warmup at
+    that size: int32 ids (moekit's router) and int64 ids (transformers' routers), real inputs
+    against warmup's empty views."""
+    from helpers import random_routing, random_x
+
+    from moekit import api
+
+    # ids checked on the device, as on a GPU: int64 ids reach the triton backend as they are (on
+    # the CPU fused_moe checks them on the host and passes int32)
+    monkeypatch.setattr(api, "_ids_checked_on_device", lambda ids: True)
+
+    sizes = [1, 3, 16, 17, 40]
+    warmup(weights, K, batch_sizes=sizes, backend="triton")
+    warmed = {(name, m, sig) for name, _, m, sig in launches}
+    launches.clear()
+    for M in sizes:
+        x = random_x(M, H, device=weights.device, seed=M)
+        tw, ids = random_routing(M, E, K, device=weights.device, seed=M)
+        for topk_ids in (ids, ids.long()):
+            moekit.fused_moe(x, weights, tw, topk_ids, backend="triton")
+    real = {(name, m, sig) for name, _, m, sig in launches}
+    assert real and real <= warmed, sorted(real - warmed)[:3]
+
+
 def test_every_size_runs_the_launch_code_compiling_only(weights, launches):
     report = warmup(weights, K, batch_sizes=[17, 1, 3, 3, 64], backend="triton")
     assert report.triton_sizes == (1, 3, 17, 64) and report.other_backends == {}
-    assert {m for _, _, m in launches} == {1, 3, 17, 64}  # each size's own launch code ran
-    assert launches and all(compile_only for _, compile_only, _ in launches)  # and launched nothing
+    assert {entry[2] for entry in launches} == {1, 3, 17, 64}  # each size's own launch code ran
+    assert launches and all(entry[1] for entry in launches)  # and launched nothing
     assert not launch._COMPILE_ONLY.get()  # left as it was
     if not CUDA:
-        assert report.compiled == 0  # the interpreter compiles nothing
+        assert report.new_variants == 0  # the interpreter compiles nothing
     # max_batch_size: every size from 1
     launches.clear()
     assert warmup(weights, K, 5, backend="triton").triton_sizes == (1, 2, 3, 4, 5)
@@ -72,7 +113,7 @@ def test_auto_warms_only_the_sizes_it_gives_triton(weights, launches, monkeypatc
     monkeypatch.setattr(select, "select_backend", pretend)
     report = warmup(weights, K, 8)
     assert report.triton_sizes == (1, 2, 3, 4) and report.other_backends == {"cutlass": (5, 6, 7, 8)}
-    assert {m for _, _, m in launches} == {1, 2, 3, 4}
+    assert {entry[2] for entry in launches} == {1, 2, 3, 4}
     # another backend named: nothing of triton's to compile
     launches.clear()
     monkeypatch.setattr(select, "select_backend", lambda *a, **kw: Choice("reference", "argument", "named", {}))
@@ -94,6 +135,15 @@ def test_bad_sizes_are_refused(weights, kwargs, message):
         warmup(weights, K, **kwargs)
 
 
+def test_ids_dtypes_are_checked(weights, launches):
+    with pytest.raises(ValueError, match="ids_dtypes must name torch.int32 and/or torch.int64"):
+        warmup(weights, K, 2, ids_dtypes=(torch.int16,))
+    with pytest.raises(ValueError, match="ids_dtypes must name"):
+        warmup(weights, K, 2, ids_dtypes=())
+    warmup(weights, K, batch_sizes=[5], backend="triton", ids_dtypes=(torch.int64,))
+    assert launches and all(e[3][0] == ("tensor", "torch.int64", True) for e in launches if e[0] == "align_single_kernel")
+
+
 def test_bad_input_is_refused(weights):
     with pytest.raises(ValueError, match=r"top_k must be an integer in \[1, 4\]"):
         warmup(weights, 5, 2)
@@ -113,13 +163,34 @@ def test_a_named_backend_that_cannot_run_says_why(weights):
 def test_moelayer_warmup_takes_its_top_k_and_backend(weights, launches):
     layer = moekit.MoELayer(weights, RoutingConfig(top_k=K), backend="triton")
     assert layer.warmup(3).triton_sizes == (1, 2, 3)
-    assert {m for _, _, m in launches} == {1, 2, 3}
+    assert {entry[2] for entry in launches} == {1, 2, 3}
     with pytest.raises(ValueError, match="top_k=1 differs from this layer's RoutingConfig top_k 2"):
         layer.warmup(3, top_k=1)
     bare = moekit.MoELayer(weights, backend="triton")
     with pytest.raises(ValueError, match="no RoutingConfig: pass top_k"):
         bare.warmup(3)
     assert bare.warmup(batch_sizes=[7], top_k=1).triton_sizes == (7,)
+
+
+def test_moelayer_warmup_also_warms_its_routing(weights, monkeypatch):
+    """A layer that routes its own logits runs route's kernel first: warmed at the size classes,
+    for float32 logits and the activation dtype, with the layer's correction bias."""
+    calls = []
+    monkeypatch.setattr(compile_ahead, "warm_routing", lambda *a: calls.append(a))
+    routing = RoutingConfig(top_k=K, scoring="sigmoid", use_correction_bias=True)
+    layer = moekit.MoELayer(weights, routing, backend="triton", correction_bias=torch.rand(E))
+    layer.warmup(batch_sizes=[2, 32], dtype=torch.bfloat16)
+    [(config, experts, sizes, device, dtypes, bias)] = calls
+    assert (config, experts, sizes, device) == (routing, E, [2, 32], weights.device)
+    assert dtypes == (torch.float32, torch.bfloat16) and torch.equal(bias, layer._buffers["e_score_correction_bias"])
+    calls.clear()
+    moekit.MoELayer(weights, backend="triton").warmup(3, top_k=K)  # no RoutingConfig: no routing of its own
+    assert calls == []
+
+
+def test_size_classes_are_the_ones_triton_specializes_on():
+    assert size_classes([1, 2, 3, 16, 17, 32]) == [1, 2, 16]
+    assert size_classes([48, 5]) == [48, 5]
 
 
 def test_moelayer_warmup_refuses_an_expert_parallel_layer(weights):
@@ -170,6 +241,8 @@ def test_cli_refuses_without_a_gpu(capsys):
     (["--model", "glm-4.5v-fp8", "--max-batch-size", str(MAX_WARMUP_BATCH + 1)], f"above {MAX_WARMUP_BATCH}"),
     (["--model", "glm-4.5v-fp8", "--tp", "0"], "--tp must be a positive integer"),
     (["--model", "glm-4.5v-fp8", "--scheme", "nope"], "unknown quantization scheme 'nope'"),
+    (["--model", "qwen3-30b-a3b-fp8", "--tp", "4"], "multiple of 128"),  # block scales, N = 192 per GPU
+    (["--model", "glm-4.5v-fp8", "--batch-sizes", "8", "--max-batch-size", "64"], "not both"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(args, message, capsys):
     assert main(["warmup", *args]) == 2
@@ -185,7 +258,7 @@ def test_after_warmup_the_calls_compile_nothing(device):
     w = random_weights(6, 384, 256, "fp8-channel-token", device=device)
     sizes = [1, 2, 5, 16, 33, 100]
     report = warmup(w, 3, batch_sizes=sizes, backend="triton")
-    assert report.compiled is not None and report.compiled > 0
+    assert report.new_variants is not None and report.new_variants > 0
     count = compiled_variants()
     from helpers import random_routing, random_x
 
@@ -197,4 +270,4 @@ def test_after_warmup_the_calls_compile_nothing(device):
         rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         assert rel < 1e-2, (M, rel)  # the kernel class's limit (moekit/check.py): compiled ahead, same kernels
     assert compiled_variants() == count
-    assert warmup(w, 3, batch_sizes=sizes, backend="triton").compiled == 0  # again: nothing left to compile
+    assert warmup(w, 3, batch_sizes=sizes, backend="triton").new_variants == 0  # again: nothing left to compile
