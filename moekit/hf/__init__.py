@@ -6,11 +6,13 @@
     model = moekit.hf.from_pretrained(path, scheme="fp8-channel-token")   # quantize bf16 on load
     moekit.hf.patch_model(model)                       # an already loaded model
     moekit.hf.fuse_routers(model)                      # routers through moekit.route (opt-in)
+    moekit.hf.warmup(model, max_batch_size=8192)       # compile the kernels ahead of serving
     moekit.hf.save_pretrained(model, out)              # compressed-tensors FP8 checkpoint
 
 Importing this module imports transformers; `import moekit` alone never does.
 """
 
+from .compile_ahead import warmup
 from .experts import IMPLEMENTATION, MoekitExperts, experts_modules, moekit_experts_forward, register, set_backend
 from .families import FAMILIES, UnsupportedModelError
 from .load import from_pretrained, patch_model, quantize_model
@@ -35,6 +37,7 @@ __all__ = [
     "set_backend",
     "unfuse_routers",
     "experts_nbytes",
+    "warmup",
 ]
 
 
