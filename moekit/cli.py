@@ -233,7 +233,7 @@ def cmd_warmup(args) -> int:
         raise UsageError("give --max-batch-size (every size from 1 to it) or --batch-sizes, not both")
     try:
         listed = parse_batch_sizes(args.batch_sizes, ()) if args.batch_sizes else None
-        sizes = batch_sizes_to_warm(None if listed else (args.max_batch_size or 8192), listed)
+        sizes = batch_sizes_to_warm(None if listed else (8192 if args.max_batch_size is None else args.max_batch_size), listed)
         problems = []
         for name in args.model:  # every model checked before the first compiles
             spec = get_model(name, tp=args.tp)

@@ -9,9 +9,10 @@ On a CUDA GPU (the method of BENCHMARKS.md and its reference points):
   2. one call of `fn` is captured into a `torch.cuda.CUDAGraph`;
   3. before every replay the L2 cache is flushed by zeroing a 512 MiB buffer (far larger than
      any L2: 50 MiB on H100, 60 MiB on H200), so each replay reads its weights from HBM;
-  4. CUDA events time "flush + replay" `reps` times, then "flush" alone `reps` times (each
-     block of timed calls led by one untimed call, so the GPU is never idle at a start event);
-     the median of the flush-alone times is subtracted from every flush + replay sample;
+  4. CUDA events time "flush + replay" and "flush" alone `reps` times each, in `rounds` blocks
+     that alternate (a single closure too: time_graph), each block of timed calls led by one
+     untimed call, so the GPU is never idle at a start event; the median of the flush-alone
+     times is subtracted from every flush + replay sample;
   5. the median and the 20th / 80th percentiles of the corrected samples are reported.
 If capture fails (a host synchronisation inside `fn`, an op that graphs cannot hold), the same
 measurement is made with eager calls instead of replays, and `Timing.note` says so.
@@ -75,7 +76,7 @@ def time_graph(
     Its replays and the L2 flush's (whose median is subtracted from every sample) alternate in
     `rounds` rounds, as time_graphs does for several closures: timed in one block after the
     closure's, the flush's median read whatever state the GPU was in for those few ms. The
-    tuner's separate timings, made that way, put configs up to 1.5x faster than the same configs
+    tuner's separate timings, made that way, put configs up to 1.7x faster than the same configs
     in interleaved rounds and below the roofline floor (H100, BENCHMARKS.md twenty-fifth
     session); a flush median read high is one explanation, not a measured one."""
     result = time_graphs({"fn": fn}, reps=reps, warmup=warmup, flush_l2=flush_l2, device=device,

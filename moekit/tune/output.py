@@ -23,8 +23,8 @@ Decision table, version 1 (moekit.decisions reads exactly this):
 Each size's µs come from its decision timing when there is a current one (every backend and
 triton's fastest configs in the same interleaved rounds, the replays cycling through
 meta.routings routings: moekit.tune.runner; triton's µs are those of the fastest config there,
-the one the triton table takes: chosen_config); otherwise from the separate timings (triton's
-fastest measured config, each backend's own).
+the one the triton table takes: chosen_config); otherwise from the separate timings (those of
+the triton table's config, chosen_config, and each backend's own).
 """
 
 from __future__ import annotations
