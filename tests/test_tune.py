@@ -1772,6 +1772,36 @@ def test_neighbour_prune_margin():
     assert space.neighbour_prune([a, c], None) == ([a, c], {})
 
 
+def test_a_separate_time_the_decision_timing_did_not_bear_out_prunes_nothing():
+    """The margin is taken from the config the table chose at the neighbouring size where that
+    is slower than the fastest separate time (a misread: H100, GLM-4.5V M = 32, one config read
+    222 µs, every other ~370): otherwise the others would be dropped."""
+    misread, a, b = (KernelConfig(16, n, 128, 1, 4, 3) for n in (32, 64, 128))
+    times = {config_key(misread): 222.0, config_key(a): 370.0, config_key(b): 371.0}
+    kept, dropped = space.neighbour_prune([misread, a, b], NeighbourResult(32, times, {}, set()))
+    assert kept == [misread] and len(dropped) == 2  # what the fastest alone as reference did
+    kept, dropped = space.neighbour_prune([misread, a, b], NeighbourResult(32, times, {}, set(), chosen_us=370.0))
+    assert kept == [misread, a, b] and dropped == {}
+    # a chosen config faster than every plain one (a GEMM2 launch of its own): the fastest stands
+    assert NeighbourResult(32, times, {}, set(), chosen_us=200.0).best == 222.0
+
+
+def test_the_search_prunes_by_the_config_chosen_at_the_size_before(tmp_path, tiny_model, monkeypatch):
+    """End to end: the next size's pruning takes its margin from the config chosen before."""
+    seen = []
+    real = space.neighbour_prune
+
+    def spy(configs, neighbour, *a, **kw):
+        seen.append(neighbour)
+        return real(configs, neighbour, *a, **kw)
+
+    monkeypatch.setattr(runner, "neighbour_prune", spy)
+    FakeTimer(us={triton(FAST_CFG): 10.0}).install(monkeypatch)  # the agreeing decision chooses FAST_CFG
+    tune(tiny_model, tmp_path / "out", between=False)
+    at_four = [n for n in seen if n is not None]
+    assert len(at_four) == 1 and at_four[0].batch_size == 1 and at_four[0].chosen_us == 10.0
+
+
 def test_candidates_ordered_by_evidence():
     default = KernelConfig(16, 64, 128, 1, 4, 4)
     a, b = KernelConfig(16, 32, 128, 1, 4, 2), KernelConfig(16, 128, 128, 1, 4, 2)

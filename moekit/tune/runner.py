@@ -547,7 +547,9 @@ class Worker:
             search = previous.data.get("search") or {}
             # the search space's own configs only: a GEMM2 launch variant's time is no candidate's
             plain = {k: us for k, us in previous.measured_us().items() if not _has_gemm2(previous.config(k))}
-            neighbour = NeighbourResult(previous.batch_size, plain, previous.failed(), set(search.get("dropped", {})))
+            chosen = chosen_config(previous.data)
+            neighbour = NeighbourResult(previous.batch_size, plain, previous.failed(), set(search.get("dropped", {})),
+                                        chosen[1]["us"] if chosen else None)
         dropped: dict[str, str] = {}
         if self.plan.search_space != "full":
             kept, dropped = neighbour_prune(kept, neighbour)
