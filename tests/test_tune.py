@@ -1282,6 +1282,41 @@ def test_decision_timing_keeps_separate_failures_and_records_its_own(tmp_path, t
     assert calls == []  # a failed decision is not retried for the same config and routings
 
 
+def test_a_decision_timing_that_broke_the_device_is_timed_again(tmp_path, tiny_model, monkeypatch):
+    """Failures in a decision timing that left the CUDA context broken are the break's, not the
+    backends' own: the decision is taken back and counted as a death, so a rerun times it again
+    (and MAX_DEATHS such runs record it failed), rather than the decision table keeping torch's
+    error at that size for good."""
+    decisions_on(monkeypatch)
+    timer = FakeTimer(us={triton(FAST_CFG): 50.0, "backend torch": 80.0})
+    timer.install(monkeypatch)
+    broken = {"on": True}
+
+    def many(fns, **kw):
+        out = timer.many(fns, **kw)
+        if broken["on"]:
+            out["torch"] = RuntimeError("CUDA error: an illegal memory access was encountered")
+        return out
+
+    def check_device(self, what):
+        if broken["on"]:
+            raise runner.DeviceBroken(f"the CUDA context is unusable after {what}")
+
+    monkeypatch.setattr(runner, "measure_times", many)
+    monkeypatch.setattr(runner.Worker, "_check_device", check_device)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out, backends=["torch"], batch_sizes=["1"], between=False)
+    assert result.exit_code == 1 and "unusable" in text
+    j = journals(out)[1]
+    assert "decision" not in j and list(j["in_flight"].values()) == [1]  # counted as a death
+    broken["on"] = False
+    tune(tiny_model, out, backends=["torch"], batch_sizes=["1"], between=False)
+    j = journals(out)[1]
+    assert j["decision"]["us"]["torch"] == 80.0 and "errors" not in j["decision"] and j["in_flight"] == {}
+    entry = read(only_file(out / "backends"))["batch_sizes"]["1"]
+    assert "errors" not in entry and set(entry["us"]) == {"triton", "torch"}
+
+
 def test_a_decision_for_an_older_config_is_not_used(tmp_path, tiny_model, monkeypatch):
     decisions_on(monkeypatch)
     FakeTimer(us={triton(FAST_CFG): 50.0, "backend torch": 80.0}).install(monkeypatch)

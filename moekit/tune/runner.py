@@ -759,9 +759,9 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - a failure of the whole timing (a CUDA error, OOM): recorded
             j.data["decision"] = {"config": candidates[0], "candidates": candidates, "routings": routings,
                                   "error": one_line(e)}
-            j.end(what)
             self.reporter.log(f"{p.label} M={M}: the decision timing failed: {one_line(e)}")
-            self._check_device(what)
+            self._device_after_decision(j, what)
+            j.end(what)
             return
         except BaseException:
             j.end(what)  # stopped on purpose (Ctrl-C, a test): not a death
@@ -786,13 +786,26 @@ class Worker:
         j.data["decision"] = {"config": chosen, "candidates": candidates, "triton_us": triton_us, "routings": routings,
                               "us": us, **({"errors": errors} if errors else {}),
                               **({"triton_errors": triton_errors} if triton_errors else {})}
-        j.end(what)
         new_failures = {**{n: e for n, e in errors.items() if n not in failed and n != "triton"},
                         **{f"triton {k}": e for k, e in triton_errors.items()}}
         for name, error in new_failures.items():
             self.reporter.log(f"{p.label} M={M}: {name} failed in the decision timing: {error}")
         if new_failures:
+            self._device_after_decision(j, what)
+        j.end(what)
+
+    def _device_after_decision(self, j: Journal, what: str) -> None:
+        """After failures in a decision timing: where they left the CUDA context broken
+        (DeviceBroken), the decision is taken back (its errors are then the break's, not each
+        backend's own: kept, they would stand in the decision table, and auto avoid those
+        backends there, after every rerun) and `what` stays in flight, counted as a death: a rerun
+        times it again, and after MAX_DEATHS records it failed. A working context keeps it."""
+        try:
             self._check_device(what)
+        except DeviceBroken:
+            j.data.pop("decision", None)
+            j.save()  # `what` still in flight (begin): this run's attempt counts as a death
+            raise
 
     def _default_output(self, p: TuneProblem, inputs: Inputs, M: int) -> torch.Tensor | None:
         """The default config's output at M: the reference of the output check. Kept from its
