@@ -50,7 +50,10 @@
 #        test_routing.py, test_layer.py) and the glue's id check, int64 ids read as they are by cutlass
 #        and torch (test_glue_id_check.py; twenty-first session), and transformers' routers fused
 #        (test_hf_routers.py; twenty-second). All of them passed on an H200 in the twenty-third
-#        session (BENCHMARKS.md); the list stays for the next code written without a GPU. Not
+#        session (BENCHMARKS.md); the list stays for the next code written without a GPU. New in
+#        the twenty-fifth session, not yet run on a GPU: warmup (test_compile_ahead.py,
+#        test_hf_compile_ahead.py), the flush timed in rounds (test_timing.py) and the tuner's
+#        incumbent and confirmation (test_tune.py, its unmarked tests on CUDA). Not
 #        part of `all`. PENDING_TESTS ("test_routing_kernel test_api", say) picks files: all of
 #        them may not fit one call.
 # ids:   scripts/bench_ids_dtype.py --narrow: the whole layer with int32 ids, int64 ids, and int64
@@ -200,7 +203,8 @@ if [[ " ${steps[*]} " == *" pending "* ]]; then
   # each file logged on its own: a call stopped at its limit still returns the finished files'
   # (PENDING_TESTS="test_a test_b" runs only those: split the list over calls of the device tool)
   for f in ${PENDING_TESTS:-test_routing_kernel test_glue_id_check test_nan_propagation test_routing test_layer \
-           test_glue test_torch_backend test_cutlass_gpu test_triton_id_check test_api test_hf_routers}; do
+           test_glue test_torch_backend test_cutlass_gpu test_triton_id_check test_api test_hf_routers \
+           test_compile_ahead test_hf_compile_ahead test_timing test_tune}; do
     python3 -m pytest -q -p no:cacheprovider "tests/$f.py" "${pytest_args[@]}" >"$WORK/pending_$f.log" 2>&1 || status=1
     tail -n 3 "$WORK/pending_$f.log"
   done
