@@ -1602,12 +1602,13 @@ def test_precompiler_reports_errors_and_runs_the_space(tmp_path):
         bad = KernelConfig(16, 48, 128, 1, 4, 2)  # BLOCK_N not a power of two
         results = [f.result(timeout=120) for f in pool.submit(SHAPE, FP8_CHANNEL_TOKEN, 4, [*good, bad])]
         # The helper kept busy first (its compiles take milliseconds under the interpreter: on a
-        # loaded machine it finished all of them before cancel() ran): ProcessPoolExecutor then
-        # holds one more call ready for it, and the rest can be cancelled.
+        # loaded machine it finished all of them before cancel() ran). ProcessPoolExecutor's call
+        # queue holds max_workers + 1 calls, marked running: once the helper has taken `busy` from
+        # it, two of the queued ones (one before; CI saw two), and the rest can be cancelled.
         busy = pool._pool.submit(time.sleep, 3)
         queued = pool.submit(SHAPE, FP8_CHANNEL_TOKEN, 4, [*good, *good, *good])
         pool.cancel(queued)
-        assert sum(f.cancelled() for f in queued) >= len(queued) - 1
+        assert sum(f.cancelled() for f in queued) >= len(queued) - 2
         busy.result(timeout=120)
         assert all(f.cancelled() or f.result(timeout=120) is None for f in queued)
     finally:
