@@ -180,7 +180,7 @@ def find_tables(
     skip_roots: Sequence[Path] = (),
 ) -> list[Path]:
     """Candidate table files of one accumulation mode, best first (none from the table roots in
-    `skip_roots`: the tuner looks past its own output, moekit.tune.runner.incumbents).
+    `skip_roots`: the tuner looks past its own output, moekit.tune.runner.Worker._incumbents).
 
     In each folder (user folders before shipped ones): the exact device name, then another
     device name of the same GPU model (H100 SXM for an H100 PCIe, say). After every folder's,

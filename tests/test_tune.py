@@ -1779,7 +1779,7 @@ def test_config_from_key_inverts_config_key():
         for base in (c for c in searched if c.num_warps == space.WIDE_TILE_WARPS):
             configs += space.gemm2_variants(base, scheme, grid, space.HOPPER_SHARED_MEMORY, True, overlap_k_steps=8)[0]
     assert any(c.has_gemm2 and c.N_TILES2 for c in configs) and any(c.OVERLAP2 for c in configs)
-    # the joined tile: no search space has it, a table may (runner.incumbents); its key is its own
+    # the joined tile: no search space has it, a table may (runner.Worker._incumbents); its key is its own
     joined = KernelConfig(64, 128, 128, 8, 4, 3, JOIN=1)
     configs += [joined, joined.with_gemm2(BLOCK_N=64)]
     assert config_key(joined) != config_key(dataclasses.replace(joined, JOIN=0))

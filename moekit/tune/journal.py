@@ -53,7 +53,7 @@ class Journal:
 
     {"format", "version", "fingerprint": {...}, "problem": {...}, "batch_size": M, "updated": date,
      "default": "<key of default_config at M>",
-     "incumbent": {"key": "<key>", "config": {...}},  the config a table gave at M (runner.incumbents;
+     "incumbent": {"key": "<key>", "config": {...}},  the config a table gave at M (runner.Worker._incumbents;
                                                       absent where none did)
      "configs": {"<key>": {"config": {...}, "us": .., "p20_us": .., "p80_us": .., "method": .., "flush_us": ..}
                           | {"config": {...}, "error": "<one line>"}},
@@ -108,7 +108,7 @@ class Journal:
         return self.data["configs"].get(key)
 
     def incumbent(self) -> dict | None:
-        """The config the backend ran at this size before the run (runner.incumbents), as a
+        """The config the backend ran at this size before the run (runner.Worker._incumbents), as a
         dict (KernelConfig.to_dict), or None where no table gave one."""
         found = self.data.get("incumbent")
         return found["config"] if found else None

@@ -77,14 +77,24 @@ def best_config(journal: dict) -> tuple[str, dict] | None:
 CONFIRMED_CONFIGS = 3
 
 
+def incumbent_key(journal: dict) -> str | None:
+    """The key of the config a table gave at this size before the run (journal "incumbent")."""
+    return (journal.get("incumbent") or {}).get("key")
+
+
+def _ran(journal: dict, key: str | None) -> bool:
+    """Whether the config of `key` was timed at this size (not failed, not absent)."""
+    return key is not None and "us" in journal["configs"].get(key, {})
+
+
 def decision_candidates(journal: dict) -> list[str]:
     """The keys of the triton configs a size's decision timing confirms: the CONFIRMED_CONFIGS
     fastest separately timed (ties: the smaller key), and the incumbent where it ran and is not
     among them."""
     ran = sorted((v["us"], k) for k, v in journal["configs"].items() if "us" in v)
     keys = [k for _, k in ran[:CONFIRMED_CONFIGS]]
-    incumbent = (journal.get("incumbent") or {}).get("key")
-    if incumbent and incumbent not in keys and "us" in journal["configs"].get(incumbent, {}):
+    incumbent = incumbent_key(journal)
+    if incumbent not in keys and _ran(journal, incumbent):
         keys.append(incumbent)
     return keys
 
@@ -107,13 +117,12 @@ def chosen_config(journal: dict) -> tuple[str, dict] | None:
     decision = journal.get("decision") or {}
     # an older decision timing (a later search added candidates, and the budget ended before it
     # was redone) still confirmed its own winner against the incumbent: kept until redone
-    confirmed = {k: us for k, us in (decision.get("triton_us") or {}).items()
-                 if "us" in journal["configs"].get(k, {})}
+    confirmed = {k: us for k, us in (decision.get("triton_us") or {}).items() if _ran(journal, k)}
     if confirmed:
         key = min(confirmed, key=lambda k: (confirmed[k], k))
         return key, journal["configs"][key]
-    incumbent = (journal.get("incumbent") or {}).get("key")
-    if incumbent and "us" in journal["configs"].get(incumbent, {}):
+    incumbent = incumbent_key(journal)
+    if _ran(journal, incumbent):
         return incumbent, journal["configs"][incumbent]
     return best
 
@@ -420,6 +429,7 @@ __all__ = [
     "chosen_config",
     "decision_candidates",
     "decision_is_current",
+    "incumbent_key",
     "triton_table",
     "vllm_config",
     "vllm_device_name",

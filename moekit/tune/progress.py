@@ -19,7 +19,7 @@ from rich.table import Table
 
 from ..backends.triton.config import KernelConfig
 from ..bench import format_us
-from .output import best_config, chosen_config, decision_is_current
+from .output import best_config, chosen_config, decision_is_current, incumbent_key
 
 
 class LocalReporter:
@@ -114,7 +114,7 @@ def _config_text(cfg: dict) -> str:
 
 def summary_table(title: str, journals: list[dict], backend_doc: dict | None) -> Table:
     """Per batch size: the best config, its µs, the default config's, the gain, the µs of the
-    config used before (a table's, runner.incumbents: "-" where none was), the winner."""
+    config used before (a table's, runner.Worker._incumbents: "-" where none was), the winner."""
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
     for head in ("M", "best triton config", "µs", "default µs", "gain", "before µs", "winner", "winner µs", "configs"):
         table.add_column(head, justify="left" if head in ("best triton config", "winner") else "right")
@@ -122,7 +122,7 @@ def summary_table(title: str, journals: list[dict], backend_doc: dict | None) ->
     for j in journals:
         best = chosen_config(j)
         default = j["configs"].get(j.get("default") or "", {})
-        before = j["configs"].get((j.get("incumbent") or {}).get("key", ""), {})
+        before = j["configs"].get(incumbent_key(j) or "", {})
         decision = decisions.get(str(j["batch_size"]), {})
         winner = decision.get("winner")
         search = j.get("search") or {}

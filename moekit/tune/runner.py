@@ -69,7 +69,7 @@ from ..accumulation import table_accumulation
 from ..api import validate_inputs
 from ..backends import get_backend
 from ..backends.triton import launch
-from ..backends.triton.config import KernelConfig, default_config, problem_configs
+from ..backends.triton.config import KernelConfig, ProblemConfigs, default_config, problem_configs
 from ..backends.triton.launch import fp8_accumulation, pdl_wanted
 from ..bench import input_seed, make_routing, make_routings, make_weights, make_x, rel_l2
 from ..spec import QuantScheme
@@ -313,21 +313,6 @@ def order_candidates(configs: Sequence[KernelConfig], neighbour: NeighbourResult
     return sorted(configs, key=prior)
 
 
-def incumbents(plan: TunePlan, p: TuneProblem, device: str, sizes: Sequence[int]) -> dict[int, KernelConfig]:
-    """{batch size: the config the triton backend runs there}, where a table other than the
-    run's own gives one: the user's (MOEKIT_CONFIG_DIR), a shipped one, or one borrowed from
-    another GPU model of the sharing group (moekit.tables.SHARING_GROUPS). The tuner times it
-    beside the default config, so the table it writes is never slower at a size it measures than
-    the one it replaces (up to the timing's spread), however short the budget: an H100 tune
-    replaces the H200 table it borrowed entirely, and that table carries configs hand-timed over
-    many sessions, which a short search may not reach. {} where no table is found. The run's
-    own tables (of its accumulation mode, in its --out) are looked past, so that the answer is the
-    same before and after the run writes them; in fast mode a precise table in --out, which the
-    fast tables refine, is read as the backend reads it."""
-    before = problem_configs(p.shape, p.scheme, device, skip_own=(plan.out_dir,))
-    return {M: before.get(M) for M in sizes} if before.table else {}
-
-
 def problem_table_name(p: TuneProblem, device: str) -> str:
     """The file name of a tune problem's tables on `device`, in the current accumulation mode."""
     return table_name(p.shape, p.scheme, device, table_accumulation(p.scheme))
@@ -362,6 +347,7 @@ class Worker:
         self._target: tuple[int, torch.Tensor | None] | None = None  # (M, default config's output)
         self.ceilings: roofline.Ceilings | None = None  # run(): the device's, for the floor check
         self._floors: dict[tuple[str, int], float | None] = {}
+        self._before: dict[str, ProblemConfigs] = {}  # per problem: the tables before this run (_incumbents)
         self._weights = None
         self.precompiler = Precompiler(device, plan.dtype, 0)  # run() starts the helpers
 
@@ -393,7 +379,7 @@ class Worker:
                 j.data.pop("between_configs", None)
                 j.data.pop("between_config", None)
                 j.save()
-        for M, cfg in incumbents(self.plan, p, self.name, self.sizes).items():
+        for M, cfg in self._incumbents(p, self.sizes).items():
             journals[M].set_incumbent(config_key(cfg), cfg.to_dict())  # saved with the first measurement
         searching = self.plan.search_space != "none"
         estimate = {M: self._static_candidates(p, M, journals[M]) if searching else 0 for M in self.sizes}
@@ -459,7 +445,7 @@ class Worker:
         if not tuned or not sizes:
             return
         fp = fingerprint(self.plan, self.name, p.scheme)
-        before = incumbents(self.plan, p, self.name, sizes)
+        before = self._incumbents(p, sizes)
         todo: list[tuple[Journal, list[KernelConfig], list[str]]] = []
         opened: list[Journal] = []
         for M in sizes:
@@ -503,12 +489,31 @@ class Worker:
             self._decide(p, j)
         self._write_tables(p)
 
+    def _incumbents(self, p: TuneProblem, sizes: Sequence[int]) -> dict[int, KernelConfig]:
+        """{batch size: the config the triton backend runs there}, where a table other than the
+        run's own gives one: the user's (MOEKIT_CONFIG_DIR), a shipped one, or one borrowed from
+        another GPU model of the sharing group (moekit.tables.SHARING_GROUPS). The tuner times it
+        beside the default config, so the table it writes is never slower at a size it measures
+        than the one it replaces (up to the timing's spread), however short the budget: an H100
+        tune replaces the H200 table it borrowed entirely, and that table carries configs
+        hand-timed over many sessions, which a short search may not reach. {} where no table is
+        found. The run's own tables (of its accumulation mode, in its --out) are looked past, so
+        that the answer is the same before and after the run writes them; in fast mode a precise
+        table in --out, which the fast tables refine, is read as the backend reads it. The tables
+        are looked up once per problem (every size between asks again)."""
+        before = self._before.get(p.label)
+        if before is None:
+            before = self._before[p.label] = problem_configs(p.shape, p.scheme, self.name,
+                                                             skip_own=(self.plan.out_dir,))
+        return {M: before.get(M) for M in sizes} if before.table else {}
+
     def _baseline_todo(self, p: TuneProblem, j: Journal) -> list[tuple[str, object]]:
         default = default_config(p.shape, p.scheme, j.batch_size)
         todo: list[tuple[str, object]] = []
         if j.config(config_key(default)) is None:
             todo.append(("config", default))
-        incumbent = KernelConfig.from_dict(j.incumbent()) if j.incumbent() else None
+        found = j.incumbent()
+        incumbent = KernelConfig.from_dict(found) if found else None
         if incumbent is not None and incumbent != default and j.config(config_key(incumbent)) is None:
             todo.append(("incumbent", incumbent))
         todo += [("backend", name) for name in p.backends if j.backend(name) is None]

@@ -75,7 +75,7 @@ def config_key(cfg: KernelConfig) -> str:
     key = f"M{cfg.BLOCK_M}-N{cfg.BLOCK_N}-K{cfg.BLOCK_K}-G{cfg.GROUP_M}-w{cfg.num_warps}-s{cfg.num_stages}"
     if cfg.OVERLAP:  # GEMM1 in Gluon with the promotion overlapped (KernelConfig.OVERLAP)
         key += "-ov"
-    if cfg.JOIN:  # never in a search space, but a table's config may have it (runner.incumbents)
+    if cfg.JOIN:  # never in a search space, but a table's config may have it (runner.Worker._incumbents)
         key += "-join"
     if cfg.has_gemm2:  # GEMM2's own launch (gemm2_variants): its whole launch, after a "+"
         g2 = cfg.gemm2()

@@ -358,7 +358,7 @@ def tuned_configs(shape: MoEShape, scheme: QuantScheme, device_name: str,
     fast-mode table refines the precise one (moekit.tables): its sizes over the precise table's,
     unless it was measured on another GPU model and the precise table on this one (this GPU's
     own measurements win over a borrowed table's). The tables of the current accumulation mode
-    under the table roots `skip_own` are not read (a tune run's own: moekit.tune.runner.incumbents)."""
+    under the table roots `skip_own` are not read (a tune run's own: moekit.tune.runner.Worker._incumbents)."""
     mode = table_accumulation(scheme)
     found = precise = _first_table(shape, scheme, device_name, "precise", skip_own if mode == "precise" else ())
     used = [precise[1]] if precise else []
