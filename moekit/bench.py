@@ -1085,7 +1085,7 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
         cpu_scaled_down=device.type != "cuda",
         batch_sizes=plan.batch_sizes,
         timing=(
-            f"CUDA graph replays; L2 flushed by zeroing a 512 MiB buffer before each, the flush's median "
+            f"CUDA graph replays; L2 flushed by zeroing a 512 MiB buffer before each, each flush's own "
             f"time subtracted; median of {opts.reps} after {opts.warmup} warm-up calls; the backends of one "
             f"batch size interleaved in {min(DEFAULT_ROUNDS, opts.reps)} rounds"
             + (f"; the replays cycle through {routings} routings of each batch size" if routings > 1 else "")

@@ -9,11 +9,15 @@ On a CUDA GPU (the method of BENCHMARKS.md and its reference points):
   2. one call of `fn` is captured into a `torch.cuda.CUDAGraph`;
   3. before every replay the L2 cache is flushed by zeroing a 512 MiB buffer (far larger than
      any L2: 50 MiB on H100, 60 MiB on H200), so each replay reads its weights from HBM;
-  4. CUDA events time "flush + replay" and "flush" alone `reps` times each, in `rounds` blocks
-     that alternate (a single closure too: time_graph), each block of timed calls led by one
-     untimed call, so the GPU is never idle at a start event; the median of the flush-alone
-     times is subtracted from every flush + replay sample;
-  5. the median and the 20th / 80th percentiles of the corrected samples are reported.
+  4. CUDA events time every "flush, then replay" in two parts, `reps` times, in `rounds` blocks
+     (several closures' blocks alternate, the order rotating each round), each block led by one
+     untimed call, so the GPU is never idle at a start event: an event between the flush and the
+     replay splits each sample, so each replay's time is its sample less that sample's own
+     flush (the flush's cost subtracted sample by sample, not by a median measured apart: that
+     median varied from 166 to 225 µs between timings on an H100, and every sample of the
+     timing then read that much too fast; BENCHMARKS.md, twenty-sixth session);
+  5. the median and the 20th / 80th percentiles of the replays' times are reported, and the
+     flushes' median beside them.
 If capture fails (a host synchronisation inside `fn`, an op that graphs cannot hold), the same
 measurement is made with eager calls instead of replays, and `Timing.note` says so.
 
@@ -49,7 +53,7 @@ class Timing:
     p80_us: float
     samples: tuple[float, ...]
     method: str  # "cuda-graph", "cuda-eager" (capture failed) or "cpu"
-    flush_us: float | None = None  # median time of the L2 flush alone (subtracted), CUDA only
+    flush_us: float | None = None  # median time of the L2 flushes before the replays, CUDA only
     note: str | None = None
 
     @classmethod
@@ -73,12 +77,7 @@ def time_graph(
 ) -> Timing:
     """Time `fn()` (a closure over inputs prepared beforehand). See the module docstring.
 
-    Its replays and the L2 flush's (whose median is subtracted from every sample) alternate in
-    `rounds` rounds, as time_graphs does for several closures: timed in one block after the
-    closure's, the flush's median read whatever state the GPU was in for those few ms. The
-    tuner's separate timings, made that way, put configs up to 1.7x faster than the same configs
-    in interleaved rounds and below the roofline floor (H100, BENCHMARKS.md twenty-fifth
-    session); a flush median read high is one explanation, not a measured one."""
+    Its replays are timed in `rounds` blocks, as time_graphs does for several closures."""
     result = time_graphs({"fn": fn}, reps=reps, warmup=warmup, flush_l2=flush_l2, device=device,
                          use_graph=use_graph, rounds=rounds)["fn"]
     if isinstance(result, BaseException):
@@ -264,6 +263,30 @@ def _event_times(body: Callable[[], None], reps: int, before_each: Callable[[], 
     return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]  # ms -> µs
 
 
+def _flushed_event_times(flush: Callable[[], None], run: Callable[[], None], reps: int,
+                         before_each: Callable[[], object] | None = None) -> tuple[list[float], list[float]]:
+    """(run's GPU time, flush's GPU time) in µs, `reps` times, of "flush, then run": three events
+    per call, the middle one recorded between them, so each run's time excludes its own flush
+    (whose time varies from call to call) and the run still finds the L2 cold. Led by one untimed
+    call, as _event_times."""
+    starts, mids, ends = ([torch.cuda.Event(enable_timing=True) for _ in range(reps)] for _ in range(3))
+    torch.cuda.synchronize()
+    flush()  # untimed: keeps the GPU busy while the host queues the first timed call
+    run()
+    for start, mid, end in zip(starts, mids, ends):
+        if before_each is not None:
+            before_each()
+        start.record()
+        flush()
+        mid.record()
+        run()
+        end.record()
+    torch.cuda.synchronize()
+    runs = [m.elapsed_time(e) * 1e3 for m, e in zip(mids, ends)]  # ms -> µs
+    flushes = [s.elapsed_time(m) * 1e3 for s, m in zip(starts, mids)]
+    return runs, flushes
+
+
 def _capture(fn) -> torch.cuda.CUDAGraph:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -313,19 +336,6 @@ def _prepare_cuda(fn, warmup: int, use_graph: bool):
     return run, ("cuda-graph" if graph is not None else "cuda-eager"), note, graph
 
 
-def subtract_flush(times_us, flush_us: float) -> tuple[list[float], str | None]:
-    """flush + replay samples less the flush's median. A sample below that median (the replay is
-    shorter than the flush's own spread) counts as 0 µs rather than negative, and the note returned
-    says how many did: such a median is below what the method can resolve."""
-    corrected = [t - flush_us for t in times_us]
-    below = sum(1 for t in corrected if t < 0.0)
-    note = None
-    if below:
-        note = (f"{below} of {len(corrected)} samples were shorter than the L2 flush alone ({flush_us:.1f} µs) "
-                "and count as 0 µs: the time is within the flush's noise (time it with flush_l2=False)")
-    return [max(t, 0.0) for t in corrected], note
-
-
 def _time_cuda(fns, reps: int, warmup: int, flush_l2: bool, use_graph: bool, rounds: int,
                before_each=None) -> dict[str, Timing | Exception]:
     results: dict[str, Timing | Exception] = {}
@@ -340,32 +350,21 @@ def _time_cuda(fns, reps: int, warmup: int, flush_l2: bool, use_graph: bool, rou
             except Exception:  # noqa: BLE001 - a broken context shows up in the next call
                 pass
     flush = flush_buffer().zero_ if flush_l2 else None
-    FLUSH = "\0flush"  # the flush alone, interleaved like the others
+    flush_times: dict[str, list[float]] = {name: [] for name in prepared}
 
     def measure(name: str, n: int) -> list[float]:
-        if name == FLUSH:
-            return _event_times(flush, n)
         run = prepared[name][0]
         hook = None if before_each is None else (lambda: before_each(name))
         if flush is None:
             return _event_times(run, n, hook)
+        runs, flushes = _flushed_event_times(flush, run, n, hook)
+        flush_times[name] += flushes
+        return runs
 
-        def body():
-            flush()
-            run()
-
-        return _event_times(body, n, hook)
-
-    names = list(prepared) + ([FLUSH] if flush is not None and prepared else [])
-    samples = _interleave(names, reps, rounds, measure, results)
-    if FLUSH in results:  # the flush itself failed: nothing can be timed against it
-        raise results.pop(FLUSH)
-    flush_us = float(np.median(samples.pop(FLUSH))) if FLUSH in samples else None
+    samples = _interleave(list(prepared), reps, rounds, measure, results)
     for name, times in samples.items():
         _, method, note, _ = prepared[name]
-        if flush_us is not None:
-            times, clamped = subtract_flush(times, flush_us)
-            note = "; ".join(n for n in (note, clamped) if n) or None
+        flush_us = float(np.median(flush_times[name])) if flush is not None else None
         results[name] = Timing.from_samples(times, method, flush_us, note)
     prepared.clear()  # frees the graphs
     return {name: results[name] for name in fns}

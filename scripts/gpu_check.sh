@@ -25,7 +25,8 @@
 #        (default tune-journal/, git-ignored: carry it; TUNE_ARGS adds arguments): no search, only
 #        what is missing with the configs found before (the sizes between after a change of their
 #        rule, GEMM2's own launch on the best configs found before, say); the tables
-#        land in tuned/ of the archive and the steps after it use them, as after `tune`.
+#        land in tuned/ of the archive and the steps after it use them, as after `tune`; the
+#        journals come back in journal/ of the archive (also when the call is cut short).
 # full:  the exhaustive search (`--search-space full`) of GLM-4.5V TP2 at FULL_SIZES (default
 #        "64 1024"), to compare with the pruned search of the tune step at the same sizes.
 # hf:    one GLM-4.5V-size layer through moekit against transformers' grouped_mm.
@@ -50,9 +51,9 @@
 #        test_routing.py, test_layer.py) and the glue's id check, int64 ids read as they are by cutlass
 #        and torch (test_glue_id_check.py; twenty-first session), and transformers' routers fused
 #        (test_hf_routers.py; twenty-second). All of them passed on an H200 in the twenty-third
-#        session (BENCHMARKS.md); the list stays for the next code written without a GPU. New in
-#        the twenty-fifth session, not yet run on a GPU: warmup (test_compile_ahead.py,
-#        test_hf_compile_ahead.py), the flush timed in rounds (test_timing.py) and the tuner's
+#        session (BENCHMARKS.md); the list stays for the next code written without a GPU. Added in
+#        the twenty-fifth session, passed on an H100 in the twenty-sixth: warmup (test_compile_ahead.py,
+#        test_hf_compile_ahead.py), the timing harness (test_timing.py) and the tuner's
 #        incumbent and confirmation (test_tune.py, its unmarked tests on CUDA). Not
 #        part of `all`. PENDING_TESTS ("test_routing_kernel test_api", say) picks files: all of
 #        them may not fit one call.
@@ -248,7 +249,14 @@ fi
 echo "$status" > "$WORK/status"
 }
 # Killed by `timeout` (a call's time limit), still archive what was measured so far.
-finish() { tar czf "$OUT/results.tgz" -C "$WORK" .; }
+# A retime's journals come back too (journal/ in the archive), so that a call cut short is
+# carried on by the next one: extract them over the carried folder.
+finish() {
+  if [[ " ${steps[*]} " == *" retime "* && -d ${TUNE_DIR:-tune-journal} ]]; then
+    mkdir -p "$WORK/journal" && cp -r "${TUNE_DIR:-tune-journal}/." "$WORK/journal/"
+  fi
+  tar czf "$OUT/results.tgz" -C "$WORK" .
+}
 trap finish EXIT
 trap 'exit 143' TERM
 echo 1 > "$WORK/status"

@@ -261,14 +261,20 @@ def test_after_warmup_the_calls_compile_nothing(device):
     report = warmup(w, 3, batch_sizes=sizes, backend="triton")
     assert report.new_variants is not None and report.new_variants > 0
     count = compiled_variants()
-    from helpers import random_routing, random_x
+    from helpers import random_routing, random_x, rel_l2
+
+    from moekit.backends.reference import reference_moe
+    from moekit.check import intermediate_granularity
 
     for M in sizes:
         x = random_x(M, 384, device=device, seed=M)
         tw, ids = random_routing(M, 6, 3, device=device, seed=M)
         out = moekit.fused_moe(x, w, tw, ids, backend="triton")
-        ref = moekit.fused_moe(x, w, tw, ids, backend="reference")
-        rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        assert rel < 1e-2, (M, rel)  # the kernel class's limit (moekit/check.py): compiled ahead, same kernels
+        # the reference quantizes the intermediate by the backend's rule (per 1x128 group here), as
+        # test_triton_backend.py's reference_for does; against the scheme's per-row rule a single
+        # token differs by one FP8 rounding of its intermediate (1.8e-2 measured at M = 1)
+        ref = reference_moe(x, w, tw, ids, intermediate_granularity=intermediate_granularity("triton", w.scheme))
+        rel = rel_l2(out, ref)
+        assert rel < 1e-2, (M, rel)  # test_triton_backend.REL_L2_TOL (derived there): compiled ahead, same kernels
     assert compiled_variants() == count
     assert warmup(w, 3, batch_sizes=sizes, backend="triton").new_variants == 0  # again: nothing left to compile

@@ -29,10 +29,11 @@ def recorded(monkeypatch):
     return calls
 
 
-def test_one_warmup_per_experts_shape(tmp_path, recorded):
+def test_one_warmup_per_experts_shape(tmp_path, recorded, device):
     src = tmp_path / "bf16"
     tiny_model("qwen3_moe").save_pretrained(src)  # two MoE layers of one shape
-    model = mh.from_pretrained(src, scheme="fp8-channel-token", backend="triton")
+    # on the device the triton backend runs on: on a GPU machine it refuses CPU tensors
+    model = mh.from_pretrained(src, scheme="fp8-channel-token", backend="triton", device_map=str(device))
     reports = mh.warmup(model, 4)
     assert len(reports) == 1 and recorded["routing"] == []  # no fused router
     [(shape, scheme, top_k, backend, sizes, dtype)] = recorded["experts"]
@@ -50,13 +51,14 @@ def test_transformers_own_experts_with_the_moekit_implementation(recorded):
     assert (scheme, top_k, backend, sizes) == ("bf16", 1, "auto", [8])
 
 
-def test_fused_routers_get_routes_kernel(recorded):
-    model = tiny_model("deepseek_v3")
+def test_fused_routers_get_routes_kernel(recorded, device):
+    model = tiny_model("deepseek_v3").to(device)
     mh.patch_model(model, backend="triton")  # moekit's experts beside the routers: they can be fused
     assert mh.fuse_routers(model) > 0
     mh.warmup(model, 3)
-    [(config, experts, sizes, device, dtypes, bias)] = recorded["routing"]  # one router shape
+    [(config, experts, sizes, on, dtypes, bias)] = recorded["routing"]  # one router shape
     assert (config.top_k, experts, sizes, dtypes) == (2, EXPERTS, [1, 2, 3], (torch.float32,))
+    assert on.type == device.type  # the routers' own device
     assert bias is not None and bias.shape == (EXPERTS,)  # the grouped rule's correction bias
 
 
@@ -69,10 +71,10 @@ def test_bad_input(recorded):
         mh.warmup(torch.nn.Linear(2, 2), 2)  # no config to read num_experts_per_tok from
 
 
-def test_the_real_warmup_runs_on_a_tiny_model(tmp_path, monkeypatch):
+def test_the_real_warmup_runs_on_a_tiny_model(tmp_path, monkeypatch, device):
     """Not recorded: moekit.warmup itself on the model's weights (the interpreter compiles nothing)."""
     src = tmp_path / "bf16"
     tiny_model("mixtral").save_pretrained(src)
-    model = mh.from_pretrained(src, scheme="fp8-channel-token", backend="triton")
+    model = mh.from_pretrained(src, scheme="fp8-channel-token", backend="triton", device_map=str(device))
     [report] = mh.warmup(model, batch_sizes=[1, 5])
     assert report.triton_sizes == (1, 5) and report.other_backends == {}

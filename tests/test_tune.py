@@ -591,9 +591,9 @@ def test_the_floor_is_that_of_the_inputs_routing(monkeypatch):
     assert roofline.count(SHAPE, FP8_CHANNEL_TOKEN, 2, ids).experts_touched == 2  # the routing's, not the expectation
 
 
-def test_the_journal_keeps_the_flush_time_each_timing_subtracted(tmp_path, tiny_model, monkeypatch):
-    """A separate timing's L2 flush median (timing.time_graph subtracts it from every sample) is
-    kept beside its µs, so that a timing thrown off by a misread flush can be told afterwards."""
+def test_the_journal_keeps_the_flush_time_of_each_timing(tmp_path, tiny_model, monkeypatch):
+    """A separate timing's L2 flush median (each replay is timed apart from its own flush) is kept
+    beside its µs, so that a disturbed timing can be told afterwards."""
     FakeTimer().install(monkeypatch)
     monkeypatch.setattr(runner, "measure_time", lambda fn, **kw: Timing.from_samples([80.0], "cuda-graph", 190.25))
     out = tmp_path / "out"

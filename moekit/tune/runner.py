@@ -683,7 +683,7 @@ class Worker:
             return {"error": f"measured {timing.median_us} µs, below the timer's resolution"}, None
         result = {"us": round(timing.median_us, 3), "p20_us": round(timing.p20_us, 3),
                   "p80_us": round(timing.p80_us, 3), "method": timing.method}
-        if timing.flush_us is not None:  # subtracted from every sample: kept to tell a misread flush
+        if timing.flush_us is not None:  # the flushes' median: kept to tell a disturbed timing
             result["flush_us"] = round(timing.flush_us, 1)
         if timing.note:
             result["note"] = timing.note
