@@ -82,11 +82,22 @@ def _fused_moe(x, weights, topk_weights, topk_ids, backend, apply_router_weight_
     if M == 0:
         return x.new_empty(0, weights.hidden)
     impl = get_backend(choice.backend)
+    return impl.run(x, weights, topk_weights, ids_for_backend(impl, topk_ids, weights.num_experts))
+
+
+def ids_for_backend(impl, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """What fused_moe does to validated ids before the chosen backend runs: int64 ids narrowed to
+    int32 on a GPU for a backend that reads only int32 (validate_inputs' docstring), and the
+    device-side range check for one that does not check them itself (ids checked on the host are
+    int32 already: validate_inputs). moekit.warmup runs it too, on unchecked empty ids under
+    compile_only(), to compile those launches."""
+    if not _ids_checked_on_device(topk_ids):
+        return topk_ids.to(torch.int32)  # validate_inputs' host path; a no-op after it
     if topk_ids.dtype == torch.int64 and not impl.reads_int64_ids:
-        topk_ids = narrow_ids(topk_ids, weights.num_experts)  # validate_inputs' docstring
+        topk_ids = narrow_ids(topk_ids, num_experts)
     if _ids_checked_on_device(topk_ids) and not impl.checks_expert_ids:
-        assert_ids_in_range(topk_ids, weights.num_experts)
-    return impl.run(x, weights, topk_weights, topk_ids)
+        assert_ids_in_range(topk_ids, num_experts)
+    return topk_ids
 
 
 def weight_input(x: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,9 +118,12 @@ def assert_ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> None:
     every captured layer (about 10 µs of a 57 µs GLM-4.5V decode layer, BENCHMARKS.md); this is
     one at decode sizes. Where the assertion runs eagerly on the CPU (the interpreter) it raises
     at once."""
+    from .backends.compile_only import compiling_only
     from .backends.glue.ops import ids_in_range
 
-    torch._assert_async(ids_in_range(topk_ids, num_experts), f"moekit: topk_ids outside [0, {num_experts})")
+    in_range = ids_in_range(topk_ids, num_experts)
+    if not compiling_only():  # compile-only (moekit.warmup): the check was compiled, not run, and holds nothing
+        torch._assert_async(in_range, f"moekit: topk_ids outside [0, {num_experts})")
 
 
 def _ids_checked_on_device(topk_ids: torch.Tensor) -> bool:

@@ -246,7 +246,7 @@ def cmd_warmup(args) -> int:
         raise UsageError("moekit warmup compiles GPU kernels: no CUDA GPU is visible here")
     device = torch.device("cuda")
     table = Table(title=f"moekit warmup on {torch.cuda.get_device_name(device)}")
-    for head in ("model", "scheme", "sizes via triton", "other backends", "new kernel variants", "seconds"):
+    for head in ("model", "scheme", "compiled", "nothing to compile", "new kernel variants", "seconds"):
         table.add_column(head, justify="right" if head in ("new kernel variants", "seconds") else "left")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     for spec, scheme in problems:
@@ -264,8 +264,11 @@ def cmd_warmup(args) -> int:
                 raise UsageError(f"backend {e.name!r} cannot run {spec.name}: {'; '.join(e.reasons)}") from None
             except ValueError as e:
                 raise UsageError(f"{spec.name}: {' '.join(str(e).split())}") from None
-        others = "; ".join(f"{b}: {_ranges(ms)}" for b, ms in sorted(report.other_backends.items())) or "-"
-        table.add_row(spec.name, scheme.name, _ranges(report.triton_sizes) or "-", others,
+        def per_backend(names):
+            return "; ".join(f"{b}: {_ranges(report.sizes[b])}" for b in sorted(names)) or "-"
+
+        table.add_row(spec.name, scheme.name, per_backend(report.compiled),
+                      per_backend(set(report.sizes) - set(report.compiled)),
                       "?" if report.new_variants is None else str(report.new_variants), f"{report.seconds:.1f}")
         del weights
     console.print(table)

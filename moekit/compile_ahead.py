@@ -8,14 +8,16 @@ two, the GEMV or the tiled path, and the tuned config of the nearest batch size,
 own kernels). So a server meeting a batch size of a new class compiles during that request: a
 few seconds per kernel on a Hopper host where Triton's on-disk cache does not have it yet.
 
-`warmup` runs the triton backend's launch code at each batch size asked for, inside
-`launch.compile_only()`: every kernel that size would launch is compiled (kept in this process
-and in Triton's on-disk cache, where a later process finds it) and none is launched. The inputs
-are empty tensors, nothing is computed, and a size whose kernels are all compiled already costs
-host time only. Under `backend="auto"` only the sizes auto gives the triton backend are run: the
-other backends' kernels (CUTLASS's, torch's) are built ahead of time, except the Triton kernels
-of the glue those two share, not covered here. MoELayer.warmup also runs moekit.route's kernel
-(warm_routing) where the layer routes its own logits.
+`warmup` runs, at each batch size asked for, the launch code of the backend that size runs on
+(auto's choice per size, or the one named) inside `compile_only()` (backends/compile_only.py):
+every Triton kernel that size would launch is compiled (kept in this process and in Triton's
+on-disk cache, where a later process finds it) and none is launched. That is the triton
+backend's kernels, or for cutlass and torch the Triton glue they share (permutation and
+quantization, SiLU-and-mul, combine; their GEMMs are torch's, built ahead of time and not run
+here), and fused_moe's own id narrowing and range check where the backend needs them. The
+inputs are empty tensors, nothing is computed, and a size whose kernels are all compiled
+already costs host time only. MoELayer.warmup also runs moekit.route's kernel (warm_routing)
+where the layer routes its own logits.
 
 The kernels depend on the GPU model (its tuned tables pick the configs) and on the environment
 (MOEKIT_FP8_ACCUMULATION, MOEKIT_PDL, MOEKIT_CONFIG_DIR, MOEKIT_BACKEND): warm on the serving GPU
@@ -40,12 +42,17 @@ MAX_WARMUP_BATCH = 65536
 
 @dataclasses.dataclass(frozen=True)
 class WarmupReport:
-    triton_sizes: tuple[int, ...]  # the batch sizes run through the triton backend's launch code
-    other_backends: dict[str, tuple[int, ...]]  # backend -> sizes auto gives it (nothing compiled)
+    sizes: dict[str, tuple[int, ...]]  # backend -> the batch sizes that run on it (auto's choice, or the one named)
+    compiled: tuple[str, ...]  # those whose launch code ran, compiling (reference: no Triton kernels of its own)
     # kernel variants this call added to this process's Triton caches: compiled, or loaded from
     # Triton's on-disk cache (a second process finds them there); None: this Triton's caches unreadable
     new_variants: int | None
     seconds: float
+
+    @property
+    def triton_sizes(self) -> tuple[int, ...]:
+        """The sizes that run on the triton backend."""
+        return self.sizes.get("triton", ())
 
 
 def batch_sizes_to_warm(max_batch_size: int | None, batch_sizes: Sequence[int] | None) -> list[int]:
@@ -80,17 +87,17 @@ def warmup(
     ids_dtypes: Sequence[torch.dtype] = (torch.int32, torch.int64),
     on_size: Callable[[int], object] | None = None,
 ) -> WarmupReport:
-    """Compile every triton kernel a `fused_moe(x, weights, ...)` call with `top_k` experts per
+    """Compile every Triton kernel a `fused_moe(x, weights, ...)` call with `top_k` experts per
     token and x of `dtype` would launch at each batch size (1 ... max_batch_size, or
     `batch_sizes`), launching none (module docstring). `backend` as fused_moe takes it: "auto"
-    (MOEKIT_BACKEND first) runs only the sizes it gives triton; "triton" runs all; another backend
-    compiles nothing. `ids_dtypes`: the dtypes of the calls' topk_ids, each its own kernels
-    (moekit's router gives int32, transformers' routers int64; both by default). `on_size(M)` is
-    called after each size (a progress bar). Largest size first: its workspace, freed, holds
-    every smaller size's, so the caching allocator reserves no more than one call's."""
-    from .api import check_weight_dtype
+    (MOEKIT_BACKEND first) warms each size's choice; a name, that backend at every size.
+    `ids_dtypes`: the dtypes of the calls' topk_ids, each its own kernels (moekit's router gives
+    int32, transformers' routers int64; both by default). `on_size(M)` is called after each size
+    (a progress bar). Largest size first: its workspace, freed, holds every smaller size's, so the
+    caching allocator reserves no more than one call's."""
+    from .api import check_weight_dtype, ids_for_backend
     from .backends import get_backend
-    from .backends.triton.launch import compile_only
+    from .backends.compile_only import compile_only
     from .select import select_backend
 
     if not isinstance(weights, MoEWeights):
@@ -107,24 +114,27 @@ def warmup(
     for M in sizes:  # select_backend raises BackendUnavailableError, with reasons, for a named one that cannot run
         name = select_backend(shape, weights.scheme, device, dtype, M, backend, allow_weight_copies=False).backend
         by_backend.setdefault(name, []).append(M)
-    triton_sizes = by_backend.pop("triton", [])
     start, before = time.perf_counter(), compiled_variants()
-    if triton_sizes:
-        largest = triton_sizes[-1]
-        x = torch.empty(largest, shape.hidden, dtype=dtype, device=device)
-        topk_weights = torch.empty(largest, top_k, dtype=torch.float32, device=device)
-        ids = {d: torch.empty(largest, top_k, dtype=d, device=device) for d in ids_dtypes}
-        triton = get_backend("triton")
-        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        with on_device, compile_only(), torch.no_grad():  # Triton keeps kernels per current device
-            for M in reversed(triton_sizes):  # the first M rows: contiguous views, as a real call's inputs
+    largest = sizes[-1]
+    x = torch.empty(largest, shape.hidden, dtype=dtype, device=device)
+    topk_weights = torch.empty(largest, top_k, dtype=torch.float32, device=device)
+    ids = {d: torch.empty(largest, top_k, dtype=d, device=device) for d in ids_dtypes}
+    compiled = []
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with on_device, compile_only(), torch.no_grad():  # Triton keeps kernels per current device
+        for name, backend_sizes in by_backend.items():
+            impl, ran = get_backend(name), False
+            for M in reversed(backend_sizes):  # the first M rows: contiguous views, as a real call's inputs
                 for topk_ids in ids.values():
-                    triton.run(x[:M], weights, topk_weights[:M], topk_ids[:M])
+                    ids_m = ids_for_backend(impl, topk_ids[:M], weights.num_experts)
+                    ran = impl.compile_ahead(x[:M], weights, topk_weights[:M], ids_m) or ran
                 if on_size is not None:
                     on_size(M)
+            if ran:
+                compiled.append(name)
     after = compiled_variants()
     new_variants = None if before is None or after is None else after - before
-    return WarmupReport(tuple(triton_sizes), {k: tuple(v) for k, v in by_backend.items()}, new_variants,
+    return WarmupReport({k: tuple(v) for k, v in by_backend.items()}, tuple(compiled), new_variants,
                         time.perf_counter() - start)
 
 
@@ -155,13 +165,14 @@ def size_classes(sizes: Sequence[int]) -> list[int]:
 
 
 def compiled_variants() -> int | None:
-    """How many compiled variants the triton backend's kernels hold in this process (Triton's
+    """How many compiled variants the triton backend's and the glue's kernels hold in this process (Triton's
     in-memory kernel caches, `JITFunction.device_caches`), or None where this Triton keeps them
     otherwise. Under the interpreter nothing is compiled: 0."""
+    from .backends.glue import _kernels as _glue_kernels
     from .backends.triton import _gemv_kernels, _gluon_kernels, _kernels
 
     total, seen = 0, set()
-    for module in (_kernels, _gluon_kernels, _gemv_kernels):
+    for module in (_kernels, _gluon_kernels, _gemv_kernels, _glue_kernels):
         for kernel in vars(module).values():
             caches = getattr(kernel, "device_caches", None)
             if caches is None or id(kernel) in seen:  # a kernel one module imports from another: once

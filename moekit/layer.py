@@ -349,7 +349,7 @@ class MoELayer(HandleOwner, torch.nn.Module):
 
     def warmup(self, max_batch_size: int | None = None, *, batch_sizes=None, top_k: int | None = None,
                dtype: torch.dtype = torch.bfloat16, on_size=None):
-        """Compile the triton kernels this layer's calls would launch at each batch size (1 ...
+        """Compile the Triton kernels this layer's calls would launch at each batch size (1 ...
         max_batch_size, or `batch_sizes`) before serving, launching none: `moekit.warmup` with this
         layer's weights, backend and top-k (its RoutingConfig's, else `top_k`), topk_ids of int32
         and int64; with a RoutingConfig also moekit.route's kernel for router logits of float32

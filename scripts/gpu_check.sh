@@ -54,7 +54,9 @@
 #        session (BENCHMARKS.md); the list stays for the next code written without a GPU. Added in
 #        the twenty-fifth session, passed on an H100 in the twenty-sixth: warmup (test_compile_ahead.py,
 #        test_hf_compile_ahead.py), the timing harness (test_timing.py) and the tuner's
-#        incumbent and confirmation (test_tune.py, its unmarked tests on CUDA). Not
+#        incumbent and confirmation (test_tune.py, its unmarked tests on CUDA). Not yet run on
+#        a GPU: the glue's warmup (test_compile_ahead.py's test_after_warmup_the_glue_compiles_nothing,
+#        written after the twenty-sixth session's GPU time). Not
 #        part of `all`. PENDING_TESTS ("test_routing_kernel test_api", say) picks files: all of
 #        them may not fit one call.
 # ids:   scripts/bench_ids_dtype.py --narrow: the whole layer with int32 ids, int64 ids, and int64

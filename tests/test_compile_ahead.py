@@ -10,6 +10,7 @@ from helpers import random_weights
 
 import moekit
 from moekit import compile_ahead, select
+from moekit.backends.compile_only import compiling_only
 from moekit.backends.triton import _kernels, launch
 from moekit.cli import _ranges, main
 from moekit.compile_ahead import MAX_WARMUP_BATCH, batch_sizes_to_warm, compiled_variants, size_classes, warmup
@@ -34,7 +35,7 @@ def launches(monkeypatch):
     current = {"M": None}
 
     def spy_launch(kernel, grid, *args, **kwargs):
-        seen.append((getattr(kernel, "__name__", str(kernel)), launch._COMPILE_ONLY.get(), current["M"],
+        seen.append((getattr(kernel, "__name__", str(kernel)), compiling_only(), current["M"],
                      specialization(args, kwargs)))
         return real_launch(kernel, grid, *args, **kwargs)
 
@@ -47,6 +48,24 @@ def launches(monkeypatch):
     import moekit.backends.triton.gemv as gemv
 
     monkeypatch.setattr(gemv, "_launch", spy_launch)
+    return seen
+
+
+@pytest.fixture
+def glue_launches(monkeypatch):
+    """Every launch of the glue's kernels (cutlass's and torch's, fused_moe's id narrowing and
+    check): (kernel name, grid, compile-only at the time, the arguments as Triton specializes them)."""
+    from moekit.backends.compile_only import launch as real_launch
+    from moekit.backends.glue import ops
+
+    seen: list[tuple[str, tuple, bool, tuple]] = []
+
+    def spy(kernel, grid, *args, **kwargs):
+        seen.append((getattr(kernel, "__name__", str(kernel)), tuple(grid), compiling_only(),
+                     specialization(args, kwargs)))
+        return real_launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "launch", spy)
     return seen
 
 
@@ -89,12 +108,72 @@ def test_the_calls_after_warmup_need_no_other_kernel(weights, launches, monkeypa
     assert real and real <= warmed, sorted(real - warmed)[:3]
 
 
+def glue_signatures(glue_launches) -> set:
+    """The kernels and specializations launched, with the grid's shape (its rank): the grid itself
+    depends on the batch size, which both sides share."""
+    return {(name, len(grid), sig) for name, grid, _, sig in glue_launches}
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_cutlass_warmup_reaches_every_glue_kernel_its_calls_launch(weights, glue_launches, ids_dtype):
+    """cutlass's compile_ahead compiles the glue kernels (and specializations) that run_cutlass
+    launches at the same size, on empty inputs, without running its GEMMs (an emulated grouped GEMM
+    stands in for torch's on the CPU in the real calls)."""
+    from helpers import random_routing, random_x
+    from test_glue import emulated_scaled_grouped_mm
+
+    from moekit.backends import cutlass
+    from moekit.backends.compile_only import compile_only
+
+    for M in (1, 3, 16, 40):
+        glue_launches.clear()
+        x = random_x(M, H, device=weights.device, seed=M)
+        tw, ids = random_routing(M, E, K, device=weights.device, seed=M)
+        cutlass.run_cutlass(x, weights, tw, ids.to(ids_dtype), gemm=emulated_scaled_grouped_mm)
+        real = glue_signatures(glue_launches)
+        glue_launches.clear()
+        with compile_only():
+            assert cutlass.CutlassBackend().compile_ahead(torch.empty_like(x), weights, torch.empty_like(tw),
+                                                          torch.empty(M, K, dtype=ids_dtype, device=weights.device))
+        assert glue_launches and all(only for _, _, only, _ in glue_launches)
+        assert real and real <= glue_signatures(glue_launches), (M, sorted(real - glue_signatures(glue_launches))[:2])
+
+
+def test_torch_backend_warmup_reaches_every_glue_kernel_its_calls_launch(glue_launches, monkeypatch, device):
+    """The torch backend's glue (the per-expert loop here; on a GPU the Triton glue, patched in on
+    the CPU): after warmup, real fused_moe calls at the warmed sizes launch no glue kernel or
+    specialization that warmup did not reach, int32 and int64 ids, and the GEMMs did not run
+    during warmup (nothing was read: the weights are random, the inputs empty)."""
+    from helpers import random_routing, random_x
+
+    from moekit import api
+    from moekit.backends import torch_backend
+
+    if device.type == "cpu":
+        monkeypatch.setattr(torch_backend, "_glue_impl", lambda device: "triton")
+        monkeypatch.setattr(api, "_ids_checked_on_device", lambda ids: True)  # int64 ids as on a GPU
+    w = random_weights(E, H, N, "bf16", device=device)
+    sizes = [1, 3, 16, 40]
+    report = warmup(w, K, batch_sizes=sizes, backend="torch")
+    assert report.sizes == {"torch": tuple(sizes)} and report.compiled == ("torch",)
+    warmed = glue_signatures(glue_launches)
+    glue_launches.clear()
+    for M in sizes:
+        x = random_x(M, H, device=device, seed=M)
+        tw, ids = random_routing(M, E, K, device=device, seed=M)
+        for topk_ids in (ids, ids.long()):
+            moekit.fused_moe(x, w, tw, topk_ids, backend="torch")
+    real = glue_signatures(glue_launches)
+    assert real and real <= warmed, sorted(real - warmed)[:2]
+
+
 def test_every_size_runs_the_launch_code_compiling_only(weights, launches):
     report = warmup(weights, K, batch_sizes=[17, 1, 3, 3, 64], backend="triton")
-    assert report.triton_sizes == (1, 3, 17, 64) and report.other_backends == {}
+    assert report.sizes == {"triton": (1, 3, 17, 64)} and report.compiled == ("triton",)
+    assert report.triton_sizes == (1, 3, 17, 64)
     assert {entry[2] for entry in launches} == {1, 3, 17, 64}  # each size's own launch code ran
     assert launches and all(entry[1] for entry in launches)  # and launched nothing
-    assert not launch._COMPILE_ONLY.get()  # left as it was
+    assert not compiling_only()  # left as it was
     if not CUDA:
         assert report.new_variants == 0  # the interpreter compiles nothing
     # max_batch_size: every size from 1
@@ -102,7 +181,7 @@ def test_every_size_runs_the_launch_code_compiling_only(weights, launches):
     assert warmup(weights, K, 5, backend="triton").triton_sizes == (1, 2, 3, 4, 5)
 
 
-def test_auto_warms_only_the_sizes_it_gives_triton(weights, launches, monkeypatch):
+def test_auto_warms_each_size_on_the_backend_it_gives_it(weights, launches, glue_launches, monkeypatch):
     real = select.select_backend
 
     def pretend(shape, scheme, device, dtype=torch.bfloat16, num_tokens=1, backend="auto", **kw):
@@ -112,13 +191,21 @@ def test_auto_warms_only_the_sizes_it_gives_triton(weights, launches, monkeypatc
 
     monkeypatch.setattr(select, "select_backend", pretend)
     report = warmup(weights, K, 8)
-    assert report.triton_sizes == (1, 2, 3, 4) and report.other_backends == {"cutlass": (5, 6, 7, 8)}
-    assert {entry[2] for entry in launches} == {1, 2, 3, 4}
-    # another backend named: nothing of triton's to compile
+    assert report.sizes == {"triton": (1, 2, 3, 4), "cutlass": (5, 6, 7, 8)}
+    assert report.compiled == ("triton", "cutlass")
+    assert {entry[2] for entry in launches} == {1, 2, 3, 4}  # the triton backend's launch code at its sizes
+    # cutlass's: the glue (the triton backend launches none), at its sizes: _permute_kernel has a
+    # program per token, so its grid tells them
+    assert {grid[0] for name, grid, _, _ in glue_launches if name == "_permute_kernel"} == {5, 6, 7, 8}
+    assert glue_launches and all(only for _, _, only, _ in glue_launches)
+    # a backend with no Triton kernels of its own: its sizes, nothing compiled but fused_moe's id
+    # narrowing where it reads int32 only (the CPU path: ids checked on the host, int32 already)
     launches.clear()
+    glue_launches.clear()
     monkeypatch.setattr(select, "select_backend", lambda *a, **kw: Choice("reference", "argument", "named", {}))
     report = warmup(weights, K, 3, backend="reference")
-    assert report.triton_sizes == () and report.other_backends == {"reference": (1, 2, 3)} and not launches
+    assert report.sizes == {"reference": (1, 2, 3)} and report.compiled == ()
+    assert not launches and not glue_launches
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -278,3 +365,25 @@ def test_after_warmup_the_calls_compile_nothing(device):
         assert rel < 1e-2, (M, rel)  # test_triton_backend.REL_L2_TOL (derived there): compiled ahead, same kernels
     assert compiled_variants() == count
     assert warmup(w, 3, batch_sizes=sizes, backend="triton").new_variants == 0  # again: nothing left to compile
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cutlass", "torch"])
+def test_after_warmup_the_glue_compiles_nothing(device, backend):
+    """On a GPU: warmup compiles the glue kernels that cutlass's and torch's calls launch (their
+    GEMMs are torch's), so calls at the warmed sizes compile no Triton kernel more. A shape no
+    other test uses. (Their accuracy is tested in test_glue.py and test_cutlass_gpu.py.)"""
+    from helpers import random_routing, random_x
+
+    scheme = "fp8-channel-token" if backend == "cutlass" else "bf16"
+    w = random_weights(6, 400, 272, scheme, device=device)
+    sizes = [1, 2, 5, 16, 33, 100]
+    report = warmup(w, 3, batch_sizes=sizes, backend=backend)
+    assert report.compiled == (backend,) and report.new_variants is not None and report.new_variants > 0
+    count = compiled_variants()
+    for M in sizes:
+        x = random_x(M, 400, device=device, seed=M)
+        tw, ids = random_routing(M, 6, 3, device=device, seed=M)
+        for topk_ids in (ids, ids.long()):
+            assert torch.isfinite(moekit.fused_moe(x, w, tw, topk_ids, backend=backend)).all()
+    assert compiled_variants() == count

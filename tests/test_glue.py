@@ -481,4 +481,4 @@ def test_glue_launches_ask_for_fp_fusion_on_a_gpu(monkeypatch):
     ops.ids_in_range(ids, 8)
     assert calls[0]["enable_fp_fusion"] is True and "enable_fp_fusion" not in calls[1]
     source = Path(ops.__file__).read_text()  # and every launch site of the module passes them
-    assert source.count("_kernel[") == source.count("**_options()") > 0
+    assert source.count("launch(k._") == source.count("**_options()") > 0 and "_kernel[" not in source

@@ -22,7 +22,7 @@ def recorded(monkeypatch):
 
     def experts(weights, top_k, *, batch_sizes, dtype, backend, on_size):
         calls["experts"].append((weights.shape(top_k), weights.scheme.name, top_k, backend, list(batch_sizes), dtype))
-        return compile_ahead.WarmupReport((), {}, 0, 0.0)
+        return compile_ahead.WarmupReport({}, (), 0, 0.0)
 
     monkeypatch.setattr(hf_ahead, "warm_weights", experts)
     monkeypatch.setattr(hf_ahead, "warm_routing", lambda *a: calls["routing"].append(a))
@@ -77,4 +77,4 @@ def test_the_real_warmup_runs_on_a_tiny_model(tmp_path, monkeypatch, device):
     tiny_model("mixtral").save_pretrained(src)
     model = mh.from_pretrained(src, scheme="fp8-channel-token", backend="triton", device_map=str(device))
     [report] = mh.warmup(model, batch_sizes=[1, 5])
-    assert report.triton_sizes == (1, 5) and report.other_backends == {}
+    assert report.sizes == {"triton": (1, 5)} and report.compiled == ("triton",)

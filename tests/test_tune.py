@@ -1582,11 +1582,13 @@ def test_compile_only_compiles_and_launches_nothing(monkeypatch):
         def warmup(self, *a, grid, **k):
             calls.append(("warmup", grid, a, k))
 
-    monkeypatch.setattr(launch, "_interpreting", lambda: False)
+    from moekit import env
+
+    monkeypatch.setattr(env, "interpreting", lambda: False)  # one rule for every module
     launch._launch(Kernel(), (2,), 1, BLOCK=3)
     with launch.compile_only():
         launch._launch(Kernel(), (4,), 5, BLOCK=6)
-        monkeypatch.setattr(launch, "_interpreting", lambda: True)
+        monkeypatch.setattr(env, "interpreting", lambda: True)
         launch._launch(Kernel(), (7,), 8)
     launch._launch(Kernel(), (9,))
     fusion = {"enable_fp_fusion": True}  # every compile on a GPU asks for it (backends.triton_options)

@@ -45,6 +45,14 @@ class Backend(abc.ABC):
     ) -> torch.Tensor:  # [M, H], x's dtype
         ...
 
+    def compile_ahead(self, x: torch.Tensor, weights: MoEWeights, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> bool:
+        """Called inside `compile_only()` (moekit.warmup): compile every Triton kernel that
+        `run` with inputs of these shapes and dtypes would launch, launching none and reading no
+        input (they may be empty tensors). True if this backend did; False where it has no
+        Triton kernels (its kernels are built ahead of time, or it runs torch ops)."""
+        return False
+
     def copies_weights(self, scheme: QuantScheme, dtype: torch.dtype = torch.bfloat16) -> bool:
         """True if running `scheme` with activations of `dtype` keeps a converted second copy of
         the weights (in weights.prepared). `auto` in a `moekit.MoELayer` never picks such a

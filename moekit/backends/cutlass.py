@@ -194,6 +194,12 @@ class CutlassBackend(Backend):
     def run(self, x, weights: MoEWeights, topk_weights, topk_ids):
         return run_cutlass(x, weights, topk_weights, topk_ids)
 
+    def compile_ahead(self, x, weights: MoEWeights, topk_weights, topk_ids):
+        """The glue's Triton kernels (the grouped GEMM is built ahead of time, in torch): the
+        GEMMs not run, their outputs empty of the right shapes."""
+        run_cutlass(x, weights, topk_weights, topk_ids, gemm=_shape_only_gemm)
+        return True
+
     def prepare_gemm_only(self, x, weights: MoEWeights, topk_weights, topk_ids):
         """A closure running only the two grouped GEMMs on rows already permuted and quantized
         (the intermediate computed once, outside): what `moekit bench --mode gemm` times, and
@@ -231,3 +237,9 @@ def run_cutlass(x, weights: MoEWeights, topk_weights, topk_ids, *, gemm=None, im
     act, act_scale = glue.silu_mul(h, layout, act_dtype=x.dtype, quant=quant, static_scale=weights.a2_scale)
     y = gemm(act, p.w2_t, act_scale, p.w2_scale, layout.offs)  # bf16 [R, H]
     return glue.combine(y, layout, topk_weights, out_dtype=x.dtype)
+
+
+def _shape_only_gemm(a, w_t, a_scale, w_scale, offs):
+    """A grouped GEMM's output [R, N] of bf16, uncomputed: what compile_ahead passes for the GEMM,
+    whose offsets (the glue's, never computed there) it must not read."""
+    return torch.empty(a.shape[0], w_t.shape[-1], dtype=torch.bfloat16, device=a.device)

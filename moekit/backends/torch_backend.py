@@ -29,6 +29,7 @@ from ..spec import MoEShape, QuantScheme
 from ..weights import MoEWeights
 from . import glue
 from .base import Backend, device_capability
+from .compile_only import compiling_only
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Compute capabilities where torch's grouped_mm runs a CUTLASS kernel in every torch >= 2.8.
@@ -122,6 +123,19 @@ class TorchBackend(Backend):
             return _run_grouped(x, w13, w2, topk_weights, topk_ids, grouped_mm_fn())
         return _run_loop(x, w13, w2, topk_weights, topk_ids, _glue_impl(x.device))
 
+    def compile_ahead(self, x, weights: MoEWeights, topk_weights, topk_ids):
+        """The glue's Triton kernels, on a GPU (on the CPU the glue is torch ops): the GEMMs not
+        run. The weights are prepared as run() prepares them (FP8 ones dequantized once, which a
+        first call would do anyway)."""
+        if _glue_impl(x.device) != "triton":
+            return False
+        w13, w2 = prepared_weights(weights, x.dtype)
+        if _use_grouped_mm(x, weights):
+            _run_grouped(x, w13, w2, topk_weights, topk_ids, _shape_only_grouped_mm)
+        else:
+            _run_loop(x, w13, w2, topk_weights, topk_ids, "triton")
+        return True
+
 
 def _run_grouped(x, w13, w2, topk_weights, topk_ids, gmm, impl=None):
     E = w13.shape[0]
@@ -135,7 +149,9 @@ def _run_grouped(x, w13, w2, topk_weights, topk_ids, gmm, impl=None):
 def _run_loop(x, w13, w2, topk_weights, topk_ids, impl):
     E, two_n, H = w13.shape
     a, _, layout = glue.permute(x, topk_ids, E, align=1, impl=impl)
-    ends = layout.offs.tolist()  # the only host sync (none on the CPU to speak of)
+    # the only host sync (none on the CPU to speak of); none compiling only (moekit.warmup), where
+    # the offsets hold nothing: no GEMM runs
+    ends = [] if compiling_only() else layout.offs.tolist()
     h = torch.empty(layout.num_rows, two_n, dtype=x.dtype, device=x.device)
     _per_expert_mm(a, w13, ends, h)
     act, _ = glue.silu_mul(h, layout, act_dtype=x.dtype)
@@ -151,3 +167,8 @@ def _per_expert_mm(a: torch.Tensor, w: torch.Tensor, ends: list[int], out: torch
         if end > start:
             torch.mm(a[start:end], w[e].t(), out=out[start:end])
         start = end
+
+
+def _shape_only_grouped_mm(a, b, offs):
+    """grouped_mm's output [R, N], uncomputed: what compile_ahead passes for the GEMM."""
+    return torch.empty(a.shape[0], b.shape[-1], dtype=a.dtype, device=a.device)

@@ -24,7 +24,7 @@ def warmup(
     dtype: torch.dtype | None = None,
     on_size: Callable[[int], object] | None = None,
 ) -> list[WarmupReport]:
-    """Compile ahead the triton kernels of `model`'s moekit experts at each batch size (tokens per
+    """Compile ahead the Triton kernels of `model`'s moekit experts at each batch size (tokens per
     forward: 1 ... max_batch_size, or `batch_sizes`), one `moekit.warmup` per distinct layer shape,
     scheme, device and backend (every layer of a shape shares its kernels), with int32 and int64
     ids; and route's kernel for each fused router. `top_k`: the model config's

@@ -37,6 +37,7 @@ import torch
 
 from ... import env
 from ... import quant as _quant
+from ..compile_only import launch  # kernel[grid](...), or its compilation alone under compile_only()
 from ..sizes import cdiv, next_pow2
 from ..triton_options import ASSERT_OPTIONS, compile_options
 
@@ -209,17 +210,17 @@ def _permute_triton(x, topk_ids, E, align, mode, static_scale, a, a_scale):
     amax = torch.empty(2, dtype=torch.float32, device=dev)
     row_of_pair = torch.empty(P, dtype=torch.int32, device=dev)
 
-    k._rank_kernel[(C,)](ids, local_rank, chunk_base, P, E, BLOCK_P=BLOCK_P, BLOCK_E=block_e, CHECK_IDS=True,
-                         **_options(), **_check_options())
-    k._scan_kernel[(1,)](
+    launch(k._rank_kernel, (C,), ids, local_rank, chunk_base, P, E, BLOCK_P=BLOCK_P, BLOCK_E=block_e, CHECK_IDS=True,
+           **_options(), **_check_options())
+    launch(k._scan_kernel, (1,),
         chunk_base, counts, offs, starts, amax, C, E,
         ALIGN=align, BLOCK_C=max(2, SCAN_TILE // block_e), BLOCK_E=block_e, **_options(),
     )
     block_k = max(2, next_pow2(K))
     if mode == _QUANT_DYNAMIC:
-        k._row_amax_kernel[(M,)](x, amax, H, x.stride(0), BLOCK_H=min(next_pow2(H), 2048), **_options())
+        launch(k._row_amax_kernel, (M,), x, amax, H, x.stride(0), BLOCK_H=min(next_pow2(H), 2048), **_options())
     scale_src = static_scale if mode == _QUANT_STATIC else amax
-    k._permute_kernel[(M,)](
+    launch(k._permute_kernel, (M,),
         x, ids, local_rank, chunk_base, starts, row_of_pair,
         a, a_scale if a_scale is not None else amax, scale_src,
         H, K, E, x.stride(0), a.stride(0),
@@ -334,10 +335,10 @@ def silu_mul(
         if not layout.act_amax_fresh:  # a second dynamic call on this layout: reset the running max
             act_amax.zero_()
         layout.act_amax_fresh = False
-        k._silu_amax_kernel[(P,)](
+        launch(k._silu_amax_kernel, (P,),
             h, layout.row_of_pair, act_amax, N, h.stride(0), ACT_DTYPE=tl_act, BLOCK_N=block_n, **_options()
         )
-    k._silu_mul_kernel[(P,)](
+    launch(k._silu_mul_kernel, (P,),
         h, layout.row_of_pair, act, act_scale if act_scale is not None else amax,
         static_scale if mode == _QUANT_STATIC else act_amax,
         N, h.stride(0), act.stride(0),
@@ -386,7 +387,7 @@ def combine(
     if y.stride(1) != 1:
         y = y.contiguous()
     block_h = min(next_pow2(H), 1024)
-    k._combine_kernel[(M, cdiv(H, block_h))](
+    launch(k._combine_kernel, (M, cdiv(H, block_h)),
         y, layout.row_of_pair, w, out, H, K, y.stride(0), out.stride(0), BLOCK_H=block_h, **_options()
     )
     return out
@@ -412,7 +413,7 @@ def ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     ok = torch.empty(1, dtype=torch.int32, device=ids.device) if one else torch.ones(1, dtype=torch.int32, device=ids.device)
     grid = (1,) if one else (cdiv(P, IDS_CHECK_BLOCK),)
     with on_device(ids.device):
-        k._ids_in_range_kernel[grid](ids, ok, P, num_experts, BLOCK=IDS_CHECK_BLOCK, ONE_PROGRAM=one, **_options())
+        launch(k._ids_in_range_kernel, grid, ids, ok, P, num_experts, BLOCK=IDS_CHECK_BLOCK, ONE_PROGRAM=one, **_options())
     return ok
 
 
@@ -430,6 +431,6 @@ def narrow_ids(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     out = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
     if ids.numel():
         with on_device(ids.device):
-            k._narrow_ids_kernel[(cdiv(ids.numel(), NARROW_IDS_BLOCK),)](
-                ids, out, ids.numel(), num_experts, BLOCK=NARROW_IDS_BLOCK, **_options())
+            launch(k._narrow_ids_kernel, (cdiv(ids.numel(), NARROW_IDS_BLOCK),),
+                   ids, out, ids.numel(), num_experts, BLOCK=NARROW_IDS_BLOCK, **_options())
     return out

@@ -23,8 +23,6 @@ promotion `fast` gives up; one scale per row is applied once, after GEMM2's loop
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 
 import torch
@@ -35,6 +33,8 @@ from ...accumulation import FP8_ACCUMULATION_ENV, FP8_ACCUMULATIONS, fp8_accumul
 from ...spec import MoEShape, QuantScheme
 from ...weights import MoEWeights
 from ..base import Backend, device_capability
+from ..compile_only import compile_only  # noqa: F401 - re-exported: moekit tune's helpers use it from here
+from ..compile_only import launch as launch_or_compile
 from ..sizes import cdiv, next_pow2
 from ..triton_options import ASSERT_OPTIONS, compile_options
 from . import _kernels as k
@@ -90,22 +90,6 @@ def _interpreting() -> bool:
     return env.interpreting()  # one rule for every module (exactly "1")
 
 
-_COMPILE_ONLY = contextvars.ContextVar("moekit_triton_compile_only", default=False)
-
-
-@contextlib.contextmanager
-def compile_only():
-    """Within it, the backend's kernels are compiled (into Triton's on-disk cache, where any other
-    process finds them) but not launched: what `moekit tune` runs in helper processes ahead of
-    the measurements. Inputs may then be empty tensors of the right shapes (nothing reads them);
-    outputs hold nothing."""
-    token = _COMPILE_ONLY.set(True)
-    try:
-        yield
-    finally:
-        _COMPILE_ONLY.reset(token)
-
-
 # Programmatic dependent launch (MOEKIT_PDL, on by default where it exists: Hopper and newer, a
 # Triton with griddepcontrol): each kernel of a layer starts while the one before it finishes and
 # waits on the device for its writes (_kernels._pdl_enter), instead of being launched only after
@@ -147,10 +131,7 @@ def _launch(kernel, grid, *args, **kwargs):
         kwargs["PDL"] = pdl_enabled(device)
         if kwargs["PDL"]:
             kwargs["launch_pdl"] = True
-    if not _COMPILE_ONLY.get():
-        kernel[grid](*args, **kwargs)
-    elif not _interpreting():  # the interpreter compiles nothing
-        kernel.warmup(*args, grid=grid, **kwargs)
+    launch_or_compile(kernel, grid, *args, **kwargs)  # or compile only (compile_only.py)
 
 
 @functools.lru_cache(maxsize=16)
@@ -211,6 +192,11 @@ class TritonBackend(Backend):
     def config_for(self, weights: MoEWeights, top_k: int, num_tokens: int, device: torch.device) -> KernelConfig:
         name = _device_name(device.index or 0) if device.type == "cuda" else None
         return get_config(weights.shape(top_k), weights.scheme, num_tokens, name)
+
+    def compile_ahead(self, x, weights, topk_weights, topk_ids):
+        """Its launch code, every launch compiled rather than run (inside compile_only())."""
+        self.run(x, weights, topk_weights, topk_ids)
+        return True
 
     def run(self, x, weights, topk_weights, topk_ids, config: KernelConfig | None = None):
         M, K = topk_ids.shape
