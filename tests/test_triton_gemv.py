@@ -39,6 +39,7 @@ def check(x, w, tw, ids, cfg):
         (5, 256, 128, 1, 1, gemv(4, 128)),  # M = 1, top-1, one group per K step
         (5, 128, 256, 3, 5, gemv(64, 512, 4)),  # top-k = E; a K step wider than the whole K
         (3, 384, 256, 4, 2, gemv(64, 256)),  # two K steps, the second half masked
+        (3, 1152, 384, 2, 2, gemv(16, 1024)),  # steps of 1024: the second 1/8 full; GEMM2 one step, 3/8 full
     ],
 )
 def test_matches_reference(scheme, E, H, N, M, K, cfg, device):

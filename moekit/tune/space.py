@@ -148,7 +148,7 @@ def hopper_space(scheme: QuantScheme, full: bool = False, overlap: bool = True) 
     """The GPU search space, restricted to configs that can run `scheme` (KernelConfig.problems).
 
     Tiled configs: BLOCK_K 256 only for unquantized weights (FP8 token/group tiles are tied to
-    128-wide groups; the GEMV path's K steps of 256 and 512 hold whole groups);
+    128-wide groups; the GEMV path's K steps of 256, 512 and 1024 hold whole groups);
     GROUP_M 32 only in the full search (beyond 16 the L2 reuse it buys is rarely measurable);
     16 warps only on 128x128 tiles (WIDE_TILE_WARPS); the overlapped GEMM1 (OVERLAP_SEARCH_STAGES,
     OVERLAP_TALL_SEARCH_STAGES) on
@@ -177,10 +177,13 @@ def hopper_space(scheme: QuantScheme, full: bool = False, overlap: bool = True) 
 def gemv_space() -> list[KernelConfig]:
     """The GEMV path's configs (backends/triton/gemv.py): narrow column blocks and wide K steps,
     which put the most bytes in flight in its probe (BENCHMARKS.md, sixth session); its loads have
-    no multi-stage pipeline, so num_stages stays 1."""
+    no multi-stage pipeline, so num_stages stays 1. Steps of 1024 (twenty-sixth session, not yet
+    measured) halve the sequential steps of each program again: GLM-4.5V's GEMM2 at M = 1 runs 11
+    steps of 128 per pair at 512; with at most 8192 weights per gate or up tile (16 x 1024 would
+    hold 256 per thread on 4 warps)."""
     return [
         KernelConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=1, GEMV=1)
-        for bn, bk, w in itertools.product((4, 8, 16), (256, 512), (2, 4))
+        for bn, bk, w in itertools.product((4, 8, 16), (256, 512, 1024), (2, 4)) if bn * bk <= 8192
     ]
 
 
