@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|timingmethods|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points (BENCHMARKS.md, Reference points): the expert GEMMs alone
@@ -74,6 +74,10 @@
 #        deepseek-v3" for all three anchor models) up to M = 8192, twice: the first compiles (a
 #        fresh machine: Triton's on-disk cache empty), the second finds every kernel on disk (a
 #        new process); how long each takes. Not part of `all`.
+# timingmethods: scripts/diag_timing_methods.py: the two ways of taking the L2 flush out of a
+#        sample (an event between flush and replay, the harness's since the twenty-sixth session;
+#        flush + replay less the flushes timed apart, before), on a tiny kernel and the layer at
+#        decode and prefill points, in the same rounds; not part of `all`.
 # FAST_ARGS adds arguments to the fast step's diag_fast.py ("--batch-sizes 1 2 4 8").
 #
 # A step after `tune` in the same call (auto, bench, check) uses the tables just tuned
@@ -243,6 +247,9 @@ if [[ " ${steps[*]} " == *" warmup "* ]]; then
       echo "warmup $pass $model: $((SECONDS - start)) s wall, Python start-up included"
     done
   done
+fi
+if [[ " ${steps[*]} " == *" timingmethods "* ]]; then
+  python3 scripts/diag_timing_methods.py --json "$WORK/timing_methods.json" || status=1
 fi
 if want hf; then
   python3 scripts/bench_hf_layer.py --tp 2 --scheme fp8-channel-token --backends auto triton cutlass \
