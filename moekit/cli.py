@@ -246,7 +246,7 @@ def cmd_warmup(args) -> int:
         raise UsageError("moekit warmup compiles GPU kernels: no CUDA GPU is visible here")
     device = torch.device("cuda")
     table = Table(title=f"moekit warmup on {torch.cuda.get_device_name(device)}")
-    for head in ("model", "scheme", "compiled", "nothing to compile", "new kernel variants", "seconds"):
+    for head in ("model", "scheme", "compiled", "no Triton kernels of its own", "new kernel variants", "seconds"):
         table.add_column(head, justify="right" if head in ("new kernel variants", "seconds") else "left")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     for spec, scheme in problems:

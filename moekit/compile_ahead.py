@@ -43,7 +43,9 @@ MAX_WARMUP_BATCH = 65536
 @dataclasses.dataclass(frozen=True)
 class WarmupReport:
     sizes: dict[str, tuple[int, ...]]  # backend -> the batch sizes that run on it (auto's choice, or the one named)
-    compiled: tuple[str, ...]  # those whose launch code ran, compiling (reference: no Triton kernels of its own)
+    # those whose own launch code ran, compiling (reference has no Triton kernels of its own; fused_moe's
+    # id narrowing and check, which it needs on a GPU, are compiled for every backend that needs them)
+    compiled: tuple[str, ...]
     # kernel variants this call added to this process's Triton caches: compiled, or loaded from
     # Triton's on-disk cache (a second process finds them there); None: this Triton's caches unreadable
     new_variants: int | None
@@ -85,6 +87,7 @@ def warmup(
     dtype: torch.dtype = torch.bfloat16,
     backend: str | None = "auto",
     ids_dtypes: Sequence[torch.dtype] = (torch.int32, torch.int64),
+    allow_weight_copies: bool = True,
     on_size: Callable[[int], object] | None = None,
 ) -> WarmupReport:
     """Compile every Triton kernel a `fused_moe(x, weights, ...)` call with `top_k` experts per
@@ -92,7 +95,8 @@ def warmup(
     `batch_sizes`), launching none (module docstring). `backend` as fused_moe takes it: "auto"
     (MOEKIT_BACKEND first) warms each size's choice; a name, that backend at every size.
     `ids_dtypes`: the dtypes of the calls' topk_ids, each its own kernels (moekit's router gives
-    int32, transformers' routers int64; both by default). `on_size(M)` is called after each size
+    int32, transformers' routers int64; both by default). `allow_weight_copies` as fused_moe takes
+    it (a MoELayer's and transformers models' calls pass False). `on_size(M)` is called after each size
     (a progress bar). Largest size first: its workspace, freed, holds every smaller size's, so the
     caching allocator reserves no more than one call's."""
     from .api import check_weight_dtype, ids_for_backend
@@ -112,7 +116,8 @@ def warmup(
     shape, device = weights.shape(top_k), weights.device
     by_backend: dict[str, list[int]] = {}
     for M in sizes:  # select_backend raises BackendUnavailableError, with reasons, for a named one that cannot run
-        name = select_backend(shape, weights.scheme, device, dtype, M, backend, allow_weight_copies=False).backend
+        name = select_backend(shape, weights.scheme, device, dtype, M, backend,
+                              allow_weight_copies=allow_weight_copies).backend
         by_backend.setdefault(name, []).append(M)
     start, before = time.perf_counter(), compiled_variants()
     largest = sizes[-1]

@@ -370,7 +370,7 @@ class MoELayer(HandleOwner, torch.nn.Module):
         if k is None:
             raise ValueError("this MoELayer has no RoutingConfig: pass top_k, the experts per token of its calls")
         report = warmup(self.weights, k, max_batch_size, batch_sizes=batch_sizes, dtype=dtype, backend=self.backend,
-                        on_size=on_size)
+                        allow_weight_copies=False, on_size=on_size)  # as the layer's calls
         if self.routing is not None:  # (x, router_logits) calls route first: its kernel too
             from .compile_ahead import batch_sizes_to_warm, warm_routing
 

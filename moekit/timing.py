@@ -350,6 +350,9 @@ def _time_cuda(fns, reps: int, warmup: int, flush_l2: bool, use_graph: bool, rou
             except Exception:  # noqa: BLE001 - a broken context shows up in the next call
                 pass
     flush = flush_buffer().zero_ if flush_l2 else None
+    if flush is not None and prepared:  # a flush that fails is no closure's error: nothing can be timed
+        flush()
+        torch.cuda.synchronize()
     flush_times: dict[str, list[float]] = {name: [] for name in prepared}
 
     def measure(name: str, n: int) -> list[float]:

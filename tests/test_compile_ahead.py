@@ -139,11 +139,24 @@ def test_cutlass_warmup_reaches_every_glue_kernel_its_calls_launch(weights, glue
         assert real and real <= glue_signatures(glue_launches), (M, sorted(real - glue_signatures(glue_launches))[:2])
 
 
-def test_torch_backend_warmup_reaches_every_glue_kernel_its_calls_launch(glue_launches, monkeypatch, device):
-    """The torch backend's glue (the per-expert loop here; on a GPU the Triton glue, patched in on
-    the CPU): after warmup, real fused_moe calls at the warmed sizes launch no glue kernel or
-    specialization that warmup did not reach, int32 and int64 ids, and the GEMMs did not run
-    during warmup (nothing was read: the weights are random, the inputs empty)."""
+def emulated_grouped_mm(a, b, offs):
+    """torch's grouped_mm on the CPU: out[rows of e] = a[rows of e] @ b[e], groups ending at offs."""
+    out = torch.zeros(a.shape[0], b.shape[-1], dtype=a.dtype, device=a.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = (a[start:end].float() @ b[e].float()).to(a.dtype)
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("path", ["loop", "grouped"])
+def test_torch_backend_warmup_reaches_every_glue_kernel_its_calls_launch(glue_launches, monkeypatch, device, path):
+    """The torch backend's glue, on both its paths (per-expert loop, grouped_mm: emulated on the
+    CPU, where the Triton glue is patched in): after warmup, real fused_moe calls at the warmed
+    sizes launch no glue kernel or specialization that warmup did not reach, int32 and int64 ids;
+    and during warmup no GEMM ran, no offset was read and the weights were not prepared (the
+    FP8 weights' dequantized copy: only their shapes are used)."""
     from helpers import random_routing, random_x
 
     from moekit import api
@@ -152,10 +165,27 @@ def test_torch_backend_warmup_reaches_every_glue_kernel_its_calls_launch(glue_la
     if device.type == "cpu":
         monkeypatch.setattr(torch_backend, "_glue_impl", lambda device: "triton")
         monkeypatch.setattr(api, "_ids_checked_on_device", lambda ids: True)  # int64 ids as on a GPU
-    w = random_weights(E, H, N, "bf16", device=device)
+        monkeypatch.setattr(torch_backend, "_use_grouped_mm", lambda x, w: path == "grouped")
+        monkeypatch.setattr(torch_backend, "grouped_mm_fn", lambda: emulated_grouped_mm)
+    elif path == "loop":
+        pytest.skip("on a GPU bf16 takes the grouped path; the loop path is tested on the CPU")
+    gemms = []
+    real_mm = torch_backend._per_expert_mm
+    monkeypatch.setattr(torch_backend, "_per_expert_mm", lambda a, w, ends, out: (gemms.append(list(ends)),
+                                                                                  real_mm(a, w, ends, out)))
+    warming, prepare = [True], torch_backend.prepared_weights
+
+    def prepared_weights(*args):
+        assert not warming[0], "warmup prepared the weights"
+        return prepare(*args)
+
+    monkeypatch.setattr(torch_backend, "prepared_weights", prepared_weights)
+    w = random_weights(E, H, N, "fp8-channel-token", device=device)
     sizes = [1, 3, 16, 40]
     report = warmup(w, K, batch_sizes=sizes, backend="torch")
     assert report.sizes == {"torch": tuple(sizes)} and report.compiled == ("torch",)
+    assert all(ends == [] for ends in gemms) and len(gemms) == (2 * 2 * len(sizes) if path == "loop" else 0)
+    warming[0] = False
     warmed = glue_signatures(glue_launches)
     glue_launches.clear()
     for M in sizes:
@@ -182,6 +212,8 @@ def test_every_size_runs_the_launch_code_compiling_only(weights, launches):
 
 
 def test_auto_warms_each_size_on_the_backend_it_gives_it(weights, launches, glue_launches, monkeypatch):
+    from moekit import api
+
     real = select.select_backend
 
     def pretend(shape, scheme, device, dtype=torch.bfloat16, num_tokens=1, backend="auto", **kw):
@@ -198,14 +230,18 @@ def test_auto_warms_each_size_on_the_backend_it_gives_it(weights, launches, glue
     # program per token, so its grid tells them
     assert {grid[0] for name, grid, _, _ in glue_launches if name == "_permute_kernel"} == {5, 6, 7, 8}
     assert glue_launches and all(only for _, _, only, _ in glue_launches)
-    # a backend with no Triton kernels of its own: its sizes, nothing compiled but fused_moe's id
-    # narrowing where it reads int32 only (the CPU path: ids checked on the host, int32 already)
-    launches.clear()
-    glue_launches.clear()
+    # a backend with no Triton kernels of its own: its sizes; of the glue only fused_moe's id
+    # narrowing (int64 ids) and range check, which it needs where ids are checked on the device
     monkeypatch.setattr(select, "select_backend", lambda *a, **kw: Choice("reference", "argument", "named", {}))
-    report = warmup(weights, K, 3, backend="reference")
-    assert report.sizes == {"reference": (1, 2, 3)} and report.compiled == ()
-    assert not launches and not glue_launches
+    for on_device in (False, True):
+        monkeypatch.setattr(api, "_ids_checked_on_device", lambda ids, on=on_device: on)
+        launches.clear()
+        glue_launches.clear()
+        report = warmup(weights, K, 3, backend="reference")
+        assert report.sizes == {"reference": (1, 2, 3)} and report.compiled == () and not launches
+        kernels = sorted({name for name, *_ in glue_launches})
+        assert kernels == (["_ids_in_range_kernel", "_narrow_ids_kernel"] if on_device else []), kernels
+        assert all(only for _, _, only, _ in glue_launches)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -387,3 +423,19 @@ def test_after_warmup_the_glue_compiles_nothing(device, backend):
         for topk_ids in (ids, ids.long()):
             assert torch.isfinite(moekit.fused_moe(x, w, tw, topk_ids, backend=backend)).all()
     assert compiled_variants() == count
+
+
+def test_the_id_check_is_compiled_not_asserted_compiling_only(monkeypatch):
+    """Compiling only, the range check's kernel is compiled but its result is never computed: the
+    device assertion on it must not run (on a GPU it would assert on uninitialized memory)."""
+    from moekit import api
+    from moekit.backends.compile_only import compile_only
+
+    asserted = []
+    monkeypatch.setattr(torch, "_assert_async", lambda *a: asserted.append(a))
+    ids = torch.zeros(3, 2, dtype=torch.int32)
+    with compile_only():
+        api.assert_ids_in_range(ids, 4)
+    assert asserted == []
+    api.assert_ids_in_range(ids, 4)  # outside: asserted as always
+    assert len(asserted) == 1

@@ -20,7 +20,8 @@ def recorded(monkeypatch):
     """The moekit.warmup calls (weights' shape, scheme, top_k, backend, sizes) and warm_routing calls."""
     calls = {"experts": [], "routing": []}
 
-    def experts(weights, top_k, *, batch_sizes, dtype, backend, on_size):
+    def experts(weights, top_k, *, batch_sizes, dtype, backend, allow_weight_copies, on_size):
+        assert allow_weight_copies is False  # as the experts' own calls (hf/experts.py)
         calls["experts"].append((weights.shape(top_k), weights.scheme.name, top_k, backend, list(batch_sizes), dtype))
         return compile_ahead.WarmupReport({}, (), 0, 0.0)
 

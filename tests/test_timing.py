@@ -64,7 +64,7 @@ def zero_one_matrix(n: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-def test_cuda_graph_timing_subtracts_the_flush():
+def test_cuda_graph_timing_flushes_the_l2_before_each_replay():
     """The flush is what the module promises: a buffer of FLUSH_BYTES, at least the GPU's L2 cache,
     written over entirely before the replays (it is zeroed: filled with ones first, none survive);
     its measured time is reported (finite, positive); the replays run the captured work. Speed
@@ -365,6 +365,39 @@ def test_each_replay_is_timed_apart_from_its_own_flush(monkeypatch):
     assert len(hooks) == 6
 
 
+def test_each_closure_is_reported_without_its_flushes(monkeypatch):
+    """_time_cuda's wiring, on the fake device: two closures in rounds, flushes of varying length
+    before each replay; each closure's time is its own replay's, its flush_us the median of the
+    flushes before its replays. A flush that fails is no closure's error: it raises."""
+    import itertools
+
+    from moekit import timing
+
+    device = _FakeDevice()
+    monkeypatch.setattr(timing.torch.cuda, "Event", device.event_class())
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", device.synchronize)
+    lengths = itertools.cycle([166.0, 225.0, 170.0, 166.0])
+
+    class Buffer:
+        def zero_(self):
+            device.launch(next(lengths))
+
+    monkeypatch.setattr(timing, "flush_buffer", lambda: Buffer())
+    monkeypatch.setattr(timing, "_prepare_cuda", lambda fn, warmup, use_graph: (fn, "cuda-graph", None, None))
+    fns = {"a": lambda: device.launch(50.0), "b": lambda: device.launch(80.0)}
+    t = timing._time_cuda(fns, 8, 1, True, True, 2)
+    assert t["a"].samples == pytest.approx((50.0,) * 8) and t["b"].samples == pytest.approx((80.0,) * 8)
+    assert all(166.0 <= t[name].flush_us <= 225.0 for name in fns)
+
+    class Broken:
+        def zero_(self):
+            raise RuntimeError("the flush failed")
+
+    monkeypatch.setattr(timing, "flush_buffer", lambda: Broken())
+    with pytest.raises(RuntimeError, match="the flush failed"):
+        timing._time_cuda(fns, 8, 1, True, True, 2)
+
+
 def test_eager_us_per_call_counts_warmup_apart(monkeypatch):
     """Each call costs 2 ms of (fake) wall time: the result is 2000 µs per call, the warm-up calls
     run but are not counted."""
@@ -382,7 +415,7 @@ def test_eager_us_per_call_counts_warmup_apart(monkeypatch):
     assert len(calls) == 10
 
 
-def test_one_closure_and_the_flush_alternate_in_rounds(monkeypatch):
+def test_one_closure_is_timed_in_rounds(monkeypatch):
     """time_graph times its closure in rounds like time_graphs (on a GPU each block starts with an
     untimed call and a synchronisation: a disturbance of one block is one round's samples)."""
     from moekit import timing

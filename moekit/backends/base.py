@@ -48,9 +48,10 @@ class Backend(abc.ABC):
     def compile_ahead(self, x: torch.Tensor, weights: MoEWeights, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor) -> bool:
         """Called inside `compile_only()` (moekit.warmup): compile every Triton kernel that
-        `run` with inputs of these shapes and dtypes would launch, launching none and reading no
-        input (they may be empty tensors). True if this backend did; False where it has no
-        Triton kernels (its kernels are built ahead of time, or it runs torch ops)."""
+        `run` with inputs of these shapes and dtypes would launch, launching none, reading no
+        input (they may be empty tensors) and making no copy of the weights. True if this backend
+        did; False where it has no Triton kernels (its kernels are built ahead of time, or it runs
+        torch ops)."""
         return False
 
     def copies_weights(self, scheme: QuantScheme, dtype: torch.dtype = torch.bfloat16) -> bool:

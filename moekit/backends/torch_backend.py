@@ -125,15 +125,14 @@ class TorchBackend(Backend):
 
     def compile_ahead(self, x, weights: MoEWeights, topk_weights, topk_ids):
         """The glue's Triton kernels, on a GPU (on the CPU the glue is torch ops): the GEMMs not
-        run. The weights are prepared as run() prepares them (FP8 ones dequantized once, which a
-        first call would do anyway)."""
+        run. The weights as stored stand in for the ones run() prepares (a dequantized or float32
+        copy): only their shapes are used, so warmup makes no copy and reads none."""
         if _glue_impl(x.device) != "triton":
             return False
-        w13, w2 = prepared_weights(weights, x.dtype)
         if _use_grouped_mm(x, weights):
-            _run_grouped(x, w13, w2, topk_weights, topk_ids, _shape_only_grouped_mm)
+            _run_grouped(x, weights.w13, weights.w2, topk_weights, topk_ids, _shape_only_grouped_mm)
         else:
-            _run_loop(x, w13, w2, topk_weights, topk_ids, "triton")
+            _run_loop(x, weights.w13, weights.w2, topk_weights, topk_ids, "triton")
         return True
 
 

@@ -51,7 +51,7 @@ def warmup(
             continue
         done.add(key)
         reports.append(warm_weights(weights, per_call, batch_sizes=sizes, dtype=dtype, backend=backend,
-                                    on_size=on_size))
+                                    allow_weight_copies=False, on_size=on_size))  # as experts.py's calls
     if not reports:
         raise ValueError("no experts module of this model runs through moekit: load it with moekit.hf.from_pretrained, "
                          "patch_model, or experts_implementation=\"moekit\" first")
