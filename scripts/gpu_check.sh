@@ -27,6 +27,8 @@
 #        rule, GEMM2's own launch on the best configs found before, say); the tables
 #        land in tuned/ of the archive and the steps after it use them, as after `tune`; the
 #        journals come back in journal/ of the archive (also when the call is cut short).
+#        TUNE_SEARCH=pruned (or full) searches too, on top of the journals: only configs they do
+#        not hold yet are timed (new ones of the space, say), and the tables keep every other size.
 # full:  the exhaustive search (`--search-space full`) of GLM-4.5V TP2 at FULL_SIZES (default
 #        "64 1024"), to compare with the pruned search of the tune step at the same sizes.
 # hf:    one GLM-4.5V-size layer through moekit against transformers' grouped_mm.
@@ -133,7 +135,7 @@ fi
 if [[ " ${steps[*]} " == *" retime "* ]]; then  # not part of `all`: it needs carried journals
   for m in ${TUNE_MODELS:-glm-4.5v-fp8:2 mixtral-8x7b:1:fp8-channel-token deepseek-v3:8 qwen3-30b-a3b-fp8:1}; do
     IFS=: read -r model tp scheme <<<"$m"
-    moekit tune --model "$model" --tp "$tp" ${scheme:+--scheme "$scheme"} --search-space none \
+    moekit tune --model "$model" --tp "$tp" ${scheme:+--scheme "$scheme"} --search-space "${TUNE_SEARCH:-none}" \
       --out "${TUNE_DIR:-tune-journal}" ${TUNE_ARGS:-} || status=1
   done
   mkdir -p "$WORK/tuned" && cp -r "${TUNE_DIR:-tune-journal}/triton" "${TUNE_DIR:-tune-journal}/backends" "$WORK/tuned/" \
