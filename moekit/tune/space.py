@@ -178,9 +178,9 @@ def gemv_space() -> list[KernelConfig]:
     """The GEMV path's configs (backends/triton/gemv.py): narrow column blocks and wide K steps,
     which put the most bytes in flight in its probe (BENCHMARKS.md, sixth session); its loads have
     no multi-stage pipeline, so num_stages stays 1. Steps of 1024 (twenty-sixth session, not yet
-    measured) halve the sequential steps of each program again: GLM-4.5V's GEMM2 at M = 1 runs 11
-    steps of 128 per pair at 512; with at most 8192 weights per gate or up tile (16 x 1024 would
-    hold 256 per thread on 4 warps)."""
+    measured) halve the sequential steps of each program again (GLM-4.5V at M = 1: GEMM1 8 steps
+    of 512, GEMM2 6 steps of one 128-group per pair); with at most 8192 weights per gate or up
+    tile (16 x 1024 would hold 256 per thread on 4 warps)."""
     return [
         KernelConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=1, GEMV=1)
         for bn, bk, w in itertools.product((4, 8, 16), (256, 512, 1024), (2, 4)) if bn * bk <= 8192
