@@ -3,7 +3,7 @@
 Compilation, not timing, is what a tuning run spends its time on (about one config per second on
 an H200 host, 2026-12-03: Triton compiles GEMM1 and GEMM2 for every new config, one CPU core at a
 time). Helper processes compile the configs the worker is about to measure, with
-`launch.compile_only()` (kernels built, never launched: no GPU time taken from the measurements),
+`compile_only()` (backends/compile_only.py: kernels built, never launched: no GPU time taken from the measurements),
 into Triton's on-disk cache; the worker's own first call of a config then loads it from there.
 
 The helpers see the same shapes, dtypes and strides as the worker (empty tensors of the same
@@ -47,7 +47,7 @@ def _init(device: str, dtype: torch.dtype) -> None:
 def _compile(shape: MoEShape, scheme: QuantScheme, M: int, config: dict) -> str | None:
     """Compile the triton backend's kernels for one config at batch size M; the error, if any."""
     from ..backends import get_backend
-    from ..backends.triton.launch import compile_only
+    from ..backends.compile_only import compile_only
 
     dev, dtype = _state["device"], _state["dtype"]
     key = (shape, scheme.name)

@@ -33,7 +33,6 @@ from ...accumulation import FP8_ACCUMULATION_ENV, FP8_ACCUMULATIONS, fp8_accumul
 from ...spec import MoEShape, QuantScheme
 from ...weights import MoEWeights
 from ..base import Backend, device_capability
-from ..compile_only import compile_only  # noqa: F401 - re-exported: moekit tune's helpers use it from here
 from ..compile_only import launch as launch_or_compile
 from ..sizes import cdiv, next_pow2
 from ..triton_options import ASSERT_OPTIONS, compile_options
