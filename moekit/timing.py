@@ -40,6 +40,10 @@ FLUSH_BYTES = 512 * 1024**2
 DEFAULT_REPS = 30
 DEFAULT_WARMUP = 5
 DEFAULT_ROUNDS = 5  # time_graphs: replays of several closures interleaved in this many rounds
+# How a timing's flush cost is subtracted (step 4 above). The tuner's journal records it beside
+# every timing, so that timings of the older harness (a flush median measured apart; their
+# entries carry no such field) are told apart from this one's (tune.output.decision_candidates).
+FLUSH_METHOD = "per-sample"
 
 _flush_buffers: dict[int, torch.Tensor] = {}  # CUDA device index -> its flush buffer
 

@@ -32,7 +32,7 @@ from moekit.cli import main
 from moekit.spec import BF16, FP8_BLOCK128, FP8_CHANNEL_TOKEN, MoEShape, get_scheme
 from moekit.tables import CONFIG_DIR_ENV, table_name
 from moekit.weights import empty_weights
-from moekit.timing import Timing
+from moekit.timing import FLUSH_METHOD, Timing
 from moekit.tune import (
     TuneOptions,
     output,
@@ -600,6 +600,22 @@ def test_the_journal_keeps_the_flush_time_of_each_timing(tmp_path, tiny_model, m
     tune(tiny_model, out, batch_sizes=["1"], between=False)
     entries = [*journals(out)[1]["configs"].values(), *journals(out)[1]["backends"].values()]
     assert entries and all(e["flush_us"] == 190.2 and e["us"] == 80.0 for e in entries)
+    # and which harness subtracted it: output.decision_candidates ranks each method's timings apart
+    assert all(e["flush"] == FLUSH_METHOD for e in entries)
+
+
+def test_the_decision_timing_confirms_the_fastest_of_each_flush_method():
+    """Timings of the older harness (no "flush" in the entry) could read up to 60 µs too fast: the
+    decision timing takes the fastest few of each method, so that configs timed by the current
+    harness are confirmed even where misread older ones are all faster; the incumbent too."""
+    old = {f"old{i}": {"config": {}, "us": 10.0 + i} for i in range(5)}  # misread: all "faster"
+    new = {f"new{i}": {"config": {}, "us": 40.0 + i, "flush": FLUSH_METHOD} for i in range(5)}
+    journal = {"configs": {**old, **new, "failed": {"config": {}, "error": "x"}},
+               "incumbent": {"key": "new4", "config": {}}}
+    n = output.CONFIRMED_CONFIGS
+    assert output.decision_candidates(journal) == [*[f"old{i}" for i in range(n)], *[f"new{i}" for i in range(n)], "new4"]
+    # a journal of one method: its fastest few, as before
+    assert output.decision_candidates({"configs": new}) == [f"new{i}" for i in range(n)]
 
 
 def test_the_run_looks_past_its_own_tables_for_the_config_used_before(tmp_path, tiny_model, monkeypatch):

@@ -89,10 +89,19 @@ def _ran(journal: dict, key: str | None) -> bool:
 
 def decision_candidates(journal: dict) -> list[str]:
     """The keys of the triton configs a size's decision timing confirms: the CONFIRMED_CONFIGS
-    fastest separately timed (ties: the smaller key), and the incumbent where it ran and is not
-    among them."""
-    ran = sorted((v["us"], k) for k, v in journal["configs"].items() if "us" in v)
-    keys = [k for _, k in ran[:CONFIRMED_CONFIGS]]
+    fastest separately timed (ties: the smaller key) of each flush method in the journal, and the
+    incumbent where it ran and is not among them.
+
+    Per method, because the older harness (entries without "flush", timing.FLUSH_METHOD) could
+    read a config up to 60 µs too fast: ranked together, such misread configs could push every
+    config timed by the current harness (those new to the search space, say) out of the
+    decision timing, which would then never see them."""
+    by_method: dict[str, list[tuple[float, str]]] = {}
+    for key, entry in journal["configs"].items():
+        if "us" in entry:
+            by_method.setdefault(entry.get("flush", "median apart"), []).append((entry["us"], key))
+    ranked = sorted((us, key) for timings in by_method.values() for us, key in sorted(timings)[:CONFIRMED_CONFIGS])
+    keys = [key for _, key in ranked]
     incumbent = incumbent_key(journal)
     if incumbent not in keys and _ran(journal, incumbent):
         keys.append(incumbent)

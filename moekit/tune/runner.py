@@ -74,7 +74,7 @@ from ..backends.triton.launch import fp8_accumulation, pdl_wanted
 from ..bench import input_seed, make_routing, make_routings, make_weights, make_x, rel_l2
 from ..spec import QuantScheme
 from ..tables import table_name
-from ..timing import Timing, time_graph, time_graphs
+from ..timing import FLUSH_METHOD, Timing, time_graph, time_graphs
 from .journal import MAX_DEATHS, Journal, journal_path, load_journals
 from .output import chosen_config, decision_candidates, decision_is_current, is_between, neighbour_configs, write_tables
 from .plan import TunePlan, TuneProblem
@@ -685,6 +685,7 @@ class Worker:
                   "p80_us": round(timing.p80_us, 3), "method": timing.method}
         if timing.flush_us is not None:  # the flushes' median: kept to tell a disturbed timing
             result["flush_us"] = round(timing.flush_us, 1)
+            result["flush"] = FLUSH_METHOD  # which harness subtracted it (output.decision_candidates)
         if timing.note:
             result["note"] = timing.note
         return result, (kept[0] if kept else None)
