@@ -111,7 +111,7 @@ done
 ((${#steps[@]})) || steps=(all)
 want() { [[ " ${steps[*]} " == *" $1 "* || " ${steps[*]} " == *" all "* ]]; }
 
-ANCHOR_M="1 8 64 192 1024 4096 8192"
+ANCHOR_M=${ANCHOR_M:-"1 8 64 192 1024 4096 8192"}  # ANCHOR_M="1" runs only those points
 LAYER_M="1 8 32 64 192 512 1024 2048 4096 8192"
 MODELS=("glm-4.5v-fp8 2 fp8-channel-token" "mixtral-8x7b 1 fp8-channel-token" "deepseek-v3 8 fp8-block128")
 run_all() {
