@@ -58,7 +58,9 @@
 #        test_hf_compile_ahead.py), the timing harness (test_timing.py) and the tuner's
 #        incumbent and confirmation (test_tune.py, its unmarked tests on CUDA). Not yet run on
 #        a GPU: the glue's warmup (test_compile_ahead.py's test_after_warmup_the_glue_compiles_nothing,
-#        written after the twenty-sixth session's GPU time). Not
+#        written after the twenty-sixth session's GPU time), the GEMV path's GEMM2 on a launch of its
+#        own (test_triton_gemv.py, twenty-seventh session, no GPU lent) and the tuner's decision
+#        timing per flush method (test_tune.py). Not
 #        part of `all`. PENDING_TESTS ("test_routing_kernel test_api", say) picks files: all of
 #        them may not fit one call.
 # ids:   scripts/bench_ids_dtype.py --narrow: the whole layer with int32 ids, int64 ids, and int64
@@ -213,7 +215,7 @@ if [[ " ${steps[*]} " == *" pending "* ]]; then
   # (PENDING_TESTS="test_a test_b" runs only those: split the list over calls of the device tool)
   for f in ${PENDING_TESTS:-test_routing_kernel test_glue_id_check test_nan_propagation test_routing test_layer \
            test_glue test_torch_backend test_cutlass_gpu test_triton_id_check test_api test_hf_routers \
-           test_compile_ahead test_hf_compile_ahead test_timing test_tune}; do
+           test_compile_ahead test_hf_compile_ahead test_timing test_tune test_triton_gemv}; do
     python3 -m pytest -q -p no:cacheprovider "tests/$f.py" "${pytest_args[@]}" >"$WORK/pending_$f.log" 2>&1 || status=1
     tail -n 3 "$WORK/pending_$f.log"
   done

@@ -57,7 +57,7 @@ def test_problems_of_gemm2_fields():
     assert BASE.with_gemm2(BLOCK_N=48).problems(get_scheme("bf16")) == ["GEMM2: BLOCK_N=48 must be a power of two >= 16"]
     assert "must be 0 (GEMM1's) or positive" in dataclasses.replace(BASE, num_warps2=-4).problems(block)[0]
     gemv = KernelConfig(16, 8, 512, 1, 4, 1, GEMV=1, num_stages2=3)
-    assert "the GEMV path (GEMV=1) has none" in gemv.problems(block)[0]
+    assert "num_stages2 is for the tiled path; the GEMV path (GEMV=1) takes only" in gemv.problems(block)[0]
 
 
 def test_runs_of_column_tiles_are_gemm2s_alone():
@@ -74,7 +74,7 @@ def test_runs_of_column_tiles_are_gemm2s_alone():
     block = get_scheme("fp8-block128")
     assert "N_TILES2=-2 must be 0 or positive" in dataclasses.replace(BASE, N_TILES2=-2).problems(block)[0]
     gemv = KernelConfig(16, 8, 512, 1, 4, 1, GEMV=1, N_TILES2=4)
-    assert "the GEMV path (GEMV=1) has none" in gemv.problems(block)[0]
+    assert "N_TILES2 is for the tiled path; the GEMV path (GEMV=1) takes only" in gemv.problems(block)[0]
     assert vllm_config(cfg, get_scheme("fp8-channel-token"))[0] is None  # vLLM's kernel has no runs
 
 

@@ -130,6 +130,58 @@ def test_gemm2_reads_several_groups_per_pair(scheme, accumulation, K, groups, de
         assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < max_rel_tol(out), (rel_l2(out, ref), max_rel(out, ref))
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize(
+    "E,H,N,M,K,cfg",
+    [
+        # GEMM2 narrower than GEMM1, hidden 144 not a multiple of its 32 columns: a partial last block
+        (3, 144, 128, 5, 2, gemv(64, 256).with_gemm2(BLOCK_N=32, num_warps=4)),
+        # GEMM2 wider than GEMM1, on one warp; M = 1, top-1
+        (5, 256, 128, 1, 1, gemv(4, 128).with_gemm2(BLOCK_N=64, num_warps=1)),
+    ],
+)
+def test_gemm2_on_a_launch_of_its_own(scheme, E, H, N, M, K, cfg, device, monkeypatch):
+    """GEMM2 of the GEMV path on its own column block and warps (BLOCK_N2, num_warps2): the same
+    layer within the tolerances; the launch is GEMM2's, not GEMM1's (a GEMM2 launched with
+    GEMM1's block would still be right, so the launch itself is checked)."""
+    from moekit.backends.triton import gemv as gemv_module
+
+    launches = []
+    real = gemv_module._launch
+
+    def recording(kernel, grid, *args, **kw):
+        launches.append((kernel, grid, kw["BLOCK_N"], kw["num_warps"]))
+        return real(kernel, grid, *args, **kw)
+
+    monkeypatch.setattr(gemv_module, "_launch", recording)
+    w = random_weights(E, H, N, scheme, device=device, seed=E * M)
+    tw, ids = random_routing(M, E, K, device=device, seed=M)
+    check(random_x(M, H, device=device, seed=K), w, tw, ids, cfg)
+    g2 = cfg.gemm2()
+    assert (g2.BLOCK_N, g2.num_warps) == (cfg.BLOCK_N2, cfg.num_warps2) != (cfg.BLOCK_N, cfg.num_warps)
+    by_kernel = {kernel: rest for kernel, *rest in launches}
+    assert by_kernel[gemv_module.gk.gemv1_kernel] == [(M * K, -(-N // cfg.BLOCK_N)), cfg.BLOCK_N, cfg.num_warps]
+    assert by_kernel[gemv_module.gk.gemv2_kernel] == [(M, -(-H // g2.BLOCK_N)), g2.BLOCK_N, g2.num_warps]
+
+
+def test_config_rules_of_gemm2_on_the_gemv_path():
+    token, block = moekit.get_scheme("fp8-channel-token"), moekit.get_scheme("fp8-block128")
+    own = gemv(8, 512, 4).with_gemm2(BLOCK_N=16, num_warps=2)
+    assert not own.problems(token) and own.has_gemm2
+    assert own.gemm1() == gemv(8, 512, 4) and own.gemm2() == gemv(16, 512, 2)
+    assert own.with_gemm2(BLOCK_N=8, num_warps=4) == gemv(8, 512, 4)  # GEMM1's launch again: unset
+    assert own.with_gemm2(BLOCK_N=256).problems(block) == ["GEMM2: BLOCK_N=256 must divide 128 for 128x128 weight blocks"]
+    assert own.with_gemm2(BLOCK_N=2).problems(token) == ["GEMM2: BLOCK_N=2 must be a power of two >= 4"]
+    for tiled_only in ({"num_stages": 2}, {"GROUP_M": 4}, {"N_TILES": 2}, {"OVERLAP": 1}):
+        (name,) = tiled_only
+        assert own.with_gemm2(**tiled_only).problems(token) == [
+            f"{name}2 is for the tiled path; the GEMV path (GEMV=1) takes only BLOCK_N2 and num_warps2 of GEMM2's own"]
+    with pytest.raises(ValueError, match="num_stages2 is for the tiled path"):
+        w = random_weights(3, 128, 128, "fp8-channel-token")
+        tw, ids = random_routing(2, 3, 1)
+        run(random_x(2, 128), w, tw, ids, own.with_gemm2(num_stages=2))
+
+
 def test_run_gemv_is_what_the_backend_runs(device):
     w = random_weights(3, 128, 128, "fp8-channel-token", device=device)
     tw, ids = random_routing(2, 3, 2, device=device)

@@ -1056,6 +1056,31 @@ def test_gemm2_step_starts_from_the_best_config_of_the_search_space(tmp_path, ti
         assert KernelConfig.from_dict(entry) == OTHER_GEMM2
 
 
+def test_gemm2_step_on_a_gemv_base_varies_its_column_block_and_warps(tmp_path, tiny_model, monkeypatch):
+    """Where the fastest config is one of the GEMV path, the GEMM2 step times it with GEMM2 on its
+    own column block and warps (space.gemv_gemm2_variants), not the tiled grid; the fastest of
+    all becomes the table's entry, and the summary names GEMM2's launch."""
+    # K steps of 128: the tiny model's hidden size (a wider step is pruned as dominated)
+    base = KernelConfig(BLOCK_M=16, BLOCK_N=8, BLOCK_K=128, GROUP_M=1, num_warps=2, num_stages=1, GEMV=1)
+    variants, _ = space.gemv_gemm2_variants(base, FP8_CHANNEL_TOKEN, tiny_model_top_k(tiny_model))
+    best = base.with_gemm2(BLOCK_N=16, num_warps=4)
+    assert best in variants and all(v.GEMV and v.gemm1() == base for v in variants)
+    timer = FakeTimer(us={triton(base): 30.0, triton(FAST_CFG): 50.0, triton(best): 20.0}).install(monkeypatch)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out, gemm2=True, between=False, space=lambda scheme: [FAST_CFG, base])
+    assert result.exit_code == 0, text
+    # at M = 1 the GEMV path may win (at M = 4 its 8 pairs on 4 experts prune it: the tiled grid there)
+    timed = {call.split(" at M=")[0] for call in timer.calls if "+" in call and call.endswith("M=1")}
+    assert timed == {triton(v) for v in variants}  # the GEMV variants, none of the tiled grid
+    assert KernelConfig.from_dict(read(only_file(out / "triton"))["configs"]["1"]) == best
+    assert (read(only_file(out / "triton"))["configs"]["1"]["BLOCK_N2"], best.num_warps2) == (16, 4)
+    assert "GEMV N8 K128 w2 + GEMM2 N16 w4" in text
+
+
+def tiny_model_top_k(model_dir) -> int:
+    return json.loads((model_dir / "config.json").read_text())["num_experts_per_tok"]
+
+
 WIDE_CFG = KernelConfig(16, 32, 128, 1, space.WIDE_TILE_WARPS, 2)  # 16 warps (warps mean nothing to the interpreter)
 WIDE_GEMM2 = WIDE_CFG.with_gemm2(BLOCK_N=32, num_warps=4, num_stages=2)  # its variant in space.GEMM2_GRID_CPU
 

@@ -86,6 +86,7 @@ from .space import (
     config_key,
     gemm2_partial_accumulator,
     gemm2_variants,
+    gemv_gemm2_variants,
     neighbour_prune,
     overlap2_idle,
     shared_memory_limit,
@@ -121,7 +122,8 @@ WIDE_BASE_MARGIN = 1.25
 
 def gemm2_bases(j: Journal, tall: bool = False) -> list[tuple[str, KernelConfig]]:
     """(journal field, config) of the configs the GEMM2 step starts from: the fastest measured
-    tiled config without a GEMM2 launch of its own ("gemm2"), the fastest such on 16 warps when it
+    config without a GEMM2 launch of its own ("gemm2"; where that is a GEMV config, it alone, with
+    GEMM2's column block and warps varied: space.gemv_gemm2_variants), the fastest such on 16 warps when it
     is another and within WIDE_BASE_MARGIN of it ("gemm2_wide"), and with `tall` (the overlapped
     GEMM2 runs on this problem) the fastest 128x128 one on 8 warps likewise ("gemm2_tall", GEMM1
     in Triton or in Gluon): the overlapped GEMM2 follows only a 128-row GEMM1, and where the
@@ -129,9 +131,11 @@ def gemm2_bases(j: Journal, tall: bool = False) -> list[tuple[str, KernelConfig]
     (Mixtral-8x7B M = 512-4096, BENCHMARKS.md fifteenth session)."""
     plain = sorted((v["us"], k) for k, v in j.data["configs"].items() if "us" in v and not _has_gemm2(v))
     configs = {k: KernelConfig.from_dict(j.config(k)["config"]) for _, k in plain}
-    if not plain or configs[plain[0][1]].GEMV:
+    if not plain:
         return []
     best_us, best = plain[0]
+    if configs[best].GEMV:  # GEMM2's own column block and warps on the GEMV path (space.gemv_gemm2_variants)
+        return [("gemm2", configs[best])]
     bases = [("gemm2", configs[best])]
     wide = [(us, k) for us, k in plain if configs[k].num_warps == WIDE_TILE_WARPS and not configs[k].GEMV]
     if wide and wide[0][1] != best and wide[0][0] <= WIDE_BASE_MARGIN * best_us:
@@ -598,8 +602,9 @@ class Worker:
         j.save()
 
     def _search_gemm2(self, p: TuneProblem, j: Journal, share_end: float | None) -> None:
-        """GEMM2's own launch (space.gemm2_variants) on this size's best config of the search
-        space (tiled, no GEMM2 launch of its own), and on its best 16-warp one where that is close
+        """GEMM2's own launch (space.gemm2_variants; space.gemv_gemm2_variants where the best is
+        a GEMV config) on this size's best config of the search space (no GEMM2 launch of its
+        own), and on its best 16-warp one where that is close
         (WIDE_BASE_MARGIN), and on its best 128x128 8-warp one where the overlapped GEMM2 runs:
         each variant is timed as a config of its own, so the fastest of all becomes the table's
         entry. Done once per such base (journal "gemm2" / "gemm2_wide" / "gemm2_tall"), also
@@ -621,9 +626,12 @@ class Worker:
                            share_end: float | None) -> bool:
         """Times `base`'s GEMM2 launch variants not yet measured, recorded under j.data[field];
         False when the share of the budget ran out first."""
-        variants, dropped = gemm2_variants(base, p.scheme, self.plan.gemm2_grid, self.shared_memory,
-                                           gemm2_partial_accumulator(p.scheme, fp8_accumulation()),
-                                           self._overlap2_k_steps(p))
+        if base.GEMV:
+            variants, dropped = gemv_gemm2_variants(base, p.scheme, p.shape.top_k)
+        else:
+            variants, dropped = gemm2_variants(base, p.scheme, self.plan.gemm2_grid, self.shared_memory,
+                                               gemm2_partial_accumulator(p.scheme, fp8_accumulation()),
+                                               self._overlap2_k_steps(p))
         todo = [c for c in variants if j.config(config_key(c)) is None]
         j.data[field] = {"base": config_key(base), "variants": len(variants), "dropped": dropped,
                          "complete": not todo}

@@ -40,7 +40,9 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from ..backends.triton import launch
+from ..backends.sizes import next_pow2
 from ..backends.triton.config import KernelConfig, gemv_may_win, gluon_scheme
+from ..backends.triton.gemv import gemm2_groups
 from ..spec import MoEShape, QuantScheme
 
 SEARCH_SPACES = ("pruned", "full", "none")
@@ -71,7 +73,11 @@ SpaceFn = Callable[[QuantScheme], Sequence[KernelConfig]]
 def config_key(cfg: KernelConfig) -> str:
     """A short, stable name for a config: the journal's and the summary's key."""
     if cfg.GEMV:  # BLOCK_M and GROUP_M mean nothing to the GEMV path
-        return f"gemv-N{cfg.BLOCK_N}-K{cfg.BLOCK_K}-w{cfg.num_warps}-s{cfg.num_stages}"
+        key = f"gemv-N{cfg.BLOCK_N}-K{cfg.BLOCK_K}-w{cfg.num_warps}-s{cfg.num_stages}"
+        if cfg.has_gemm2:  # GEMM2's own column block and warps (gemv_gemm2_variants)
+            g2 = cfg.gemm2()
+            key += f"+N{g2.BLOCK_N}-w{g2.num_warps}"
+        return key
     key = f"M{cfg.BLOCK_M}-N{cfg.BLOCK_N}-K{cfg.BLOCK_K}-G{cfg.GROUP_M}-w{cfg.num_warps}-s{cfg.num_stages}"
     if cfg.OVERLAP:  # GEMM1 in Gluon with the promotion overlapped (KernelConfig.OVERLAP)
         key += "-ov"
@@ -89,9 +95,10 @@ def config_key(cfg: KernelConfig) -> str:
 
 _TILED_KEY = re.compile(r"M(?P<bm>\d+)-N(?P<bn>\d+)-K(?P<bk>\d+)-G(?P<g>\d+)-w(?P<w>\d+)-s(?P<s>\d+)(?P<ov>-ov)?(?P<join>-join)?"
                         r"(?:\+N(?P<bn2>\d+)-G(?P<g2>\d+)-w(?P<w2>\d+)-s(?P<s2>\d+)(?:-r(?P<r2>\d+))?(?P<ov2>-ov)?)?")
-_GEMV_KEY = re.compile(r"gemv-N(?P<bn>\d+)-K(?P<bk>\d+)-w(?P<w>\d+)-s(?P<s>\d+)")
+_GEMV_KEY = re.compile(r"gemv-N(?P<bn>\d+)-K(?P<bk>\d+)-w(?P<w>\d+)-s(?P<s>\d+)(?:\+N(?P<bn2>\d+)-w(?P<w2>\d+))?")
 _KEY_FORMS = ("M<rows>-N<cols>-K<k>-G<group>-w<warps>-s<stages>[-ov][-join] (optionally +N<cols>-G<group>-w<warps>-s<stages>"
-              "[-r<runs>][-ov] for GEMM2's own launch, runs 2 or more) or gemv-N<cols>-K<k>-w<warps>-s<stages>, "
+              "[-r<runs>][-ov] for GEMM2's own launch, runs 2 or more) or gemv-N<cols>-K<k>-w<warps>-s<stages> "
+              "(optionally +N<cols>-w<warps> for GEMM2's own), "
               "every number positive")
 
 
@@ -106,8 +113,9 @@ def config_from_key(key: str) -> KernelConfig:
     if 0 in n.values() or n.get("r2", 2) < 2:  # a run of one is written without -r
         raise ValueError(f"config key {key!r}: expected {_KEY_FORMS}")
     if m.re is _GEMV_KEY:
-        return KernelConfig(BLOCK_M=16, BLOCK_N=n["bn"], BLOCK_K=n["bk"], GROUP_M=1, num_warps=n["w"],
-                            num_stages=n["s"], GEMV=1)
+        cfg = KernelConfig(BLOCK_M=16, BLOCK_N=n["bn"], BLOCK_K=n["bk"], GROUP_M=1, num_warps=n["w"],
+                           num_stages=n["s"], GEMV=1)
+        return cfg.with_gemm2(BLOCK_N=n["bn2"], num_warps=n["w2"]) if "bn2" in n else cfg
     cfg = KernelConfig(BLOCK_M=n["bm"], BLOCK_N=n["bn"], BLOCK_K=n["bk"], GROUP_M=n["g"], num_warps=n["w"],
                        num_stages=n["s"], OVERLAP=int(m.group("ov") is not None), JOIN=int(m.group("join") is not None))
     if "bn2" in n:  # GEMM2's own launch
@@ -245,6 +253,38 @@ def gemm2_grid(device: torch.device) -> tuple[tuple[int, int, int, int], ...]:
     """(BLOCK_N, num_warps, num_stages, N_TILES) of GEMM2's launch variants on this device."""
     launches, runs = (GEMM2_GRID_GPU, GEMM2_RUNS_GPU) if device.type == "cuda" else (GEMM2_GRID_CPU, GEMM2_RUNS_CPU)
     return tuple(launch + (n_tiles,) for launch in launches for n_tiles in runs)
+
+
+# GEMM2 of the GEMV path on a launch of its own (KernelConfig.GEMV_GEMM2_FIELDS): column blocks x
+# warps. Its tile holds a token's K pairs side by side (K_POW2 x groups rows of 128), so the block
+# that suits GEMM1's tile (2 x GROUPS rows of 128 per column) is not its best by construction: with
+# top-8 its tile is 4x GEMM1's per column at K steps of 512. Not yet measured (twenty-seventh session).
+GEMV_GEMM2_GRID = tuple(itertools.product((4, 8, 16, 32), (2, 4, 8)))
+# The most weights one thread of it holds as float32 per step: GEMM1's GEMV space allows at most
+# 8192 weights per gate or up tile, 256 per thread on 2 warps (gemv_space).
+GEMV_MAX_VALUES_PER_THREAD = 256
+
+
+def gemv_gemm2_variants(base: KernelConfig, scheme: QuantScheme, top_k: int) -> tuple[list[KernelConfig], dict[str, str]]:
+    """(variants of the GEMV config `base` with GEMM2 on its own column block and warps,
+    {key dropped: why}); GEMV_GEMM2_GRID, the launch equal to base's left out."""
+    rows = next_pow2(top_k) * gemm2_groups(base, top_k)  # the kernel's rows per step (gemv2_kernel's ROWS)
+    kept: list[KernelConfig] = []
+    dropped: dict[str, str] = {}
+    for block_n, warps in GEMV_GEMM2_GRID:
+        cfg = base.with_gemm2(BLOCK_N=block_n, num_warps=warps)
+        if not cfg.has_gemm2:
+            continue
+        key, values = config_key(cfg), rows * block_n * 128 // (32 * warps)
+        problems = cfg.problems(scheme)
+        if problems:
+            dropped[key] = "cannot run: " + "; ".join(problems)
+        elif values > GEMV_MAX_VALUES_PER_THREAD:
+            dropped[key] = (f"registers: GEMM2's tile is {values} values per thread (at most "
+                            f"{GEMV_MAX_VALUES_PER_THREAD}, as GEMM1's GEMV space)")
+        else:
+            kept.append(cfg)
+    return kept, dropped
 
 
 def gemm2_partial_accumulator(scheme: QuantScheme, accumulation: str) -> bool:
@@ -513,6 +553,7 @@ __all__ = [
     "gemm2_grid",
     "gemm2_partial_accumulator",
     "gemm2_variants",
+    "gemv_gemm2_variants",
     "hopper_space",
     "interpreter_space",
     "neighbour_prune",

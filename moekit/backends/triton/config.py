@@ -9,7 +9,10 @@ session). GEMM2's programs may also run several of a row block's column tiles in
 _kernels._gemm2_row_run; GEMM2's grouping then does not apply): 4% faster per layer at DeepSeek-V3
 M = 4096 (eleventh session), and GEMM2 may run in Gluon with its FP8 promotion overlapped (OVERLAP2,
 _gluon_kernels.gemm2_overlap_kernel: 2.3-10% per layer at Mixtral-8x7B M = 512-8192, fifteenth
-session). BLOCK_N is the width of an output tile: GEMM1 computes BLOCK_N gate
+session). The GEMV path's GEMM2 (one program per token and column block) takes a column block
+and warps of its own (BLOCK_N2, num_warps2): its tile holds the token's K pairs side by side, so
+GEMM1's block is not its best one by construction (twenty-seventh session; the tuner's GEMM2 step
+measures it). BLOCK_N is the width of an output tile: GEMM1 computes BLOCK_N gate
 and BLOCK_N up columns per tile, so its tile spans 2 * BLOCK_N columns of w13 (vLLM's
 BLOCK_SIZE_N for the same tile is 2 * BLOCK_N).
 
@@ -51,7 +54,8 @@ class KernelConfig:
     # (128) on Hopper, which add each K step's FP8 product into float32 while the next product
     # runs (OVERLAP_TILE, OVERLAP_ROWS; launch.gemm1 says where)
     OVERLAP: int = 0
-    # GEMM2's own launch parameters on the tiled path (0: the same as GEMM1's; module docstring)
+    # GEMM2's own launch parameters (0: the same as GEMM1's; module docstring); the GEMV path
+    # takes BLOCK_N2 and num_warps2 (GEMV_GEMM2_FIELDS)
     BLOCK_N2: int = 0
     num_warps2: int = 0
     num_stages2: int = 0
@@ -130,8 +134,7 @@ class KernelConfig:
         """Why this config cannot run `scheme` (empty when it can)."""
         if self.has_gemm2:
             if self.GEMV:
-                return ["BLOCK_N2 / num_warps2 / num_stages2 / GROUP_M2 / N_TILES2 / OVERLAP2 are for the tiled path; "
-                        "the GEMV path (GEMV=1) has none"]
+                return self._gemv_gemm2_problems(scheme)
             negative = [f"{name}={getattr(self, name)} must be 0 (GEMM1's) or positive" for name in self.GEMM2_FIELDS
                         if getattr(self, name) < 0]
             negative += [f"{name}={getattr(self, name)} must be 0 or positive" for name in self.GEMM2_ONLY
@@ -181,6 +184,23 @@ class KernelConfig:
             # the joined tile sums the whole K in one accumulator: no room for per-K-step scales
             out.append(f"JOIN=1 cannot apply {scheme.name}'s per-128-of-K scales (use JOIN=0)")
         return out
+
+    # GEMM2's own launch parameters the GEMV path takes (gemv.gemv2: its column block and warps;
+    # its K step follows BLOCK_K, gemv.gemm2_groups)
+    GEMV_GEMM2_FIELDS = ("BLOCK_N2", "num_warps2")
+
+    def _gemv_gemm2_problems(self, scheme: QuantScheme) -> list[str]:
+        """Why this GEMV config with GEMM2's own launch cannot run `scheme`."""
+        others = [name for name in self.GEMM2_FIELDS + self.GEMM2_ONLY
+                  if getattr(self, name) and name not in self.GEMV_GEMM2_FIELDS]
+        if others:
+            return [f"{' / '.join(others)} {'are' if len(others) > 1 else 'is'} for the tiled path; the GEMV path (GEMV=1) takes only "
+                    f"{' and '.join(self.GEMV_GEMM2_FIELDS)} of GEMM2's own"]
+        negative = [f"{name}={getattr(self, name)} must be 0 (GEMM1's) or positive" for name in self.GEMV_GEMM2_FIELDS
+                    if getattr(self, name) < 0]
+        if negative:
+            return negative
+        return self.gemm1().problems(scheme) + [f"GEMM2: {p}" for p in self.gemm2().problems(scheme)]
 
     def _overlap_problems(self, scheme: QuantScheme) -> list[str]:
         """Why OVERLAP=1 cannot run `scheme` with this tile: the overlapped kernel is GEMM1 for FP8

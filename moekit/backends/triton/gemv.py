@@ -83,18 +83,21 @@ def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfi
 
 
 def gemv2(act, act_scale, a_mode, weights: MoEWeights, topk_weights, topk_ids, out_dtype, cfg: KernelConfig):
-    """The layer's output [M, H]: each token's K pairs through w2, weighted and summed."""
+    """The layer's output [M, H]: each token's K pairs through w2, weighted and summed; on
+    GEMM2's own column block and warps where the config has them (KernelConfig.gemm2), its K
+    step GEMM1's (gemm2_groups)."""
     M, K = topk_ids.shape
+    g2 = cfg.gemm2()
     N, H = weights.n, weights.hidden
     out = torch.empty(M, H, dtype=out_dtype, device=act.device)
     w_scale = weights.w2_scale
     stride_wse, stride_wsn = _scale_strides(w_scale)
-    _launch(gk.gemv2_kernel, (M, cdiv(H, cfg.BLOCK_N)),
+    _launch(gk.gemv2_kernel, (M, cdiv(H, g2.BLOCK_N)),
         act, act_scale, weights.w2, w_scale if w_scale is not None else act,
         topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1), out, N, H,
         act.stride(0), weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
         A_MODE=a_mode, B_SCALE=B_SCALE_KIND[weights.scheme.weight], K_TOP=K, K_POW2=next_pow2(K),
-        BLOCK_N=cfg.BLOCK_N, GROUPS=gemm2_groups(cfg, K), INTERPRET=_interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=g2.BLOCK_N, GROUPS=gemm2_groups(cfg, K), INTERPRET=_interpreting(),
+        num_warps=g2.num_warps, num_stages=cfg.num_stages,
     )
     return out
