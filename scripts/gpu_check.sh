@@ -12,7 +12,8 @@
 #        of the channel-scale models in fast mode (MOEKIT_FP8_ACCUMULATION=fast) at the prefill
 #        anchors, where fast mode is the one in question; no plots. Not part of `all`.
 #        ANCHOR_MODELS ("glm-4.5v-fp8 mixtral-8x7b", say) runs only those models' points,
-#        ANCHOR_MODES ("precise" or "fast"; default both) only those modes.
+#        ANCHOR_MODES ("precise" or "fast"; default both) only those modes, ANCHOR_M ("1", say)
+#        only those batch sizes in precise mode (and in the bench step).
 # auto:  the whole layer on every backend plus auto, at the sizes the shipped decision tables
 #        measured, the sizes between, and others off both grids, 4 routings per point (is auto
 #        within 3% of the fastest everywhere?).
@@ -113,7 +114,8 @@ done
 ((${#steps[@]})) || steps=(all)
 want() { [[ " ${steps[*]} " == *" $1 "* || " ${steps[*]} " == *" all "* ]]; }
 
-ANCHOR_M=${ANCHOR_M:-"1 8 64 192 1024 4096 8192"}  # ANCHOR_M="1" runs only those points
+# the anchor points of the bench and anchors steps (precise mode; fast mode's are fixed below)
+ANCHOR_M=${ANCHOR_M:-"1 8 64 192 1024 4096 8192"}
 LAYER_M="1 8 32 64 192 512 1024 2048 4096 8192"
 MODELS=("glm-4.5v-fp8 2 fp8-channel-token" "mixtral-8x7b 1 fp8-channel-token" "deepseek-v3 8 fp8-block128")
 run_all() {

@@ -108,6 +108,49 @@ def test_the_calls_after_warmup_need_no_other_kernel(weights, launches, monkeypa
     assert real and real <= warmed, sorted(real - warmed)[:3]
 
 
+def test_warmup_reaches_a_tuned_gemv_entry_with_its_own_gemm2_launch(weights, launches, monkeypatch):
+    """A table's GEMV entry with GEMM2 on a column block and warps of its own (KernelConfig's
+    BLOCK_N2 / num_warps2) is warmed as the calls run it: gemv2_kernel on GEMM2's block and warps,
+    and the tiled entry beyond the GEMV path's bound."""
+    from helpers import random_routing, random_x
+
+    from moekit import tables
+    from moekit.backends.triton import KernelConfig, config
+
+    gemv = KernelConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=2, num_stages=1, GEMV=1)
+    own = gemv.with_gemm2(BLOCK_N=64, num_warps=4)
+    monkeypatch.setattr(config, "tuned_configs", lambda *a: ({1: own, 16: KernelConfig(16, 64, 128, 1, 4, 2)}, None))
+    # a device name for the lookup, as on a GPU (on the CPU the backend reads no table)
+    monkeypatch.setattr(launch, "get_config", lambda shape, scheme, m, name: config.get_config(shape, scheme, m, "GPU"))
+    from moekit.backends.triton import gemv as gemv_module
+
+    gemv2_launches = []  # (BLOCK_N, num_warps, compile-only) of every gemv2_kernel launch
+    spy = gemv_module._launch  # the `launches` fixture's
+
+    def recording(kernel, grid, *args, **kwargs):
+        if kernel is gemv_module.gk.gemv2_kernel:
+            gemv2_launches.append((kwargs["BLOCK_N"], kwargs["num_warps"], compiling_only()))
+        return spy(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(gemv_module, "_launch", recording)
+    tables.clear_cache()
+    try:
+        sizes = [1, 16]
+        warmup(weights, K, batch_sizes=sizes, backend="triton")
+        warmed = {(name, m, sig) for name, _, m, sig in launches}
+        launches.clear()
+        for M in sizes:
+            tw, ids = random_routing(M, E, K, device=weights.device, seed=M)
+            moekit.fused_moe(random_x(M, H, device=weights.device, seed=M), weights, tw, ids, backend="triton")
+        real = {(name, m, sig) for name, _, m, sig in launches}
+        assert real and real <= warmed, sorted(real - warmed)[:3]
+        # GEMM2's own block and warps, warmed (int32 and int64 ids) then run, at M = 1 only (the
+        # tiled entry at 16)
+        assert set(gemv2_launches) == {(64, 4, True), (64, 4, False)}
+    finally:
+        tables.clear_cache()  # the patched table must not outlive the test
+
+
 def glue_signatures(glue_launches) -> set:
     """The kernels and specializations launched, with the grid's shape (its rank): the grid itself
     depends on the batch size, which both sides share."""

@@ -254,6 +254,14 @@ def test_a_table_entry_of_the_gemv_path_stays_within_its_bound(monkeypatch):
     monkeypatch.setattr(config, "tuned_configs", lambda *a: ({1: gemv(8, 512)}, None))
     tables.clear_cache()  # another table: looked up afresh
     assert config.get_config(shape, scheme, 4096, "GPU") == config.default_config(shape, scheme, 4096)
+    # an entry with GEMM2's own launch, read from its table's JSON: the same config, the same bound
+    own = gemv(8, 512).with_gemm2(BLOCK_N=16, num_warps=4)
+    entry = KernelConfig.from_table_entry({**own.to_dict(), "us": 40.0})
+    assert entry == own and entry.gemm2() == gemv(16, 512, 4)
+    monkeypatch.setattr(config, "tuned_configs", lambda *a: ({1: entry, 16: tiled}, None))
+    tables.clear_cache()
+    assert config.get_config(shape, scheme, 2, "GPU") == own
+    assert config.get_config(shape, scheme, 8, "GPU") == tiled
 
 
 @pytest.mark.parametrize("cfg", [gemv(64), KernelConfig(16, 64, 64, 1, 4, 2)], ids=["gemv", "tiled"])

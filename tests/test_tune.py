@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import io
+import itertools
 import json
 import os
 import re
@@ -1073,7 +1074,7 @@ def test_gemm2_step_on_a_gemv_base_varies_its_column_block_and_warps(tmp_path, t
     timed = {call.split(" at M=")[0] for call in timer.calls if "+" in call and call.endswith("M=1")}
     assert timed == {triton(v) for v in variants}  # the GEMV variants, none of the tiled grid
     assert KernelConfig.from_dict(read(only_file(out / "triton"))["configs"]["1"]) == best
-    assert (read(only_file(out / "triton"))["configs"]["1"]["BLOCK_N2"], best.num_warps2) == (16, 4)
+    assert {k: read(only_file(out / "triton"))["configs"]["1"][k] for k in ("BLOCK_N2", "num_warps2")} == {"BLOCK_N2": 16, "num_warps2": 4}
     assert "GEMV N8 K128 w2 + GEMM2 N16 w4" in text
 
 
@@ -1823,7 +1824,10 @@ def test_config_from_key_inverts_config_key():
         configs += searched
         for base in (c for c in searched if c.num_warps == space.WIDE_TILE_WARPS):
             configs += space.gemm2_variants(base, scheme, grid, space.HOPPER_SHARED_MEMORY, True, overlap_k_steps=8)[0]
+        for base, top_k in itertools.product((c for c in searched if c.GEMV), (1, 2, 6, 8)):
+            configs += space.gemv_gemm2_variants(base, scheme, top_k)[0]
     assert any(c.has_gemm2 and c.N_TILES2 for c in configs) and any(c.OVERLAP2 for c in configs)
+    assert any(c.GEMV and c.has_gemm2 for c in configs)
     # the joined tile: no search space has it, a table may (runner.Worker._incumbents); its key is its own
     joined = KernelConfig(64, 128, 128, 8, 4, 3, JOIN=1)
     configs += [joined, joined.with_gemm2(BLOCK_N=64)]
@@ -1831,6 +1835,7 @@ def test_config_from_key_inverts_config_key():
     for cfg in configs:
         assert space.config_from_key(config_key(cfg)) == cfg, config_key(cfg)
     for bad in ("", "M128-N128", "M128-N128-K128-G8-w8-s4+", "gemv-N8-K512-w2", "m128-n128-k128-g8-w8-s4 ",
+                "gemv-N8-K512-w2-s1+N16", "gemv-N8-K512-w2-s1+N0-w4", "gemv-N8-K512-w2-s1+N16-G1-w4-s1",
                 "M128-N128-K128-G8-w8-s4+N0-G8-w8-s4", "M128-N128-K128-G8-w8-s4+N64-G8-w4-s3-r1", "M0-N128-K128-G8-w8-s4"):
         with pytest.raises(ValueError, match="expected M<rows>"):
             space.config_from_key(bad)

@@ -55,7 +55,7 @@ class Journal:
      "default": "<key of default_config at M>",
      "incumbent": {"key": "<key>", "config": {...}},  the config a table gave at M (runner.Worker._incumbents;
                                                       absent where none did)
-     "configs": {"<key>": {"config": {...}, "us": .., "p20_us": .., "p80_us": .., "method": .., "flush_us": ..}
+     "configs": {"<key>": {"config": {...}, "us": .., "p20_us": .., "p80_us": .., "method": .., "flush_us": .., "flush": ..}
                           | {"config": {...}, "error": "<one line>"}},
      "backends": {"<name>": {"us": .., ...} | {"error": "..."}},
      "search": {"space": .., "candidates": n, "dropped": {"<key>": why}, "static": {why: count},

@@ -73,7 +73,8 @@ def best_config(journal: dict) -> tuple[str, dict] | None:
 # time, and ranked configs wrongly: on an H100 (BENCHMARKS.md, twenty-fifth session) a search's
 # fastest config measured 127 µs at GLM-4.5V M = 8 where every other was 185, and 193 in the
 # decision timing and in `moekit bench`; the tables chosen that way were up to 12% slower in
-# `moekit bench` than the H200's tables they replaced (Mixtral M = 4096).
+# `moekit bench` than the H200's tables they replaced (Mixtral M = 4096). Counted per flush method
+# of the journal's timings (decision_candidates).
 CONFIRMED_CONFIGS = 3
 
 
@@ -92,14 +93,17 @@ def decision_candidates(journal: dict) -> list[str]:
     fastest separately timed (ties: the smaller key) of each flush method in the journal, and the
     incumbent where it ran and is not among them.
 
-    Per method, because the older harness (entries without "flush", timing.FLUSH_METHOD) could
-    read a config up to 60 µs too fast: ranked together, such misread configs could push every
-    config timed by the current harness (those new to the search space, say) out of the
-    decision timing, which would then never see them."""
+    Per method, because the older harness could read a config up to 60 µs too fast: ranked
+    together, such misread configs could push every config timed by the current harness (those
+    new to the search space, say) out of the decision timing, which would then never see them.
+    Entries without "flush" (timing.FLUSH_METHOD, recorded since the twenty-seventh session) form
+    one class: the older harness's timings, and those of the per-sample harness's first session
+    (the twenty-sixth, whose journals did not record it; the shipped H100 journals' separate
+    timings are all of the older harness, from the twenty-fifth)."""
     by_method: dict[str, list[tuple[float, str]]] = {}
     for key, entry in journal["configs"].items():
         if "us" in entry:
-            by_method.setdefault(entry.get("flush", "median apart"), []).append((entry["us"], key))
+            by_method.setdefault(entry.get("flush", "unrecorded"), []).append((entry["us"], key))
     ranked = sorted((us, key) for timings in by_method.values() for us, key in sorted(timings)[:CONFIRMED_CONFIGS])
     keys = [key for _, key in ranked]
     incumbent = incumbent_key(journal)

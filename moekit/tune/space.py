@@ -256,9 +256,12 @@ def gemm2_grid(device: torch.device) -> tuple[tuple[int, int, int, int], ...]:
 
 
 # GEMM2 of the GEMV path on a launch of its own (KernelConfig.GEMV_GEMM2_FIELDS): column blocks x
-# warps. Its tile holds a token's K pairs side by side (K_POW2 x groups rows of 128), so the block
-# that suits GEMM1's tile (2 x GROUPS rows of 128 per column) is not its best by construction: with
-# top-8 its tile is 4x GEMM1's per column at K steps of 512. Not yet measured (twenty-seventh session).
+# warps. gemm2_groups gives its tile as many rows of 128 per step as GEMM1's, but the grids differ:
+# GEMM1 runs a program per (pair, column block of N), GEMM2 one per (token, column block of the
+# hidden size) with N as its short inner dimension (GLM-4.5V TP2 at M = 1 and blocks of 8: 704
+# programs of 8 K steps of 512 against 512 programs of 6 steps; DeepSeek-V3 TP8 at blocks of 4: 512
+# against 1792), so the block and warps that suit GEMM1 need not suit GEMM2. Not yet measured
+# (twenty-seventh session).
 GEMV_GEMM2_GRID = tuple(itertools.product((4, 8, 16, 32), (2, 4, 8)))
 # The most weights one thread of it holds as float32 per step: GEMM1's GEMV space allows at most
 # 8192 weights per gate or up tile, 256 per thread on 2 warps (gemv_space).

@@ -9,10 +9,10 @@ session). GEMM2's programs may also run several of a row block's column tiles in
 _kernels._gemm2_row_run; GEMM2's grouping then does not apply): 4% faster per layer at DeepSeek-V3
 M = 4096 (eleventh session), and GEMM2 may run in Gluon with its FP8 promotion overlapped (OVERLAP2,
 _gluon_kernels.gemm2_overlap_kernel: 2.3-10% per layer at Mixtral-8x7B M = 512-8192, fifteenth
-session). The GEMV path's GEMM2 (one program per token and column block) takes a column block
-and warps of its own (BLOCK_N2, num_warps2): its tile holds the token's K pairs side by side, so
-GEMM1's block is not its best one by construction (twenty-seventh session; the tuner's GEMM2 step
-measures it). BLOCK_N is the width of an output tile: GEMM1 computes BLOCK_N gate
+session). The GEMV path's GEMM2 (one program per token and column block of the hidden size,
+where GEMM1 has one per pair and column block of N) may take a column block and warps of its
+own (BLOCK_N2, num_warps2; twenty-seventh session, not yet measured: the tuner's GEMM2 step
+times them, space.GEMV_GEMM2_GRID says why). BLOCK_N is the width of an output tile: GEMM1 computes BLOCK_N gate
 and BLOCK_N up columns per tile, so its tile spans 2 * BLOCK_N columns of w13 (vLLM's
 BLOCK_SIZE_N for the same tile is 2 * BLOCK_N).
 

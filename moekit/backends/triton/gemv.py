@@ -13,7 +13,7 @@ from ..sizes import cdiv, next_pow2
 from . import _gemv_kernels as gk
 from .config import KernelConfig
 # launch.py imports this module only inside functions (run, prepare_gemm_only): launch is loaded here
-from .launch import A_SCALE_KIND, B_SCALE_KIND, _TL_DTYPE, _interpreting, _launch, _scale_strides, quantize_input
+from .launch import A_SCALE_KIND, B_SCALE_KIND, _TL_DTYPE, _gemm2_launch, _interpreting, _launch, _scale_strides, quantize_input
 
 
 def run_gemv(x, weights: MoEWeights, topk_weights, topk_ids, cfg: KernelConfig, *, row_intermediate: bool):
@@ -87,7 +87,7 @@ def gemv2(act, act_scale, a_mode, weights: MoEWeights, topk_weights, topk_ids, o
     GEMM2's own column block and warps where the config has them (KernelConfig.gemm2), its K
     step GEMM1's (gemm2_groups)."""
     M, K = topk_ids.shape
-    g2 = cfg.gemm2()
+    g2 = _gemm2_launch(cfg)
     N, H = weights.n, weights.hidden
     out = torch.empty(M, H, dtype=out_dtype, device=act.device)
     w_scale = weights.w2_scale
