@@ -10,7 +10,8 @@
 # anchors: the anchor points alone (ANCHOR_M), shorter than `bench`: the two GEMMs (triton, cutlass)
 #        and the whole layer (triton, cutlass, auto) per model in precise mode, then GEMMs and layer
 #        of the channel-scale models in fast mode (MOEKIT_FP8_ACCUMULATION=fast) at the prefill
-#        anchors, where fast mode is the one in question; no plots. Not part of `all`.
+#        anchors, where fast mode is the one in question; no plots; then scripts/anchors_report.py
+#        per mode (issue 3's must-hold at those points: anchors-report-<mode>.md / .json). Not part of `all`.
 #        ANCHOR_MODELS ("glm-4.5v-fp8 mixtral-8x7b", say) runs only those models' points,
 #        ANCHOR_MODES ("precise" or "fast"; default both) only those modes, ANCHOR_M ("1", say)
 #        only those batch sizes in precise mode (and in the bench step).
@@ -174,6 +175,9 @@ if [[ " ${steps[*]} " == *" anchors "* ]]; then
       MOEKIT_FP8_ACCUMULATION=$mode moekit bench --model "$model" --tp "$tp" --scheme "$scheme" --mode layer \
         --backends $backends auto --batch-sizes $sizes --no-plots --out "$WORK/anchors-$mode-layer-$model" || status=1
     done
+    # issue 3's must-hold at these points, against BENCHMARKS.md's reference table
+    COLUMNS=160 python3 scripts/anchors_report.py "$WORK" --mode "$mode" --markdown "$WORK/anchors-report-$mode.md" \
+      --json "$WORK/anchors-report-$mode.json" || status=1
   done
 fi
 if want auto; then
