@@ -1513,6 +1513,23 @@ def test_between_size_can_change_the_winner(tmp_path, tiny_model, monkeypatch):
     assert journals(out)[2]["between_configs"] == [config_key(FAST_CFG)]
 
 
+def test_a_size_between_beyond_the_gemv_bound_takes_only_tiled_neighbours(tmp_path, tiny_model, monkeypatch):
+    """A GEMV config wins at M = 1; at the size between (2: 4 pairs on the tiny model's 4 experts,
+    beyond config.gemv_may_win) the backend's lookup would never run it, so only the tiled
+    neighbour is timed there and the table holds it."""
+    gemv = KernelConfig(BLOCK_M=16, BLOCK_N=8, BLOCK_K=128, GROUP_M=1, num_warps=2, num_stages=1, GEMV=1)
+    # FAST_CFG within 1.5x of the GEMV config at M = 1, so the pruned search times it at M = 4
+    FakeTimer(us={triton(gemv): 30.0, triton(FAST_CFG): 40.0}).install(monkeypatch)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out, space=lambda scheme: [FAST_CFG, gemv])
+    assert result.exit_code == 0, text
+    js = journals(out)
+    assert js[1]["configs"][config_key(gemv)]["us"] == 30.0  # within the bound at M = 1
+    assert js[2]["between_configs"] == [config_key(FAST_CFG)] and config_key(gemv) not in js[2]["configs"]
+    configs = read(only_file(out / "triton"))["configs"]
+    assert KernelConfig.from_dict(configs["1"]) == gemv and KernelConfig.from_dict(configs["2"]) == FAST_CFG
+
+
 def test_between_triton_is_timed_again_when_a_search_finds_a_better_config(tmp_path, tiny_model, monkeypatch):
     out = tmp_path / "out"
     FakeTimer(us={triton(OTHER_CFG): 50.0}).install(monkeypatch)
@@ -1851,9 +1868,11 @@ def test_static_prune_keeps_the_gemv_path_where_pairs_are_few():
         kept, dropped = space.static_prune([gemv], shape, FP8_BLOCK128, M, limit)
         assert (kept == [gemv]) == kept_there, (shape, M)
         if not kept_there:
-            assert dropped[config_key(gemv)].startswith("dominated: the GEMV path reads an expert's weights once per pair")
-    # the exhaustive search keeps it everywhere
-    assert space.static_prune([gemv], mixtral, FP8_BLOCK128, 64, limit, "full")[0] == [gemv]
+            assert dropped[config_key(gemv)].startswith("never run: the GEMV path reads an expert's weights once per pair")
+    # the exhaustive search too drops it beyond the bound (the backend would never run it there),
+    # and keeps it within
+    assert space.static_prune([gemv], mixtral, FP8_BLOCK128, 64, limit, "full")[0] == []
+    assert space.static_prune([gemv], mixtral, FP8_BLOCK128, 2, limit, "full")[0] == [gemv]
 
 
 def test_static_prune_reasons():

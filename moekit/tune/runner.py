@@ -69,7 +69,7 @@ from ..accumulation import table_accumulation
 from ..api import validate_inputs
 from ..backends import get_backend
 from ..backends.triton import launch
-from ..backends.triton.config import KernelConfig, ProblemConfigs, default_config, problem_configs
+from ..backends.triton.config import KernelConfig, ProblemConfigs, default_config, gemv_may_win, problem_configs
 from ..backends.triton.launch import fp8_accumulation, pdl_wanted
 from ..bench import input_seed, make_routing, make_routings, make_weights, make_x, rel_l2
 from ..spec import QuantScheme
@@ -457,7 +457,10 @@ class Worker:
             opened.append(j)
             if M in before:
                 j.set_incumbent(config_key(before[M]), before[M].to_dict())
-            cfgs = neighbour_configs(tuned, M)
+            # the neighbours the backend's lookup would take here: tiled ones only beyond the GEMV
+            # path's bound (config.ProblemConfigs), where a GEMV entry never runs
+            cfgs = neighbour_configs(tuned if gemv_may_win(p.shape, M) else
+                                     {s: c for s, c in tuned.items() if not c.GEMV}, M)
             keys = [config_key(c) for c in cfgs]
             if j.data.get("between_configs") != keys or "between_config" in j.data:
                 # a search found a better neighbour config (or a journal of the older, single-config

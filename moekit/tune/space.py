@@ -7,24 +7,27 @@ Two kinds of pruning:
     - cannot run: `KernelConfig.problems` (scheme rules: FP8 token/group tiles need BLOCK_K 128,
       128x128 weight blocks need BLOCK_N dividing 128), or the operand tiles that Triton's software
       pipeline keeps in shared memory exceed the device's limit;
+    - never run: the GEMV path (KernelConfig.GEMV) beyond one token where the pairs outnumber half
+      the experts (`config.gemv_may_win`): the backend's table lookup never runs a GEMV entry there
+      (it takes the nearest tiled one), so a timing there would only put in the table a config
+      that does not run. The bound is why: the GEMV path reads an expert's weights once per pair,
+      the tiled path once per expert. On an H200 (BENCHMARKS.md, seventh session) its tuned configs
+      won at 1-32 pairs (GLM-4.5V M = 1-2, DeepSeek-V3 M = 1-4, Mixtral M = 1-2: 3-28% per layer)
+      and lost at GLM M = 4-8 and DeepSeek M = 8 (32-64 pairs), inside the bound: the bound keeps
+      what can win, the measurement decides;
   and, in the `pruned` search only,
     - spills registers: GEMM1's two float32 accumulators alone need more than 255 registers per
       thread;
     - dominated by a smaller tile with the same work: BLOCK_M above the most rows any expert can
       receive (M: each token picks distinct experts), BLOCK_N / BLOCK_K above every dimension they
       tile; GROUP_M values at least as large as the number of row blocks give the same tile order
-      as the smallest of them;
-    - the GEMV path (KernelConfig.GEMV) beyond one token where the pairs outnumber half the
-      experts (`config.gemv_may_win`, also what table lookups obey): it reads an expert's weights
-      once per pair, the tiled path once per expert. On an H200 (BENCHMARKS.md, seventh session)
-      its tuned configs won at 1-32 pairs (GLM-4.5V M = 1-2, DeepSeek-V3 M = 1-4, Mixtral M = 1-2:
-      3-28% per layer) and lost at GLM M = 4-8 and DeepSeek M = 8 (32-64 pairs), inside the bound:
-      the bound keeps what can win, the measurement decides.
+      as the smallest of them.
 * By measurement (`neighbour_prune`, `pruned` search only): a config slower than NEIGHBOUR_MARGIN
   times the best triton config at the neighbouring (next smaller) batch size, or that failed there,
   is not timed again; a config dropped at the neighbour stays dropped.
 
-`full` (`--search-space full`) keeps only the first rule (configs that cannot run would only fail):
+`full` (`--search-space full`) keeps only the first two rules (configs that cannot run would only
+fail, GEMV configs beyond the bound would never run):
 it is the exhaustive search the pruned one is compared against. `none` searches nothing: only the
 default config and the other backends are timed (and the sizes between, see moekit.tune.plan),
 with the configs an earlier search left in the same output folder.
@@ -429,10 +432,10 @@ def static_prune(
             )
         elif pruned and cfg.OVERLAP and _overlap_idle(shape, scheme):
             dropped[key] = f"equivalent: runs as its Triton twin here ({_overlap_idle(shape, scheme)})"
-        elif pruned and cfg.GEMV and not gemv_may_win(shape, num_tokens):
+        elif cfg.GEMV and not gemv_may_win(shape, num_tokens):  # in every search: the backend never runs it here
             dropped[key] = (
-                f"dominated: the GEMV path reads an expert's weights once per pair, and {num_tokens * shape.top_k} "
-                f"pairs on {shape.num_experts} experts repeat experts"
+                f"never run: the GEMV path reads an expert's weights once per pair, and {num_tokens * shape.top_k} "
+                f"pairs on {shape.num_experts} experts repeat experts, so the backend runs a tiled config here"
             )
         elif pruned and cfg.BLOCK_M > rows_max and not cfg.GEMV:
             dropped[key] = f"dominated: BLOCK_M {cfg.BLOCK_M} > {rows_max}, the most rows an expert receives at M={num_tokens}"
