@@ -1530,6 +1530,22 @@ def test_a_size_between_beyond_the_gemv_bound_takes_only_tiled_neighbours(tmp_pa
     assert KernelConfig.from_dict(configs["1"]) == gemv and KernelConfig.from_dict(configs["2"]) == FAST_CFG
 
 
+def test_a_gemv_timing_beyond_its_bound_in_an_older_journal_is_never_the_tables(tmp_path):
+    """Journals of earlier runs hold GEMV timings beyond config.gemv_may_win (a size between took a
+    GEMV neighbour, or the full search timed it): the backend would never run it there, so it is
+    neither a decision candidate nor the chosen config, however fast it read."""
+    gemv = KernelConfig(BLOCK_M=16, BLOCK_N=8, BLOCK_K=128, GROUP_M=1, num_warps=2, num_stages=1, GEMV=1)
+    problem = {"num_experts": 8, "hidden": 4096, "intermediate": 14336, "top_k": 2, "scheme": "fp8-channel-token"}
+    configs = {config_key(gemv): {"config": gemv.to_dict(), "us": 10.0},
+               config_key(FAST_CFG): {"config": FAST_CFG.to_dict(), "us": 50.0}}
+    beyond = {"problem": problem, "batch_size": 3, "configs": configs}  # 6 pairs on 8 experts: beyond E / 2
+    assert output.decision_candidates(beyond) == [config_key(FAST_CFG)]
+    assert output.chosen_config(beyond)[0] == config_key(FAST_CFG) and output.best_config(beyond)[0] == config_key(FAST_CFG)
+    within = {**beyond, "batch_size": 2}  # 4 pairs: within the bound, the GEMV config counts
+    assert output.decision_candidates(within) == [config_key(gemv), config_key(FAST_CFG)]
+    assert output.chosen_config(within)[0] == config_key(gemv)
+
+
 def test_between_triton_is_timed_again_when_a_search_finds_a_better_config(tmp_path, tiny_model, monkeypatch):
     out = tmp_path / "out"
     FakeTimer(us={triton(OTHER_CFG): 50.0}).install(monkeypatch)

@@ -36,8 +36,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from ..backends.triton.config import KernelConfig
-from ..spec import QuantScheme, get_scheme
+from ..backends.triton.config import KernelConfig, gemv_may_win
+from ..spec import MoEShape, QuantScheme, get_scheme
 from ..tables import write_json_atomically
 
 BACKEND_TABLE_FORMAT = "moekit-backend-table"
@@ -58,9 +58,27 @@ WRITTEN_RECORD = "written.json"  # under OUT/.progress: sha256 of what tune last
 # ------------------------------------------------------------------------- reading journals
 
 
+def runs_here(journal: dict, entry: dict) -> bool:
+    """Whether the triton backend would run the config of this journal entry at the journal's
+    size: a GEMV-path config only within config.gemv_may_win (beyond it the backend's lookup takes
+    a tiled entry). The tuner no longer times one beyond it, but journals of earlier runs hold such
+    timings (sizes between, the full search): they must not become a table's config."""
+    if not (entry.get("config") or {}).get("GEMV"):
+        return True
+    problem, M = journal.get("problem"), journal.get("batch_size")
+    if not problem or M is None:
+        return True
+    return gemv_may_win(MoEShape(problem["num_experts"], problem["hidden"], problem["intermediate"], problem["top_k"]), M)
+
+
+def _timed(journal: dict) -> dict[str, dict]:
+    """The journal's triton configs that ran (a time, not a failure) and would run here (runs_here)."""
+    return {k: v for k, v in journal["configs"].items() if "us" in v and runs_here(journal, v)}
+
+
 def best_config(journal: dict) -> tuple[str, dict] | None:
     """(key, entry) of the fastest triton config measured in a journal; ties: the smaller key."""
-    ran = [(v["us"], k) for k, v in journal["configs"].items() if "us" in v]
+    ran = [(v["us"], k) for k, v in _timed(journal).items()]
     if not ran:
         return None
     _, key = min(ran)
@@ -84,8 +102,9 @@ def incumbent_key(journal: dict) -> str | None:
 
 
 def _ran(journal: dict, key: str | None) -> bool:
-    """Whether the config of `key` was timed at this size (not failed, not absent)."""
-    return key is not None and "us" in journal["configs"].get(key, {})
+    """Whether the config of `key` was timed at this size (not failed, not absent) and would run
+    here (runs_here)."""
+    return key is not None and key in _timed(journal)
 
 
 def decision_candidates(journal: dict) -> list[str]:
@@ -101,9 +120,8 @@ def decision_candidates(journal: dict) -> list[str]:
     (the twenty-sixth, whose journals did not record it; the shipped H100 journals' separate
     timings are all of the older harness, from the twenty-fifth)."""
     by_method: dict[str, list[tuple[float, str]]] = {}
-    for key, entry in journal["configs"].items():
-        if "us" in entry:
-            by_method.setdefault(entry.get("flush", "unrecorded"), []).append((entry["us"], key))
+    for key, entry in _timed(journal).items():
+        by_method.setdefault(entry.get("flush", "unrecorded"), []).append((entry["us"], key))
     ranked = sorted((us, key) for timings in by_method.values() for us, key in sorted(timings)[:CONFIRMED_CONFIGS])
     keys = [key for _, key in ranked]
     incumbent = incumbent_key(journal)

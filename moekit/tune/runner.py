@@ -76,7 +76,8 @@ from ..spec import QuantScheme
 from ..tables import table_name
 from ..timing import FLUSH_METHOD, Timing, time_graph, time_graphs
 from .journal import MAX_DEATHS, Journal, journal_path, load_journals
-from .output import chosen_config, decision_candidates, decision_is_current, is_between, neighbour_configs, write_tables
+from .output import (chosen_config, decision_candidates, decision_is_current, is_between, neighbour_configs, runs_here,
+                     write_tables)
 from .plan import TunePlan, TuneProblem
 from .precompile import Precompiler
 from .space import (
@@ -570,8 +571,10 @@ class Worker:
         neighbour = None
         if previous is not None:
             search = previous.data.get("search") or {}
-            # the search space's own configs only: a GEMM2 launch variant's time is no candidate's
-            plain = {k: us for k, us in previous.measured_us().items() if not _has_gemm2(previous.config(k))}
+            # the search space's own configs only: a GEMM2 launch variant's time is no candidate's,
+            # nor that of a GEMV config beyond its bound (older journals: output.runs_here)
+            plain = {k: us for k, us in previous.measured_us().items()
+                     if not _has_gemm2(previous.config(k)) and runs_here(previous.data, previous.config(k))}
             chosen = chosen_config(previous.data)
             neighbour = NeighbourResult(previous.batch_size, plain, previous.failed(), set(search.get("dropped", {})),
                                         chosen[1]["us"] if chosen else None)
