@@ -217,7 +217,7 @@ def test_vllm_export_says_why_it_skips_the_gemv_path():
     assert cfg is None and "no vLLM counterpart" in why
     tiled = KernelConfig(16, 64, 128, 1, 4, 3)
     journal = {  # the GEMV config fastest at M = 1: the export takes the tiled one and says so
-        "problem": {"scheme": "fp8-channel-token", "num_experts": 8, "intermediate": 256},
+        "problem": {"scheme": "fp8-channel-token", "num_experts": 8, "hidden": 256, "intermediate": 256, "top_k": 2},
         "fingerprint": {"device_name": "NVIDIA H200"}, "batch_size": 1,
         "configs": {"g": {"config": gemv().to_dict(), "us": 10.0}, "t": {"config": tiled.to_dict(), "us": 12.0}},
     }
