@@ -190,11 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write the records as JSON here")
     args = ap.parse_args(argv)
     try:
-        records = compare(reference_points(), (loaded := load_results(args.dirs, args.mode))[0])
+        rows, devices = load_results(args.dirs, args.mode)
+        records = compare(reference_points(), rows)
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    devices = loaded[1]
     if devices != {ANCHORS_CARD}:
         print(f"warning: measured on {', '.join(sorted(devices))}; the reference points are the {ANCHORS_CARD}'s",
               file=sys.stderr)

@@ -101,12 +101,6 @@ def incumbent_key(journal: dict) -> str | None:
     return (journal.get("incumbent") or {}).get("key")
 
 
-def _ran(journal: dict, key: str | None) -> bool:
-    """Whether the config of `key` was timed at this size (not failed, not absent) and would run
-    here (runs_here)."""
-    return key is not None and key in _timed(journal)
-
-
 def decision_candidates(journal: dict) -> list[str]:
     """The keys of the triton configs a size's decision timing confirms: the CONFIRMED_CONFIGS
     fastest separately timed (ties: the smaller key) of each flush method in the journal, and the
@@ -119,13 +113,14 @@ def decision_candidates(journal: dict) -> list[str]:
     one class: the older harness's timings, and those of the per-sample harness's first session
     (the twenty-sixth, whose journals did not record it; the shipped H100 journals' separate
     timings are all of the older harness, from the twenty-fifth)."""
+    timed = _timed(journal)
     by_method: dict[str, list[tuple[float, str]]] = {}
-    for key, entry in _timed(journal).items():
+    for key, entry in timed.items():
         by_method.setdefault(entry.get("flush", "unrecorded"), []).append((entry["us"], key))
     ranked = sorted((us, key) for timings in by_method.values() for us, key in sorted(timings)[:CONFIRMED_CONFIGS])
     keys = [key for _, key in ranked]
     incumbent = incumbent_key(journal)
-    if incumbent not in keys and _ran(journal, incumbent):
+    if incumbent not in keys and incumbent in timed:
         keys.append(incumbent)
     return keys
 
@@ -142,20 +137,20 @@ def chosen_config(journal: dict) -> tuple[str, dict] | None:
     it ran (a config replaces the one used before only once confirmed: a budget cut before the
     decision timing, or a journal of an older moekit, keeps it); else the fastest separately
     timed (best_config). None where no config ran."""
-    best = best_config(journal)
-    if best is None:
+    timed = _timed(journal)  # what ran here and would run here
+    if not timed:
         return None
     decision = journal.get("decision") or {}
     # an older decision timing (a later search added candidates, and the budget ended before it
     # was redone) still confirmed its own winner against the incumbent: kept until redone
-    confirmed = {k: us for k, us in (decision.get("triton_us") or {}).items() if _ran(journal, k)}
+    confirmed = {k: us for k, us in (decision.get("triton_us") or {}).items() if k in timed}
     if confirmed:
         key = min(confirmed, key=lambda k: (confirmed[k], k))
-        return key, journal["configs"][key]
+        return key, timed[key]
     incumbent = incumbent_key(journal)
-    if _ran(journal, incumbent):
-        return incumbent, journal["configs"][incumbent]
-    return best
+    if incumbent in timed:
+        return incumbent, timed[incumbent]
+    return best_config(journal)
 
 
 def search_complete(journal: dict) -> bool:

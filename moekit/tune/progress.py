@@ -99,7 +99,8 @@ def _config_text(cfg: dict) -> str:
         text = f"GEMV N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} w{cfg['num_warps']}"
         gemv = KernelConfig.from_dict(cfg)
         if gemv.has_gemm2:  # GEMM2's own column block and warps
-            text += f" + GEMM2 N{gemv.gemm2().BLOCK_N} w{gemv.gemm2().num_warps}"
+            g2 = gemv.gemm2()
+            text += f" + GEMM2 N{g2.BLOCK_N} w{g2.num_warps}"
         return text
     text = (f"M{cfg['BLOCK_M']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} G{cfg['GROUP_M']} "
             f"w{cfg['num_warps']} s{cfg['num_stages']}")
