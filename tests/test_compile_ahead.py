@@ -468,7 +468,7 @@ def test_after_warmup_the_glue_compiles_nothing(device, backend):
     assert compiled_variants() == count
 
 
-def test_the_id_check_is_compiled_not_asserted_compiling_only(monkeypatch):
+def test_the_id_check_is_compiled_not_asserted_compiling_only(monkeypatch, device):
     """Compiling only, the range check's kernel is compiled but its result is never computed: the
     device assertion on it must not run (on a GPU it would assert on uninitialized memory)."""
     from moekit import api
@@ -476,7 +476,7 @@ def test_the_id_check_is_compiled_not_asserted_compiling_only(monkeypatch):
 
     asserted = []
     monkeypatch.setattr(torch, "_assert_async", lambda *a: asserted.append(a))
-    ids = torch.zeros(3, 2, dtype=torch.int32)
+    ids = torch.zeros(3, 2, dtype=torch.int32, device=device)  # on CUDA there: the check's kernel reads it
     with compile_only():
         api.assert_ids_in_range(ids, 4)
     assert asserted == []

@@ -1019,6 +1019,31 @@ def test_gemm2_tall_base_may_be_the_128_row_gluon_gemm1(tmp_path):
     assert bases({tall_gluon: 40.0, short: 41.0}) == {"gemm2": tall_gluon}  # the fastest is already tall
 
 
+def test_gemm2_narrow_base_is_the_fastest_narrower_tiled_config(tmp_path):
+    """runner.gemm2_bases: "gemm2_narrow" is the fastest plain tiled config with a narrower column
+    block than the fastest's (a narrow GEMM1 may want a wide GEMM2 launch), within
+    WIDE_BASE_MARGIN; never a wider one, a GEMV config, or a config that is a base already."""
+    from moekit.tune.journal import Journal
+    from moekit.tune.runner import WIDE_BASE_MARGIN, gemm2_bases
+
+    wide = KernelConfig(16, 128, 128, 1, 4, 5)
+    n64, n32 = KernelConfig(16, 64, 128, 1, 4, 3), KernelConfig(16, 32, 128, 1, 4, 3)
+    n64_16_warps = KernelConfig(16, 64, 128, 1, space.WIDE_TILE_WARPS, 3)
+    gemv = KernelConfig(16, 8, 512, 1, 4, 1, GEMV=1)
+
+    def bases(times):
+        j = Journal(tmp_path / "j.json", {"configs": {config_key(c): {"config": c.to_dict(), "us": us}
+                                                      for c, us in times.items()}})
+        return gemm2_bases(j)
+
+    assert bases({wide: 140.0, n64: 147.0, n32: 150.0}) == [("gemm2", wide), ("gemm2_narrow", n64)]
+    assert bases({wide: 140.0, n64: 151.0, n32: 150.0}) == [("gemm2", wide), ("gemm2_narrow", n32)]
+    assert bases({wide: 140.0, n64: 140.0 * WIDE_BASE_MARGIN + 1}) == [("gemm2", wide)]
+    assert bases({n64: 140.0, wide: 141.0}) == [("gemm2", n64)]  # only narrower than the fastest
+    assert bases({wide: 140.0, n64_16_warps: 145.0}) == [("gemm2", wide), ("gemm2_wide", n64_16_warps)]  # once
+    assert bases({gemv: 40.0, n64: 41.0}) == [("gemm2", gemv)]  # a GEMV fastest: its GEMM2 alone
+
+
 def test_gemm2_search_off_and_under_search_space_none(tmp_path, tiny_model, monkeypatch):
     """--no-gemm2-search times no variant; a later run with --search-space none times only the
     variants of the best config found before."""
@@ -1544,6 +1569,25 @@ def test_a_gemv_timing_beyond_its_bound_in_an_older_journal_is_never_the_tables(
     within = {**beyond, "batch_size": 2}  # 4 pairs: within the bound, the GEMV config counts
     assert output.decision_candidates(within) == [config_key(gemv), config_key(FAST_CFG)]
     assert output.chosen_config(within)[0] == config_key(gemv)
+
+
+def test_the_gemm2_step_never_starts_from_a_gemv_timing_beyond_its_bound(tmp_path):
+    """runner.gemm2_bases reads the journal as the table does (output.runs_here): an older
+    journal's GEMV timing beyond config.gemv_may_win is no base, so no GEMV GEMM2 variant is timed
+    where the backend would never run one; within the bound it is the only base."""
+    from moekit.tune.journal import Journal
+    from moekit.tune.runner import gemm2_bases
+
+    gemv = KernelConfig(BLOCK_M=16, BLOCK_N=8, BLOCK_K=128, GROUP_M=1, num_warps=2, num_stages=1, GEMV=1)
+    problem = {"num_experts": 8, "hidden": 4096, "intermediate": 14336, "top_k": 2, "scheme": "fp8-channel-token"}
+    configs = {config_key(gemv): {"config": gemv.to_dict(), "us": 10.0},
+               config_key(FAST_CFG): {"config": FAST_CFG.to_dict(), "us": 50.0}}
+
+    def bases(M):
+        return gemm2_bases(Journal(tmp_path / f"M={M}.json", {"problem": problem, "batch_size": M, "configs": configs}))
+
+    assert bases(3) == [("gemm2", FAST_CFG)]  # 6 pairs on 8 experts: beyond E / 2
+    assert bases(2) == [("gemm2", gemv)]  # 4 pairs: within the bound
 
 
 def test_between_triton_is_timed_again_when_a_search_finds_a_better_config(tmp_path, tiny_model, monkeypatch):

@@ -120,17 +120,29 @@ GEMM2_RESERVE = 0.25
 # fastest plain config (journal "gemm2_wide"), not only from the fastest ("gemm2").
 WIDE_BASE_MARGIN = 1.25
 
+# At decode sizes GEMM1 and GEMM2 want different column blocks: GEMM1's N (the intermediate,
+# twice) is short, so narrow blocks give it programs enough to fill the SMs, while GEMM2 (N = the
+# hidden size) does best on wide ones. At GLM-4.5V TP2 M = 8 on an H200 (BENCHMARKS.md,
+# twenty-eighth session), GEMM1 alone was 84 µs on 32- or 64-column blocks against 92 on the
+# table's 128, and GEMM2 alone 54-55 µs on 128 against 66-69 on 64. A plain config runs both on
+# one block, so the fastest plain one keeps 128 and the narrow GEMM1 is never tried with a wide
+# GEMM2. The GEMM2 step therefore also starts from the fastest plain tiled config with a narrower
+# column block than the fastest's, within WIDE_BASE_MARGIN of it (journal "gemm2_narrow").
+
 
 def gemm2_bases(j: Journal, tall: bool = False) -> list[tuple[str, KernelConfig]]:
     """(journal field, config) of the configs the GEMM2 step starts from: the fastest measured
     config without a GEMM2 launch of its own ("gemm2"; where that is a GEMV config, it alone, with
     GEMM2's column block and warps varied: space.gemv_gemm2_variants), the fastest such on 16 warps when it
-    is another and within WIDE_BASE_MARGIN of it ("gemm2_wide"), and with `tall` (the overlapped
+    is another and within WIDE_BASE_MARGIN of it ("gemm2_wide"), with `tall` (the overlapped
     GEMM2 runs on this problem) the fastest 128x128 one on 8 warps likewise ("gemm2_tall", GEMM1
     in Triton or in Gluon): the overlapped GEMM2 follows only a 128-row GEMM1, and where the
     Gluon GEMM1's 64-row tile is the fastest alone, a 128-row GEMM1 with it was faster still
-    (Mixtral-8x7B M = 512-4096, BENCHMARKS.md fifteenth session)."""
-    plain = sorted((v["us"], k) for k, v in j.data["configs"].items() if "us" in v and not _has_gemm2(v))
+    (Mixtral-8x7B M = 512-4096, BENCHMARKS.md fifteenth session), and the fastest with a narrower
+    column block than the fastest's likewise, where it is no base yet ("gemm2_narrow": a narrow
+    GEMM1 with a wide GEMM2, see above)."""
+    plain = sorted((v["us"], k) for k, v in j.data["configs"].items()  # runs_here: no GEMV base beyond its bound
+                   if "us" in v and not _has_gemm2(v) and runs_here(j.data, v))
     configs = {k: KernelConfig.from_dict(j.config(k)["config"]) for _, k in plain}
     if not plain:
         return []
@@ -145,6 +157,9 @@ def gemm2_bases(j: Journal, tall: bool = False) -> list[tuple[str, KernelConfig]
                   (128, 128, 8) and not configs[k].GEMV]  # GEMM1 in Triton or in Gluon (OVERLAP on 128 rows)
     if tall and tall_tiles and tall_tiles[0][1] != best and tall_tiles[0][0] <= WIDE_BASE_MARGIN * best_us:
         bases.append(("gemm2_tall", configs[tall_tiles[0][1]]))
+    narrow = [(us, k) for us, k in plain if not configs[k].GEMV and configs[k].BLOCK_N < configs[best].BLOCK_N]
+    if narrow and narrow[0][0] <= WIDE_BASE_MARGIN * best_us and configs[narrow[0][1]] not in dict(bases).values():
+        bases.append(("gemm2_narrow", configs[narrow[0][1]]))
     return bases
 
 
@@ -611,9 +626,10 @@ class Worker:
         """GEMM2's own launch (space.gemm2_variants; space.gemv_gemm2_variants where the best is
         a GEMV config) on this size's best config of the search space (no GEMM2 launch of its
         own), and on its best 16-warp one where that is close
-        (WIDE_BASE_MARGIN), and on its best 128x128 8-warp one where the overlapped GEMM2 runs:
-        each variant is timed as a config of its own, so the fastest of all becomes the table's
-        entry. Done once per such base (journal "gemm2" / "gemm2_wide" / "gemm2_tall"), also
+        (WIDE_BASE_MARGIN), on its best 128x128 8-warp one where the overlapped GEMM2 runs, and
+        on its best one with a narrower column block likewise (gemm2_bases): each variant is timed as a config of its own, so the fastest of all becomes the table's
+        entry. Done once per such base (journal "gemm2" / "gemm2_wide" / "gemm2_tall" /
+        "gemm2_narrow"), also
         under --search-space none on the configs found before; within the size's share of the
         budget, after its search."""
         if not self.plan.gemm2_grid:
