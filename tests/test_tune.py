@@ -1044,6 +1044,21 @@ def test_gemm2_narrow_base_is_the_fastest_narrower_tiled_config(tmp_path):
     assert bases({gemv: 40.0, n64: 41.0}) == [("gemm2", gemv)]  # a GEMV fastest: its GEMM2 alone
 
 
+def test_gemm2_step_pairs_a_narrow_gemm1_with_a_wide_gemm2(tmp_path, tiny_model, monkeypatch):
+    """End to end: the fastest plain config is 64 columns wide (OTHER_CFG, 50 µs); the 32-wide
+    FAST_CFG (55, within 1.25x) is the "gemm2_narrow" base, so its variant with a 64-wide GEMM2
+    launch is timed and, at 30 µs, becomes the table's entry."""
+    FakeTimer(us={triton(OTHER_CFG): 50.0, triton(FAST_CFG): 55.0, triton(FAST_GEMM2): 30.0}).install(monkeypatch)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out, gemm2=True, between=False, space=lambda scheme: [FAST_CFG, OTHER_CFG])
+    assert result.exit_code == 0, text
+    for M, j in journals(out).items():
+        assert (j["gemm2"]["base"], j["gemm2_narrow"]["base"]) == (config_key(OTHER_CFG), config_key(FAST_CFG)), M
+        assert j["gemm2_narrow"]["complete"] and config_key(FAST_GEMM2) in j["configs"], (M, sorted(j["configs"]))
+    for entry in read(only_file(out / "triton"))["configs"].values():
+        assert KernelConfig.from_dict(entry) == FAST_GEMM2, entry
+
+
 def test_gemm2_search_off_and_under_search_space_none(tmp_path, tiny_model, monkeypatch):
     """--no-gemm2-search times no variant; a later run with --search-space none times only the
     variants of the best config found before."""
