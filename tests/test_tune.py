@@ -1044,6 +1044,26 @@ def test_gemm2_narrow_base_is_the_fastest_narrower_tiled_config(tmp_path):
     assert bases({gemv: 40.0, n64: 41.0}) == [("gemm2", gemv)]  # a GEMV fastest: its GEMM2 alone
 
 
+def test_gemm2_bases_leave_out_a_timing_the_decision_timing_found_misread(tmp_path):
+    """runner.MISREAD_FACTOR: an older harness's separate timing (127 µs) that the decision
+    timing found at 195 is no base, so the honest fastest (186) is, and the narrower config within
+    1.25x of it is the narrow base; a decision time within the factor (an honest routing spread)
+    changes nothing."""
+    from moekit.tune.journal import Journal
+    from moekit.tune.runner import gemm2_bases
+
+    misread, honest, narrow = (KernelConfig(16, 128, 128, 16, 8, 5), KernelConfig(16, 128, 128, 1, 4, 5),
+                               KernelConfig(16, 64, 128, 8, 4, 3))
+    configs = {config_key(c): {"config": c.to_dict(), "us": us} for c, us in ((misread, 127.1), (honest, 185.6), (narrow, 187.8))}
+
+    def bases(decided):
+        data = {"configs": configs, "decision": {"config": config_key(honest), "triton_us": decided}}
+        return gemm2_bases(Journal(tmp_path / "j.json", data))
+
+    assert bases({config_key(misread): 194.7, config_key(honest): 192.8}) == [("gemm2", honest), ("gemm2_narrow", narrow)]
+    assert bases({config_key(misread): 150.0, config_key(honest): 192.8}) == [("gemm2", misread)]  # 1.18x: kept
+
+
 def test_gemm2_step_pairs_a_narrow_gemm1_with_a_wide_gemm2(tmp_path, tiny_model, monkeypatch):
     """End to end: the fastest plain config is 64 columns wide (OTHER_CFG, 50 µs); the 32-wide
     FAST_CFG (55, within 1.25x) is the "gemm2_narrow" base, so its variant with a 64-wide GEMM2
