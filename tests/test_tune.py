@@ -1026,7 +1026,7 @@ def test_gemm2_narrow_base_is_the_fastest_narrower_tiled_config(tmp_path):
     from moekit.tune.journal import Journal
     from moekit.tune.runner import WIDE_BASE_MARGIN, gemm2_bases
 
-    wide = KernelConfig(16, 128, 128, 1, 4, 5)
+    wide, same_width = KernelConfig(16, 128, 128, 1, 4, 5), KernelConfig(16, 128, 128, 8, 4, 3)
     n64, n32 = KernelConfig(16, 64, 128, 1, 4, 3), KernelConfig(16, 32, 128, 1, 4, 3)
     n64_16_warps = KernelConfig(16, 64, 128, 1, space.WIDE_TILE_WARPS, 3)
     gemv = KernelConfig(16, 8, 512, 1, 4, 1, GEMV=1)
@@ -1037,6 +1037,7 @@ def test_gemm2_narrow_base_is_the_fastest_narrower_tiled_config(tmp_path):
         return gemm2_bases(j)
 
     assert bases({wide: 140.0, n64: 147.0, n32: 150.0}) == [("gemm2", wide), ("gemm2_narrow", n64)]
+    assert bases({wide: 140.0, same_width: 141.0, n64: 147.0}) == [("gemm2", wide), ("gemm2_narrow", n64)]  # narrower only
     assert bases({wide: 140.0, n64: 151.0, n32: 150.0}) == [("gemm2", wide), ("gemm2_narrow", n32)]
     assert bases({wide: 140.0, n64: 140.0 * WIDE_BASE_MARGIN + 1}) == [("gemm2", wide)]
     assert bases({n64: 140.0, wide: 141.0}) == [("gemm2", n64)]  # only narrower than the fastest
@@ -1046,9 +1047,10 @@ def test_gemm2_narrow_base_is_the_fastest_narrower_tiled_config(tmp_path):
 
 def test_gemm2_bases_leave_out_a_timing_the_decision_timing_found_misread(tmp_path):
     """runner.MISREAD_FACTOR: an older harness's separate timing (127 µs) that the decision
-    timing found at 195 is no base, so the honest fastest (186) is, and the narrower config within
-    1.25x of it is the narrow base; a decision time within the factor (an honest routing spread)
-    changes nothing."""
+    timing found at 195 (1.53x, where the others decided read 1.04x) is no base, so the honest
+    fastest (186) is, and the narrower config within 1.25x of it is the narrow base. A decision
+    time within the factor of the others' ratio changes nothing, nor does a routing spread that
+    moves every decided config alike (1.2-1.27x), nor a misread where nothing else is left."""
     from moekit.tune.journal import Journal
     from moekit.tune.runner import gemm2_bases
 
@@ -1062,7 +1064,14 @@ def test_gemm2_bases_leave_out_a_timing_the_decision_timing_found_misread(tmp_pa
 
     assert bases({config_key(misread): 194.7, config_key(honest): 192.8}) == [("gemm2", honest), ("gemm2_narrow", narrow)]
     assert bases({config_key(misread): 150.0, config_key(honest): 192.8}) == [("gemm2", misread)]  # 1.18x: kept
-
+    spread = {config_key(misread): 127.1 * 1.27, config_key(honest): 185.6 * 1.2, config_key(narrow): 187.8 * 1.22}
+    assert bases(spread) == [("gemm2", misread)]  # every config moved alike: the routings, not a misread
+    variant = misread.with_gemm2(BLOCK_N=64, num_warps=4, num_stages=4)  # decided at 1.04x: the lower median
+    only = Journal(tmp_path / "only.json", {
+        "configs": {config_key(misread): configs[config_key(misread)],
+                    config_key(variant): {"config": variant.to_dict(), "us": 180.0}},
+        "decision": {"triton_us": {config_key(misread): 194.7, config_key(variant): 187.2}}})
+    assert gemm2_bases(only) == [("gemm2", misread)]  # misread, but the only plain config: still the base
 
 def test_gemm2_step_pairs_a_narrow_gemm1_with_a_wide_gemm2(tmp_path, tiny_model, monkeypatch):
     """End to end: the fastest plain config is 64 columns wide (OTHER_CFG, 50 µs); the 32-wide
@@ -1077,6 +1086,28 @@ def test_gemm2_step_pairs_a_narrow_gemm1_with_a_wide_gemm2(tmp_path, tiny_model,
         assert j["gemm2_narrow"]["complete"] and config_key(FAST_GEMM2) in j["configs"], (M, sorted(j["configs"]))
     for entry in read(only_file(out / "triton"))["configs"].values():
         assert KernelConfig.from_dict(entry) == FAST_GEMM2, entry
+
+
+def test_a_gemm2_base_no_longer_taken_leaves_no_record(tmp_path, tiny_model, monkeypatch):
+    """A rerun whose bases changed (here the narrow config no longer within the margin) drops the
+    journal's record of the base it no longer takes, so that a record left incomplete is not
+    reported as missing for ever (progress.uncovered); the variants measured stay as configs."""
+    FakeTimer(us={triton(OTHER_CFG): 50.0, triton(FAST_CFG): 55.0, triton(FAST_GEMM2): 30.0}).install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out, gemm2=True, between=False, space=lambda scheme: [FAST_CFG, OTHER_CFG])
+    folder = only_file_dir(out / ".progress")
+    for path in folder.glob("M=*.json"):  # the narrow config's separate time read slower since
+        data = read(path)
+        data["configs"][config_key(FAST_CFG)]["us"] = 90.0
+        data["gemm2_narrow"]["complete"] = False
+        path.write_text(json.dumps(data))
+    FakeTimer(us={triton(OTHER_CFG): 50.0, triton(FAST_CFG): 90.0, triton(FAST_GEMM2): 30.0}).install(monkeypatch)
+    result, text = tune(tiny_model, out, gemm2=True, between=False, search_space="none")
+    assert result.exit_code == 0, text
+    for M, j in journals(out).items():
+        assert "gemm2_narrow" not in j and j["gemm2"]["base"] == config_key(OTHER_CFG), M
+        assert config_key(FAST_GEMM2) in j["configs"], M
+    assert "GEMM2's launch variants" not in text
 
 
 def test_gemm2_search_off_and_under_search_space_none(tmp_path, tiny_model, monkeypatch):

@@ -58,6 +58,10 @@ WRITTEN_RECORD = "written.json"  # under OUT/.progress: sha256 of what tune last
 # ------------------------------------------------------------------------- reading journals
 
 
+# The journal fields of the GEMM2 step's bases (runner.gemm2_bases), one per kind of base.
+GEMM2_FIELDS = ("gemm2", "gemm2_wide", "gemm2_tall", "gemm2_narrow")
+
+
 def runs_here(journal: dict, entry: dict) -> bool:
     """Whether the triton backend would run the config of this journal entry at the journal's
     size: a GEMV-path config only within config.gemv_may_win (beyond it the backend's lookup takes

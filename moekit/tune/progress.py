@@ -19,7 +19,7 @@ from rich.table import Table
 
 from ..backends.triton.config import KernelConfig
 from ..bench import format_us
-from .output import best_config, chosen_config, decision_is_current, incumbent_key
+from .output import GEMM2_FIELDS, best_config, chosen_config, decision_is_current, incumbent_key
 
 
 class LocalReporter:
@@ -175,7 +175,7 @@ def uncovered(journals_by_size: dict[int, dict], batch_sizes: list[int], backend
             missing.append(f"part of the search ({timed} configs measured, {search['candidates']} candidates)")
         if best_config(j) is not None and not decision_is_current(j):
             missing.append(_decision_missing(j))
-        for field in ("gemm2", "gemm2_wide", "gemm2_tall", "gemm2_narrow"):  # runner.gemm2_bases
+        for field in GEMM2_FIELDS:  # runner.gemm2_bases
             gemm2 = j.get(field)
             if gemm2 is not None and not gemm2.get("complete"):
                 timed = sum(1 for k in j["configs"] if k.startswith(gemm2["base"] + "+"))  # space.config_key
