@@ -126,10 +126,6 @@ class Journal:
     def backend(self, name: str) -> dict | None:
         return self.data["backends"].get(name)
 
-    def measured_us(self) -> dict[str, float]:
-        """Triton config key -> median µs, for every config that ran."""
-        return {k: v["us"] for k, v in self.data["configs"].items() if "us" in v}
-
     def failed(self) -> dict[str, str]:
         return {k: v["error"] for k, v in self.data["configs"].items() if "error" in v}
 

@@ -75,14 +75,14 @@ def runs_here(journal: dict, entry: dict) -> bool:
     return gemv_may_win(MoEShape(problem["num_experts"], problem["hidden"], problem["intermediate"], problem["top_k"]), M)
 
 
-def _timed(journal: dict) -> dict[str, dict]:
+def runnable_timings(journal: dict) -> dict[str, dict]:
     """The journal's triton configs that ran (a time, not a failure) and would run here (runs_here)."""
     return {k: v for k, v in journal["configs"].items() if "us" in v and runs_here(journal, v)}
 
 
 def best_config(journal: dict) -> tuple[str, dict] | None:
     """(key, entry) of the fastest triton config measured in a journal; ties: the smaller key."""
-    ran = [(v["us"], k) for k, v in _timed(journal).items()]
+    ran = [(v["us"], k) for k, v in runnable_timings(journal).items()]
     if not ran:
         return None
     _, key = min(ran)
@@ -117,7 +117,7 @@ def decision_candidates(journal: dict) -> list[str]:
     one class: the older harness's timings, and those of the per-sample harness's first session
     (the twenty-sixth, whose journals did not record it; the shipped H100 journals' separate
     timings are all of the older harness, from the twenty-fifth)."""
-    timed = _timed(journal)
+    timed = runnable_timings(journal)
     by_method: dict[str, list[tuple[float, str]]] = {}
     for key, entry in timed.items():
         by_method.setdefault(entry.get("flush", "unrecorded"), []).append((entry["us"], key))
@@ -141,7 +141,7 @@ def chosen_config(journal: dict) -> tuple[str, dict] | None:
     it ran (a config replaces the one used before only once confirmed: a budget cut before the
     decision timing, or a journal of an older moekit, keeps it); else the fastest separately
     timed (best_config). None where no config ran."""
-    timed = _timed(journal)  # what ran here and would run here
+    timed = runnable_timings(journal)  # what ran here and would run here
     if not timed:
         return None
     decision = journal.get("decision") or {}

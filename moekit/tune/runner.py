@@ -77,8 +77,8 @@ from ..spec import QuantScheme
 from ..tables import table_name
 from ..timing import FLUSH_METHOD, Timing, time_graph, time_graphs
 from .journal import MAX_DEATHS, Journal, journal_path, load_journals
-from .output import (GEMM2_FIELDS, chosen_config, decision_candidates, decision_is_current, is_between, neighbour_configs, runs_here,
-                     write_tables)
+from .output import (GEMM2_FIELDS, chosen_config, decision_candidates, decision_is_current, is_between, neighbour_configs,
+                     runnable_timings, write_tables)
 from .plan import TunePlan, TuneProblem
 from .precompile import Precompiler
 from .space import (
@@ -144,8 +144,8 @@ MISREAD_FACTOR = 1.25
 
 def _misread(journal: dict) -> set[str]:
     """Keys whose decision time over separate time exceeds MISREAD_FACTOR times the median of
-    that ratio over the size's decided keys (the lower median: with two keys, the other's ratio). Only a rerun has a decision timing to compare with
-    (a fresh run's comes after its GEMM2 step)."""
+    that ratio over the size's decided keys (the lower median: with two keys, the other's ratio).
+    Only a rerun has a decision timing to compare with (a fresh run's comes after its GEMM2 step)."""
     decided = (journal.get("decision") or {}).get("triton_us") or {}
     configs = journal["configs"]
     ratios = {k: us / configs[k]["us"] for k, us in decided.items() if configs.get(k, {}).get("us")}
@@ -168,8 +168,7 @@ def gemm2_bases(j: Journal, tall: bool = False) -> list[tuple[str, KernelConfig]
     GEMM1 with a wide GEMM2, see above). A timing the decision timing found misread
     (MISREAD_FACTOR) is left out, unless nothing else is left."""
     misread = _misread(j.data)
-    timed = [(v["us"], k) for k, v in j.data["configs"].items()  # runs_here: no GEMV base beyond its bound
-             if "us" in v and not _has_gemm2(v) and runs_here(j.data, v)]
+    timed = [(v["us"], k) for k, v in runnable_timings(j.data).items() if not _has_gemm2(v)]  # no GEMV base beyond its bound
     plain = sorted([(us, k) for us, k in timed if k not in misread] or timed)
     configs = {k: KernelConfig.from_dict(j.config(k)["config"]) for _, k in plain}
     if not plain:
@@ -615,9 +614,8 @@ class Worker:
         if previous is not None:
             search = previous.data.get("search") or {}
             # the search space's own configs only: a GEMM2 launch variant's time is no candidate's,
-            # nor that of a GEMV config beyond its bound (older journals: output.runs_here)
-            plain = {k: us for k, us in previous.measured_us().items()
-                     if not _has_gemm2(previous.config(k)) and runs_here(previous.data, previous.config(k))}
+            # nor that of a GEMV config beyond its bound (older journals: output.runnable_timings)
+            plain = {k: v["us"] for k, v in runnable_timings(previous.data).items() if not _has_gemm2(v)}
             chosen = chosen_config(previous.data)
             neighbour = NeighbourResult(previous.batch_size, plain, previous.failed(), set(search.get("dropped", {})),
                                         chosen[1]["us"] if chosen else None)
@@ -653,20 +651,19 @@ class Worker:
     def _search_gemm2(self, p: TuneProblem, j: Journal, share_end: float | None) -> None:
         """GEMM2's own launch (space.gemm2_variants; space.gemv_gemm2_variants where the best is
         a GEMV config) on this size's best config of the search space (no GEMM2 launch of its
-        own), and on its best 16-warp one where that is close
-        (WIDE_BASE_MARGIN), on its best 128x128 8-warp one where the overlapped GEMM2 runs, and
-        on its best one with a narrower column block likewise (gemm2_bases): each variant is timed as a config of its own, so the fastest of all becomes the table's
-        entry. Done once per such base (journal "gemm2" / "gemm2_wide" / "gemm2_tall" /
-        "gemm2_narrow"), also
-        under --search-space none on the configs found before; within the size's share of the
-        budget, after its search."""
+        own), on its best 16-warp one where that is close (WIDE_BASE_MARGIN), on its best 128x128
+        8-warp one where the overlapped GEMM2 runs, and on its best one with a narrower column
+        block likewise (gemm2_bases): each variant is timed as a config of its own, so the fastest
+        of all becomes the table's entry. Done once per such base (journal output.GEMM2_FIELDS),
+        also under --search-space none on the configs found before; within the size's share of
+        the budget, after its search."""
         if not self.plan.gemm2_grid:
             return
-        bases = gemm2_bases(j, tall=self._overlap2_k_steps(p) > 0)
+        bases = dict(gemm2_bases(j, tall=self._overlap2_k_steps(p) > 0))
         for field in GEMM2_FIELDS:  # a base no longer taken (a new search, a misread timing): its record goes
-            if field not in dict(bases):  # (its variants stay in the journal as configs measured)
+            if field not in bases:  # (its variants stay in the journal as configs measured)
                 j.data.pop(field, None)
-        for field, base in bases:
+        for field, base in bases.items():
             if not self._gemm2_variants_of(p, j, field, base, share_end):
                 return
 

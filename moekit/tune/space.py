@@ -263,8 +263,8 @@ def gemm2_grid(device: torch.device) -> tuple[tuple[int, int, int, int], ...]:
 # GEMM1 runs a program per (pair, column block of N), GEMM2 one per (token, column block of the
 # hidden size) with N as its short inner dimension (GLM-4.5V TP2 at M = 1 and blocks of 8: 704
 # programs of 8 K steps of 512 against 512 programs of 6 steps; DeepSeek-V3 TP8 at blocks of 4: 512
-# against 1792), so the block and warps that suit GEMM1 need not suit GEMM2. Not yet measured
-# (twenty-seventh session).
+# against 1792), so the block and warps that suit GEMM1 need not suit GEMM2. Measured (twenty-eighth
+# session, BENCHMARKS.md): won at GLM-4.5V M = 2 on an H200 and an H100 and DeepSeek-V3 M = 2 on an H100.
 GEMV_GEMM2_GRID = tuple(itertools.product((4, 8, 16, 32), (2, 4, 8)))
 # The most weights one thread of it holds as float32 per step: GEMM1's GEMV space allows at most
 # 8192 weights per gate or up tile, 256 per thread on 2 warps (gemv_space).
