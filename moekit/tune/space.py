@@ -188,8 +188,8 @@ def hopper_space(scheme: QuantScheme, full: bool = False, overlap: bool = True) 
 def gemv_space() -> list[KernelConfig]:
     """The GEMV path's configs (backends/triton/gemv.py): narrow column blocks and wide K steps,
     which put the most bytes in flight in its probe (BENCHMARKS.md, sixth session); its loads have
-    no multi-stage pipeline, so num_stages stays 1. Steps of 1024 (twenty-sixth session, not yet
-    measured) halve the sequential steps of each program again (GLM-4.5V at M = 1: GEMM1 8 steps
+    no multi-stage pipeline, so num_stages stays 1. Steps of 1024 (twenty-sixth session; 2.6-2.7% per layer at
+    DeepSeek-V3 M = 1 on an H200 and an H100, twenty-eighth) halve the sequential steps of each program again (GLM-4.5V at M = 1: GEMM1 8 steps
     of 512, GEMM2 6 steps of one 128-group per pair); with at most 8192 weights per gate or up
     tile (16 x 1024 would hold 256 per thread on 4 warps)."""
     return [

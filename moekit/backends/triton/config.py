@@ -11,8 +11,8 @@ M = 4096 (eleventh session), and GEMM2 may run in Gluon with its FP8 promotion o
 _gluon_kernels.gemm2_overlap_kernel: 2.3-10% per layer at Mixtral-8x7B M = 512-8192, fifteenth
 session). The GEMV path's GEMM2 (one program per token and column block of the hidden size,
 where GEMM1 has one per pair and column block of N) may take a column block and warps of its
-own (BLOCK_N2, num_warps2; twenty-seventh session, not yet measured: the tuner's GEMM2 step
-times them, space.GEMV_GEMM2_GRID says why). BLOCK_N is the width of an output tile: GEMM1 computes BLOCK_N gate
+own (BLOCK_N2, num_warps2; twenty-seventh session: the tuner's GEMM2 step times them,
+space.GEMV_GEMM2_GRID says why; 2-3.5% per layer at GLM-4.5V and DeepSeek-V3 M = 2, twenty-eighth). BLOCK_N is the width of an output tile: GEMM1 computes BLOCK_N gate
 and BLOCK_N up columns per tile, so its tile spans 2 * BLOCK_N columns of w13 (vLLM's
 BLOCK_SIZE_N for the same tile is 2 * BLOCK_N).
 
