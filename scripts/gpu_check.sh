@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|timingmethods|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemvstages|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|timingmethods|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points (BENCHMARKS.md, Reference points): the expert GEMMs alone
@@ -40,6 +40,9 @@
 # decode: scripts/diag_decode.py --pdl, the tiled decode layer against the GEMV path's configs
 #        (GLM-4.5V, Mixtral, DeepSeek-V3 at M = 1-16), each with programmatic dependent launch on
 #        and off (DECODE_ARGS adds arguments: "--batch-sizes 1 2", "--parts"); not part of `all`.
+# gemvstages: scripts/diag_gemv_stages.py, the GEMV path's K loops pipelined (num_stages 2-4) against
+#        unpipelined (1) at decode sizes, per K step, the layer and each GEMM alone
+#        (GEMV_STAGES_ARGS adds arguments: "--points glm-4.5v-fp8:2:1"); not part of `all`.
 # gemm2: scripts/diag_gemm2.py, GEMM2 alone at prefill sizes with the table's config and variants
 #        of its width, warps, stages and grouping (would GEMM2 gain from a config of its own?), and
 #        the combine pass alone (GEMM2_ARGS adds arguments: "--points glm-4.5v-fp8:2:4096"); not
@@ -246,6 +249,9 @@ if [[ " ${steps[*]} " == *" halfheight "* ]]; then
 fi
 if [[ " ${steps[*]} " == *" decode "* ]]; then
   python3 scripts/diag_decode.py --pdl ${DECODE_ARGS:-} --json "$WORK/diag_decode.json" || status=1
+fi
+if [[ " ${steps[*]} " == *" gemvstages "* ]]; then
+  python3 scripts/diag_gemv_stages.py ${GEMV_STAGES_ARGS:-} --json "$WORK/diag_gemv_stages.json" || status=1
 fi
 if [[ " ${steps[*]} " == *" warmup "* ]]; then
   for pass in compile from-disk; do

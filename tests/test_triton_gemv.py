@@ -4,6 +4,8 @@ GPU (marked `gpu`). The tolerances are test_triton_backend's (derived there): th
 the same quantized values in float32 (in another order) and rounds each pair's output to the
 activations' dtype before the combine, as the tiled path does."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -278,6 +280,36 @@ def test_non_contiguous_activations(cfg, device):
 
 
 # ------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("stages", [2, 3])
+def test_pipelined_k_loops_give_the_same_bits(scheme, stages, device, monkeypatch):
+    """num_stages > 1 pipelines both GEMV kernels' K loops (tl.range(num_stages=...)): loads move
+    ahead, the sums and their order do not, so the output is bitwise that of the unpipelined loops
+    (and so within the reference's tolerances). Hidden 640 and N 256 give GEMM1 three steps of 256
+    (the last half masked) and GEMM2 two of one 128-group per pair at top-4.
+    The launch is checked too: each kernel gets its config's depth (GEMM2 its own launch's), since
+    the interpreter runs a pipelined loop as a plain one."""
+    from moekit.backends.triton import gemv as gemv_module
+
+    depths = {}
+    real = gemv_module._launch
+
+    def recording(kernel, grid, *args, **kw):
+        depths[kernel] = (kw["STAGES"], kw["num_stages"])
+        return real(kernel, grid, *args, **kw)
+
+    monkeypatch.setattr(gemv_module, "_launch", recording)
+    E, H, N, M, K = 6, 640, 256, 3, 4
+    w = random_weights(E, H, N, scheme, device=device, seed=stages)
+    tw, ids = random_routing(M, E, K, device=device, seed=stages)
+    x = random_x(M, H, device=device, seed=stages)
+    plain = gemv(64, 256)
+    pipelined = dataclasses.replace(plain, num_stages=stages)
+    assert torch.equal(check(x, w, tw, ids, pipelined), run(x, w, tw, ids, plain))
+    run(x, w, tw, ids, pipelined)
+    assert depths == {gemv_module.gk.gemv1_kernel: (stages, stages), gemv_module.gk.gemv2_kernel: (stages, stages)}
 
 
 @pytest.mark.gpu

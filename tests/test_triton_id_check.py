@@ -127,9 +127,9 @@ kernels = {
     "decode_prologue_kernel": (k.decode_prologue_kernel, {"BLOCK_M": 16, "CHUNK": launch.SINGLE_ALIGN_MAX_PAIRS,
                                "E_BLOCK": launch.E_BLOCK, "MODE": 0, "BLOCK_H": 4096, "GROUP": 128}),
     "gemv1_kernel": (g.gemv1_kernel, {"A_SCALE": 3, "B_SCALE": 3, "OUT_MODE": 0, "ACT_DTYPE": tl.bfloat16,
-                                      "BLOCK_N": 8, "GROUPS": 2}),
+                                      "BLOCK_N": 8, "GROUPS": 2, "STAGES": 1}),
     "gemv2_kernel": (g.gemv2_kernel, {"A_MODE": 0, "B_SCALE": 0, "K_TOP": 8, "K_POW2": 8, "BLOCK_N": 8,
-                                      "GROUPS": 1}),
+                                      "GROUPS": 1, "STAGES": 1}),
     # the glue's (cutlass, torch: test_glue_id_check.py), as glue.ops.permute launches them
     "glue _rank_kernel": (glue._rank_kernel, {"BLOCK_P": 128, "BLOCK_E": 8}),
     "glue _permute_kernel": (glue._permute_kernel, {"QUANT": 1, "BLOCK_P": 128, "BLOCK_K": 8, "BLOCK_H": 256}),

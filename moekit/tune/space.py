@@ -193,9 +193,13 @@ def gemv_space() -> list[KernelConfig]:
     of 512, GEMM2 6 steps of one 128-group per pair); with at most 8192 weights per gate or up
     tile (16 x 1024 would hold 256 per thread on 4 warps)."""
     return [
-        KernelConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=1, GEMV=1)
-        for bn, bk, w in itertools.product((4, 8, 16), (256, 512, 1024), (2, 4)) if bn * bk <= 8192
+        KernelConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=s, GEMV=1)
+        for bn, bk, w, s in itertools.product((4, 8, 16), (256, 512, 1024), (2, 4), GEMV_STAGES) if bn * bk <= 8192
     ]
+
+
+# Pipeline depths of the GEMV path's K loops (tl.range(num_stages=...) in _gemv_kernels.py; 1: none)
+GEMV_STAGES = (1,)
 
 
 # Where the tuner starts among GEMV configs when it has no measurement (runner.order_candidates):

@@ -9,7 +9,10 @@ outputs by one fixed reduction (deterministic without atomics). Products are sum
 on the CUDA cores (an FP8 x FP8 product is exact in float32), so no tensor-core accumulator
 narrows them.
 
-Loads not feeding a tl.dot get no multi-stage pipeline from Triton, so the bytes in flight come
+Loads not feeding a tl.dot get no multi-stage pipeline from Triton unless their loop asks for one
+(tl.range(num_stages=STAGES), the config's num_stages: Triton then copies the next steps' tiles into
+shared memory ahead, cp.async; 1, as every shipped table's GEMV config, pipelines nothing; the sums
+and their order are the same either way, so are the bits). Otherwise the bytes in flight come
 from wide K steps: each step reads BLOCK_K = GROUPS x 128 columns of K, addressed as GROUPS rows
 of 128 (one scale each where scales change along K: 1x128 activation groups, 128x128 weight
 blocks), and reduces them at once. A probe on an H200 (BENCHMARKS.md, sixth session): GEMM1 of
@@ -47,8 +50,8 @@ def gemv1_kernel(
     E, N, H, K_TOP,
     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, OUT_MODE: tl.constexpr, ACT_DTYPE: tl.constexpr,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, INTERPRET: tl.constexpr, CHECK_IDS: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
+    CHECK_IDS: tl.constexpr, PDL: tl.constexpr,
 ):
     """OUT_MODE: 0 store in the activations' dtype, 1 also record amax, 2 quantize with the static
     scale. Weight tiles are [BLOCK_N, GROUPS, 128] with K contiguous, as w13 is stored."""
@@ -67,7 +70,7 @@ def gemv1_kernel(
     up_ptrs = gate_ptrs + N * stride_wn
     g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, H, GROUPS * 128):
+    for k0 in tl.range(0, H, GROUPS * 128, num_stages=STAGES):
         k_ok = k_offs < H - k0
         a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :, :]
         w_ok = col_ok[:, None, None] & k_ok[None, :, :]
@@ -134,7 +137,8 @@ def gemv2_kernel(
     N, H,
     stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     A_MODE: tl.constexpr, B_SCALE: tl.constexpr, K_TOP: tl.constexpr, K_POW2: tl.constexpr,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (token, column block of H): the token's K pairs side by side in every
     tile, each step reading GROUPS 128-groups of N for each pair (rows = K_POW2 x GROUPS, pair
@@ -182,7 +186,7 @@ def gemv2_kernel(
     row_scale = tl.reshape(tl.broadcast_to(scale[:, None], (K_POW2, GROUPS)), (ROWS,))
 
     y = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, N, GROUPS * 128):
+    for k0 in tl.range(0, N, GROUPS * 128, num_stages=STAGES):
         k_ok = k_offs < N - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok, other=0.0).to(tl.float32)  # [ROWS, 128]
         w = tl.load(w_ptrs, mask=w_rows_ok & k_ok[:, None, :], other=0.0).to(tl.float32)

@@ -77,7 +77,7 @@ def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfi
         weights.w13.stride(0), weights.w13.stride(1), stride_wse, stride_wsn, out.stride(0),
         A_SCALE=A_SCALE_KIND[scheme.activation] if scheme.is_fp8 else 0, B_SCALE=B_SCALE_KIND[scheme.weight],
         OUT_MODE=out_mode, ACT_DTYPE=_TL_DTYPE[out_dtype], BLOCK_N=cfg.BLOCK_N, GROUPS=cfg.BLOCK_K // 128,
-        INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        STAGES=cfg.num_stages, INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, out_scale, a_mode
 
@@ -97,7 +97,7 @@ def gemv2(act, act_scale, a_mode, weights: MoEWeights, topk_weights, topk_ids, o
         topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1), out, N, H,
         act.stride(0), weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
         A_MODE=a_mode, B_SCALE=B_SCALE_KIND[weights.scheme.weight], K_TOP=K, K_POW2=next_pow2(K),
-        BLOCK_N=g2.BLOCK_N, GROUPS=gemm2_groups(cfg, K), INTERPRET=_interpreting(),
-        num_warps=g2.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=g2.BLOCK_N, GROUPS=gemm2_groups(cfg, K), STAGES=g2.num_stages, INTERPRET=_interpreting(),
+        num_warps=g2.num_warps, num_stages=g2.num_stages,
     )
     return out

@@ -1,0 +1,86 @@
+"""The GEMV path with its K loops pipelined (tl.range(num_stages=STAGES): Triton then moves the
+weight and activation loads of the next steps into shared memory while a step is reduced) against
+the unpipelined loops every shipped table runs (num_stages = 1): at each point, the table's GEMV
+config (GEMV_START where the table runs the tiled path there) over K steps of 256 / 512 / 1024 and
+1-4 stages, the whole layer and each GEMM alone (GEMM2 on the config's own launch). Every
+pipelined variant must give the same bits as its unpipelined twin (the sums are the same, in the
+same order), which the script asserts before timing.
+
+    PYTHONPATH=. python3 scripts/diag_gemv_stages.py [--points glm-4.5v-fp8:2:1 deepseek-v3:8:2]
+        [--stages 1 2 3 4] [--json FILE]
+"""
+import argparse
+import dataclasses
+import itertools
+import json
+
+import torch
+
+import moekit
+from moekit.backends.triton import gemv
+from moekit.timing import time_graphs
+from moekit.tune.space import GEMV_START
+
+from diag_points import layer_points  # scripts/ is on the path when a script runs
+
+
+def variants(base, stages):
+    for block_k, s in itertools.product((256, 512, 1024), stages):
+        if base.BLOCK_N * block_k <= 8192:  # the tuner's GEMV space rule (space.gemv_space)
+            yield dataclasses.replace(base, BLOCK_K=block_k, num_stages=s)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--points", nargs="+", default=[f"{m}:{M}{s}" for (m, s), M in itertools.product(
+        (("glm-4.5v-fp8:2", ""), ("deepseek-v3:8", ""), ("mixtral-8x7b:1", ":fp8-channel-token")), (1, 2, 4, 8))],
+        help="model:tp:M[:scheme] points (default: GLM-4.5V TP2, DeepSeek-V3 TP8, Mixtral at M = 1, 2, 4, 8)")
+    ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    backend = moekit.get_backend("triton")
+    results = []
+    for p in layer_points(args.points, dev):
+        x, w, tw, ids = p.x, p.w, p.tw, p.ids
+        used = int(torch.unique(ids).numel())
+        base = backend.config_for(w, p.shape.top_k, p.M, dev)
+        if not base.GEMV:
+            base = GEMV_START
+        a, a_scale = gemv.quantize_input(x, w)
+        fns, unpipelined = {}, {}
+        for c in variants(base, args.stages):
+            tag = f"K{c.BLOCK_K}-s{c.num_stages}"
+            try:
+                out = backend.run(x, w, tw, ids, config=c)
+                torch.cuda.synchronize()
+            except Exception as exc:  # a variant past the shared memory, say: reported, not timed
+                print(f"  {p.model} M={p.M} {tag}: cannot run: {str(exc)[:160]}")
+                continue
+            twin = unpipelined.setdefault(c.BLOCK_K, out)
+            assert torch.equal(out, twin), f"{p.model} M={p.M} {tag} differs from its unpipelined twin"
+            act, act_scale, a_mode = gemv.gemv1(a, a_scale, w, ids, x.dtype, c, False)
+            fns[f"layer {tag}"] = lambda c=c: backend.run(x, w, tw, ids, config=c)
+            fns[f"gemm1 {tag}"] = lambda c=c: gemv.gemv1(a, a_scale, w, ids, x.dtype, c, False)
+            fns[f"gemm2 {tag}"] = lambda c=c, act=act, s=act_scale, m=a_mode: gemv.gemv2(
+                act, s, m, w, tw, ids, x.dtype, c)
+        times = time_graphs(fns, reps=20, warmup=2, rounds=4)
+        bytes1, bytes2 = used * 2 * w.n * w.hidden, used * w.hidden * w.n
+        print(f"\n{p.model} tp{p.tp} M={p.M}: {used} experts used; base {base}", flush=True)
+        for label, t in times.items():
+            if isinstance(t, BaseException):
+                print(f"  {label:22s} FAILED {str(t)[:120]}")
+                continue
+            nbytes = bytes1 if label.startswith("gemm1") else bytes2 if label.startswith("gemm2") else 0
+            bw = f"{nbytes / t.median_us / 1e6:6.2f} TB/s" if nbytes else ""
+            print(f"  {label:22s} {t.median_us:8.1f} us (p20 {t.p20_us:.1f} p80 {t.p80_us:.1f}) {bw}")
+            results.append({"model": p.model, "tp": p.tp, "M": p.M, "what": label, "us": t.median_us,
+                            "config": str(base)})
+        del fns, times
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+if __name__ == "__main__":
+    main()
