@@ -2036,6 +2036,16 @@ def test_shared_memory_estimate_is_a_lower_bound_of_the_pipeline():
     assert space.shared_memory_bytes(cfg, FP8_CHANNEL_TOKEN) == 3 * per_stage
     assert space.shared_memory_bytes(cfg, BF16) == 3 * per_stage * 2
     assert space.shared_memory_limit(torch.device("cpu"))[0] == 227 * 1024
+    # a GEMV program reads one activation row per K step, not BLOCK_M (16, unused there)
+    gemv = KernelConfig(16, 8, 1024, 1, 4, 4, GEMV=1)
+    assert space.shared_memory_bytes(gemv, FP8_CHANNEL_TOKEN) == 3 * (1024 + 2 * 1024 * 8)
+
+
+def test_the_gemv_space_pipelines_its_k_loops():
+    gemv = space.gemv_space()
+    assert {c.num_stages for c in gemv} == set(space.GEMV_STAGES) and 1 in space.GEMV_STAGES
+    tiles = {(c.BLOCK_N, c.BLOCK_K, c.num_warps) for c in gemv}
+    assert len(gemv) == len(tiles) * len(space.GEMV_STAGES)  # every tile at every depth
 
 
 def test_neighbour_prune_margin():

@@ -187,8 +187,8 @@ def hopper_space(scheme: QuantScheme, full: bool = False, overlap: bool = True) 
 
 def gemv_space() -> list[KernelConfig]:
     """The GEMV path's configs (backends/triton/gemv.py): narrow column blocks and wide K steps,
-    which put the most bytes in flight in its probe (BENCHMARKS.md, sixth session); its loads have
-    no multi-stage pipeline, so num_stages stays 1. Steps of 1024 (twenty-sixth session; 2.6-2.7% per layer at
+    which put the most bytes in flight in its probe (BENCHMARKS.md, sixth session), each with its
+    K loops unpipelined and pipelined (GEMV_STAGES). Steps of 1024 (twenty-sixth session; 2.6-2.7% per layer at
     DeepSeek-V3 M = 1 on an H200 and an H100, twenty-eighth) halve the sequential steps of each program again (GLM-4.5V at M = 1: GEMM1 8 steps
     of 512, GEMM2 6 steps of one 128-group per pair); with at most 8192 weights per gate or up
     tile (16 x 1024 would hold 256 per thread on 4 warps)."""
@@ -198,8 +198,12 @@ def gemv_space() -> list[KernelConfig]:
     ]
 
 
-# Pipeline depths of the GEMV path's K loops (tl.range(num_stages=...) in _gemv_kernels.py; 1: none)
-GEMV_STAGES = (1,)
+# Pipeline depths of the GEMV path's K loops (tl.range(num_stages=...) in _gemv_kernels.py; 1: none).
+# Measured on an H100 (BENCHMARKS.md, twenty-ninth session): 3 or 4 stages won the decision timing at
+# every decode size of GLM-4.5V, DeepSeek-V3 and Mixtral where the GEMV path won (DeepSeek-V3 M = 1
+# 36.8 against 41.8 µs per layer, Mixtral M = 1 138.4 against 144.9), while 2 never did and was
+# the slowest depth in the sweep (scripts/diag_gemv_stages.py), so it is not searched.
+GEMV_STAGES = (1, 3, 4)
 
 
 # Where the tuner starts among GEMV configs when it has no measurement (runner.order_candidates):
@@ -390,7 +394,8 @@ def shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme, b_tiles: int = 2
     stages (Triton's pipeliner keeps at least that many in flight). A config over the device's
     limit by this bound cannot compile. GEMM1's bound covers GEMM2 launched as GEMM1 (the same
     tiles less one); GEMM2's own launch is checked by gemm2_variants."""
-    per_stage = cfg.BLOCK_M * cfg.BLOCK_K + b_tiles * cfg.BLOCK_K * cfg.BLOCK_N
+    rows = 1 if cfg.GEMV else cfg.BLOCK_M  # a GEMV program reads one activation row per step
+    per_stage = rows * cfg.BLOCK_K + b_tiles * cfg.BLOCK_K * cfg.BLOCK_N
     return per_stage * _operand_bytes(scheme) * max(cfg.num_stages - 1, 1)
 
 
