@@ -56,8 +56,9 @@ def test_problems_of_gemm2_fields():
     assert BASE.with_gemm2(BLOCK_N=256).problems(block) == ["GEMM2: BLOCK_N=256 must divide 128 for 128x128 weight blocks"]
     assert BASE.with_gemm2(BLOCK_N=48).problems(get_scheme("bf16")) == ["GEMM2: BLOCK_N=48 must be a power of two >= 16"]
     assert "must be 0 (GEMM1's) or positive" in dataclasses.replace(BASE, num_warps2=-4).problems(block)[0]
-    gemv = KernelConfig(16, 8, 512, 1, 4, 1, GEMV=1, num_stages2=3)
-    assert "num_stages2 is for the tiled path; the GEMV path (GEMV=1) takes only" in gemv.problems(block)[0]
+    gemv = KernelConfig(16, 8, 512, 1, 4, 1, GEMV=1, GROUP_M2=3)
+    assert "GROUP_M2 is for the tiled path; the GEMV path (GEMV=1) takes only" in gemv.problems(block)[0]
+    assert not KernelConfig(16, 8, 512, 1, 4, 1, GEMV=1, num_stages2=3).problems(block)  # its K-loop depth
 
 
 def test_runs_of_column_tiles_are_gemm2s_alone():

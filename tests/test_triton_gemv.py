@@ -174,14 +174,16 @@ def test_config_rules_of_gemm2_on_the_gemv_path():
     assert own.with_gemm2(BLOCK_N=8, num_warps=4) == gemv(8, 512, 4)  # GEMM1's launch again: unset
     assert own.with_gemm2(BLOCK_N=256).problems(block) == ["GEMM2: BLOCK_N=256 must divide 128 for 128x128 weight blocks"]
     assert own.with_gemm2(BLOCK_N=2).problems(token) == ["GEMM2: BLOCK_N=2 must be a power of two >= 4"]
-    for tiled_only in ({"num_stages": 2}, {"GROUP_M": 4}, {"N_TILES": 2}, {"OVERLAP": 1}):
+    for tiled_only in ({"GROUP_M": 4}, {"N_TILES": 2}, {"OVERLAP": 1}):
         (name,) = tiled_only
         assert own.with_gemm2(**tiled_only).problems(token) == [
-            f"{name}2 is for the tiled path; the GEMV path (GEMV=1) takes only BLOCK_N2 and num_warps2 of GEMM2's own"]
-    with pytest.raises(ValueError, match="num_stages2 is for the tiled path"):
+            f"{name}2 is for the tiled path; the GEMV path (GEMV=1) takes only BLOCK_N2, num_warps2 and num_stages2 "
+            "of GEMM2's own"]
+    assert not own.with_gemm2(num_stages=3).problems(token)  # GEMM2's own K-loop depth
+    with pytest.raises(ValueError, match="GROUP_M2 is for the tiled path"):
         w = random_weights(3, 128, 128, "fp8-channel-token")
         tw, ids = random_routing(2, 3, 1)
-        run(random_x(2, 128), w, tw, ids, own.with_gemm2(num_stages=2))
+        run(random_x(2, 128), w, tw, ids, own.with_gemm2(GROUP_M=2))
 
 
 def test_run_gemv_is_what_the_backend_runs(device):
@@ -289,8 +291,8 @@ def test_pipelined_k_loops_give_the_same_bits(scheme, stages, device, monkeypatc
     ahead, the sums and their order do not, so the output is bitwise that of the unpipelined loops
     (and so within the reference's tolerances). Hidden 640 and N 256 give GEMM1 three steps of 256
     (the last half masked) and GEMM2 two of one 128-group per pair at top-4.
-    The launch is checked too: each kernel gets its config's depth (GEMM2 its own launch's), since
-    the interpreter runs a pipelined loop as a plain one."""
+    The launch is checked too: each kernel gets its config's depth (GEMM2 its own launch's,
+    num_stages2, where set), since the interpreter runs a pipelined loop as a plain one."""
     from moekit.backends.triton import gemv as gemv_module
 
     depths = {}
@@ -307,9 +309,12 @@ def test_pipelined_k_loops_give_the_same_bits(scheme, stages, device, monkeypatc
     x = random_x(M, H, device=device, seed=stages)
     plain = gemv(64, 256)
     pipelined = dataclasses.replace(plain, num_stages=stages)
-    assert torch.equal(check(x, w, tw, ids, pipelined), run(x, w, tw, ids, plain))
-    run(x, w, tw, ids, pipelined)
+    expected = run(x, w, tw, ids, plain)
+    assert torch.equal(check(x, w, tw, ids, pipelined), expected)
     assert depths == {gemv_module.gk.gemv1_kernel: (stages, stages), gemv_module.gk.gemv2_kernel: (stages, stages)}
+    # GEMM2 on a depth of its own (num_stages2), GEMM1 unpipelined
+    assert torch.equal(run(x, w, tw, ids, plain.with_gemm2(num_stages=stages)), expected)
+    assert depths == {gemv_module.gk.gemv1_kernel: (1, 1), gemv_module.gk.gemv2_kernel: (stages, stages)}
 
 
 @pytest.mark.gpu

@@ -1971,6 +1971,7 @@ def test_config_from_key_inverts_config_key():
             configs += space.gemv_gemm2_variants(base, scheme, top_k)[0]
     assert any(c.has_gemm2 and c.N_TILES2 for c in configs) and any(c.OVERLAP2 for c in configs)
     assert any(c.GEMV and c.has_gemm2 for c in configs)
+    assert any(c.GEMV and c.num_stages2 and config_key(c).endswith(f"-s{c.num_stages2}") for c in configs)
     # the joined tile: no search space has it, a table may (runner.Worker._incumbents); its key is its own
     joined = KernelConfig(64, 128, 128, 8, 4, 3, JOIN=1)
     configs += [joined, joined.with_gemm2(BLOCK_N=64)]
@@ -1979,6 +1980,7 @@ def test_config_from_key_inverts_config_key():
         assert space.config_from_key(config_key(cfg)) == cfg, config_key(cfg)
     for bad in ("", "M128-N128", "M128-N128-K128-G8-w8-s4+", "gemv-N8-K512-w2", "m128-n128-k128-g8-w8-s4 ",
                 "gemv-N8-K512-w2-s1+N16", "gemv-N8-K512-w2-s1+N0-w4", "gemv-N8-K512-w2-s1+N16-G1-w4-s1",
+                "gemv-N8-K512-w2-s1+N16-w4-s0",
                 "M128-N128-K128-G8-w8-s4+N0-G8-w8-s4", "M128-N128-K128-G8-w8-s4+N64-G8-w4-s3-r1", "M0-N128-K128-G8-w8-s4"):
         with pytest.raises(ValueError, match="expected M<rows>"):
             space.config_from_key(bad)
@@ -2233,6 +2235,10 @@ def test_summary_names_a_gemv_config_by_what_it_uses():
     from moekit.tune.progress import _config_text
 
     assert _config_text(space.gemv_space()[0].to_dict()) == "GEMV N4 K256 w2"
+    pipelined = KernelConfig(16, 8, 512, 1, 2, 3, GEMV=1)  # the depth is named where the loops are pipelined
+    assert _config_text(pipelined.to_dict()) == "GEMV N8 K512 w2 s3"
+    assert _config_text(pipelined.with_gemm2(BLOCK_N=16, num_stages=1).to_dict()) == "GEMV N8 K512 w2 s3 + GEMM2 N16 w2 s1"
+    assert _config_text(pipelined.with_gemm2(BLOCK_N=16).to_dict()) == "GEMV N8 K512 w2 s3 + GEMM2 N16 w2"
     assert _config_text(KernelConfig(16, 64, 128, 1, 4, 3).to_dict()) == "M16 N64 K128 G1 w4 s3"
 
 

@@ -95,12 +95,12 @@ class ProgressView:
 
 
 def _config_text(cfg: dict) -> str:
-    if cfg.get("GEMV"):  # the GEMV path: no row tiles, no tile order
-        text = f"GEMV N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} w{cfg['num_warps']}"
+    if cfg.get("GEMV"):  # the GEMV path: no row tiles, no tile order; stages only where its K loops are pipelined
         gemv = KernelConfig.from_dict(cfg)
-        if gemv.has_gemm2:  # GEMM2's own column block and warps
+        text = f"GEMV N{gemv.BLOCK_N} K{gemv.BLOCK_K} w{gemv.num_warps}" + (f" s{gemv.num_stages}" if gemv.num_stages > 1 else "")
+        if gemv.has_gemm2:  # GEMM2's own column block and warps, and depth where its own
             g2 = gemv.gemm2()
-            text += f" + GEMM2 N{g2.BLOCK_N} w{g2.num_warps}"
+            text += f" + GEMM2 N{g2.BLOCK_N} w{g2.num_warps}" + (f" s{g2.num_stages}" if gemv.num_stages2 else "")
         return text
     text = (f"M{cfg['BLOCK_M']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} G{cfg['GROUP_M']} "
             f"w{cfg['num_warps']} s{cfg['num_stages']}")

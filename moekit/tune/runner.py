@@ -158,7 +158,7 @@ def _misread(journal: dict) -> set[str]:
 def gemm2_bases(j: Journal, tall: bool = False) -> list[tuple[str, KernelConfig]]:
     """(journal field, config) of the configs the GEMM2 step starts from: the fastest measured
     config without a GEMM2 launch of its own ("gemm2"; where that is a GEMV config, it alone, with
-    GEMM2's column block and warps varied: space.gemv_gemm2_variants), the fastest such on 16 warps when it
+    GEMM2's column block, warps and K-loop depth varied: space.gemv_gemm2_variants), the fastest such on 16 warps when it
     is another and within WIDE_BASE_MARGIN of it ("gemm2_wide"), with `tall` (the overlapped
     GEMM2 runs on this problem) the fastest 128x128 one on 8 warps likewise ("gemm2_tall", GEMM1
     in Triton or in Gluon): the overlapped GEMM2 follows only a 128-row GEMM1, and where the

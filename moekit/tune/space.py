@@ -77,9 +77,9 @@ def config_key(cfg: KernelConfig) -> str:
     """A short, stable name for a config: the journal's and the summary's key."""
     if cfg.GEMV:  # BLOCK_M and GROUP_M mean nothing to the GEMV path
         key = f"gemv-N{cfg.BLOCK_N}-K{cfg.BLOCK_K}-w{cfg.num_warps}-s{cfg.num_stages}"
-        if cfg.has_gemm2:  # GEMM2's own column block and warps (gemv_gemm2_variants)
+        if cfg.has_gemm2:  # GEMM2's own column block and warps, and depth where its own (gemv_gemm2_variants)
             g2 = cfg.gemm2()
-            key += f"+N{g2.BLOCK_N}-w{g2.num_warps}"
+            key += f"+N{g2.BLOCK_N}-w{g2.num_warps}" + (f"-s{g2.num_stages}" if cfg.num_stages2 else "")
         return key
     key = f"M{cfg.BLOCK_M}-N{cfg.BLOCK_N}-K{cfg.BLOCK_K}-G{cfg.GROUP_M}-w{cfg.num_warps}-s{cfg.num_stages}"
     if cfg.OVERLAP:  # GEMM1 in Gluon with the promotion overlapped (KernelConfig.OVERLAP)
@@ -98,10 +98,10 @@ def config_key(cfg: KernelConfig) -> str:
 
 _TILED_KEY = re.compile(r"M(?P<bm>\d+)-N(?P<bn>\d+)-K(?P<bk>\d+)-G(?P<g>\d+)-w(?P<w>\d+)-s(?P<s>\d+)(?P<ov>-ov)?(?P<join>-join)?"
                         r"(?:\+N(?P<bn2>\d+)-G(?P<g2>\d+)-w(?P<w2>\d+)-s(?P<s2>\d+)(?:-r(?P<r2>\d+))?(?P<ov2>-ov)?)?")
-_GEMV_KEY = re.compile(r"gemv-N(?P<bn>\d+)-K(?P<bk>\d+)-w(?P<w>\d+)-s(?P<s>\d+)(?:\+N(?P<bn2>\d+)-w(?P<w2>\d+))?")
+_GEMV_KEY = re.compile(r"gemv-N(?P<bn>\d+)-K(?P<bk>\d+)-w(?P<w>\d+)-s(?P<s>\d+)(?:\+N(?P<bn2>\d+)-w(?P<w2>\d+)(?:-s(?P<s2>\d+))?)?")
 _KEY_FORMS = ("M<rows>-N<cols>-K<k>-G<group>-w<warps>-s<stages>[-ov][-join] (optionally +N<cols>-G<group>-w<warps>-s<stages>"
               "[-r<runs>][-ov] for GEMM2's own launch, runs 2 or more) or gemv-N<cols>-K<k>-w<warps>-s<stages> "
-              "(optionally +N<cols>-w<warps> for GEMM2's own), "
+              "(optionally +N<cols>-w<warps>[-s<stages>] for GEMM2's own), "
               "every number positive")
 
 
@@ -118,7 +118,9 @@ def config_from_key(key: str) -> KernelConfig:
     if m.re is _GEMV_KEY:
         cfg = KernelConfig(BLOCK_M=16, BLOCK_N=n["bn"], BLOCK_K=n["bk"], GROUP_M=1, num_warps=n["w"],
                            num_stages=n["s"], GEMV=1)
-        return cfg.with_gemm2(BLOCK_N=n["bn2"], num_warps=n["w2"]) if "bn2" in n else cfg
+        if "bn2" not in n:
+            return cfg
+        return cfg.with_gemm2(BLOCK_N=n["bn2"], num_warps=n["w2"], num_stages=n.get("s2", n["s"]))
     cfg = KernelConfig(BLOCK_M=n["bm"], BLOCK_N=n["bn"], BLOCK_K=n["bk"], GROUP_M=n["g"], num_warps=n["w"],
                        num_stages=n["s"], OVERLAP=int(m.group("ov") is not None), JOIN=int(m.group("join") is not None))
     if "bn2" in n:  # GEMM2's own launch
@@ -280,13 +282,17 @@ GEMV_MAX_VALUES_PER_THREAD = 256
 
 
 def gemv_gemm2_variants(base: KernelConfig, scheme: QuantScheme, top_k: int) -> tuple[list[KernelConfig], dict[str, str]]:
-    """(variants of the GEMV config `base` with GEMM2 on its own column block and warps,
-    {key dropped: why}); GEMV_GEMM2_GRID, the launch equal to base's left out."""
+    """(variants of the GEMV config `base` with GEMM2 on its own column block, warps and K-loop
+    depth, {key dropped: why}); GEMV_GEMM2_GRID x GEMV_STAGES, the launch equal to base's left
+    out. The depth is GEMM2's own because the two GEMMs wanted different ones: on an H100
+    (BENCHMARKS.md, twenty-ninth session) GEMM1 alone ran fastest pipelined at most decode points
+    (DeepSeek-V3 M = 1: 20.1 µs with 3 stages against 24.5 unpipelined) where GEMM2 alone ran
+    fastest unpipelined (14.3 µs there)."""
     rows = next_pow2(top_k) * gemm2_groups(base, top_k)  # the kernel's rows per step (gemv2_kernel's ROWS)
     kept: list[KernelConfig] = []
     dropped: dict[str, str] = {}
-    for block_n, warps in GEMV_GEMM2_GRID:
-        cfg = base.with_gemm2(BLOCK_N=block_n, num_warps=warps)
+    for (block_n, warps), stages in itertools.product(GEMV_GEMM2_GRID, GEMV_STAGES):
+        cfg = base.with_gemm2(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
         if not cfg.has_gemm2:
             continue
         key, values = config_key(cfg), rows * block_n * 128 // (32 * warps)

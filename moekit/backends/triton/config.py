@@ -12,7 +12,8 @@ _gluon_kernels.gemm2_overlap_kernel: 2.3-10% per layer at Mixtral-8x7B M = 512-8
 session). The GEMV path's GEMM2 (one program per token and column block of the hidden size,
 where GEMM1 has one per pair and column block of N) may take a column block and warps of its
 own (BLOCK_N2, num_warps2; twenty-seventh session: the tuner's GEMM2 step times them,
-space.GEMV_GEMM2_GRID says why; 2-3.5% per layer at GLM-4.5V and DeepSeek-V3 M = 2, twenty-eighth). BLOCK_N is the width of an output tile: GEMM1 computes BLOCK_N gate
+space.GEMV_GEMM2_GRID says why; 2-3.5% per layer at GLM-4.5V and DeepSeek-V3 M = 2, twenty-eighth),
+and a K-loop depth of its own (num_stages2; twenty-ninth session, space.gemv_gemm2_variants says why). BLOCK_N is the width of an output tile: GEMM1 computes BLOCK_N gate
 and BLOCK_N up columns per tile, so its tile spans 2 * BLOCK_N columns of w13 (vLLM's
 BLOCK_SIZE_N for the same tile is 2 * BLOCK_N).
 
@@ -55,7 +56,7 @@ class KernelConfig:
     # runs (OVERLAP_TILE, OVERLAP_ROWS; launch.gemm1 says where)
     OVERLAP: int = 0
     # GEMM2's own launch parameters (0: the same as GEMM1's; module docstring); the GEMV path
-    # takes BLOCK_N2 and num_warps2 (GEMV_GEMM2_FIELDS)
+    # takes BLOCK_N2, num_warps2 and num_stages2 (GEMV_GEMM2_FIELDS)
     BLOCK_N2: int = 0
     num_warps2: int = 0
     num_stages2: int = 0
@@ -185,9 +186,9 @@ class KernelConfig:
             out.append(f"JOIN=1 cannot apply {scheme.name}'s per-128-of-K scales (use JOIN=0)")
         return out
 
-    # GEMM2's own launch parameters the GEMV path takes (gemv.gemv2: its column block and warps;
-    # its K step follows BLOCK_K, gemv.gemm2_groups)
-    GEMV_GEMM2_FIELDS = ("BLOCK_N2", "num_warps2")
+    # GEMM2's own launch parameters the GEMV path takes (gemv.gemv2: its column block, warps and
+    # K-loop pipeline depth; its K step follows BLOCK_K, gemv.gemm2_groups)
+    GEMV_GEMM2_FIELDS = ("BLOCK_N2", "num_warps2", "num_stages2")
 
     def _gemv_gemm2_problems(self, scheme: QuantScheme) -> list[str]:
         """Why this GEMV config with GEMM2's own launch cannot run `scheme`."""
@@ -195,7 +196,7 @@ class KernelConfig:
                   if getattr(self, name) and name not in self.GEMV_GEMM2_FIELDS]
         if others:
             return [f"{' / '.join(others)} {'are' if len(others) > 1 else 'is'} for the tiled path; the GEMV path (GEMV=1) takes only "
-                    f"{' and '.join(self.GEMV_GEMM2_FIELDS)} of GEMM2's own"]
+                    f"{', '.join(self.GEMV_GEMM2_FIELDS[:-1])} and {self.GEMV_GEMM2_FIELDS[-1]} of GEMM2's own"]
         negative = [f"{name}={getattr(self, name)} must be 0 (GEMM1's) or positive" for name in self.GEMV_GEMM2_FIELDS
                     if getattr(self, name) < 0]
         if negative:

@@ -84,8 +84,8 @@ def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfi
 
 def gemv2(act, act_scale, a_mode, weights: MoEWeights, topk_weights, topk_ids, out_dtype, cfg: KernelConfig):
     """The layer's output [M, H]: each token's K pairs through w2, weighted and summed; on
-    GEMM2's own column block and warps where the config has them (KernelConfig.gemm2), its K
-    step GEMM1's (gemm2_groups)."""
+    GEMM2's own column block, warps and K-loop depth where the config has them
+    (KernelConfig.gemm2), its K step GEMM1's (gemm2_groups)."""
     M, K = topk_ids.shape
     g2 = _gemm2_launch(cfg)
     N, H = weights.n, weights.hidden
