@@ -317,6 +317,60 @@ def test_pipelined_k_loops_give_the_same_bits(scheme, stages, device, monkeypatc
     assert depths == {gemv_module.gk.gemv1_kernel: (1, 1), gemv_module.gk.gemv2_kernel: (stages, stages)}
 
 
+_COMPILE_PIPELINED = """
+import json, sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moekit.backends.triton import _gemv_kernels as g
+
+POINTERS = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "out_ptr": "*bf16", "ids_ptr": "*i32"}
+CONSTANTS = {  # fp8 per-channel weights; GEMM1 in steps of 512, GEMM2 one 128-group per pair at top-8
+    "gemv1_kernel": {"A_SCALE": 2, "B_SCALE": 2, "OUT_MODE": 0, "ACT_DTYPE": tl.bfloat16, "BLOCK_N": 8, "GROUPS": 4},
+    "gemv2_kernel": {"A_MODE": 1, "B_SCALE": 2, "K_TOP": 8, "K_POW2": 8, "BLOCK_N": 8, "GROUPS": 1},
+}
+found = {}
+for name, constants in CONSTANTS.items():
+    kernel = getattr(g, name)
+    for stages in (1, 3):
+        signature, consts, attrs = {}, {}, {}
+        for i, param in enumerate(kernel.params):
+            n = param.name
+            if param.is_constexpr:
+                signature[n] = "constexpr"
+                consts[(i,)] = {**constants, "STAGES": stages, "INTERPRET": False, "CHECK_IDS": False, "PDL": False}[n]
+            else:
+                signature[n] = POINTERS.get(n, "*fp32") if n.endswith("_ptr") else "i32"
+                attrs[(i,)] = [["tt.divisibility", 16]]  # as a launch on aligned tensors and strides specializes
+        compiled = triton.compile(ASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 2, "num_stages": stages})
+        found[f"{name} {stages}"] = [compiled.asm["ttgir"].count("async_copy_global_to_local"), compiled.metadata.shared]
+json.dump(found, sys.stdout)
+"""
+
+
+def test_pipelined_k_loops_compile_to_async_copies_for_hopper():
+    """What the interpreter cannot show: compiled for sm_90 (without a GPU, in a process of its
+    own), STAGES > 1 turns both kernels' K-loop loads into cp.async copies into shared memory,
+    holding at least the pipeline's tiles (space.gemv_shared_memory_bytes: GEMM1 2 x (512 + 2 x 8
+    x 512) bytes, GEMM2 2 x 8 rows x 128 x (1 + 8)), and STAGES = 1 copies nothing."""
+    import json
+
+    from moekit.tune.space import gemv_shared_memory_bytes
+
+    from helpers import compile_in_child
+
+    found = json.loads(compile_in_child(["-c", _COMPILE_PIPELINED]))
+    for name in ("gemv1_kernel", "gemv2_kernel"):
+        assert found[f"{name} 1"][0] == 0 and found[f"{name} 3"][0] > 0, found
+    static = moekit.get_scheme("fp8-tensor-static")  # GEMM2's input fp8, as A_MODE 1
+    gemm1_only = KernelConfig(16, 8, 512, 1, 2, 3, GEMV=1).with_gemm2(num_stages=1)
+    gemm2_only = KernelConfig(16, 8, 512, 1, 2, 1, GEMV=1).with_gemm2(num_stages=3)
+    assert found["gemv1_kernel 3"][1] >= gemv_shared_memory_bytes(gemm1_only, static, 8) == 2 * (512 + 2 * 8 * 512)
+    assert found["gemv2_kernel 3"][1] >= gemv_shared_memory_bytes(gemm2_only, static, 8) == 2 * 8 * 128 * (1 + 8)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(PRESET_SHAPES))
 @pytest.mark.parametrize("M", [1, 3])

@@ -1148,9 +1148,9 @@ def test_gemm2_step_starts_from_the_best_config_of_the_search_space(tmp_path, ti
         assert KernelConfig.from_dict(entry) == OTHER_GEMM2
 
 
-def test_gemm2_step_on_a_gemv_base_varies_its_column_block_and_warps(tmp_path, tiny_model, monkeypatch):
+def test_gemm2_step_on_a_gemv_base_varies_its_column_block_warps_and_depth(tmp_path, tiny_model, monkeypatch):
     """Where the fastest config is one of the GEMV path, the GEMM2 step times it with GEMM2 on its
-    own column block and warps (space.gemv_gemm2_variants), not the tiled grid; the fastest of
+    own column block, warps and K-loop depth (space.gemv_gemm2_variants), not the tiled grid; the fastest of
     all becomes the table's entry, and the summary names GEMM2's launch."""
     # K steps of 128: the tiny model's hidden size (a wider step is pruned as dominated)
     base = KernelConfig(BLOCK_M=16, BLOCK_N=8, BLOCK_K=128, GROUP_M=1, num_warps=2, num_stages=1, GEMV=1)
@@ -2038,9 +2038,26 @@ def test_shared_memory_estimate_is_a_lower_bound_of_the_pipeline():
     assert space.shared_memory_bytes(cfg, FP8_CHANNEL_TOKEN) == 3 * per_stage
     assert space.shared_memory_bytes(cfg, BF16) == 3 * per_stage * 2
     assert space.shared_memory_limit(torch.device("cpu"))[0] == 227 * 1024
-    # a GEMV program reads one activation row per K step, not BLOCK_M (16, unused there)
-    gemv = KernelConfig(16, 8, 1024, 1, 4, 4, GEMV=1)
-    assert space.shared_memory_bytes(gemv, FP8_CHANNEL_TOKEN) == 3 * (1024 + 2 * 1024 * 8)
+
+
+def test_gemv_shared_memory_is_the_larger_kernels_pipeline():
+    # 2 copies ahead (3 stages) of a step's tiles. GEMM1: one fp8 activation row of 512 and its gate
+    # and up tiles (8 x 512 each); GEMM2 at top-8: 8 rows (one 128-group per pair) of the bf16
+    # intermediate and of w2 for 8 columns
+    gemv = KernelConfig(16, 8, 512, 1, 2, 3, GEMV=1)
+    gemm1, gemm2 = 2 * (512 + 2 * 8 * 512), 2 * 8 * 128 * (2 + 8)
+    assert space.gemv_shared_memory_bytes(gemv, FP8_CHANNEL_TOKEN, 8) == max(gemm1, gemm2) == gemm2
+    assert space.gemv_shared_memory_bytes(gemv.with_gemm2(num_stages=1), FP8_CHANNEL_TOKEN, 8) == gemm1
+    assert space.gemv_shared_memory_bytes(dataclasses.replace(gemv, num_stages=1), FP8_CHANNEL_TOKEN, 8) == 0
+    # bf16 weights, top-2: GEMM2 reads 16 rows (8 groups per pair) of 32 columns, 264 KiB at 3 stages
+    base = KernelConfig(16, 8, 1024, 1, 2, 3, GEMV=1)
+    wide = base.with_gemm2(BLOCK_N=32, num_warps=8, num_stages=3)
+    assert space.gemv_shared_memory_bytes(wide, BF16, 2) == 2 * 16 * 128 * (2 + 32 * 2) > space.HOPPER_SHARED_MEMORY
+    variants, dropped = space.gemv_gemm2_variants(base, BF16, 2)
+    assert wide not in variants and dropped[config_key(wide)].startswith("shared memory: its pipeline needs 264 KiB")
+    assert wide.with_gemm2(num_stages=1) in variants  # unpipelined, the same tile fits
+    kept, dropped = space.static_prune([base], MoEShape(8, 4096, 14336, 2), BF16, 1, 1000)
+    assert not kept and dropped[config_key(base)].startswith("shared memory")  # static_prune counts the GEMV pipeline too
 
 
 def test_the_gemv_space_pipelines_its_k_loops():

@@ -174,7 +174,7 @@ def gemm2_bases(j: Journal, tall: bool = False) -> list[tuple[str, KernelConfig]
     if not plain:
         return []
     best_us, best = plain[0]
-    if configs[best].GEMV:  # GEMM2's own column block and warps on the GEMV path (space.gemv_gemm2_variants)
+    if configs[best].GEMV:  # GEMM2's own column block, warps and depth on the GEMV path (space.gemv_gemm2_variants)
         return [("gemm2", configs[best])]
     bases = [("gemm2", configs[best])]
     wide = [(us, k) for us, k in plain if configs[k].num_warps == WIDE_TILE_WARPS and not configs[k].GEMV]
@@ -678,7 +678,7 @@ class Worker:
         """Times `base`'s GEMM2 launch variants not yet measured, recorded under j.data[field];
         False when the share of the budget ran out first."""
         if base.GEMV:
-            variants, dropped = gemv_gemm2_variants(base, p.scheme, p.shape.top_k)
+            variants, dropped = gemv_gemm2_variants(base, p.scheme, p.shape.top_k, self.shared_memory)
         else:
             variants, dropped = gemm2_variants(base, p.scheme, self.plan.gemm2_grid, self.shared_memory,
                                                gemm2_partial_accumulator(p.scheme, fp8_accumulation()),

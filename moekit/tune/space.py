@@ -204,7 +204,8 @@ def gemv_space() -> list[KernelConfig]:
 # Measured on an H100 (BENCHMARKS.md, twenty-ninth session): 3 or 4 stages won the decision timing at
 # every decode size of GLM-4.5V, DeepSeek-V3 and Mixtral where the GEMV path won (DeepSeek-V3 M = 1
 # 36.8 against 41.8 µs per layer, Mixtral M = 1 138.4 against 144.9), while 2 never did and was
-# the slowest depth in the sweep (scripts/diag_gemv_stages.py), so it is not searched.
+# the layer's slowest depth in 27 of the sweep's 36 (point, K step) pairs (scripts/diag_gemv_stages.py),
+# so it is not searched.
 GEMV_STAGES = (1, 3, 4)
 
 
@@ -269,7 +270,7 @@ def gemm2_grid(device: torch.device) -> tuple[tuple[int, int, int, int], ...]:
 
 
 # GEMM2 of the GEMV path on a launch of its own (KernelConfig.GEMV_GEMM2_FIELDS): column blocks x
-# warps. gemm2_groups gives its tile as many rows of 128 per step as GEMM1's, but the grids differ:
+# warps (x K-loop depths, GEMV_STAGES, in gemv_gemm2_variants). gemm2_groups gives its tile as many rows of 128 per step as GEMM1's, but the grids differ:
 # GEMM1 runs a program per (pair, column block of N), GEMM2 one per (token, column block of the
 # hidden size) with N as its short inner dimension (GLM-4.5V TP2 at M = 1 and blocks of 8: 704
 # programs of 8 K steps of 512 against 512 programs of 6 steps; DeepSeek-V3 TP8 at blocks of 4: 512
@@ -281,13 +282,15 @@ GEMV_GEMM2_GRID = tuple(itertools.product((4, 8, 16, 32), (2, 4, 8)))
 GEMV_MAX_VALUES_PER_THREAD = 256
 
 
-def gemv_gemm2_variants(base: KernelConfig, scheme: QuantScheme, top_k: int) -> tuple[list[KernelConfig], dict[str, str]]:
+def gemv_gemm2_variants(base: KernelConfig, scheme: QuantScheme, top_k: int,
+                        shared_memory_limit: int = HOPPER_SHARED_MEMORY) -> tuple[list[KernelConfig], dict[str, str]]:
     """(variants of the GEMV config `base` with GEMM2 on its own column block, warps and K-loop
     depth, {key dropped: why}); GEMV_GEMM2_GRID x GEMV_STAGES, the launch equal to base's left
     out. The depth is GEMM2's own because the two GEMMs wanted different ones: on an H100
-    (BENCHMARKS.md, twenty-ninth session) GEMM1 alone ran fastest pipelined at most decode points
-    (DeepSeek-V3 M = 1: 20.1 µs with 3 stages against 24.5 unpipelined) where GEMM2 alone ran
-    fastest unpipelined (14.3 µs there)."""
+    (BENCHMARKS.md, twenty-ninth session) GEMM1 alone ran fastest pipelined at 11 of the sweep's
+    12 points (DeepSeek-V3 M = 1: 20.1 µs with 3 stages against 24.5 unpipelined) where GEMM2
+    alone ran fastest unpipelined at 6 (GLM-4.5V and DeepSeek-V3 at M <= 4; 14.3 µs there). Variants
+    whose pipeline passes the shared memory (bf16 weights, wide blocks) are dropped."""
     rows = next_pow2(top_k) * gemm2_groups(base, top_k)  # the kernel's rows per step (gemv2_kernel's ROWS)
     kept: list[KernelConfig] = []
     dropped: dict[str, str] = {}
@@ -302,6 +305,8 @@ def gemv_gemm2_variants(base: KernelConfig, scheme: QuantScheme, top_k: int) -> 
         elif values > GEMV_MAX_VALUES_PER_THREAD:
             dropped[key] = (f"registers: GEMM2's tile is {values} values per thread (at most "
                             f"{GEMV_MAX_VALUES_PER_THREAD}, as GEMM1's GEMV space)")
+        elif (smem := gemv_shared_memory_bytes(cfg, scheme, top_k)) > shared_memory_limit:
+            dropped[key] = f"shared memory: its pipeline needs {smem // 1024} KiB, the device has {shared_memory_limit // 1024} KiB"
         else:
             kept.append(cfg)
     return kept, dropped
@@ -399,10 +404,27 @@ def shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme, b_tiles: int = 2
     and `b_tiles` weight tiles: GEMM1's gate and up, GEMM2's one) of num_stages - 1 pipeline
     stages (Triton's pipeliner keeps at least that many in flight). A config over the device's
     limit by this bound cannot compile. GEMM1's bound covers GEMM2 launched as GEMM1 (the same
-    tiles less one); GEMM2's own launch is checked by gemm2_variants."""
-    rows = 1 if cfg.GEMV else cfg.BLOCK_M  # a GEMV program reads one activation row per step
-    per_stage = rows * cfg.BLOCK_K + b_tiles * cfg.BLOCK_K * cfg.BLOCK_N
+    tiles less one); GEMM2's own launch is checked by gemm2_variants. GEMV-path configs:
+    gemv_shared_memory_bytes."""
+    per_stage = cfg.BLOCK_M * cfg.BLOCK_K + b_tiles * cfg.BLOCK_K * cfg.BLOCK_N
     return per_stage * _operand_bytes(scheme) * max(cfg.num_stages - 1, 1)
+
+
+def gemv_shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme, top_k: int) -> int:
+    """The shared memory of a GEMV-path config's pipelined K loops (the larger of its two kernels;
+    none where neither is pipelined): num_stages - 1 copies of each step's tiles. GEMM1 reads one
+    activation row and its gate and up tiles per step; GEMM2 reads ROWS (the token's pairs x
+    their 128-groups, gemv.gemm2_groups) rows of the intermediate (bf16, or fp8 where its scale
+    is static) and of w2 for its column block. Compiled for sm_90 (Triton 3.9), both kernels
+    asked for exactly this (tests/test_triton_gemv.py); bf16 weights with wide GEMM2 blocks and 3
+    or 4 stages pass Hopper's 227 KiB."""
+    weight = _operand_bytes(scheme)
+    gemm1 = (cfg.num_stages - 1) * (cfg.BLOCK_K * weight + 2 * cfg.BLOCK_N * cfg.BLOCK_K * weight)
+    g2 = cfg.gemm2()
+    rows = next_pow2(top_k) * gemm2_groups(cfg, top_k)
+    intermediate = 1 if scheme.is_fp8 and scheme.static_activation else 2
+    gemm2 = (g2.num_stages - 1) * rows * 128 * (intermediate + g2.BLOCK_N * weight)
+    return max(gemm1, gemm2)
 
 
 def accumulator_registers(cfg: KernelConfig, accumulators: int = 2) -> float:
@@ -435,7 +457,7 @@ def static_prune(
     for cfg in dict.fromkeys(configs):  # keep the order, drop duplicates
         key = config_key(cfg)
         problems = cfg.problems(scheme)
-        smem = shared_memory_bytes(cfg, scheme)
+        smem = gemv_shared_memory_bytes(cfg, scheme, shape.top_k) if cfg.GEMV else shared_memory_bytes(cfg, scheme)
         if problems:
             dropped[key] = "cannot run: " + "; ".join(problems)
         elif smem > shared_memory_limit:

@@ -11,7 +11,7 @@ narrows them.
 
 Loads not feeding a tl.dot get no multi-stage pipeline from Triton unless their loop asks for one
 (tl.range(num_stages=STAGES), the config's num_stages: Triton then copies the next steps' tiles into
-shared memory ahead, cp.async; 1, as every shipped table's GEMV config, pipelines nothing; the sums
+shared memory ahead, cp.async; 1 pipelines nothing; the sums
 and their order are the same either way, so are the bits). Otherwise the bytes in flight come
 from wide K steps: each step reads BLOCK_K = GROUPS x 128 columns of K, addressed as GROUPS rows
 of 128 (one scale each where scales change along K: 1x128 activation groups, 128x128 weight
