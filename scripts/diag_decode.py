@@ -26,7 +26,7 @@ from moekit.backends.triton.launch import PDL_ENV
 from moekit.bench import make_weights, make_x, uniform_routing
 from moekit.timing import time_graphs
 
-from diag_points import parse_model  # scripts/ is on the path when a script runs
+from diag_points import parse_model, print_gemm_times  # scripts/ is on the path when a script runs
 
 
 def gemv_sweep(base):
@@ -100,14 +100,8 @@ def main():
             bytes1, bytes2 = used * 2 * N * H, used * H * N
             print(f"\n{name} tp{tp} M={M}: {used} experts used, GEMM1 reads {bytes1 / 1e6:.1f} MB, "
                   f"GEMM2 {bytes2 / 1e6:.1f} MB; tiled config {cfg}", flush=True)
-            for label, t in times.items():
-                if isinstance(t, BaseException):
-                    print(f"  {label:34s} FAILED {str(t)[:120]}")
-                    continue
-                nbytes = bytes1 if label.startswith("gemm1") else bytes2 if label.startswith("gemm2") else 0
-                bw = f"{nbytes / t.median_us / 1e6:6.2f} TB/s" if nbytes else ""
-                print(f"  {label:34s} {t.median_us:8.1f} us (p20 {t.p20_us:.1f} p80 {t.p80_us:.1f}) {bw}")
-                results.append({"model": name, "tp": int(tp), "M": M, "what": label, "us": t.median_us})
+            for label, us in print_gemm_times(times, bytes1, bytes2, width=34):
+                results.append({"model": name, "tp": int(tp), "M": M, "what": label, "us": us})
             del fns, times
             torch.cuda.empty_cache()
         w = None

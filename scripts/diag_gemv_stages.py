@@ -21,7 +21,7 @@ from moekit.backends.triton import gemv
 from moekit.timing import time_graphs
 from moekit.tune.space import GEMV_START
 
-from diag_points import layer_points  # scripts/ is on the path when a script runs
+from diag_points import layer_points, print_gemm_times  # scripts/ is on the path when a script runs
 
 
 def variants(base, stages):
@@ -69,20 +69,14 @@ def main():
         times = time_graphs(fns, reps=20, warmup=2, rounds=4)
         bytes1, bytes2 = used * 2 * w.n * w.hidden, used * w.hidden * w.n
         print(f"\n{p.model} tp{p.tp} M={p.M}: {used} experts used; base {base}", flush=True)
-        for label, t in times.items():
-            if isinstance(t, BaseException):
-                print(f"  {label:22s} FAILED {str(t)[:120]}")
-                continue
-            nbytes = bytes1 if label.startswith("gemm1") else bytes2 if label.startswith("gemm2") else 0
-            bw = f"{nbytes / t.median_us / 1e6:6.2f} TB/s" if nbytes else ""
-            print(f"  {label:22s} {t.median_us:8.1f} us (p20 {t.p20_us:.1f} p80 {t.p80_us:.1f}) {bw}")
-            results.append({"model": p.model, "tp": p.tp, "M": p.M, "what": label, "us": t.median_us,
-                            "config": str(base)})
+        for label, us in print_gemm_times(times, bytes1, bytes2):
+            results.append({"model": p.model, "tp": p.tp, "M": p.M, "what": label, "us": us, "config": str(base)})
         del fns, times
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
 
 if __name__ == "__main__":
     main()

@@ -82,3 +82,17 @@ def layer_points(points: Sequence[str], dev: torch.device, scheme: str | None = 
         x = make_x(M, shape.hidden, dev)
         tw, ids = (t.to(dev) for t in uniform_routing(M, shape.num_experts, shape.top_k))
         yield Point(model, tp, M, shape, quant, weights, x, tw.float(), ids)
+
+
+def print_gemm_times(times: dict, bytes1: int, bytes2: int, width: int = 22) -> Iterator[tuple[str, float]]:
+    """Print each of time_graphs' results (median µs, p20-p80; for a label starting with "gemm1"
+    or "gemm2", also that GEMM's bandwidth: the expert weights it must read, `bytes1` / `bytes2`,
+    over its time, or FAILED and why) and yield (label, median µs) of those that ran."""
+    for label, t in times.items():
+        if isinstance(t, BaseException):
+            print(f"  {label:{width}s} FAILED {str(t)[:120]}")
+            continue
+        nbytes = bytes1 if label.startswith("gemm1") else bytes2 if label.startswith("gemm2") else 0
+        bw = f"{nbytes / t.median_us / 1e6:6.2f} TB/s" if nbytes else ""
+        print(f"  {label:{width}s} {t.median_us:8.1f} us (p20 {t.p20_us:.1f} p80 {t.p80_us:.1f}) {bw}")
+        yield label, t.median_us

@@ -65,9 +65,25 @@ def test_a_bad_point_names_what_is_wrong(text, message):
 
 
 @pytest.mark.parametrize("script", ["bench_ids_dtype", "bench_route", "bench_hf_router", "diag_decode", "diag_fast", "diag_gemm2",
-                                    "diag_gemm2_resident", "diag_prefill", "diag_half_tail", "diag_configs"])
+                                    "diag_gemm2_resident", "diag_prefill", "diag_half_tail", "diag_configs",
+                                    "diag_gemv_stages"])
 def test_each_script_imports_and_parses_its_arguments(script):
     """Each GPU script that reads models or points starts on the CPU (its imports resolve)."""
     done = subprocess.run([sys.executable, str(REPO / "scripts" / f"{script}.py"), "--help"], cwd=REPO,
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]
+
+
+def test_gemm_times_are_printed_with_the_bandwidth_of_the_gemm_they_name(capsys):
+    from types import SimpleNamespace
+
+    def timing(us):
+        return SimpleNamespace(median_us=us, p20_us=us - 1, p80_us=us + 1)
+
+    times = {"layer": timing(10.0), "gemm1 a": timing(5.0), "gemm2 b": timing(2.0), "gemm2 c": RuntimeError("no room")}
+    assert list(diag_points.print_gemm_times(times, 5_000_000, 1_000_000)) == [("layer", 10.0), ("gemm1 a", 5.0), ("gemm2 b", 2.0)]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].rstrip().endswith("(p20 9.0 p80 11.0)")  # the layer: no bandwidth
+    assert lines[1].endswith("1.00 TB/s") and lines[2].endswith("0.50 TB/s")  # 5 MB in 5 µs, 1 MB in 2 µs
+    assert "FAILED no room" in lines[3]
+
