@@ -10,7 +10,6 @@ one run shows the launch saved.
         [--batch-sizes 1 2 8 64] [--backend triton] [--narrow] [--json FILE]
 """
 import argparse
-import json
 
 import torch
 
@@ -19,7 +18,7 @@ from moekit.backends.glue.ops import narrow_ids
 from moekit.bench import make_weights, make_x, uniform_routing
 from moekit.timing import time_graphs
 
-from diag_points import parse_model  # scripts/ is on the path when a script runs
+from diag_points import parse_model, write_json  # scripts/ is on the path when a script runs
 
 
 def main(argv=None) -> int:
@@ -60,9 +59,7 @@ def main(argv=None) -> int:
                              "p20_us": t.p20_us, "p80_us": t.p80_us})
                 print(f"{item:>22} M={M:<5} {label:>15}: {t.median_us:8.1f} us  ({t.p20_us:.1f}-{t.p80_us:.1f})",
                       flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
     return 0
 
 

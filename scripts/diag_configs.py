@@ -11,13 +11,12 @@ A config is named as `moekit tune` names it in its journals (moekit.tune.space.c
 config that cannot compile or run is reported as failed and the others still run.
 """
 import argparse
-import json
 
 import torch
 
 import moekit
 from diag_fast import in_mode, rel_l2  # scripts/ is on the path when a script runs
-from diag_points import layer_points
+from diag_points import layer_points, write_json
 from moekit.backends.reference import reference_moe
 from moekit.check import intermediate_granularity
 from moekit.timing import time_graphs
@@ -67,9 +66,7 @@ def main():
                             "p20_us": t.p20_us, "p80_us": t.p80_us, "rel_l2": errors[label]})
         print("  (#i: the i-th variant listed, from 0)")
         del fns, times, outputs
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ With --pdl, the tiled layer and every GEMV config also with programmatic depende
 import argparse
 import dataclasses
 import itertools
-import json
 import os
 from unittest import mock
 
@@ -26,7 +25,7 @@ from moekit.backends.triton.launch import PDL_ENV
 from moekit.bench import make_weights, make_x, uniform_routing
 from moekit.timing import time_graphs
 
-from diag_points import parse_model, print_gemm_times  # scripts/ is on the path when a script runs
+from diag_points import parse_model, print_gemm_times, write_json  # scripts/ is on the path when a script runs
 
 
 def gemv_sweep(base):
@@ -106,9 +105,7 @@ def main():
             torch.cuda.empty_cache()
         w = None
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

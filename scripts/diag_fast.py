@@ -10,7 +10,6 @@ the reference (with the intermediate rule that variant declares) is printed besi
 """
 import argparse
 import dataclasses
-import json
 import os
 
 import torch
@@ -24,7 +23,7 @@ from moekit.check import intermediate_granularity
 from moekit.spec import get_scheme
 from moekit.timing import time_graphs
 
-from diag_points import parse_model  # scripts/ is on the path when a script runs
+from diag_points import parse_model, write_json  # scripts/ is on the path when a script runs
 
 
 def in_mode(mode: str, fn):
@@ -104,9 +103,7 @@ def main():
             torch.cuda.empty_cache()
         w = None
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

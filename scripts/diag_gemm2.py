@@ -16,13 +16,12 @@ with runs would give.
 """
 import argparse
 import itertools
-import json
 
 import torch
 
 import moekit
 from diag_fast import in_mode  # scripts/ is on the path when a script runs
-from diag_points import parse_point
+from diag_points import parse_point, write_json
 from moekit.backends.triton import launch
 from moekit.backends.triton.config import get_config
 from moekit.bench import make_weights, make_x, uniform_routing
@@ -128,9 +127,7 @@ def main():
             table = next(t.median_us for lab, t in times.items() if lab.startswith(f"{mode} TABLE"))
             print(f"  best {mode}: {label} {us:.1f} us, table's {table:.1f} us ({table / us:.2f}x)")
         del fns, times
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

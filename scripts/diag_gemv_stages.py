@@ -12,7 +12,6 @@ same order), which the script asserts before timing.
 import argparse
 import dataclasses
 import itertools
-import json
 
 import torch
 
@@ -21,7 +20,7 @@ from moekit.backends.triton import gemv
 from moekit.timing import time_graphs
 from moekit.tune.space import GEMV_START
 
-from diag_points import layer_points, print_gemm_times  # scripts/ is on the path when a script runs
+from diag_points import layer_points, print_gemm_times, write_json  # scripts/ is on the path when a script runs
 
 
 def variants(base, stages):
@@ -73,9 +72,7 @@ def main():
             results.append({"model": p.model, "tp": p.tp, "M": p.M, "what": label, "us": us, "config": str(base)})
         del fns, times
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

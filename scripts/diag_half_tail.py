@@ -13,13 +13,12 @@ bitwise the same output:
         [--config KEY] [--scheme fp8-channel-token] [--modes precise fast] [--json FILE]
 """
 import argparse
-import json
 
 import torch
 
 import moekit
 from diag_fast import in_mode  # scripts/ is on the path when a script runs
-from diag_points import layer_points
+from diag_points import layer_points, write_json
 from moekit.backends.triton import launch
 from moekit.timing import time_graphs
 from moekit.tune.space import config_from_key, config_key
@@ -75,9 +74,7 @@ def main():
             results.append({"model": model, "tp": int(tp), "M": M, "variant": label, "us": t.median_us,
                             "p20_us": t.p20_us, "p80_us": t.p80_us})
         del fns, times
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 `model:tp:M` points (layer_points): a model's weights made once for its run of points (the
 generator drops them before making the next model's; a caller that still holds the last point's
 tensors keeps them alive until its loop moves on), a fresh batch and uniform routing per point."""
+import json
 from typing import Iterator, NamedTuple, Sequence
 
 import torch
@@ -96,3 +97,11 @@ def print_gemm_times(times: dict, bytes1: int, bytes2: int, width: int = 22) -> 
         bw = f"{nbytes / t.median_us / 1e6:6.2f} TB/s" if nbytes else ""
         print(f"  {label:{width}s} {t.median_us:8.1f} us (p20 {t.p20_us:.1f} p80 {t.p80_us:.1f}) {bw}")
         yield label, t.median_us
+
+
+def write_json(path: str | None, rows: list) -> None:
+    """The scripts' --json: `rows` written to `path` (indented), where a path was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+

@@ -12,13 +12,12 @@ when precise, bf16 output plus the per-row quantization pass when fast.
 """
 import argparse
 import dataclasses
-import json
 
 import torch
 import triton
 
 from diag_fast import in_mode  # scripts/ is on the path when a script runs
-from diag_points import parse_model
+from diag_points import parse_model, write_json
 from moekit.backends.triton import _kernels as k
 from moekit.backends.triton import launch
 from moekit.backends.triton.config import KernelConfig
@@ -148,9 +147,7 @@ def main():
             torch.cuda.empty_cache()
         w = None  # freed before the next model
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

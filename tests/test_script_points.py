@@ -87,3 +87,13 @@ def test_gemm_times_are_printed_with_the_bandwidth_of_the_gemm_they_name(capsys)
     assert lines[1].endswith("1.00 TB/s") and lines[2].endswith("0.50 TB/s")  # 5 MB in 5 µs, 1 MB in 2 µs
     assert "FAILED no room" in lines[3]
 
+
+
+def test_json_is_written_only_where_a_path_was_given(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    diag_points.write_json(None, [{"us": 1.0}])
+    assert list(tmp_path.iterdir()) == []
+    diag_points.write_json(str(tmp_path / "out.json"), [{"us": 1.0}])
+    assert json.loads((tmp_path / "out.json").read_text()) == [{"us": 1.0}]

@@ -282,6 +282,12 @@ GEMV_GEMM2_GRID = tuple(itertools.product((4, 8, 16, 32), (2, 4, 8)))
 GEMV_MAX_VALUES_PER_THREAD = 256
 
 
+def _gemv_gemm2_rows(cfg: KernelConfig, top_k: int) -> int:
+    """Rows of one GEMV GEMM2 step (gemv2_kernel's ROWS): the token's pairs, padded to a power of
+    two, times each pair's 128-groups (gemv.gemm2_groups)."""
+    return next_pow2(top_k) * gemm2_groups(cfg, top_k)
+
+
 def gemv_gemm2_variants(base: KernelConfig, scheme: QuantScheme, top_k: int,
                         shared_memory_limit: int = HOPPER_SHARED_MEMORY) -> tuple[list[KernelConfig], dict[str, str]]:
     """(variants of the GEMV config `base` with GEMM2 on its own column block, warps and K-loop
@@ -291,7 +297,7 @@ def gemv_gemm2_variants(base: KernelConfig, scheme: QuantScheme, top_k: int,
     12 points (DeepSeek-V3 M = 1: 20.1 µs with 3 stages against 24.5 unpipelined) where GEMM2
     alone ran fastest unpipelined at 6 (GLM-4.5V and DeepSeek-V3 at M <= 4; 14.3 µs there). Variants
     whose pipeline passes the shared memory (bf16 weights, wide blocks) are dropped."""
-    rows = next_pow2(top_k) * gemm2_groups(base, top_k)  # the kernel's rows per step (gemv2_kernel's ROWS)
+    rows = _gemv_gemm2_rows(base, top_k)
     kept: list[KernelConfig] = []
     dropped: dict[str, str] = {}
     for (block_n, warps), stages in itertools.product(GEMV_GEMM2_GRID, GEMV_STAGES):
@@ -421,7 +427,7 @@ def gemv_shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme, top_k: int)
     weight = _operand_bytes(scheme)
     gemm1 = (cfg.num_stages - 1) * (cfg.BLOCK_K * weight + 2 * cfg.BLOCK_N * cfg.BLOCK_K * weight)
     g2 = cfg.gemm2()
-    rows = next_pow2(top_k) * gemm2_groups(cfg, top_k)
+    rows = _gemv_gemm2_rows(cfg, top_k)
     intermediate = 1 if scheme.is_fp8 and scheme.static_activation else 2
     gemm2 = (g2.num_stages - 1) * rows * 128 * (intermediate + g2.BLOCK_N * weight)
     return max(gemm1, gemm2)
