@@ -1,6 +1,7 @@
 """The triton layer at decode sizes: the tiled path (the table's config, or the default one where
 the table runs the GEMV path) against the GEMV path
-(KernelConfig.GEMV) over a sweep of its configs; with --parts also each launch of the layer timed alone (the
+(KernelConfig.GEMV) over the tuner's GEMV configs (tune.space.gemv_space: K steps to 1024, pipelined
+K loops; those that fit the device's shared memory); with --parts also each launch of the layer timed alone (the
 prologue, GEMM1, GEMM2, the combine), an empty graph as the floor of what one replay costs, and
 GEMM1 and GEMM2 each over a sweep of tile widths, warps and stages (the tuner times them only
 together, with one config for both). Bandwidth = the expert weights a GEMM must read / its time.
@@ -24,13 +25,16 @@ from moekit.backends.triton.config import default_config
 from moekit.backends.triton.launch import PDL_ENV
 from moekit.bench import make_weights, make_x, uniform_routing
 from moekit.timing import time_graphs
+from moekit.tune import space
 
 from diag_points import parse_model, print_gemm_times, write_json  # scripts/ is on the path when a script runs
 
 
-def gemv_sweep(base):
-    for bn, bk, warps in itertools.product((4, 8, 16), (256, 512), (2, 4)):
-        yield dataclasses.replace(base, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, GROUP_M=1, JOIN=0, GEMV=1)
+def gemv_sweep(scheme, top_k, device):
+    """The GEMV configs the tuner searches, so that this sweep compares against what the tables run."""
+    limit, _ = space.shared_memory_limit(device)
+    return [c for c in space.gemv_space()
+            if not c.problems(scheme) and space.gemv_shared_memory_bytes(c, scheme, top_k) <= limit]
 
 
 def sweep(base):
@@ -76,10 +80,10 @@ def main():
                 "layer": lambda: backend.run(x, w, tw, ids, config=cfg),
             }
             tiled = backend.run(x, w, tw, ids, config=cfg).float()
-            for c in gemv_sweep(cfg):
+            for c in gemv_sweep(scheme, K, dev):
                 diff = float((backend.run(x, w, tw, ids, config=c).float() - tiled).norm() / tiled.norm())
                 assert diff < 1e-2, f"GEMV {c} differs from the tiled path by {diff:.2e} (relative L2)"
-                fns[f"layer GEMV N{c.BLOCK_N}-K{c.BLOCK_K}-w{c.num_warps}"] = lambda c=c: backend.run(x, w, tw, ids, config=c)
+                fns[f"layer {space.config_key(c)}"] = lambda c=c: backend.run(x, w, tw, ids, config=c)
             if args.pdl:
                 fns.update({f"{label} (PDL off)": pdl_off(fn) for label, fn in fns.items() if label.startswith("layer")})
             parts = {
@@ -99,7 +103,7 @@ def main():
             bytes1, bytes2 = used * 2 * N * H, used * H * N
             print(f"\n{name} tp{tp} M={M}: {used} experts used, GEMM1 reads {bytes1 / 1e6:.1f} MB, "
                   f"GEMM2 {bytes2 / 1e6:.1f} MB; tiled config {cfg}", flush=True)
-            for label, us in print_gemm_times(times, bytes1, bytes2, width=34):
+            for label, us in print_gemm_times(times, bytes1, bytes2, width=36):
                 results.append({"model": name, "tp": int(tp), "M": M, "what": label, "us": us})
             del fns, times
             torch.cuda.empty_cache()

@@ -179,8 +179,8 @@ def main():
         print(f"\n{model} tp{tp} M={M} {scheme.name}: table {cfg}", flush=True)
         for bn, warps, stages, run in chosen or launches(cfg.BLOCK_M):
             label = f"resident M{cfg.BLOCK_M} N{bn} w{warps} s{stages} run{run}"
-            fn = (lambda bn=bn, warps=warps, stages=stages, run=run:
-                  resident_gemm2(act, w, align, tw, x.dtype, cfg.BLOCK_M, bn, warps, stages, run))
+            def fn(bn=bn, warps=warps, stages=stages, run=run):
+                return resident_gemm2(act, w, align, tw, x.dtype, cfg.BLOCK_M, bn, warps, stages, run)
             try:
                 out = fn()
                 torch.cuda.synchronize()

@@ -97,3 +97,21 @@ def test_json_is_written_only_where_a_path_was_given(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
     diag_points.write_json(str(tmp_path / "out.json"), [{"us": 1.0}])
     assert json.loads((tmp_path / "out.json").read_text()) == [{"us": 1.0}]
+
+
+def test_the_decode_diagnosis_sweeps_the_gemv_configs_the_tuner_searches():
+    """diag_decode.py compares the tiled layer against the GEMV configs the tables may run: the
+    tuner's space (pipelined K loops, K steps of 1024), less those over the shared memory."""
+    import torch
+
+    import diag_decode
+    from moekit.spec import get_scheme
+    from moekit.tune import space
+
+    cpu = torch.device("cpu")
+    fp8 = diag_decode.gemv_sweep(get_scheme("fp8-block128"), 8, cpu)
+    assert [space.config_key(c) for c in fp8] == [space.config_key(c) for c in space.gemv_space()]
+    assert {c.num_stages for c in fp8} == set(space.GEMV_STAGES) and max(c.BLOCK_K for c in fp8) == 1024
+    bf16 = diag_decode.gemv_sweep(get_scheme("bf16"), 8, cpu)
+    limit, _ = space.shared_memory_limit(cpu)
+    assert bf16 and all(space.gemv_shared_memory_bytes(c, get_scheme("bf16"), 8) <= limit for c in bf16)
