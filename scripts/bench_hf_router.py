@@ -11,13 +11,14 @@ checked against its fused form first (routers.check_router; a disagreement stops
 """
 import argparse
 import copy
-import json
 
 import torch
 
 from moekit.hf import routers as R
 from moekit.hf.families import family_of
 from moekit.timing import describe_graph_and_eager as describe, graph_and_eager
+
+from diag_points import write_json  # scripts/ is on the path when a script runs
 
 # (config class, its router-size keywords): GLM-4.5V, DeepSeek-V3, Qwen3-30B-A3B, Mixtral-8x7B, Llama-4-Maverick
 SHAPES = {
@@ -87,9 +88,7 @@ def main(argv=None) -> int:
             for label, r in graph_and_eager(fns, rounds=args.rounds, eager_calls=args.eager_calls).items():
                 rows.append({"family": name, "E": router.weight.shape[0], "H": H, "M": M, "router": label, **r})
                 print(f"{name:>12} M={M:<5} {label:>12}: {describe(r)}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
     return 0
 
 

@@ -11,7 +11,6 @@ a disagreement stops the script).
         qwen3-30b-a3b-fp8 llama-4-maverick-fp8] [--batch-sizes 1 8 64 1024 8192] [--json FILE]
 """
 import argparse
-import json
 
 import torch
 
@@ -19,6 +18,8 @@ import moekit.routing as routing
 from moekit.routing import agreement
 from moekit.models import get_model
 from moekit.timing import describe_graph_and_eager as describe, graph_and_eager
+
+from diag_points import write_json  # scripts/ is on the path when a script runs
 
 DEFAULT_MODELS = ["glm-4.5v-fp8", "deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b-fp8", "llama-4-maverick-fp8"]
 
@@ -61,9 +62,7 @@ def main(argv=None) -> int:
             for label, r in graph_and_eager(fns, rounds=args.rounds, eager_calls=args.eager_calls).items():
                 rows.append({"model": name, "E": E, "top_k": cfg.top_k, "M": M, "path": label, **r, "agreement": agree})
                 print(f"{name:>22} M={M:<5} {label:>9}: {describe(r)}  [{agree}]", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
     return 0
 
 
