@@ -295,8 +295,9 @@ def gemv_gemm2_variants(base: KernelConfig, scheme: QuantScheme, top_k: int,
     out. The depth is GEMM2's own because the two GEMMs wanted different ones: on an H100
     (BENCHMARKS.md, twenty-ninth session) GEMM1 alone ran fastest pipelined at 11 of the sweep's
     12 points (DeepSeek-V3 M = 1: 20.1 µs with 3 stages against 24.5 unpipelined) where GEMM2
-    alone ran fastest unpipelined at 6 (GLM-4.5V and DeepSeek-V3 at M <= 4; 14.3 µs there). Variants
-    whose pipeline passes the shared memory (bf16 weights, wide blocks) are dropped."""
+    alone ran fastest unpipelined at 6 (GLM-4.5V and DeepSeek-V3 at M <= 4; 14.3 µs there). In the
+    layer it gained little: in a retime at M = 1-8 it won at 3 of 10 points, by at most 1.1%
+    (thirtieth session). Variants whose pipeline passes the shared memory (bf16 weights, wide blocks) are dropped."""
     rows = _gemv_gemm2_rows(base, top_k)
     kept: list[KernelConfig] = []
     dropped: dict[str, str] = {}
