@@ -210,8 +210,11 @@ GEMV_STAGES = (1, 3, 4)
 
 
 # Where the tuner starts among GEMV configs when it has no measurement (runner.order_candidates):
-# the config best or within 3% of the best at most points measured (BENCHMARKS.md, sixth session).
-GEMV_START = KernelConfig(BLOCK_M=16, BLOCK_N=8, BLOCK_K=512, GROUP_M=1, num_warps=2, num_stages=1, GEMV=1)
+# 8 columns, K steps of 512 and 2 warps were best or within 3% of the best at most points measured
+# (BENCHMARKS.md, sixth session); 3 stages since the H100 retimes (twenty-ninth and thirtieth
+# sessions) chose 2 warps with 3 or 4 stages at 7 of the 8 tuned decode sizes where the GEMV path
+# won in the H100 tables (GLM-4.5V M = 4: 4 warps unpipelined, GEMM2 on 3 stages).
+GEMV_START = KernelConfig(BLOCK_M=16, BLOCK_N=8, BLOCK_K=512, GROUP_M=1, num_warps=2, num_stages=3, GEMV=1)
 
 
 def interpreter_space(scheme: QuantScheme) -> list[KernelConfig]:
