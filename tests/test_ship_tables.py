@@ -1,0 +1,92 @@
+"""scripts/ship_tables.py: a tune run's tables compared with the shipped ones and shipped with
+their history kept; a table of fewer sizes refused."""
+
+import json
+import shutil
+import sys
+
+import pytest
+
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import ship_tables  # noqa: E402
+
+NAME = "E=256,N=256,H=7168,device_name=NVIDIA_H100_80GB_HBM3,scheme=fp8-block128.json"
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    """(shipped folder holding a copy of a real shipped H100 table pair, tuned folder with a
+    retimed version of it: M = 1 on another config, M = 2 retimed, the backend decision at M = 1
+    won by another backend)."""
+    shipped, tuned = tmp_path / "configs", tmp_path / "tuned"
+    for kind in ("triton", "backends"):
+        (shipped / kind).mkdir(parents=True)
+        (tuned / kind).mkdir(parents=True)
+        shutil.copy(REPO / "moekit" / "configs" / kind / NAME, shipped / kind / NAME)
+    triton = json.loads((shipped / "triton" / NAME).read_text())
+    triton["meta"]["command"] = "moekit tune --model deepseek-v3 --tp 8 --batch-sizes 1 2 4 8"
+    triton["meta"]["gemm2_search"] = True
+    triton["configs"]["1"] = {**triton["configs"]["1"], "num_warps": 4, "us": 30.5}
+    triton["configs"]["2"] = {**triton["configs"]["2"], "us": triton["configs"]["2"]["us"] + 1}
+    backends = json.loads((shipped / "backends" / NAME).read_text())
+    backends["meta"] = {**backends["meta"], "date": "2099-01-01"}
+    backends["meta"].pop("updated", None)
+    backends["batch_sizes"]["1"] = {**backends["batch_sizes"]["1"], "winner": "torch"}
+    (tuned / "triton" / NAME).write_text(json.dumps(triton))
+    (tuned / "backends" / NAME).write_text(json.dumps(backends))
+    return shipped, tuned
+
+
+def _read(folder, kind):
+    return json.loads((folder / kind / NAME).read_text())
+
+
+def test_comparing_writes_nothing_and_names_each_changed_size(dirs, capsys):
+    shipped, tuned = dirs
+    before = {kind: (shipped / kind / NAME).read_bytes() for kind in ("triton", "backends")}
+    assert ship_tables.main([str(tuned), "--into", str(shipped)]) == 0
+    out = capsys.readouterr().out
+    assert "M=1: config changed" in out and "M=2: same config, retimed" in out and "M=4" not in out
+    assert "M=1: winner triton -> torch" in out
+    assert all((shipped / kind / NAME).read_bytes() == before[kind] for kind in before)
+
+
+def test_shipping_keeps_the_history_of_both_tables(dirs):
+    shipped, tuned = dirs
+    old_triton, old_backends = _read(shipped, "triton"), _read(shipped, "backends")
+    assert ship_tables.main([str(tuned), "--into", str(shipped), "--write", "--note", "then M = 1 retimed"]) == 0
+    triton, backends = _read(shipped, "triton"), _read(shipped, "backends")
+    assert triton["configs"] == _read(tuned, "triton")["configs"]
+    assert triton["meta"]["command"] == old_triton["meta"]["command"] + "; then M = 1 retimed"
+    assert triton["meta"]["gemm2_search"] == old_triton["meta"]["gemm2_search"]
+    assert backends["batch_sizes"] == _read(tuned, "backends")["batch_sizes"]
+    assert backends["meta"]["date"] == "2099-01-01"
+    assert backends["meta"]["updated"].endswith("; then M = 1 retimed")
+    assert {k: v for k, v in backends["meta"].items() if k not in ("date", "updated")} == \
+        {k: v for k, v in old_backends["meta"].items() if k not in ("date", "updated")}
+
+
+def test_a_table_of_fewer_sizes_is_refused_unless_allowed(dirs, capsys):
+    shipped, tuned = dirs
+    triton = _read(tuned, "triton")
+    del triton["configs"]["8192"]
+    (tuned / "triton" / NAME).write_text(json.dumps(triton))
+    before = (shipped / "triton" / NAME).read_bytes()
+    assert ship_tables.main([str(tuned), "--into", str(shipped), "--write"]) == 1
+    assert "triton/" + NAME + " lacks M=8192" in capsys.readouterr().err
+    assert (shipped / "triton" / NAME).read_bytes() == before
+    assert ship_tables.main([str(tuned), "--into", str(shipped), "--write", "--allow-fewer-sizes"]) == 0
+    assert "8192" not in _read(shipped, "triton")["configs"]
+
+
+def test_a_new_table_is_copied_and_a_folder_without_tables_is_refused(dirs, tmp_path):
+    shipped, tuned = dirs
+    (shipped / "triton" / NAME).unlink()
+    assert ship_tables.main([str(tuned), "--into", str(shipped), "--write", "--only", "E=256"]) == 0
+    assert _read(shipped, "triton") == _read(tuned, "triton")
+    with pytest.raises(SystemExit, match="no tables under .* matching"):
+        ship_tables.main([str(tuned), "--into", str(shipped), "--only", "E=999"])
+    with pytest.raises(SystemExit, match="no tables under"):
+        ship_tables.main([str(tmp_path / "empty"), "--into", str(shipped)])
