@@ -1,7 +1,7 @@
 """The triton layer at decode sizes: the tiled path (the table's config, or the default one where
 the table runs the GEMV path) against the GEMV path
 (KernelConfig.GEMV) over the tuner's GEMV configs (tune.space.gemv_space: K steps to 1024, pipelined
-K loops; those that fit the device's shared memory); with --parts also each launch of the layer timed alone (the
+K loops; those that fit the device's shared memory) and the table's own where it runs that path; with --parts also each launch of the layer timed alone (the
 prologue, GEMM1, GEMM2, the combine), an empty graph as the floor of what one replay costs, and
 GEMM1 and GEMM2 each over a sweep of tile widths, warps and stages (the tuner times them only
 together, with one config for both). Bandwidth = the expert weights a GEMM must read / its time.
@@ -31,7 +31,8 @@ from diag_points import parse_model, print_gemm_times, write_json  # scripts/ is
 
 
 def gemv_sweep(scheme, top_k, device):
-    """The GEMV configs the tuner searches, so that this sweep compares against what the tables run."""
+    """The GEMV configs the tuner searches (GEMM2 on GEMM1's launch; the table's own config, GEMM2
+    launch and all, is timed besides), those that fit the device's shared memory."""
     limit, _ = space.shared_memory_limit(device)
     return [c for c in space.gemv_space()
             if not c.problems(scheme) and space.gemv_shared_memory_bytes(c, scheme, top_k) <= limit]
@@ -69,6 +70,7 @@ def main():
             tw = tw.float()
             used = int(torch.unique(ids).numel())
             cfg = backend.config_for(w, K, M, dev)
+            table_gemv = cfg if cfg.GEMV else None
             if cfg.GEMV:  # the table runs the GEMV path here: the tiled baseline is the default config
                 cfg = default_config(shape, scheme, M)
             align, a, a_scale = launch.align_and_quantize(x, w, ids, cfg.BLOCK_M)
@@ -84,6 +86,8 @@ def main():
                 diff = float((backend.run(x, w, tw, ids, config=c).float() - tiled).norm() / tiled.norm())
                 assert diff < 1e-2, f"GEMV {c} differs from the tiled path by {diff:.2e} (relative L2)"
                 fns[f"layer {space.config_key(c)}"] = lambda c=c: backend.run(x, w, tw, ids, config=c)
+            if table_gemv is not None:
+                fns[f"layer table {space.config_key(table_gemv)}"] = lambda: backend.run(x, w, tw, ids, config=table_gemv)
             if args.pdl:
                 fns.update({f"{label} (PDL off)": pdl_off(fn) for label, fn in fns.items() if label.startswith("layer")})
             parts = {
@@ -103,7 +107,7 @@ def main():
             bytes1, bytes2 = used * 2 * N * H, used * H * N
             print(f"\n{name} tp{tp} M={M}: {used} experts used, GEMM1 reads {bytes1 / 1e6:.1f} MB, "
                   f"GEMM2 {bytes2 / 1e6:.1f} MB; tiled config {cfg}", flush=True)
-            for label, us in print_gemm_times(times, bytes1, bytes2, width=36):
+            for label, us in print_gemm_times(times, bytes1, bytes2, width=50):
                 results.append({"model": name, "tp": int(tp), "M": M, "what": label, "us": us})
             del fns, times
             torch.cuda.empty_cache()

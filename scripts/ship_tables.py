@@ -2,34 +2,44 @@
 the shipped ones, and with --write ship them, keeping where each table came from.
 
     python3 scripts/ship_tables.py TUNED_DIR [--into moekit/configs] [--only SUBSTR ...]
-        [--note "then M = 1-8 searched again (...)"] [--write] [--allow-fewer-sizes]
+        [--write --note "then M = 1-8 searched again (...)"] [--allow-fewer-sizes]
 
 Without --write it only prints, per table and batch size, whether the triton config changed
-(old -> new, with µs) and whether the backend decision's winner changed. With --write each new
-table replaces the shipped one of the same name, except that:
-- the triton table's meta.command keeps the shipped table's history, with "; " and --note after
-  it (the run's own command where no note is given), and meta.gemm2_search stays the shipped
-  table's (a retime of a few sizes must not relabel how the others were searched);
-- the backend table keeps the shipped meta, with the new date and --note appended to
-  meta.updated;
-- a new table that lacks batch sizes the shipped one has is refused (nothing tuned is lost
-  silently): a retime on the shipped journals keeps every size; a fresh tune of a few sizes
-  does not. --allow-fewer-sizes ships it anyway.
-A table with no shipped counterpart is new and is copied as it is.
+(old -> new, with µs) and whether the backend decision's winner changed. With --write every
+table that changed replaces the shipped one of the same name (one whose entries are all the
+same is left alone, so shipping twice changes nothing), except that:
+- the triton table's meta.command keeps the shipped table's history with "; " and --note after
+  it, and meta.gemm2_search stays the shipped table's (a retime of a few sizes must not relabel
+  how the others were searched);
+- the backend table takes the run's meta with the shipped meta.updated and --note after it;
+- --note is required where a shipped table is replaced: it is the only record of the run.
+Nothing is written if any table is refused: one that does not load the way moekit reads tables
+(a config entry, the decision table's fields, the name against the meta), or one lacking batch
+sizes the shipped table has (a retime on the shipped journals keeps every size; a fresh tune of a
+few sizes does not; --allow-fewer-sizes ships it anyway). So a triton table and the backend
+table of the same run are shipped together or not at all.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from moekit.backends.triton.config import KernelConfig
-from moekit.tables import KINDS, write_json_atomically
+from moekit.decisions import TableError, parse_table
+from moekit.tables import KINDS, accumulation_mismatch, parse_table_name, write_json_atomically
 from moekit.tune.space import config_key
 
 SIZES_FIELD = {"triton": "configs", "backends": "batch_sizes"}
-TIMING_FIELDS = ("us", "default_us")
+
+
+@dataclass
+class Planned:
+    kind: str
+    target: Path
+    doc: dict | None  # what to write; None: nothing changed
 
 
 def _load(path: Path) -> dict:
@@ -39,11 +49,37 @@ def _load(path: Path) -> dict:
         raise SystemExit(f"cannot read table {path}: {exc}") from None
 
 
+def load_problem(kind: str, path: Path, doc: dict) -> str | None:
+    """Why moekit would not read `doc` as the table `path` names (None: it would)."""
+    if kind == "backends":
+        try:
+            parse_table(doc, path)
+        except TableError as exc:
+            return str(exc)
+        return None
+    if parse_table_name(path.name) is None or not isinstance(doc.get("configs"), dict):
+        return "not a moekit triton table (its name or its 'configs' object)"
+    mismatch = accumulation_mismatch(path.name, doc.get("meta", {}))
+    if mismatch:
+        return mismatch
+    for M, entry in doc["configs"].items():
+        try:
+            KernelConfig.from_table_entry(entry)
+        except ValueError as exc:
+            return f"batch size {M}: {exc}"
+    return None
+
+
 def _config_text(entry: dict | None) -> str:
     if not entry:
         return "-"
-    cfg = KernelConfig.from_dict({k: v for k, v in entry.items() if k not in TIMING_FIELDS})
+    cfg = KernelConfig.from_table_entry(entry)
     return f"{config_key(cfg)} {entry.get('us', float('nan')):.1f} µs"
+
+
+def _launch(entry: dict | None) -> dict:
+    """A triton entry without tune's notes (its µs): the launch it runs."""
+    return {k: v for k, v in (entry or {}).items() if k not in KernelConfig.TABLE_NOTES}
 
 
 def size_changes(kind: str, old: dict, new: dict) -> list[str]:
@@ -56,9 +92,7 @@ def size_changes(kind: str, old: dict, new: dict) -> list[str]:
         if o == n:
             continue
         if kind == "triton":
-            same = {k: v for k, v in (o or {}).items() if k not in TIMING_FIELDS} == \
-                   {k: v for k, v in (n or {}).items() if k not in TIMING_FIELDS}
-            what = "same config, retimed" if same else "config changed"
+            what = "same config, retimed" if _launch(o) == _launch(n) else "config changed"
             lines.append(f"  M={M}: {what}: {_config_text(o)} -> {_config_text(n)}")
         else:
             winners = f"{(o or {}).get('winner', '-')} -> {(n or {}).get('winner', '-')}"
@@ -67,21 +101,19 @@ def size_changes(kind: str, old: dict, new: dict) -> list[str]:
     return lines
 
 
-def merged(kind: str, old: dict, new: dict, note: str | None) -> dict:
+def merged(kind: str, old: dict, new: dict, note: str) -> dict:
     """The table to ship: `new`, with the shipped table's history kept (module docstring)."""
     doc = json.loads(json.dumps(new))
+    meta = doc.setdefault("meta", {})
+    old_meta = old.get("meta", {})
     if kind == "triton":
-        history = old.get("meta", {}).get("command")
-        if history:
-            doc["meta"]["command"] = f"{history}; {note or new['meta'].get('command', '')}"
-        if "gemm2_search" in old.get("meta", {}):
-            doc["meta"]["gemm2_search"] = old["meta"]["gemm2_search"]
+        meta["command"] = f"{old_meta['command']}; {note}" if old_meta.get("command") else note
+        if "gemm2_search" in old_meta:
+            meta["gemm2_search"] = old_meta["gemm2_search"]
+        else:
+            meta.pop("gemm2_search", None)
     else:
-        meta = dict(old.get("meta", {}))
-        meta["date"] = new.get("meta", {}).get("date", meta.get("date"))
-        if note:
-            meta["updated"] = f"{meta['updated']}; {note}" if meta.get("updated") else note
-        doc["meta"] = meta
+        meta["updated"] = f"{old_meta['updated']}; {note}" if old_meta.get("updated") else note
     return doc
 
 
@@ -104,27 +136,36 @@ def main(argv: list[str] | None = None) -> int:
     if not found:
         raise SystemExit(f"no tables under {args.tuned}/triton or {args.tuned}/backends"
                          + (f" matching {args.only}" if args.only else ""))
-    refused = []
+    planned: list[Planned] = []
+    refused: list[str] = []
     for kind, path in found:
         new, target = _load(path), args.into / kind / path.name
-        old = _load(target) if target.exists() else None
-        print(f"{kind}/{path.name}: " + ("new table" if old is None else "against the shipped one"))
-        if old is None:
-            if args.write:
-                write_json_atomically(target, new)
+        problem = load_problem(kind, path, new)
+        if problem:
+            refused.append(f"{kind}/{path.name}: moekit would not read it: {problem}")
             continue
-        for line in size_changes(kind, old, new) or ["  no batch size changed"]:
-            print(line)
+        if not target.exists():
+            print(f"{kind}/{path.name}: new table")
+            planned.append(Planned(kind, target, new))
+            continue
+        old = _load(target)
+        changes = size_changes(kind, old, new)
+        print(f"{kind}/{path.name}: against the shipped one")
+        print("\n".join(changes or ["  no batch size changed"]))
         lost = missing_sizes(kind, old, new)
         if lost and not args.allow_fewer_sizes:
-            refused.append(f"{kind}/{path.name} lacks M={', '.join(lost)}")
-            continue
-        if args.write:
-            write_json_atomically(target, merged(kind, old, new, args.note))
+            refused.append(f"{kind}/{path.name}: lacks M={', '.join(lost)} (--allow-fewer-sizes ships it anyway)")
+        elif changes and args.write and not args.note:
+            refused.append(f"{kind}/{path.name}: replacing a shipped table needs --note (what this run was)")
+        planned.append(Planned(kind, target, merged(kind, old, new, args.note or "") if changes else None))
     if refused:
-        print("not shipped (a table of fewer sizes; --allow-fewer-sizes ships it anyway):\n  " + "\n  ".join(refused),
-              file=sys.stderr)
+        print("nothing shipped:\n  " + "\n  ".join(refused), file=sys.stderr)
         return 1
+    if args.write:
+        for p in planned:
+            if p.doc is not None:
+                write_json_atomically(p.target, p.doc)
+                print(f"wrote {p.target}")
     return 0
 
 

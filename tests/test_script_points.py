@@ -99,19 +99,28 @@ def test_json_is_written_only_where_a_path_was_given(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "out.json").read_text()) == [{"us": 1.0}]
 
 
-def test_the_decode_diagnosis_sweeps_the_gemv_configs_the_tuner_searches():
+def test_the_decode_diagnosis_sweeps_the_gemv_configs_the_tuner_searches(monkeypatch):
     """diag_decode.py compares the tiled layer against the GEMV configs the tables may run: the
-    tuner's space (pipelined K loops, K steps of 1024), less those over the shared memory."""
+    tuner's space (pipelined K loops, K steps of 1024), less those over the device's shared memory."""
     import torch
 
     import diag_decode
     from moekit.spec import get_scheme
     from moekit.tune import space
 
-    cpu = torch.device("cpu")
-    fp8 = diag_decode.gemv_sweep(get_scheme("fp8-block128"), 8, cpu)
-    assert [space.config_key(c) for c in fp8] == [space.config_key(c) for c in space.gemv_space()]
-    assert {c.num_stages for c in fp8} == set(space.GEMV_STAGES) and max(c.BLOCK_K for c in fp8) == 1024
-    bf16 = diag_decode.gemv_sweep(get_scheme("bf16"), 8, cpu)
-    limit, _ = space.shared_memory_limit(cpu)
-    assert bf16 and all(space.gemv_shared_memory_bytes(c, get_scheme("bf16"), 8) <= limit for c in bf16)
+    cpu, fp8 = torch.device("cpu"), get_scheme("fp8-block128")
+    swept = diag_decode.gemv_sweep(fp8, 8, cpu)  # Hopper's shared memory holds every one of them
+    assert [space.config_key(c) for c in swept] == [space.config_key(c) for c in space.gemv_space()]
+    assert {c.num_stages for c in swept} == set(space.GEMV_STAGES) and max(c.BLOCK_K for c in swept) == 1024
+    asked = []
+
+    def small_device(device):  # 16 KiB: unpipelined loops use none; deep pipelines of wide tiles more
+        asked.append(device)
+        return 16 * 1024, "test"
+
+    monkeypatch.setattr(space, "shared_memory_limit", small_device)
+    small = diag_decode.gemv_sweep(fp8, 8, cpu)
+    assert asked == [cpu]
+    assert all(space.gemv_shared_memory_bytes(c, fp8, 8) <= 16 * 1024 for c in small)
+    dropped = [c for c in space.gemv_space() if c not in small]
+    assert dropped and all(c.num_stages > 1 for c in dropped)  # only pipelines are dropped

@@ -2,6 +2,7 @@
 their history kept; a table of fewer sizes refused."""
 
 import json
+import re
 import shutil
 import sys
 
@@ -31,7 +32,7 @@ def dirs(tmp_path):
     triton["configs"]["1"] = {**triton["configs"]["1"], "num_warps": 4, "us": 30.5}
     triton["configs"]["2"] = {**triton["configs"]["2"], "us": triton["configs"]["2"]["us"] + 1}
     backends = json.loads((shipped / "backends" / NAME).read_text())
-    backends["meta"] = {**backends["meta"], "date": "2099-01-01"}
+    backends["meta"] = {**backends["meta"], "date": "2099-01-01", "torch": "9.9"}
     backends["meta"].pop("updated", None)
     backends["batch_sizes"]["1"] = {**backends["batch_sizes"]["1"], "winner": "torch"}
     (tuned / "triton" / NAME).write_text(json.dumps(triton))
@@ -62,30 +63,67 @@ def test_shipping_keeps_the_history_of_both_tables(dirs):
     assert triton["meta"]["command"] == old_triton["meta"]["command"] + "; then M = 1 retimed"
     assert triton["meta"]["gemm2_search"] == old_triton["meta"]["gemm2_search"]
     assert backends["batch_sizes"] == _read(tuned, "backends")["batch_sizes"]
-    assert backends["meta"]["date"] == "2099-01-01"
-    assert backends["meta"]["updated"].endswith("; then M = 1 retimed")
-    assert {k: v for k, v in backends["meta"].items() if k not in ("date", "updated")} == \
-        {k: v for k, v in old_backends["meta"].items() if k not in ("date", "updated")}
+    assert (backends["meta"]["date"], backends["meta"]["torch"]) == ("2099-01-01", "9.9")  # the run's meta
+    assert backends["meta"]["updated"] == old_backends["meta"]["updated"] + "; then M = 1 retimed"
+    shipped_once = {kind: (shipped / kind / NAME).read_bytes() for kind in ("triton", "backends")}
+    assert ship_tables.main([str(tuned), "--into", str(shipped), "--write", "--note", "then M = 1 retimed"]) == 0
+    assert all((shipped / kind / NAME).read_bytes() == shipped_once[kind] for kind in shipped_once)  # nothing new
 
 
-def test_a_table_of_fewer_sizes_is_refused_unless_allowed(dirs, capsys):
+def test_a_shipped_table_without_gemm2_search_does_not_take_the_runs(dirs):
     shipped, tuned = dirs
-    triton = _read(tuned, "triton")
-    del triton["configs"]["8192"]
-    (tuned / "triton" / NAME).write_text(json.dumps(triton))
-    before = (shipped / "triton" / NAME).read_bytes()
+    old = _read(shipped, "triton")
+    old["meta"].pop("gemm2_search")
+    (shipped / "triton" / NAME).write_text(json.dumps(old))
+    assert ship_tables.main([str(tuned), "--into", str(shipped), "--write", "--note", "n"]) == 0
+    assert "gemm2_search" not in _read(shipped, "triton")["meta"]
+
+
+def test_replacing_a_shipped_table_needs_a_note(dirs, capsys):
+    shipped, tuned = dirs
+    before = {kind: (shipped / kind / NAME).read_bytes() for kind in ("triton", "backends")}
     assert ship_tables.main([str(tuned), "--into", str(shipped), "--write"]) == 1
-    assert "triton/" + NAME + " lacks M=8192" in capsys.readouterr().err
-    assert (shipped / "triton" / NAME).read_bytes() == before
-    assert ship_tables.main([str(tuned), "--into", str(shipped), "--write", "--allow-fewer-sizes"]) == 0
-    assert "8192" not in _read(shipped, "triton")["configs"]
+    assert "needs --note" in capsys.readouterr().err
+    assert all((shipped / kind / NAME).read_bytes() == before[kind] for kind in before)
+
+
+def test_a_backend_table_of_fewer_sizes_keeps_its_triton_table_from_shipping_unless_allowed(dirs, capsys):
+    shipped, tuned = dirs
+    backends = _read(tuned, "backends")
+    del backends["batch_sizes"]["8192"]
+    (tuned / "backends" / NAME).write_text(json.dumps(backends))
+    before = {kind: (shipped / kind / NAME).read_bytes() for kind in ("triton", "backends")}
+    assert ship_tables.main([str(tuned), "--into", str(shipped), "--write", "--note", "n"]) == 1
+    assert "backends/" + NAME + ": lacks M=8192" in capsys.readouterr().err
+    assert all((shipped / kind / NAME).read_bytes() == before[kind] for kind in before)  # neither shipped
+    assert ship_tables.main([str(tuned), "--into", str(shipped), "--write", "--note", "n", "--allow-fewer-sizes"]) == 0
+    assert "8192" not in _read(shipped, "backends")["batch_sizes"]
+    assert _read(shipped, "triton")["configs"]["1"]["num_warps"] == 4
+
+
+@pytest.mark.parametrize("kind,spoil,message", [
+    ("triton", lambda d: d["configs"]["1"].update(BLOCK_SIZE_M=16), r"batch size 1: unknown key"),
+    ("triton", lambda d: d["meta"].update(fp8_accumulation="fast"), r"fast"),
+    ("backends", lambda d: d["batch_sizes"]["1"].update(winner="nobody"), r"winner 'nobody' is not among"),
+    ("backends", lambda d: d["meta"].update(hidden=1), r"meta.hidden is 1 but the file name says 7168"),
+])
+def test_a_table_moekit_would_not_read_ships_nothing(dirs, capsys, kind, spoil, message):
+    shipped, tuned = dirs
+    doc = _read(tuned, kind)
+    spoil(doc)
+    (tuned / kind / NAME).write_text(json.dumps(doc))
+    before = {k: (shipped / k / NAME).read_bytes() for k in ("triton", "backends")}
+    assert ship_tables.main([str(tuned), "--into", str(shipped), "--write", "--note", "n"]) == 1
+    err = capsys.readouterr().err
+    assert f"{kind}/{NAME}: moekit would not read it" in err and re.search(message, err), err
+    assert all((shipped / k / NAME).read_bytes() == before[k] for k in before)
 
 
 def test_a_new_table_is_copied_and_a_folder_without_tables_is_refused(dirs, tmp_path):
     shipped, tuned = dirs
     (shipped / "triton" / NAME).unlink()
-    assert ship_tables.main([str(tuned), "--into", str(shipped), "--write", "--only", "E=256"]) == 0
-    assert _read(shipped, "triton") == _read(tuned, "triton")
+    assert ship_tables.main([str(tuned), "--into", str(shipped), "--write", "--only", "E=256", "--note", "n"]) == 0
+    assert _read(shipped, "triton") == _read(tuned, "triton")  # a new table is copied as it is
     with pytest.raises(SystemExit, match="no tables under .* matching"):
         ship_tables.main([str(tuned), "--into", str(shipped), "--only", "E=999"])
     with pytest.raises(SystemExit, match="no tables under"):
