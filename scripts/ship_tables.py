@@ -2,7 +2,7 @@
 the shipped ones, and with --write ship them, keeping where each table came from.
 
     python3 scripts/ship_tables.py TUNED_DIR [--into moekit/configs] [--only SUBSTR ...]
-        [--write --note "then M = 1-8 searched again (...)"] [--allow-fewer-sizes]
+        [--write --note "then M = 1-8 searched again (...)"] [--merge | --allow-fewer-sizes]
 
 Without --write it only prints, per table and batch size, whether the triton config changed
 (old -> new, with µs) and whether the backend decision's winner changed. With --write every
@@ -13,6 +13,9 @@ same is left alone, so shipping twice changes nothing), except that:
   how the others were searched);
 - the backend table takes the run's meta with the shipped meta.updated and --note after it;
 - --note is required where a shipped table is replaced: it is the only record of the run.
+With --merge only the run's batch sizes replace the shipped table's entries and every other size
+stays, as does the shipped meta (the note appended as above): for a fresh tune of a few sizes
+(`moekit tune --batch-sizes 1 2 --no-between`), whose tables hold only those.
 Nothing is written if any table is refused: one that does not load the way moekit reads tables
 (a config entry, the decision table's fields, the name against the meta), or one lacking batch
 sizes the shipped table has (a retime on the shipped journals keeps every size; a fresh tune of a
@@ -117,6 +120,13 @@ def merged(kind: str, old: dict, new: dict, note: str) -> dict:
     return doc
 
 
+def with_run_sizes(kind: str, old: dict, new: dict) -> dict:
+    """--merge: the shipped table (meta and all) with the run's batch sizes' entries in it."""
+    field = SIZES_FIELD[kind]
+    entries = {**old.get(field, {}), **new.get(field, {})}
+    return {**old, field: dict(sorted(entries.items(), key=lambda item: int(item[0])))}
+
+
 def missing_sizes(kind: str, old: dict, new: dict) -> list[str]:
     field = SIZES_FIELD[kind]
     return sorted(set(old.get(field, {})) - set(new.get(field, {})), key=int)
@@ -129,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", default=[], help="only tables whose file name holds one of these")
     ap.add_argument("--note", help="what this run was: appended to meta.command and meta.updated")
     ap.add_argument("--write", action="store_true", help="ship the tables (otherwise only compare)")
-    ap.add_argument("--allow-fewer-sizes", action="store_true", help="ship tables that lack sizes the shipped ones have")
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument("--merge", action="store_true", help="only the run's sizes replace the shipped entries")
+    how.add_argument("--allow-fewer-sizes", action="store_true", help="ship tables that lack sizes the shipped ones have")
     args = ap.parse_args(argv)
     found = [(kind, p) for kind in KINDS for p in sorted((args.tuned / kind).glob("*.json"))
              if not args.only or any(s in p.name for s in args.only)]
@@ -149,10 +161,12 @@ def main(argv: list[str] | None = None) -> int:
             planned.append(Planned(kind, target, new))
             continue
         old = _load(target)
+        if args.merge:
+            new = with_run_sizes(kind, old, new)
         changes = size_changes(kind, old, new)
         print(f"{kind}/{path.name}: against the shipped one")
         print("\n".join(changes or ["  no batch size changed"]))
-        lost = missing_sizes(kind, old, new)
+        lost = missing_sizes(kind, old, new)  # none with --merge
         if lost and not args.allow_fewer_sizes:
             refused.append(f"{kind}/{path.name}: lacks M={', '.join(lost)} (--allow-fewer-sizes ships it anyway)")
         elif changes and args.write and not args.note:

@@ -128,3 +128,24 @@ def test_a_new_table_is_copied_and_a_folder_without_tables_is_refused(dirs, tmp_
         ship_tables.main([str(tuned), "--into", str(shipped), "--only", "E=999"])
     with pytest.raises(SystemExit, match="no tables under"):
         ship_tables.main([str(tmp_path / "empty"), "--into", str(shipped)])
+
+
+def test_merging_takes_only_the_runs_sizes_and_keeps_the_shipped_meta(dirs):
+    """A fresh tune of M = 1 and 2 writes tables of those sizes alone: --merge puts them into the
+    shipped tables, whose other sizes and meta stay."""
+    shipped, tuned = dirs
+    old_triton, old_backends = _read(shipped, "triton"), _read(shipped, "backends")
+    for kind, field in (("triton", "configs"), ("backends", "batch_sizes")):
+        doc = _read(tuned, kind)
+        doc[field] = {M: doc[field][M] for M in ("1", "2")}
+        (tuned / kind / NAME).write_text(json.dumps(doc))
+    assert ship_tables.main([str(tuned), "--into", str(shipped), "--write", "--merge", "--note", "then M = 1, 2"]) == 0
+    triton, backends = _read(shipped, "triton"), _read(shipped, "backends")
+    assert triton["configs"] == {**old_triton["configs"], "1": _read(tuned, "triton")["configs"]["1"],
+                                 "2": _read(tuned, "triton")["configs"]["2"]}
+    assert list(triton["configs"]) == sorted(triton["configs"], key=int)
+    assert triton["meta"] == {**old_triton["meta"], "command": old_triton["meta"]["command"] + "; then M = 1, 2"}
+    assert backends["batch_sizes"]["1"]["winner"] == "torch" and backends["batch_sizes"]["4"] == old_backends["batch_sizes"]["4"]
+    assert backends["meta"] == {**old_backends["meta"], "updated": old_backends["meta"]["updated"] + "; then M = 1, 2"}
+    with pytest.raises(SystemExit):  # one or the other
+        ship_tables.main([str(tuned), "--into", str(shipped), "--merge", "--allow-fewer-sizes"])
