@@ -213,7 +213,8 @@ GEMV_STAGES = (1, 3, 4)
 # 8 columns, K steps of 512 and 2 warps were best or within 3% of the best at most points measured
 # (BENCHMARKS.md, sixth session); 3 stages since the H100 retimes (twenty-ninth and thirtieth
 # sessions) chose 2 warps with 3 or 4 stages at 7 of the 8 tuned decode sizes where the GEMV path
-# won in the H100 tables (GLM-4.5V M = 4: 4 warps unpipelined, GEMM2 on 3 stages).
+# won in the H100 tables (GLM-4.5V M = 4: 4 warps unpipelined, GEMM2 on 3 stages), and at all 4
+# sizes of the H200's decode tune (GLM-4.5V and DeepSeek-V3 at M = 1 and 2, thirtieth session).
 GEMV_START = KernelConfig(BLOCK_M=16, BLOCK_N=8, BLOCK_K=512, GROUP_M=1, num_warps=2, num_stages=3, GEMV=1)
 
 
