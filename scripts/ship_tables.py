@@ -121,10 +121,18 @@ def merged(kind: str, old: dict, new: dict, note: str) -> dict:
 
 
 def with_run_sizes(kind: str, old: dict, new: dict) -> dict:
-    """--merge: the shipped table (meta and all) with the run's batch sizes' entries in it."""
+    """--merge: the shipped table (meta and all) with the run's batch sizes' entries in it; the
+    triton meta's incomplete_batch_sizes (where a search stopped early) says so of the run's sizes
+    as the run's table does, of the others as the shipped one does."""
     field = SIZES_FIELD[kind]
     entries = {**old.get(field, {}), **new.get(field, {})}
-    return {**old, field: dict(sorted(entries.items(), key=lambda item: int(item[0])))}
+    doc = {**old, field: dict(sorted(entries.items(), key=lambda item: int(item[0])))}
+    old_meta, new_meta = old.get("meta", {}), new.get("meta", {})
+    if kind == "triton" and ("incomplete_batch_sizes" in old_meta or "incomplete_batch_sizes" in new_meta):
+        run_sizes = {int(M) for M in new.get(field, {})}
+        kept = {M for M in old_meta.get("incomplete_batch_sizes", []) if M not in run_sizes}
+        doc["meta"] = {**old_meta, "incomplete_batch_sizes": sorted(kept | set(new_meta.get("incomplete_batch_sizes", [])))}
+    return doc
 
 
 def missing_sizes(kind: str, old: dict, new: dict) -> list[str]:

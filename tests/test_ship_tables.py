@@ -135,16 +135,20 @@ def test_merging_takes_only_the_runs_sizes_and_keeps_the_shipped_meta(dirs):
     shipped tables, whose other sizes and meta stay."""
     shipped, tuned = dirs
     old_triton, old_backends = _read(shipped, "triton"), _read(shipped, "backends")
+    old_triton["meta"]["incomplete_batch_sizes"] = [2, 64, 128]  # the shipped search stopped early at M = 2, 64, 128
+    (shipped / "triton" / NAME).write_text(json.dumps(old_triton))
     for kind, field in (("triton", "configs"), ("backends", "batch_sizes")):
         doc = _read(tuned, kind)
         doc[field] = {M: doc[field][M] for M in ("1", "2")}
+        doc["meta"]["incomplete_batch_sizes"] = [1]  # this run's stopped early at M = 1, not 2
         (tuned / kind / NAME).write_text(json.dumps(doc))
     assert ship_tables.main([str(tuned), "--into", str(shipped), "--write", "--merge", "--note", "then M = 1, 2"]) == 0
     triton, backends = _read(shipped, "triton"), _read(shipped, "backends")
     assert triton["configs"] == {**old_triton["configs"], "1": _read(tuned, "triton")["configs"]["1"],
                                  "2": _read(tuned, "triton")["configs"]["2"]}
     assert list(triton["configs"]) == sorted(triton["configs"], key=int)
-    assert triton["meta"] == {**old_triton["meta"], "command": old_triton["meta"]["command"] + "; then M = 1, 2"}
+    assert triton["meta"] == {**old_triton["meta"], "command": old_triton["meta"]["command"] + "; then M = 1, 2",
+                              "incomplete_batch_sizes": [1, 64, 128]}
     assert backends["batch_sizes"]["1"]["winner"] == "torch" and backends["batch_sizes"]["4"] == old_backends["batch_sizes"]["4"]
     assert backends["meta"] == {**old_backends["meta"], "updated": old_backends["meta"]["updated"] + "; then M = 1, 2"}
     with pytest.raises(SystemExit):  # one or the other
