@@ -40,7 +40,6 @@ SIZES_FIELD = {"triton": "configs", "backends": "batch_sizes"}
 
 @dataclass
 class Planned:
-    kind: str
     target: Path
     doc: dict | None  # what to write; None: nothing changed
 
@@ -166,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if not target.exists():
             print(f"{kind}/{path.name}: new table")
-            planned.append(Planned(kind, target, new))
+            planned.append(Planned(target, new))
             continue
         old = _load(target)
         if args.merge:
@@ -179,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             refused.append(f"{kind}/{path.name}: lacks M={', '.join(lost)} (--allow-fewer-sizes ships it anyway)")
         elif changes and args.write and not args.note:
             refused.append(f"{kind}/{path.name}: replacing a shipped table needs --note (what this run was)")
-        planned.append(Planned(kind, target, merged(kind, old, new, args.note or "") if changes else None))
+        planned.append(Planned(target, merged(kind, old, new, args.note or "") if changes else None))
     if refused:
         print("nothing shipped:\n  " + "\n  ".join(refused), file=sys.stderr)
         return 1
