@@ -32,7 +32,9 @@ from diag_points import parse_model, print_gemm_times, write_json  # scripts/ is
 
 def gemv_sweep(scheme, top_k, device):
     """The GEMV configs the tuner searches (GEMM2 on GEMM1's launch; the table's own config, GEMM2
-    launch and all, is timed besides), those that fit the device's shared memory."""
+    launch and all, is timed besides), those that fit the device's shared memory. Not
+    space.static_prune: it also drops the GEMV path beyond config.gemv_may_win's bound, where a
+    diagnosis still wants to see by how much it loses."""
     limit, _ = space.shared_memory_limit(device)
     return [c for c in space.gemv_space()
             if not c.problems(scheme) and space.gemv_shared_memory_bytes(c, scheme, top_k) <= limit]
