@@ -45,7 +45,7 @@ import torch
 from ..backends.triton import launch
 from ..backends.sizes import next_pow2
 from ..backends.triton.config import KernelConfig, gemv_may_win, gluon_scheme
-from ..backends.triton.gemv import gemm2_groups, input_quant_mode
+from ..backends.triton.gemv import gemm2_groups
 from ..spec import MoEShape, QuantScheme
 
 SEARCH_SPACES = ("pruned", "full", "none")
@@ -428,11 +428,9 @@ def gemv_shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme, top_k: int)
     their 128-groups, gemv.gemm2_groups) rows of the intermediate (bf16, or fp8 where its scale
     is static) and of w2 for its column block. Compiled for sm_90 (Triton 3.9), both kernels
     asked for exactly this (tests/test_triton_gemv.py); bf16 weights with wide GEMM2 blocks and 3
-    or 4 stages pass Hopper's 227 KiB. GEMM1's activation row is x itself (2 bytes) where GEMM1
-    quantizes it (gemv.input_quant_mode), else the quantized row."""
+    or 4 stages pass Hopper's 227 KiB."""
     weight = _operand_bytes(scheme)
-    x = 2 if input_quant_mode(scheme) else weight  # x read as bf16/fp16 where GEMM1 quantizes it itself
-    gemm1 = (cfg.num_stages - 1) * (cfg.BLOCK_K * x + 2 * cfg.BLOCK_N * cfg.BLOCK_K * weight)
+    gemm1 = (cfg.num_stages - 1) * (cfg.BLOCK_K * weight + 2 * cfg.BLOCK_N * cfg.BLOCK_K * weight)
     g2 = cfg.gemm2()
     rows = _gemv_gemm2_rows(cfg, top_k)
     intermediate = 1 if scheme.is_fp8 and scheme.static_activation else 2

@@ -49,19 +49,12 @@ def gemv1_kernel(
     ids_ptr,  # (P,) expert of each pair
     E, N, H, K_TOP,
     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
-    A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, A_QUANT: tl.constexpr, OUT_MODE: tl.constexpr,
-    ACT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, BLOCK_H: tl.constexpr,
-    STAGES: tl.constexpr, INTERPRET: tl.constexpr, CHECK_IDS: tl.constexpr, PDL: tl.constexpr,
+    A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, OUT_MODE: tl.constexpr, ACT_DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
+    CHECK_IDS: tl.constexpr, PDL: tl.constexpr,
 ):
     """OUT_MODE: 0 store in the activations' dtype, 1 also record amax, 2 quantize with the static
-    scale. Weight tiles are [BLOCK_N, GROUPS, 128] with K contiguous, as w13 is stored.
-
-    A_QUANT: 0 the activations are read as they are (FP8 with scales of kind A_SCALE at
-    a_scale_ptr, or unquantized); otherwise a_ptr holds the bf16/fp16 x and each program quantizes
-    what it reads, by the rule of quantize_rows_kernel (the same scales, the same FP8 values, so
-    the same bits as quantizing first): 1 with the static scale at a_scale_ptr, 2 per 1x128 group
-    (each group's scale from its own |max| as it is read), 3 per row (the row's |max| first, the
-    whole row in one [BLOCK_H] tile). This saves the quantizing launch of a decode layer."""
+    scale. Weight tiles are [BLOCK_N, GROUPS, 128] with K contiguous, as w13 is stored."""
     _pdl_enter(PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -73,35 +66,20 @@ def gemv1_kernel(
     col_ok = cols < N
     k_offs, groups = _k_steps(GROUPS)
     a_ptrs = a_ptr + token * stride_am + k_offs
-    row_scale = 1.0  # A_QUANT 1 and 3: the one scale of the row
-    if A_QUANT == 1:
-        row_scale = tl.load(a_scale_ptr)
-    elif A_QUANT == 3:
-        row_cols = tl.arange(0, BLOCK_H)
-        row = tl.load(a_ptr + token * stride_am + row_cols, mask=row_cols < H, other=0.0).to(tl.float32)
-        row_scale = _scale_from_amax(tl.max(tl.abs(row), axis=0))
     gate_ptrs = w_ptr + e * stride_we + cols[:, None, None] * stride_wn + k_offs[None, :, :]
     up_ptrs = gate_ptrs + N * stride_wn
     g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in tl.range(0, H, GROUPS * 128, num_stages=STAGES):
         k_ok = k_offs < H - k0
-        a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)  # [GROUPS, 128]
-        if A_QUANT == 2:
-            a_group_scale = _scale_from_amax(tl.max(tl.abs(a), axis=1))  # [GROUPS]
-            a = _quantize_tile(a, a_group_scale, INTERPRET).to(tl.float32)
-        elif A_QUANT == 1 or A_QUANT == 3:
-            a = _quantize_tile(a, tl.full((GROUPS,), 1.0, tl.float32) * row_scale, INTERPRET).to(tl.float32)
-        a = a[None, :, :]
+        a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :, :]
         w_ok = col_ok[:, None, None] & k_ok[None, :, :]
         g_parts = tl.sum(tl.load(gate_ptrs, mask=w_ok, other=0.0).to(tl.float32) * a, axis=2)  # [BLOCK_N, GROUPS]
         u_parts = tl.sum(tl.load(up_ptrs, mask=w_ok, other=0.0).to(tl.float32) * a, axis=2)
         if A_SCALE == 3 or B_SCALE == 3:  # scales that change with each 128 of K: one per group
             group_ok = groups * 128 < H - k0
             step_gate = tl.full((GROUPS,), 1.0, tl.float32)
-            if A_SCALE == 3 and A_QUANT == 2:
-                step_gate = tl.where(group_ok, a_group_scale, 0.0)  # as the loaded scales: 0 past H
-            elif A_SCALE == 3:
+            if A_SCALE == 3:
                 step_gate = tl.load(a_scale_ptr + token * stride_as + k0 // 128 + groups, mask=group_ok, other=0.0)
             step_up = step_gate
             if B_SCALE == 3:
@@ -122,10 +100,7 @@ def gemv1_kernel(
         g *= a_s
         u *= a_s
     elif A_SCALE == 2:
-        if A_QUANT == 3:
-            a_s = row_scale
-        else:
-            a_s = tl.load(a_scale_ptr + token)
+        a_s = tl.load(a_scale_ptr + token)
         g *= a_s
         u *= a_s
     if B_SCALE == 1:

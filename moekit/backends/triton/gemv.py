@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from ...spec import QuantScheme
 from ...weights import MoEWeights
 from ..sizes import cdiv, next_pow2
 from . import _gemv_kernels as gk
@@ -17,21 +16,11 @@ from .config import KernelConfig
 from .launch import A_SCALE_KIND, B_SCALE_KIND, _TL_DTYPE, _gemm2_launch, _interpreting, _launch, _scale_strides, quantize_input
 
 
-# Whether GEMM1 quantizes x itself where the scheme allows (_input_quant_mode); False: a launch
-# of quantize_input first, as before the thirty-first session (kept to measure one against the other).
-FUSE_INPUT_QUANT = True
-
-
 def run_gemv(x, weights: MoEWeights, topk_weights, topk_ids, cfg: KernelConfig, *, row_intermediate: bool):
     """The whole layer by the GEMV path. `row_intermediate`: quantize fp8 token/group schemes'
     intermediate per row (fast mode's rule) rather than per 1x128 group."""
-    a_quant = input_quant_mode(weights.scheme) if FUSE_INPUT_QUANT else 0
-    if a_quant:  # GEMM1 reads x and quantizes it as it goes
-        a, a_scale = x.contiguous(), weights.a13_scale if a_quant == 1 else None
-    else:
-        a, a_scale = quantize_input(x, weights)
-    act, act_scale, a_mode = gemv1(a, a_scale, weights, topk_ids, x.dtype, cfg, row_intermediate, a_quant=a_quant)
-    return gemv2(act, act_scale, a_mode, weights, topk_weights, topk_ids, x.dtype, cfg)
+    a, a_scale = quantize_input(x, weights)
+    return gemv_gemms(a, a_scale, weights, topk_weights, topk_ids, x.dtype, cfg, row_intermediate=row_intermediate)
 
 
 def gemv_gemms(a, a_scale, weights: MoEWeights, topk_weights, topk_ids, out_dtype, cfg: KernelConfig, *,
@@ -39,17 +28,6 @@ def gemv_gemms(a, a_scale, weights: MoEWeights, topk_weights, topk_ids, out_dtyp
     """The layer from x already quantized (quantize_input): GEMM1, then GEMM2 with the combine."""
     act, act_scale, a_mode = gemv1(a, a_scale, weights, topk_ids, out_dtype, cfg, row_intermediate)
     return gemv2(act, act_scale, a_mode, weights, topk_weights, topk_ids, out_dtype, cfg)
-
-
-def input_quant_mode(scheme: QuantScheme) -> int:
-    """gemv1_kernel's A_QUANT for x of this scheme (see its docstring): a static scale, 1x128 groups
-    and per-token scales are each a matter of the program's own row; a dynamic per-tensor scale needs
-    every row's maximum first, so it keeps quantize_input's launches (0), as unquantized schemes do."""
-    if not scheme.is_fp8:
-        return 0
-    if scheme.static_activation:
-        return 1
-    return {"group": 2, "token": 3}.get(scheme.activation, 0)
 
 
 def gemm2_groups(cfg: KernelConfig, top_k: int) -> int:
@@ -74,11 +52,8 @@ def _gemm2_input_mode(weights: MoEWeights, row_intermediate: bool) -> int:
     return 5 if row_intermediate else 2
 
 
-def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfig, row_intermediate: bool,
-          a_quant: int = 0):
-    """(each pair's SiLU(gate) * up [P, N], the scale GEMM2 reads with it, GEMM2's A_MODE).
-    `a_quant`: 0 `a` quantized already (quantize_input), else `a` is x and gemv1_kernel's A_QUANT
-    (input_quant_mode)."""
+def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfig, row_intermediate: bool):
+    """(each pair's SiLU(gate) * up [P, N], the scale GEMM2 reads with it, GEMM2's A_MODE)."""
     scheme = weights.scheme
     M, K = topk_ids.shape
     N, H = weights.n, weights.hidden
@@ -101,9 +76,8 @@ def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfi
         a.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
         weights.w13.stride(0), weights.w13.stride(1), stride_wse, stride_wsn, out.stride(0),
         A_SCALE=A_SCALE_KIND[scheme.activation] if scheme.is_fp8 else 0, B_SCALE=B_SCALE_KIND[scheme.weight],
-        A_QUANT=a_quant, OUT_MODE=out_mode, ACT_DTYPE=_TL_DTYPE[out_dtype], BLOCK_N=cfg.BLOCK_N,
-        GROUPS=cfg.BLOCK_K // 128, BLOCK_H=next_pow2(max(H, 128)) if a_quant == 3 else 1, STAGES=cfg.num_stages,
-        INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        OUT_MODE=out_mode, ACT_DTYPE=_TL_DTYPE[out_dtype], BLOCK_N=cfg.BLOCK_N, GROUPS=cfg.BLOCK_K // 128,
+        STAGES=cfg.num_stages, INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, out_scale, a_mode
 
