@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemvstages|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|timingmethods|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemvstages|gemv2steps|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|timingmethods|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points (BENCHMARKS.md, Reference points): the expert GEMMs alone
@@ -43,6 +43,9 @@
 # gemvstages: scripts/diag_gemv_stages.py, the GEMV path's K loops pipelined (num_stages 2-4) against
 #        unpipelined (1) at decode sizes, per K step, the layer and each GEMM alone
 #        (GEMV_STAGES_ARGS adds arguments: "--points glm-4.5v-fp8:2:1"); not part of `all`.
+# gemv2steps: scripts/diag_gemv_gemm2_steps.py, the GEMV path's GEMM2 alone with K steps of its own
+#        (one 128-group per pair up to the whole intermediate) and column blocks down to 1, against the
+#        table's GEMM2 (GEMV2_STEPS_ARGS adds arguments: "--points glm-4.5v-fp8:2:1"); not part of `all`.
 # gemm2: scripts/diag_gemm2.py, GEMM2 alone at prefill sizes with the table's config and variants
 #        of its width, warps, stages and grouping (would GEMM2 gain from a config of its own?), and
 #        the combine pass alone (GEMM2_ARGS adds arguments: "--points glm-4.5v-fp8:2:4096"); not
@@ -255,6 +258,9 @@ if [[ " ${steps[*]} " == *" decode "* ]]; then
 fi
 if [[ " ${steps[*]} " == *" gemvstages "* ]]; then
   python3 scripts/diag_gemv_stages.py ${GEMV_STAGES_ARGS:-} --json "$WORK/diag_gemv_stages.json" || status=1
+fi
+if [[ " ${steps[*]} " == *" gemv2steps "* ]]; then
+  python3 scripts/diag_gemv_gemm2_steps.py ${GEMV2_STEPS_ARGS:-} --json "$WORK/diag_gemv_gemm2_steps.json" || status=1
 fi
 if [[ " ${steps[*]} " == *" warmup "* ]]; then
   for pass in compile from-disk; do

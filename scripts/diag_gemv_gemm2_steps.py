@@ -1,0 +1,94 @@
+"""GEMM2 of the GEMV path alone with a K step of its own: today its step is tied to GEMM1's
+(gemv.gemm2_groups: one 128-group per pair at top-8), and its column block is 4 or 8. Here the
+step runs from one group to the whole intermediate (GLM-4.5V TP2: 704 = 6 groups, in a step of
+8; DeepSeek-V3 TP8: 256 = 2) with column blocks down to 1, so that a program may issue all its
+loads at once, each pair's rows read end to end. Timed against the table's own GEMM2 launch on
+the intermediate of the table's GEMM1, in the same rounds; every variant's output is compared
+with the table launch's (the sums change order across groups, so within a few bf16 ulps).
+
+    PYTHONPATH=. python3 scripts/diag_gemv_gemm2_steps.py [--points glm-4.5v-fp8:2:1 ...] [--json FILE]
+"""
+import argparse
+import itertools
+
+import torch
+
+import moekit
+from moekit.backends.sizes import cdiv, next_pow2
+from moekit.backends.triton import _gemv_kernels as gk
+from moekit.backends.triton import gemv
+from moekit.backends.triton.launch import B_SCALE_KIND, _interpreting, _launch, _scale_strides
+from moekit.timing import time_graphs
+from moekit.tune.space import GEMV_START
+
+from diag_points import layer_points, print_gemm_times, write_json  # scripts/ is on the path when a script runs
+
+
+def gemm2_with_step(act, act_scale, a_mode, w, tw, ids, block_n, groups, warps, stages):
+    """gemv.gemv2 with GEMM2's column block, 128-groups per pair and step, warps and depth given."""
+    M, K = ids.shape
+    out = torch.empty(M, w.hidden, dtype=torch.bfloat16, device=act.device)
+    stride_wse, stride_wsn = _scale_strides(w.w2_scale)
+    _launch(gk.gemv2_kernel, (M, cdiv(w.hidden, block_n)),
+        act, act_scale, w.w2, w.w2_scale if w.w2_scale is not None else act,
+        tw.reshape(-1).contiguous(), ids.reshape(-1), out, w.n, w.hidden,
+        act.stride(0), w.w2.stride(0), w.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
+        A_MODE=a_mode, B_SCALE=B_SCALE_KIND[w.scheme.weight], K_TOP=K, K_POW2=next_pow2(K),
+        BLOCK_N=block_n, GROUPS=groups, STAGES=stages, INTERPRET=_interpreting(), num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--points", nargs="+", default=["glm-4.5v-fp8:2:1", "glm-4.5v-fp8:2:2", "deepseek-v3:8:1",
+                                                    "deepseek-v3:8:2"])
+    ap.add_argument("--block-n", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--warps", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--stages", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    backend = moekit.get_backend("triton")
+    results = []
+    for p in layer_points(args.points, dev):
+        table = backend.config_for(p.w, p.shape.top_k, p.M, dev)
+        cfg = table if table.GEMV else GEMV_START
+        a, a_scale = gemv.quantize_input(p.x, p.w)
+        act, act_scale, a_mode = gemv.gemv1(a, a_scale, p.w, p.ids, p.x.dtype, cfg, False)
+        expected = gemv.gemv2(act, act_scale, a_mode, p.w, p.tw, p.ids, p.x.dtype, cfg)
+        whole = next_pow2(cdiv(p.w.n, 128))  # the whole intermediate in one step
+        group_counts = sorted({g for g in (1, 2, 4, 8) if g <= whole})
+        fns = {"gemm2 table": lambda: gemv.gemv2(act, act_scale, a_mode, p.w, p.tw, p.ids, p.x.dtype, cfg)}
+        for block_n, groups, warps, stages in itertools.product(args.block_n, group_counts, args.warps, args.stages):
+            tag = f"gemm2 N{block_n} G{groups} w{warps} s{stages}"
+            def fn(b=block_n, g=groups, nw=warps, s=stages, act=act, act_scale=act_scale, a_mode=a_mode, p=p):
+                return gemm2_with_step(act, act_scale, a_mode, p.w, p.tw, p.ids, b, g, nw, s)
+            try:
+                out = fn()
+                torch.cuda.synchronize()
+            except Exception as exc:  # out of registers or shared memory, say: reported, not timed
+                print(f"  {tag}: cannot run: {str(exc)[:160]}")
+                continue
+            rel = float((out.float() - expected.float()).norm() / expected.float().norm())
+            if rel > 5e-3:
+                print(f"  {tag}: differs from the table's GEMM2, rel L2 {rel:.1e}: not timed")
+                continue
+            fns[tag] = fn
+        times = time_graphs(fns, reps=20, warmup=2, rounds=4)
+        print(f"\n{p.model} tp{p.tp} M={p.M}: GEMM1 {cfg}", flush=True)
+        nbytes = int(torch.unique(p.ids).numel()) * p.w.hidden * p.w.n
+        ranked = dict(sorted(((k, v) for k, v in times.items() if not isinstance(v, BaseException)),
+                             key=lambda kv: kv[1].median_us)[:12])
+        for label, us in print_gemm_times(ranked, 0, nbytes, width=26):
+            results.append({"model": p.model, "tp": p.tp, "M": p.M, "what": label, "us": us})
+        if "gemm2 table" not in ranked:  # slower than the twelve fastest: its time all the same
+            print(f"  gemm2 table {times['gemm2 table'].median_us:.1f} us")
+            results.append({"model": p.model, "tp": p.tp, "M": p.M, "what": "gemm2 table",
+                            "us": times["gemm2 table"].median_us})
+        torch.cuda.empty_cache()
+    write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
