@@ -373,6 +373,35 @@ def test_fast_mode_quantizes_the_intermediate_per_row(M, K, experts, join, devic
         assert rel_l2(out, ref) < REL_L2_TOL and max_rel(out, ref) < max_rel_tol(out)
 
 
+@pytest.mark.parametrize("scheme", ["fp8-tensor-static", "fp8-tensor-dynamic", "fp8-channel-token", "fp8-block128"])
+@pytest.mark.parametrize("M", [1, 3])
+def test_x_is_quantized_in_chunks_of_columns_as_the_scheme_defines(scheme, M, device, monkeypatch):
+    """quantize_input and the decode prologue (align_and_quantize) give each program
+    QUANTIZE_CHUNK columns of a row where the row's scale needs no more (1x128 groups, per-tensor
+    scales; per-token scales keep the whole row). Chunks of 256 over 600 columns: three programs
+    per row, the last partial, ending in a partial 128-group. Both must give moekit.quant's FP8
+    values and scales exactly (the same rule, divisions correctly rounded), whatever the chunk."""
+    from moekit.backends.triton import launch
+    from moekit.quant import quantize_activation
+
+    monkeypatch.setattr(launch, "QUANTIZE_CHUNK", 256)
+    E, H = 4, 600
+    w = random_weights(E, H, 128, scheme, device=device, seed=M)
+    x = random_x(M, H, device=device, seed=M) * 3.0  # beyond +-1: scales other than their floor
+    static = w.a13_scale if w.scheme.static_activation else None
+    expected_q, expected_scale = quantize_activation(x, w.scheme.activation, static)
+    _, ids = random_routing(M, E, 2, device=device, seed=M)
+    q, scale = launch.quantize_input(x, w)
+    assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
+    assert torch.equal(scale.reshape(expected_scale.shape), expected_scale)
+    if launch._row_quant_mode(w.scheme) is not None:  # the decode prologue: row-wise schemes only
+        _, q2, scale2 = launch.align_and_quantize(x, w, ids, 16)
+        assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale2, scale)
+    monkeypatch.setattr(launch, "QUANTIZE_CHUNK", 0)  # a whole row per program
+    q3, scale3 = launch.quantize_input(x, w)
+    assert torch.equal(q3.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale3, scale)
+
+
 def with_accumulation_modes(schemes):
     """(scheme, mode) pairs: both modes where the mode changes the scheme's kernels
     (moekit.accumulation.accumulation_matters), precise alone where it does not (bf16,

@@ -203,22 +203,25 @@ def align_scatter_kernel(ids_ptr, sorted_ptr, chunk_offsets_ptr, start_ptr, P, E
 
 @triton.jit
 def _quantize_row(
-    row, x_ptr, q_ptr, scale_ptr, amax_ptr, H, stride_x, stride_q, stride_s,
+    row, chunk, x_ptr, q_ptr, scale_ptr, amax_ptr, H, stride_x, stride_q, stride_s,
     MODE: tl.constexpr, FROM_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
+    """Columns [chunk * BLOCK_H, (chunk + 1) * BLOCK_H) of one row (MODE 0 needs the whole row in
+    one chunk: its scale is the row's |max|). Divisions by the scale as _quantize_tile does them:
+    the correctly rounded quotient, so the bits of an IEEE division per element, for less work."""
+    col0 = chunk * BLOCK_H
     if MODE == 1:
         # 1x128 groups, addressed as a [groups, GROUP] tile (no tl.reshape: reductions over a
         # reshaped view were wrong on an H200 with triton 3.6, 2026-12-03)
         g_idx = tl.arange(0, BLOCK_H // GROUP)
-        cols2 = g_idx[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        cols2 = col0 + g_idx[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         x2 = tl.load(x_ptr + row * stride_x + cols2, mask=cols2 < H, other=0.0).to(tl.float32)
         g_scale = _scale_from_amax(tl.max(tl.abs(x2), axis=1))  # [BLOCK_H // GROUP]
-        tl.store(scale_ptr + row * stride_s + g_idx, g_scale, mask=g_idx * GROUP < H)
-        q2 = _clamp_fp8(tl.div_rn(x2, g_scale[:, None]))
-        tl.store(q_ptr + row * stride_q + cols2, _to_fp8(q2, INTERPRET), mask=cols2 < H)
+        tl.store(scale_ptr + row * stride_s + col0 // GROUP + g_idx, g_scale, mask=col0 + g_idx * GROUP < H)
+        tl.store(q_ptr + row * stride_q + cols2, _quantize_tile(x2, g_scale, INTERPRET), mask=cols2 < H)
     else:
-        cols = tl.arange(0, BLOCK_H)
+        cols = col0 + tl.arange(0, BLOCK_H)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)
         if MODE == 2:
             _atomic_amax(amax_ptr, tl.max(_magnitude_bits(x), axis=0))
@@ -228,12 +231,12 @@ def _quantize_row(
                 tl.store(scale_ptr + row, scale)
             elif FROM_AMAX:
                 scale = _scale_from_amax(tl.load(amax_ptr))
-                if row == 0:
+                if row == 0 and chunk == 0:
                     tl.store(scale_ptr, scale)
             else:
                 scale = tl.load(scale_ptr)
-            q = _clamp_fp8(tl.div_rn(x, scale))
-            tl.store(q_ptr + row * stride_q + cols, _to_fp8(q, INTERPRET), mask=cols < H)
+            q = _quantize_tile(x[None, :], tl.full((1,), 1.0, tl.float32) * scale, INTERPRET)  # a [1, BLOCK_H] tile
+            tl.store(q_ptr + row * stride_q + cols[None, :], q, mask=cols[None, :] < H)
 
 
 @triton.jit
@@ -246,9 +249,10 @@ def quantize_rows_kernel(
     MODE: tl.constexpr, FROM_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
     INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
+    """One program per (row, chunk of BLOCK_H columns)."""
     _pdl_enter(PDL)
-    _quantize_row(tl.program_id(0).to(tl.int64), x_ptr, q_ptr, scale_ptr, amax_ptr, H, stride_x, stride_q,
-                  stride_s, MODE, FROM_AMAX, BLOCK_H, GROUP, INTERPRET)
+    _quantize_row(tl.program_id(0).to(tl.int64), tl.program_id(1), x_ptr, q_ptr, scale_ptr, amax_ptr, H, stride_x,
+                  stride_q, stride_s, MODE, FROM_AMAX, BLOCK_H, GROUP, INTERPRET)
 
 
 @triton.jit
@@ -262,20 +266,22 @@ def align_single_kernel(ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E,
 @triton.jit
 def decode_prologue_kernel(
     ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E,
-    x_ptr, q_ptr, scale_ptr, H, stride_x, stride_q, stride_s,
+    x_ptr, q_ptr, scale_ptr, H, stride_x, stride_q, stride_s, chunks_per_row,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr,
     MODE: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr,
     CHECK_IDS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Alignment (program 0) and the quantization of every row of x (programs 1..M) in one
-    launch: at decode sizes each launch costs about as much as the work itself."""
+    """Alignment (program 0) and the quantization of x (programs 1.., chunks_per_row per row of
+    BLOCK_H columns each) in one launch: at decode sizes each launch costs about as much as the
+    work itself."""
     _pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid == 0:
         _align_single(ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E, BLOCK_M, CHUNK, E_BLOCK, CHECK_IDS)
     else:
-        _quantize_row((pid - 1).to(tl.int64), x_ptr, q_ptr, scale_ptr, scale_ptr, H, stride_x, stride_q,
-                      stride_s, MODE, False, BLOCK_H, GROUP, INTERPRET)
+        row = (pid - 1) // chunks_per_row
+        _quantize_row(row.to(tl.int64), (pid - 1) % chunks_per_row, x_ptr, q_ptr, scale_ptr, scale_ptr, H, stride_x,
+                      stride_q, stride_s, MODE, False, BLOCK_H, GROUP, INTERPRET)
 
 
 # --------------------------------------------------------------------------- expert GEMMs
@@ -693,7 +699,7 @@ def quantize_sorted_rows_kernel(
     e = _expert_of_block(start_ptr, row, E, E_POW2)
     if row - tl.load(start_ptr + e) >= tl.load(count_ptr + e):
         return
-    _quantize_row(row.to(tl.int64), x_ptr, q_ptr, scale_ptr, scale_ptr, N, stride_x, stride_q, 0,
+    _quantize_row(row.to(tl.int64), 0, x_ptr, q_ptr, scale_ptr, scale_ptr, N, stride_x, stride_q, 0,
                   0, False, BLOCK_H, 128, INTERPRET)
 
 

@@ -363,6 +363,21 @@ def _block_h(H: int) -> int:
     return next_pow2(max(H, 128))
 
 
+# Columns of x per quantizing program where a row's scale needs no more than them (1x128 groups,
+# per-tensor scales): at decode sizes one program per row left all SMs but M idle while each
+# worked through its row (DeepSeek-V3's 7168 columns: the quantize launch cost 4.9-5.8 µs of an
+# H100 decode layer against 2.0-2.7 at GLM-4.5V's 4096 per-token; BENCHMARKS.md, thirty-first
+# session). 0: the whole row per program, as before.
+QUANTIZE_CHUNK = 1024
+
+
+def _quantize_columns(H: int, mode: int | None) -> int:
+    """BLOCK_H of quantize_rows_kernel / decode_prologue_kernel: the whole row (a power of two) for
+    a per-row scale (MODE 0: the row's |max|), else at most QUANTIZE_CHUNK."""
+    whole = _block_h(H)
+    return whole if mode == 0 or not QUANTIZE_CHUNK else min(whole, QUANTIZE_CHUNK)
+
+
 def quantize_input(x: torch.Tensor, weights: MoEWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x -> (FP8 x, scales) by the scheme's activation rule; unquantized schemes pass x through."""
     scheme = weights.scheme
@@ -372,12 +387,13 @@ def quantize_input(x: torch.Tensor, weights: MoEWeights) -> tuple[torch.Tensor, 
     M, H = x.shape
     q = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=x.device)
     scale = _input_scale(x, weights)
+    mode = _row_quant_mode(scheme)
+    columns = _quantize_columns(H, mode)
     launch = functools.partial(
-        _launch, k.quantize_rows_kernel, (M,), x, q, scale, H=H, stride_x=x.stride(0), stride_q=q.stride(0),
-        stride_s=scale.stride(0) if scale.dim() == 2 else 0, BLOCK_H=_block_h(H), GROUP=128,
+        _launch, k.quantize_rows_kernel, (M, cdiv(H, columns)), x, q, scale, H=H, stride_x=x.stride(0),
+        stride_q=q.stride(0), stride_s=scale.stride(0) if scale.dim() == 2 else 0, BLOCK_H=columns, GROUP=128,
         INTERPRET=_interpreting(),
     )
-    mode = _row_quant_mode(scheme)
     if mode is not None:
         launch(amax_ptr=scale, MODE=mode, FROM_AMAX=False)
     else:  # one dynamic scale for the whole tensor: a max pass, then the quantizing pass
@@ -394,12 +410,15 @@ def align_and_quantize(x, weights: MoEWeights, topk_ids, block_m: int):
     align = _empty_alignment(topk_ids, weights.num_experts, block_m)
     q = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=x.device)
     scale = _input_scale(x, weights)
-    _launch(k.decode_prologue_kernel, (1 + M,),
+    mode = _row_quant_mode(weights.scheme)
+    columns = _quantize_columns(H, mode)
+    chunks = cdiv(H, columns)
+    _launch(k.decode_prologue_kernel, (1 + M * chunks,),
         topk_ids.reshape(-1), align.sorted_pairs, align.count, align.start, align.num_pairs,
         weights.num_experts, x, q, scale, H, x.stride(0), q.stride(0),
-        scale.stride(0) if scale.dim() == 2 else 0,
+        scale.stride(0) if scale.dim() == 2 else 0, chunks,
         BLOCK_M=block_m, CHUNK=SINGLE_ALIGN_MAX_PAIRS, E_BLOCK=E_BLOCK,
-        MODE=_row_quant_mode(weights.scheme), BLOCK_H=_block_h(H), GROUP=128, INTERPRET=_interpreting(),
+        MODE=mode, BLOCK_H=columns, GROUP=128, INTERPRET=_interpreting(),
     )
     return align, q, scale
 
