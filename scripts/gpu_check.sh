@@ -67,14 +67,13 @@
 #        session (BENCHMARKS.md); the list stays for the next code written without a GPU. Added in
 #        the twenty-fifth session, passed on an H100 in the twenty-sixth: warmup (test_compile_ahead.py,
 #        test_hf_compile_ahead.py), the timing harness (test_timing.py) and the tuner's
-#        incumbent and confirmation (test_tune.py, its unmarked tests on CUDA). Not yet run on
-#        a GPU: the glue's warmup (test_compile_ahead.py's test_after_warmup_the_glue_compiles_nothing,
-#        written after the twenty-sixth session's GPU time), the GEMV path's GEMM2 on a launch of its
-#        own (test_triton_gemv.py, twenty-seventh session, no GPU lent; its pipelined K loops passed on
-#        an H100 in the twenty-ninth; GEMM2's own depth, num_stages2, written after, was tuned on an H100 and an H200 in the
-#        thirtieth, its tests not yet run: on the H200 the call's time ended after the file's first 52 tests, all passed;
-#        PENDING_TESTS=test_triton_gemv ... pending -- -k "pipelined or own" runs those first) and the tuner's decision
-#        timing per flush method (test_tune.py). Not
+#        incumbent and confirmation (test_tune.py, its unmarked tests on CUDA). Passed on an
+#        H100 in the thirty-first: the glue's warmup (test_compile_ahead.py's
+#        test_after_warmup_the_glue_compiles_nothing), the GEMV path's GEMM2 on a launch and depth of
+#        its own and its pipelined K loops (test_triton_gemv.py -k "pipelined or own", and its gpu_ tests),
+#        x quantized in chunks of columns (test_triton_backend.py -k chunks_of_columns). Not yet run
+#        on a GPU: the tuner's decision timing per flush method (test_tune.py). Run test_triton_gemv.py
+#        with -k filters: unfiltered it passes one call's time. Not
 #        part of `all`. PENDING_TESTS ("test_routing_kernel test_api", say) picks files: all of
 #        them may not fit one call.
 # ids:   scripts/bench_ids_dtype.py --narrow: the whole layer with int32 ids, int64 ids, and int64
