@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemvstages|gemv2steps|quantchunks|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|timingmethods|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemvstages|gemv2steps|gemv1reduce|quantchunks|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|timingmethods|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points (BENCHMARKS.md, Reference points): the expert GEMMs alone
@@ -46,6 +46,10 @@
 # gemv2steps: scripts/diag_gemv_gemm2_steps.py, the GEMV path's GEMM2 alone with K steps of its own
 #        (one 128-group per pair up to the whole intermediate) and column blocks down to 1, against the
 #        table's GEMM2 (GEMV2_STEPS_ARGS adds arguments: "--points glm-4.5v-fp8:2:1"); not part of `all`.
+# gemv1reduce: scripts/diag_gemv1_reduce.py, the GEMV path's GEMM1 against the same products reduced once
+#        after the K loop and against the bare reading of its weights on the same grid (the ceiling of
+#        its access pattern), GLM-4.5V M = 1 and 4, Mixtral M = 1 (GEMV1_REDUCE_ARGS adds arguments);
+#        not part of `all`.
 # quantchunks: scripts/diag_quantize_chunks.py, x's quantization in chunks of columns (launch.QUANTIZE_CHUNK)
 #        against a whole row per program: the quantize launch alone and the layer, DeepSeek-V3 and
 #        GLM-4.5V at M = 1-64 (QUANT_CHUNKS_ARGS adds arguments); not part of `all`.
@@ -263,6 +267,9 @@ if [[ " ${steps[*]} " == *" gemvstages "* ]]; then
 fi
 if [[ " ${steps[*]} " == *" gemv2steps "* ]]; then
   python3 scripts/diag_gemv_gemm2_steps.py ${GEMV2_STEPS_ARGS:-} --json "$WORK/diag_gemv_gemm2_steps.json" || status=1
+fi
+if [[ " ${steps[*]} " == *" gemv1reduce "* ]]; then
+  python3 scripts/diag_gemv1_reduce.py ${GEMV1_REDUCE_ARGS:-} --json "$WORK/diag_gemv1_reduce.json" || status=1
 fi
 if [[ " ${steps[*]} " == *" quantchunks "* ]]; then
   python3 scripts/diag_quantize_chunks.py ${QUANT_CHUNKS_ARGS:-} --json "$WORK/diag_quantize_chunks.json" || status=1

@@ -66,7 +66,8 @@ def test_a_bad_point_names_what_is_wrong(text, message):
 
 @pytest.mark.parametrize("script", ["bench_ids_dtype", "bench_route", "bench_hf_router", "diag_decode", "diag_fast", "diag_gemm2",
                                     "diag_gemm2_resident", "diag_prefill", "diag_half_tail", "diag_configs",
-                                    "diag_gemv_stages"])
+                                    "diag_gemv_stages", "diag_gemv_gemm2_steps", "diag_quantize_chunks",
+                                    "diag_gemv1_reduce"])
 def test_each_script_imports_and_parses_its_arguments(script):
     """Each GPU script that reads models or points starts on the CPU (its imports resolve)."""
     done = subprocess.run([sys.executable, str(REPO / "scripts" / f"{script}.py"), "--help"], cwd=REPO,
@@ -124,3 +125,31 @@ def test_the_decode_diagnosis_sweeps_the_gemv_configs_the_tuner_searches(monkeyp
     assert all(space.gemv_shared_memory_bytes(c, fp8, 8) <= 16 * 1024 for c in small)
     dropped = [c for c in space.gemv_space() if c not in small]
     assert dropped and all(c.num_stages > 1 for c in dropped)  # only pipelines are dropped
+
+
+@pytest.mark.parametrize("block_n,block_k", [(8, 256), (2, 1024), (1, 4096)])
+def test_the_gemv1_probe_kernels_compute_what_they_claim(block_n, block_k, device):
+    """diag_gemv1_reduce.py's `late` kernel (the same products as the GEMV path's GEMM1, reduced once
+    after the K loop) gives gemv.gemv1's output, whatever its tile, but for float32 sums taken in
+    another order: an output may then round to the neighbouring bf16 value (2**-8 relative, so
+    2**-7 allowed), nothing more; its `read` kernel sums the gate and up
+    weights each program reads, nothing else. Hidden 640: a K step of 256 ends half masked, one
+    of 4096 reads the whole row in one masked step."""
+    import torch
+
+    import diag_gemv1_reduce as probe
+    from moekit.backends.triton import KernelConfig, gemv
+
+    from helpers import random_routing, random_weights, random_x
+
+    E, H, N, M, K = 5, 640, 96, 2, 3
+    w = random_weights(E, H, N, "fp8-channel-token", device=device)
+    _, ids = random_routing(M, E, K, device=device)
+    a, a_scale = gemv.quantize_input(random_x(M, H, device=device), w)
+    expected = gemv.gemv1(a, a_scale, w, ids, torch.bfloat16, KernelConfig(16, 8, 256, 1, 2, 1, GEMV=1), False)[0]
+    late = probe.probe(a, a_scale, w, ids, torch.empty_like(expected), block_n, block_k, 2, 1, False)
+    torch.testing.assert_close(late.float(), expected.float(), rtol=2**-7, atol=1e-6)
+    read = probe.probe(a, a_scale, w, ids, torch.empty_like(expected), block_n, block_k, 2, 1, True)
+    w13 = w.w13.float()[ids.reshape(-1).long()]  # [P, 2N, H]: each pair's expert
+    sums = (w13[:, :N].sum(dim=2) + w13[:, N:].sum(dim=2)).to(torch.bfloat16)
+    assert torch.allclose(read.float(), sums.float(), rtol=1e-2, atol=1e-2)  # float32 sums of 1280 values, in another order
