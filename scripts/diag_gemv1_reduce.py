@@ -1,17 +1,23 @@
 """Probe: where GEMM1 of the GEMV path loses time at decode sizes (GLM-4.5V TP2 M = 1 reads its
-46 MB at about 1.65 TB/s on an H100, BENCHMARKS.md twenty-ninth session). Three kernels on the
-same grid and tiles, channel-token FP8 only (per-token x scales, per-channel weight scales):
+46 MB at about 1.65 TB/s on an H100, BENCHMARKS.md twenty-ninth session). Four kernels on the
+same grid, channel-token FP8 only (per-token x scales, per-channel weight scales):
 
 - `gemv1`: the backend's own (gemv.gemv1), which reduces each K step across its 128-wide rows
   (tl.sum per step) before adding it to the [BLOCK_N] sums;
 - `late`: the same products added elementwise into [BLOCK_N, BLOCK_K] float32 accumulators, one
   reduction after the K loop (fewer cross-thread sums per step, more registers);
+- `dot`: the same products on the tensor cores with the operands swapped (the pair's weight rows
+  are the product's rows, its activation row the one non-zero column of a 16-column operand), one
+  product per K step of 128 or 256 added into float32: far fewer instructions per weight byte
+  than the CUDA cores' conversions and FMAs, at column blocks of 16-64;
 - `read`: the same loads summed elementwise with no product and no activation: what this grid and
-  access pattern can read at best, the ceiling for the other two.
+  access pattern can read at best, the ceiling for `gemv1` and `late`.
 
-Each over column blocks 1-8, K steps 256-4096 (at most 8192 values per accumulator),
-2 or 4 warps and 1 or 3 stages, in the same rounds; `late`'s output is checked against `gemv1`'s. Not part of
-the package: a measurement to decide what to build (BENCHMARKS.md).
+`late` and `read` over column blocks 1-8, K steps 256-4096 (at most 8192 values per accumulator),
+2 or 4 warps and 1 or 3 stages; `dot` over column blocks 16-64, K steps 128 and 256, 2 or 4
+warps, 3 or 4 stages; all in the same rounds. `late`'s and `dot`'s outputs are checked against
+`gemv1`'s (5e-3 relative L2: the tensor cores sum each step's products in their own order and
+precision). Not part of the package: a measurement to decide what to build (BENCHMARKS.md).
 
     PYTHONPATH=. python3 scripts/diag_gemv1_reduce.py [--points glm-4.5v-fp8:2:1 ...] [--json FILE]
 """
@@ -77,6 +83,55 @@ def late_or_read_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, ids_ptr
              mask=col_ok)
 
 
+@triton.jit
+def tensor_core_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, ids_ptr, N, H, K_TOP,
+                       stride_am, stride_we, stride_wn, stride_wse, stride_om,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+    """The same products on the tensor cores, operands swapped: the pair's BLOCK_N weight rows are
+    the product's 16+ rows and its activation row the only non-zero column of a 16-column operand
+    (the smallest a dot takes), one product per K step added into float32."""
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    token = (pair // K_TOP).to(tl.int64)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    first_lane = tl.arange(0, 16)[None, :] == 0
+    a_ptrs = a_ptr + token * stride_am + ks[:, None] + 0 * first_lane  # [BLOCK_K, 16], every column the row
+    gate_ptrs = w_ptr + e * stride_we + cols[:, None] * stride_wn + ks[None, :]
+    up_ptrs = gate_ptrs + N * stride_wn
+    g = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    u = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
+        k_ok = ks < H - k0
+        a = tl.load(a_ptrs, mask=k_ok[:, None] & first_lane, other=0.0)  # the row in column 0, zeros beside
+        w_ok = col_ok[:, None] & k_ok[None, :]
+        g += tl.dot(tl.load(gate_ptrs, mask=w_ok, other=0.0), a)
+        u += tl.dot(tl.load(up_ptrs, mask=w_ok, other=0.0), a)
+        a_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    a_s = tl.load(a_scale_ptr + token)
+    ws = w_scale_ptr + e * stride_wse
+    gs = tl.sum(g, axis=1) * a_s * tl.load(ws + cols, mask=col_ok, other=0.0)  # column 0 alone is non-zero
+    us = tl.sum(u, axis=1) * a_s * tl.load(ws + N + cols, mask=col_ok, other=0.0)
+    act = gs / (1.0 + tl.exp(-gs)) * us
+    tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, _to_dtype(act, out_ptr.dtype.element_ty, INTERPRET),
+             mask=col_ok)
+
+
+def on_tensor_cores(a, a_scale, w, ids, out, block_n, block_k, warps, stages):
+    M, K = ids.shape
+    stride_wse, _ = _scale_strides(w.w13_scale)
+    tensor_core_kernel[(M * K, triton.cdiv(w.n, block_n))](
+        a, a_scale, w.w13, w.w13_scale, out, ids.reshape(-1), w.n, w.hidden, K,
+        a.stride(0), w.w13.stride(0), w.w13.stride(1), stride_wse, out.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, INTERPRET=_interpreting(), num_warps=warps, num_stages=stages)
+    return out
+
+
 def probe(a, a_scale, w, ids, out, block_n, block_k, warps, stages, read_only):
     M, K = ids.shape
     stride_wse, _ = _scale_strides(w.w13_scale)
@@ -117,12 +172,18 @@ def main():
         out = torch.empty_like(expected)
         fns = {f"gemm1 table N{cfg.BLOCK_N} K{cfg.BLOCK_K} w{cfg.num_warps} s{cfg.num_stages}":
                lambda: gemv.gemv1(a, a_scale, p.w, p.ids, p.x.dtype, cfg, False)}
-        for (block_n, block_k), warps, stages, read_only in itertools.product(
-                tiles(), args.warps, args.stages, (False, True)):
-            tag = f"gemm1 {'read' if read_only else 'late'} N{block_n} K{block_k} w{warps} s{stages}"
+        variants = [("read" if r else "late", b, k, nw, s) for (b, k), nw, s, r in itertools.product(
+            tiles(), args.warps, args.stages, (False, True))]
+        variants += [("dot", b, k, nw, s) for b, k, nw, s in itertools.product(
+            (16, 32, 64), (128, 256), args.warps, (3, 4))]
+        for kind, block_n, block_k, warps, stages in variants:
+            tag = f"gemm1 {kind} N{block_n} K{block_k} w{warps} s{stages}"
+            read_only = kind == "read"
 
-            def fn(b=block_n, k=block_k, nw=warps, s=stages, r=read_only, a=a, a_scale=a_scale, p=p, out=out):
-                return probe(a, a_scale, p.w, p.ids, out, b, k, nw, s, r)
+            def fn(kind=kind, b=block_n, k=block_k, nw=warps, s=stages, a=a, a_scale=a_scale, p=p, out=out):
+                if kind == "dot":
+                    return on_tensor_cores(a, a_scale, p.w, p.ids, out, b, k, nw, s)
+                return probe(a, a_scale, p.w, p.ids, out, b, k, nw, s, kind == "read")
             try:
                 got = fn()
                 torch.cuda.synchronize()
@@ -139,7 +200,7 @@ def main():
         nbytes = int(torch.unique(p.ids).numel()) * 2 * p.w.n * p.w.hidden
         print(f"\n{p.model} tp{p.tp} M={p.M}: GEMM1 reads {nbytes / 1e6:.1f} MB", flush=True)
         table = next(iter(fns))
-        for kind in ("late", "read"):  # the eight fastest of each kernel, and the table's
+        for kind in ("late", "dot", "read"):  # the eight fastest of each kernel, and the table's
             ranked = sorted(((k, v) for k, v in times.items() if k.startswith(f"gemm1 {kind}")
                              and not isinstance(v, BaseException)), key=lambda kv: kv[1].median_us)[:8]
             for label, us in print_gemm_times(dict(ranked), nbytes, 0, width=30):

@@ -47,8 +47,8 @@
 #        (one 128-group per pair up to the whole intermediate) and column blocks down to 1, against the
 #        table's GEMM2 (GEMV2_STEPS_ARGS adds arguments: "--points glm-4.5v-fp8:2:1"); not part of `all`.
 # gemv1reduce: scripts/diag_gemv1_reduce.py, the GEMV path's GEMM1 against the same products reduced once
-#        after the K loop and against the bare reading of its weights on the same grid (the ceiling of
-#        its access pattern), GLM-4.5V M = 1 and 4, Mixtral M = 1 (GEMV1_REDUCE_ARGS adds arguments);
+#        after the K loop, on the tensor cores (operands swapped), and against the bare reading of its
+#        weights on the same grid (the ceiling of its access pattern), GLM-4.5V M = 1 and 4, Mixtral M = 1 (GEMV1_REDUCE_ARGS adds arguments);
 #        not part of `all`.
 # quantchunks: scripts/diag_quantize_chunks.py, x's quantization in chunks of columns (launch.QUANTIZE_CHUNK)
 #        against a whole row per program: the quantize launch alone and the layer, DeepSeek-V3 and

@@ -130,7 +130,8 @@ def test_the_decode_diagnosis_sweeps_the_gemv_configs_the_tuner_searches(monkeyp
 @pytest.mark.parametrize("block_n,block_k", [(8, 256), (2, 1024), (1, 4096)])
 def test_the_gemv1_probe_kernels_compute_what_they_claim(block_n, block_k, device):
     """diag_gemv1_reduce.py's `late` kernel (the same products as the GEMV path's GEMM1, reduced once
-    after the K loop) gives gemv.gemv1's output, whatever its tile, but for float32 sums taken in
+    after the K loop) and its `dot` kernel (them on the tensor cores) give gemv.gemv1's output,
+    whatever their tiles, but for float32 sums taken in
     another order: an output may then round to the neighbouring bf16 value (2**-8 relative, so
     2**-7 allowed), nothing more; its `read` kernel sums the gate and up
     weights each program reads, nothing else. Hidden 640: a K step of 256 ends half masked, one
@@ -149,6 +150,11 @@ def test_the_gemv1_probe_kernels_compute_what_they_claim(block_n, block_k, devic
     expected = gemv.gemv1(a, a_scale, w, ids, torch.bfloat16, KernelConfig(16, 8, 256, 1, 2, 1, GEMV=1), False)[0]
     late = probe.probe(a, a_scale, w, ids, torch.empty_like(expected), block_n, block_k, 2, 1, False)
     torch.testing.assert_close(late.float(), expected.float(), rtol=2**-7, atol=1e-6)
+    # on the tensor cores (column blocks of 16+): the same products, each K step's summed in the
+    # tensor cores' order (float32 here; on a GPU their own precision), so the same tolerance
+    dot = probe.on_tensor_cores(a, a_scale, w, ids, torch.empty_like(expected), max(16, 8 * block_n),
+                                min(block_k, 256), 4, 3)
+    torch.testing.assert_close(dot.float(), expected.float(), rtol=2**-7, atol=1e-6)
     read = probe.probe(a, a_scale, w, ids, torch.empty_like(expected), block_n, block_k, 2, 1, True)
     w13 = w.w13.float()[ids.reshape(-1).long()]  # [P, 2N, H]: each pair's expert
     sums = (w13[:, :N].sum(dim=2) + w13[:, N:].sum(dim=2)).to(torch.bfloat16)
