@@ -132,8 +132,8 @@ def test_the_gemv1_probe_kernels_compute_what_they_claim(block_n, block_k, devic
     """diag_gemv1_reduce.py's `late` kernel (the same products as the GEMV path's GEMM1, reduced once
     after the K loop) and its `dot` kernel (them on the tensor cores) give gemv.gemv1's output,
     whatever their tiles, but for float32 sums taken in
-    another order: an output may then round to the neighbouring bf16 value (2**-8 relative, so
-    2**-7 allowed), nothing more; its `read` kernel sums the gate and up
+    another order: an output may then round to the neighbouring bf16 value (one bf16 step, at most
+    2**-7 relative, allowed), nothing more; its `read` kernel sums the gate and up
     weights each program reads, nothing else. Hidden 640: a K step of 256 ends half masked, one
     of 4096 reads the whole row in one masked step."""
     import torch

@@ -209,12 +209,13 @@ def _gathered_rows(a_ptr, sorted_ptr, row0, first_row, real_rows, K_TOP, stride_
 @gluon.jit
 def _quantize_groups(act, scale_of_row):
     """_kernels._quantize_tile in Gluon: a / scale per row, correctly rounded without a division
-    per element (the row's reciprocal, then one Markstein correction), clamped, to e4m3."""
+    per element (the row's reciprocal, then one Markstein correction, kept out where it is not
+    defined: _kernels._divide_rn), clamped, to e4m3."""
     s = scale_of_row[:, None]
     inv = gl.div_rn(gl.full(scale_of_row.shape, 1.0, gl.float32, scale_of_row.type.layout), scale_of_row)[:, None]
     q = act * inv
-    q = gl.fma(gl.fma(-q, s, act), inv, q)
-    return _clamp_fp8(q).to(gl.float8e4nv)
+    corrected = gl.fma(gl.fma(-q, s, act), inv, q)
+    return _clamp_fp8(gl.where((q == 0) | (corrected != corrected), q, corrected)).to(gl.float8e4nv)
 
 
 @gluon.jit

@@ -315,20 +315,30 @@ def _tile_ids(num_rows_ptr, num_n_blocks, GROUP_M: tl.constexpr, BLOCK_M: tl.con
 
 
 @triton.jit
-def _quantize_tile(a, scale_of_row, INTERPRET: tl.constexpr):
-    """float32 tile -> FP8 with per-row scales [BLOCK_M] (the 1x128 group or per-tensor rule).
-
-    a / scale without a division per element (this runs inside the GEMMs, where an IEEE division
-    per element cost up to 25% of a decode-size layer, H200 2026-12-03): the row's reciprocal
-    once, then Markstein's correction q + (a - q * s) / s ~ q + fma(-q, s, a) * (1/s), two FMAs,
-    which gives the correctly rounded quotient. The plain product a * (1/s) is not enough: with
-    bf16 inputs a / s often lands exactly on an FP8 rounding midpoint, and a 1-ulp error then
-    moves 0.04% of the values by one FP8 step (2e-3 relative L2, measured on the CPU)."""
-    s = scale_of_row[:, None]
-    inv = tl.div_rn(tl.full(scale_of_row.shape, 1.0, tl.float32), scale_of_row)[:, None]
+def _divide_rn(a, s, inv):
+    """a / s correctly rounded (IEEE division's float32 result), given inv = 1 / s correctly
+    rounded, without a division per element (inside the GEMMs an IEEE division per element cost
+    up to 25% of a decode-size layer, H200 2026-12-03): Markstein's correction
+    q + (a - q * s) / s ~ q + fma(-q, s, a) * inv, two FMAs. The plain product a * inv is not
+    enough: with bf16 inputs a / s often lands exactly on an FP8 rounding midpoint, and a 1-ulp
+    error then moves 0.04% of the values by one FP8 step (2e-3 relative L2, measured on the CPU).
+    Where a * inv is zero or the correction is NaN (a, s or the quotient not finite: inf - inf),
+    a * inv already is the division's result (a signed zero, an infinity, a NaN) and is kept: the
+    correction would turn -0 into +0 and an overflow that saturates into a NaN. Below |a| = 2**-102
+    the residual is subnormal and the quotient may end a few bits off: there a / s is under 2**-60
+    for any scale a dynamic rule makes (at least 1e-10 / 448), far below e4m3's smallest step
+    (2**-9), so the FP8 value is the same (tests/test_triton_division.py)."""
     q = a * inv
-    q = tl.fma(tl.fma(-q, s, a), inv, q)
-    return _to_fp8(_clamp_fp8(q), INTERPRET)
+    corrected = tl.fma(tl.fma(-q, s, a), inv, q)
+    return tl.where((q == 0) | (corrected != corrected), q, corrected)
+
+
+@triton.jit
+def _quantize_tile(a, scale_of_row, INTERPRET: tl.constexpr):
+    """float32 tile -> FP8 with per-row scales [BLOCK_M] (the 1x128 group or per-tensor rule):
+    clamp(a / scale) by _divide_rn, so the bits of moekit.quant.to_fp8's IEEE division."""
+    inv = tl.div_rn(tl.full(scale_of_row.shape, 1.0, tl.float32), scale_of_row)[:, None]
+    return _to_fp8(_clamp_fp8(_divide_rn(a, scale_of_row[:, None], inv)), INTERPRET)
 
 
 @triton.jit

@@ -374,8 +374,11 @@ QUANTIZE_CHUNK = 1024
 def _quantize_columns(H: int, mode: int | None) -> int:
     """BLOCK_H of quantize_rows_kernel / decode_prologue_kernel: the whole row (a power of two) for
     a per-row scale (MODE 0: the row's |max|), else at most QUANTIZE_CHUNK."""
+    chunk = QUANTIZE_CHUNK
+    if chunk and (chunk < 128 or chunk & (chunk - 1)):  # a tile of whole 128-groups, a power of two
+        raise ValueError(f"launch.QUANTIZE_CHUNK must be 0 or a power of two >= 128, got {chunk!r}")
     whole = _block_h(H)
-    return whole if mode == 0 or not QUANTIZE_CHUNK else min(whole, QUANTIZE_CHUNK)
+    return whole if mode == 0 or not chunk else min(whole, chunk)
 
 
 def quantize_input(x: torch.Tensor, weights: MoEWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
