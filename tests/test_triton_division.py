@@ -1,7 +1,8 @@
 """The triton backend's division by a quantization scale (_kernels._divide_rn, inside every
 quantizing kernel and GEMM epilogue: two FMAs on the reciprocal instead of a division per
-element) against IEEE division, and the FP8 values it gives against moekit.quant.to_fp8, the
-reference's rule. Under TRITON_INTERPRET=1 on the CPU; on CUDA on a GPU machine."""
+element) against IEEE division, the FP8 values it gives against moekit.quant.to_fp8, the
+reference's rule, and the quantizer's chunks of columns writing only their own scales. Under
+TRITON_INTERPRET=1 on the CPU; on CUDA on a GPU machine."""
 
 import pytest
 import torch
@@ -85,3 +86,26 @@ def test_the_chunk_of_columns_must_be_a_power_of_two_of_whole_groups(monkeypatch
         with pytest.raises(ValueError, match="QUANTIZE_CHUNK must be 0 or a power of two >= 128"):
             launch.quantize_input(x, w)
     assert moekit  # the package imported as a user would
+
+
+@pytest.mark.parametrize("H", [600, 1024, 1100])
+def test_group_scales_are_written_inside_their_row_only(H, device, monkeypatch):
+    """Chunks of 256 columns, 1x128 groups: each program writes the scales of its own groups and
+    no others. The scales go into a wider buffer (4 guard columns per row, a sentinel in them):
+    every guard keeps its sentinel, every group's scale is moekit.quant's."""
+    from moekit.backends.triton import _kernels as k
+    from moekit.quant import quantize_activation
+
+    monkeypatch.setattr(launch, "QUANTIZE_CHUNK", 256)
+    M, groups = 3, triton.cdiv(H, 128)
+    x = torch.randn(M, H, device=device).to(torch.bfloat16) * 3
+    q = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=device)
+    guarded = torch.full((M, groups + 4), -7.0, device=device)
+    columns = launch._quantize_columns(H, 1)
+    launch._launch(k.quantize_rows_kernel, (M, triton.cdiv(H, columns)), x, q, guarded, guarded, H=H,
+                   stride_x=x.stride(0), stride_q=q.stride(0), stride_s=guarded.stride(0), BLOCK_H=columns,
+                   GROUP=128, INTERPRET=launch._interpreting(), MODE=1, FROM_AMAX=False)
+    expected_q, expected_scale = quantize_activation(x, "group")
+    assert torch.equal(guarded[:, groups:], torch.full((M, 4), -7.0, device=device))
+    assert torch.equal(guarded[:, :groups], expected_scale)
+    assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
