@@ -36,7 +36,9 @@ def lookup(handle: int):
         raise RuntimeError(
             f"moekit: the layer this compiled graph was traced with (handle {handle}) no longer "
             "exists: it was deleted (compile the model again), or built inside the compiled "
-            "function (build moekit layers and weights outside it)"
+            "function (build moekit layers and weights outside it), or the graph is a torch.export "
+            "program loaded in another process (moekit's ops name their layer by a handle of the "
+            "process that traced it: an exported program runs only there, while its layer lives)"
         )
     return obj
 
