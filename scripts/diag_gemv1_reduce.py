@@ -33,8 +33,30 @@ from moekit.backends.triton import gemv
 from moekit.backends.triton._kernels import _to_dtype
 from moekit.backends.triton.launch import _interpreting, _scale_strides
 from moekit.timing import time_graphs
+from moekit.tune.space import GEMV_START
 
 from diag_points import layer_points, print_gemm_times, write_json  # scripts/ is on the path when a script runs
+
+
+@triton.jit
+def _pair_columns(ids_ptr, N, K_TOP, BLOCK_N: tl.constexpr):
+    """This program's pair, token, expert and BLOCK_N columns of N, as gemv1_kernel has them."""
+    pair = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pair, (pair // K_TOP).to(tl.int64), tl.load(ids_ptr + pair).to(tl.int64), cols, cols < N
+
+
+@triton.jit
+def _store_activation(gs, us, a_scale_ptr, w_scale_ptr, out_ptr, pair, token, e, cols, col_ok, N,
+                      stride_wse, stride_om, INTERPRET: tl.constexpr):
+    """SiLU(gate) * up of the gate and up sums, with the token's and the columns' scales."""
+    a_s = tl.load(a_scale_ptr + token)
+    ws = w_scale_ptr + e * stride_wse
+    gs *= a_s * tl.load(ws + cols, mask=col_ok, other=0.0)
+    us *= a_s * tl.load(ws + N + cols, mask=col_ok, other=0.0)
+    act = gs / (1.0 + tl.exp(-gs)) * us
+    tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, _to_dtype(act, out_ptr.dtype.element_ty, INTERPRET),
+             mask=col_ok)
 
 
 @triton.jit
@@ -42,12 +64,7 @@ def late_or_read_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, ids_ptr
                         stride_am, stride_we, stride_wn, stride_wse, stride_om,
                         READ_ONLY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         STAGES: tl.constexpr, INTERPRET: tl.constexpr):
-    pair = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    token = (pair // K_TOP).to(tl.int64)
-    e = tl.load(ids_ptr + pair).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    pair, token, e, cols, col_ok = _pair_columns(ids_ptr, N, K_TOP, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + token * stride_am + ks
     gate_ptrs = w_ptr + e * stride_we + cols[:, None] * stride_wn + ks[None, :]
@@ -69,18 +86,12 @@ def late_or_read_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, ids_ptr
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-    gs = tl.sum(g, axis=1)
-    us = tl.sum(u, axis=1)
-    if not READ_ONLY:
-        a_s = tl.load(a_scale_ptr + token)
-        ws = w_scale_ptr + e * stride_wse
-        gs *= a_s * tl.load(ws + cols, mask=col_ok, other=0.0)
-        us *= a_s * tl.load(ws + N + cols, mask=col_ok, other=0.0)
-        gs = gs / (1.0 + tl.exp(-gs)) * us
+    if READ_ONLY:
+        tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols,
+                 _to_dtype(tl.sum(g, axis=1) + tl.sum(u, axis=1), out_ptr.dtype.element_ty, INTERPRET), mask=col_ok)
     else:
-        gs += us
-    tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, _to_dtype(gs, out_ptr.dtype.element_ty, INTERPRET),
-             mask=col_ok)
+        _store_activation(tl.sum(g, axis=1), tl.sum(u, axis=1), a_scale_ptr, w_scale_ptr, out_ptr, pair, token, e,
+                          cols, col_ok, N, stride_wse, stride_om, INTERPRET)
 
 
 @triton.jit
@@ -91,12 +102,7 @@ def tensor_core_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, ids_ptr,
     """The same products on the tensor cores, operands swapped: the pair's BLOCK_N weight rows are
     the product's 16+ rows and its activation row the only non-zero column of a 16-column operand
     (the smallest a dot takes), one product per K step added into float32."""
-    pair = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    token = (pair // K_TOP).to(tl.int64)
-    e = tl.load(ids_ptr + pair).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    pair, token, e, cols, col_ok = _pair_columns(ids_ptr, N, K_TOP, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     first_lane = tl.arange(0, 16)[None, :] == 0
     a_ptrs = a_ptr + token * stride_am + ks[:, None] + 0 * first_lane  # [BLOCK_K, 16], every column the row
@@ -113,34 +119,28 @@ def tensor_core_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, ids_ptr,
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-    a_s = tl.load(a_scale_ptr + token)
-    ws = w_scale_ptr + e * stride_wse
-    gs = tl.sum(g, axis=1) * a_s * tl.load(ws + cols, mask=col_ok, other=0.0)  # column 0 alone is non-zero
-    us = tl.sum(u, axis=1) * a_s * tl.load(ws + N + cols, mask=col_ok, other=0.0)
-    act = gs / (1.0 + tl.exp(-gs)) * us
-    tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, _to_dtype(act, out_ptr.dtype.element_ty, INTERPRET),
-             mask=col_ok)
+    _store_activation(tl.sum(g, axis=1), tl.sum(u, axis=1), a_scale_ptr, w_scale_ptr, out_ptr, pair, token, e,
+                      cols, col_ok, N, stride_wse, stride_om, INTERPRET)  # column 0 alone is non-zero
+
+
+def _launch_probe(kernel, a, a_scale, w, ids, out, block_n, warps, stages, **constexprs):
+    """One of the probe kernels on GEMM1's grid: a program per (pair, block_n columns of N)."""
+    M, K = ids.shape
+    stride_wse, _ = _scale_strides(w.w13_scale)
+    kernel[(M * K, triton.cdiv(w.n, block_n))](
+        a, a_scale, w.w13, w.w13_scale, out, ids.reshape(-1), w.n, w.hidden, K,
+        a.stride(0), w.w13.stride(0), w.w13.stride(1), stride_wse, out.stride(0),
+        BLOCK_N=block_n, STAGES=stages, INTERPRET=_interpreting(), num_warps=warps, num_stages=stages, **constexprs)
+    return out
 
 
 def on_tensor_cores(a, a_scale, w, ids, out, block_n, block_k, warps, stages):
-    M, K = ids.shape
-    stride_wse, _ = _scale_strides(w.w13_scale)
-    tensor_core_kernel[(M * K, triton.cdiv(w.n, block_n))](
-        a, a_scale, w.w13, w.w13_scale, out, ids.reshape(-1), w.n, w.hidden, K,
-        a.stride(0), w.w13.stride(0), w.w13.stride(1), stride_wse, out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, INTERPRET=_interpreting(), num_warps=warps, num_stages=stages)
-    return out
+    return _launch_probe(tensor_core_kernel, a, a_scale, w, ids, out, block_n, warps, stages, BLOCK_K=block_k)
 
 
 def probe(a, a_scale, w, ids, out, block_n, block_k, warps, stages, read_only):
-    M, K = ids.shape
-    stride_wse, _ = _scale_strides(w.w13_scale)
-    late_or_read_kernel[(M * K, triton.cdiv(w.n, block_n))](
-        a, a_scale, w.w13, w.w13_scale, out, ids.reshape(-1), w.n, w.hidden, K,
-        a.stride(0), w.w13.stride(0), w.w13.stride(1), stride_wse, out.stride(0),
-        READ_ONLY=read_only, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, INTERPRET=_interpreting(),
-        num_warps=warps, num_stages=stages)
-    return out
+    return _launch_probe(late_or_read_kernel, a, a_scale, w, ids, out, block_n, warps, stages, BLOCK_K=block_k,
+                         READ_ONLY=read_only)
 
 
 def tiles():
@@ -166,7 +166,7 @@ def main():
             raise SystemExit(f"{p.model}: this probe runs fp8-channel-token only, not {p.w.scheme.name}")
         cfg = backend.config_for(p.w, p.shape.top_k, p.M, dev)
         if not cfg.GEMV:
-            cfg = moekit.backends.triton.KernelConfig(16, 8, 512, 1, 2, 3, GEMV=1)
+            cfg = GEMV_START
         a, a_scale = gemv.quantize_input(p.x, p.w)
         expected = gemv.gemv1(a, a_scale, p.w, p.ids, p.x.dtype, cfg, False)[0]
         out = torch.empty_like(expected)

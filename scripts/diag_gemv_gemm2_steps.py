@@ -15,28 +15,11 @@ import torch
 
 import moekit
 from moekit.backends.sizes import cdiv, next_pow2
-from moekit.backends.triton import _gemv_kernels as gk
 from moekit.backends.triton import gemv
-from moekit.backends.triton.launch import B_SCALE_KIND, _interpreting, _launch, _scale_strides
 from moekit.timing import time_graphs
 from moekit.tune.space import GEMV_START
 
 from diag_points import layer_points, print_gemm_times, write_json  # scripts/ is on the path when a script runs
-
-
-def gemm2_with_step(act, act_scale, a_mode, w, tw, ids, block_n, groups, warps, stages):
-    """gemv.gemv2 with GEMM2's column block, 128-groups per pair and step, warps and depth given."""
-    M, K = ids.shape
-    out = torch.empty(M, w.hidden, dtype=torch.bfloat16, device=act.device)
-    stride_wse, stride_wsn = _scale_strides(w.w2_scale)
-    _launch(gk.gemv2_kernel, (M, cdiv(w.hidden, block_n)),
-        act, act_scale, w.w2, w.w2_scale if w.w2_scale is not None else act,
-        tw.reshape(-1).contiguous(), ids.reshape(-1), out, w.n, w.hidden,
-        act.stride(0), w.w2.stride(0), w.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
-        A_MODE=a_mode, B_SCALE=B_SCALE_KIND[w.scheme.weight], K_TOP=K, K_POW2=next_pow2(K),
-        BLOCK_N=block_n, GROUPS=groups, STAGES=stages, INTERPRET=_interpreting(), num_warps=warps, num_stages=stages,
-    )
-    return out
 
 
 def main():
@@ -62,8 +45,9 @@ def main():
         fns = {"gemm2 table": lambda: gemv.gemv2(act, act_scale, a_mode, p.w, p.tw, p.ids, p.x.dtype, cfg)}
         for block_n, groups, warps, stages in itertools.product(args.block_n, group_counts, args.warps, args.stages):
             tag = f"gemm2 N{block_n} G{groups} w{warps} s{stages}"
-            def fn(b=block_n, g=groups, nw=warps, s=stages, act=act, act_scale=act_scale, a_mode=a_mode, p=p):
-                return gemm2_with_step(act, act_scale, a_mode, p.w, p.tw, p.ids, b, g, nw, s)
+            def fn(launch=cfg.with_gemm2(BLOCK_N=block_n, num_warps=warps, num_stages=stages), g=groups, act=act,
+                   act_scale=act_scale, a_mode=a_mode, p=p):
+                return gemv.gemv2(act, act_scale, a_mode, p.w, p.tw, p.ids, p.x.dtype, launch, groups=g)
             try:
                 out = fn()
                 torch.cuda.synchronize()

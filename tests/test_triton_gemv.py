@@ -166,6 +166,30 @@ def test_gemm2_on_a_launch_of_its_own(scheme, E, H, N, M, K, cfg, device, monkey
     assert by_kernel[gemv_module.gk.gemv2_kernel] == [(M, -(-H // g2.BLOCK_N)), g2.BLOCK_N, g2.num_warps]
 
 
+def test_gemm2_takes_a_k_step_of_its_own_where_asked(device, monkeypatch):
+    """gemv.gemv2(groups=g) reads g 128-groups per pair and step instead of gemm2_groups' (what
+    scripts/diag_gemv_gemm2_steps.py times), on any column block down to 1: the same products,
+    summed across groups in another order, so the output within one bf16 step (2**-7 relative)."""
+    from moekit.backends.triton import gemv as gemv_module
+
+    asked = []
+    real = gemv_module._launch
+    monkeypatch.setattr(gemv_module, "_launch", lambda kernel, grid, *a, **kw: (
+        asked.append((kw["GROUPS"], kw["BLOCK_N"])), real(kernel, grid, *a, **kw))[1])
+    E, H, N, M, K = 6, 256, 384, 2, 4
+    w = random_weights(E, H, N, "fp8-block128", device=device)
+    tw, ids = random_routing(M, E, K, device=device)
+    cfg = gemv(8, 256)
+    a, a_scale = gemv_module.quantize_input(random_x(M, H, device=device), w)
+    act, act_scale, a_mode = gemv_module.gemv1(a, a_scale, w, ids, torch.bfloat16, cfg, False)
+    expected = gemv_module.gemv2(act, act_scale, a_mode, w, tw.float(), ids, torch.bfloat16, cfg)
+    for block_n, groups in [(1, 4), (2, 2), (8, 1)]:
+        launch = cfg.with_gemm2(BLOCK_N=block_n, num_warps=2, num_stages=1)
+        out = gemv_module.gemv2(act, act_scale, a_mode, w, tw.float(), ids, torch.bfloat16, launch, groups=groups)
+        assert asked[-1] == (groups, block_n)
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=1e-6)
+
+
 def test_config_rules_of_gemm2_on_the_gemv_path():
     token, block = moekit.get_scheme("fp8-channel-token"), moekit.get_scheme("fp8-block128")
     own = gemv(8, 512, 4).with_gemm2(BLOCK_N=16, num_warps=2)

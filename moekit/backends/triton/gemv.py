@@ -82,10 +82,12 @@ def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfi
     return out, out_scale, a_mode
 
 
-def gemv2(act, act_scale, a_mode, weights: MoEWeights, topk_weights, topk_ids, out_dtype, cfg: KernelConfig):
+def gemv2(act, act_scale, a_mode, weights: MoEWeights, topk_weights, topk_ids, out_dtype, cfg: KernelConfig,
+          groups: int | None = None):
     """The layer's output [M, H]: each token's K pairs through w2, weighted and summed; on
     GEMM2's own column block, warps and K-loop depth where the config has them
-    (KernelConfig.gemm2), its K step GEMM1's (gemm2_groups)."""
+    (KernelConfig.gemm2), its K step GEMM1's (gemm2_groups) unless `groups` (128-groups per pair
+    and step, a power of two) is given: scripts/diag_gemv_gemm2_steps.py measures other steps."""
     M, K = topk_ids.shape
     g2 = _gemm2_launch(cfg)
     N, H = weights.n, weights.hidden
@@ -97,7 +99,7 @@ def gemv2(act, act_scale, a_mode, weights: MoEWeights, topk_weights, topk_ids, o
         topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1), out, N, H,
         act.stride(0), weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
         A_MODE=a_mode, B_SCALE=B_SCALE_KIND[weights.scheme.weight], K_TOP=K, K_POW2=next_pow2(K),
-        BLOCK_N=g2.BLOCK_N, GROUPS=gemm2_groups(cfg, K), STAGES=g2.num_stages, INTERPRET=_interpreting(),
+        BLOCK_N=g2.BLOCK_N, GROUPS=groups or gemm2_groups(cfg, K), STAGES=g2.num_stages, INTERPRET=_interpreting(),
         num_warps=g2.num_warps, num_stages=g2.num_stages,
     )
     return out

@@ -364,10 +364,10 @@ def _block_h(H: int) -> int:
 
 
 # Columns of x per quantizing program where a row's scale needs no more than them (1x128 groups,
-# per-tensor scales): at decode sizes one program per row left all SMs but M idle while each
-# worked through its row (DeepSeek-V3's 7168 columns: the quantize launch cost 4.9-5.8 µs of an
-# H100 decode layer against 2.0-2.7 at GLM-4.5V's 4096 per-token; BENCHMARKS.md, thirty-first
-# session). 0: the whole row per program, as before.
+# per-tensor scales): at decode sizes one program per row leaves all SMs but M idle while each
+# works through its row. On an H100 chunks of 1024 made the quantize launch alone 0.4-0.6 µs
+# faster at DeepSeek-V3's 7168 columns, M = 1-64 (the layer did not move beyond its spread;
+# BENCHMARKS.md, thirty-first session). 0: the whole row per program, as before.
 QUANTIZE_CHUNK = 1024
 
 
