@@ -1,4 +1,4 @@
-"""The triton backend's GEMV path (KernelConfig.GEMV = 1, backends/triton/gemv.py) against
+"""The triton backend's GEMV path (KernelConfig.GEMV = 1 or 2, backends/triton/gemv.py) against
 `reference`: under TRITON_INTERPRET=1 on the CPU (small shapes), and at the preset shapes on a
 GPU (marked `gpu`). The tolerances are test_triton_backend's (derived there): the GEMV path sums
 the same quantized values in float32 (in another order) and rounds each pair's output to the
@@ -19,10 +19,12 @@ from test_triton_backend import (PRESET_SHAPES, REL_L2_TOL, SCHEMES, assert_matc
                                  with_accumulation_modes)
 
 
-def gemv(block_n=32, block_k=256, warps=2):
+def gemv(block_n=32, block_k=256, warps=2, late=False):
     # the interpreter runs one program at a time: CPU tests use wide column blocks, except where a
-    # narrow one is the point (the GPU tests use the narrow blocks the tuner picks)
-    return KernelConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1, num_warps=warps, num_stages=1, GEMV=1)
+    # narrow one is the point (the GPU tests use the narrow blocks the tuner picks). late: GEMM1
+    # reduces once after its K loop (GEMV=2) rather than each step
+    return KernelConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1, num_warps=warps, num_stages=1,
+                        GEMV=2 if late else 1)
 
 
 def run(x, w, tw, ids, cfg):
@@ -33,6 +35,7 @@ def check(x, w, tw, ids, cfg):
     return assert_matches_reference(run(x, w, tw, ids, cfg), x, w, tw, ids)
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["step", "late"])
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize(
     "E,H,N,M,K,cfg",
@@ -44,7 +47,8 @@ def check(x, w, tw, ids, cfg):
         (3, 1152, 384, 2, 2, gemv(16, 1024)),  # steps of 1024: the second 1/8 full; GEMM2 one step, 3/8 full
     ],
 )
-def test_matches_reference(scheme, E, H, N, M, K, cfg, device):
+def test_matches_reference(scheme, E, H, N, M, K, cfg, late, device):
+    cfg = dataclasses.replace(cfg, GEMV=2 if late else 1)
     w = random_weights(E, H, N, scheme, device=device, seed=E * M)
     tw, ids = random_routing(M, E, K, device=device, seed=M)
     check(random_x(M, H, device=device, seed=K), w, tw, ids, cfg)
@@ -57,14 +61,15 @@ def test_intermediate_not_a_multiple_of_the_column_block(scheme, device):
     check(random_x(7, 208, device=device), w, tw, ids, gemv(64, 256))
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["step", "late"])
 @pytest.mark.parametrize("scheme", ["fp8-channel-token", "fp8-block128"])
-def test_experts_without_tokens_and_all_on_one_expert(scheme, device):
+def test_experts_without_tokens_and_all_on_one_expert(scheme, late, device):
     w = random_weights(5, 128, 128, scheme, device=device)
     x = random_x(6, 128, device=device)
     tw, ids = random_routing(6, 5, 2, device=device, experts=[1, 3])  # experts 0, 2, 4 idle
-    check(x, w, tw, ids, gemv(64))
+    check(x, w, tw, ids, gemv(64, late=late))
     tw, ids = random_routing(6, 5, 1, device=device, experts=[4])  # every token on expert 4
-    check(x, w, tw, ids, gemv(64))
+    check(x, w, tw, ids, gemv(64, late=late))
 
 
 def test_fp16_activations(device):
@@ -84,10 +89,11 @@ def test_fp16_activations_with_fp8_weights(scheme, M, device):
     check(random_x(M, 144, dtype=torch.float16, device=device, seed=M), w, tw, ids, gemv(64, 256))
 
 
-def test_m_zero_launches_nothing_and_returns_an_empty_output(device):
+@pytest.mark.parametrize("late", [False, True], ids=["step", "late"])
+def test_m_zero_launches_nothing_and_returns_an_empty_output(late, device):
     w = random_weights(3, 128, 128, "fp8-channel-token", device=device)
     tw, ids = random_routing(0, 3, 2, device=device)
-    out = run(random_x(0, 128, device=device), w, tw, ids, gemv())
+    out = run(random_x(0, 128, device=device), w, tw, ids, gemv(late=late))
     assert out.shape == (0, 128) and out.dtype == torch.bfloat16
 
 
@@ -231,7 +237,10 @@ def test_config_rules_of_the_gemv_path():
     assert "BLOCK_N=12 must be a power of two >= 4" in gemv(12).problems(token)
     joined = KernelConfig(BLOCK_N=16, BLOCK_K=256, GEMV=1, JOIN=1).problems(token)
     assert any("the GEMV path (GEMV=1) has none" in p for p in joined)
-    assert "GEMV=2 must be 0 or 1" in KernelConfig(GEMV=2).problems(token)
+    assert not gemv(4, 512, late=True).problems(token)  # GEMM1 reducing once after its K loop
+    assert "GEMV=3 must be 0 (tiled), 1 or 2 (the GEMV path, GEMM1 reducing each K step or once)" in \
+        KernelConfig(GEMV=3).problems(token)
+    assert any("the GEMV path (GEMV=2) has none" in p for p in dataclasses.replace(gemv(16, 256, late=True), JOIN=1).problems(token))
     with pytest.raises(ValueError, match="must be a power of two >= 128"):
         w = random_weights(3, 128, 128, "fp8-channel-token")
         tw, ids = random_routing(2, 3, 1)
@@ -308,22 +317,26 @@ def test_non_contiguous_activations(cfg, device):
 # ------------------------------------------------------------------------------------ GPU
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["step", "late"])
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("stages", [2, 3])
-def test_pipelined_k_loops_give_the_same_bits(scheme, stages, device, monkeypatch):
+def test_pipelined_k_loops_give_the_same_bits(scheme, stages, late, device, monkeypatch):
     """num_stages > 1 pipelines both GEMV kernels' K loops (tl.range(num_stages=...)): loads move
     ahead, the sums and their order do not, so the output is bitwise that of the unpipelined loops
     (and so within the reference's tolerances). Hidden 640 and N 256 give GEMM1 three steps of 256
     (the last half masked) and GEMM2 two of one 128-group per pair at top-4.
     The launch is checked too: each kernel gets its config's depth (GEMM2 its own launch's,
-    num_stages2, where set), since the interpreter runs a pipelined loop as a plain one."""
+    num_stages2, where set), since the interpreter runs a pipelined loop as a plain one, and GEMM1
+    its config's reduction (LATE for GEMV=2)."""
     from moekit.backends.triton import gemv as gemv_module
 
-    depths = {}
+    depths, lates = {}, []
     real = gemv_module._launch
 
     def recording(kernel, grid, *args, **kw):
         depths[kernel] = (kw["STAGES"], kw["num_stages"])
+        if "LATE" in kw:
+            lates.append(kw["LATE"])
         return real(kernel, grid, *args, **kw)
 
     monkeypatch.setattr(gemv_module, "_launch", recording)
@@ -331,7 +344,7 @@ def test_pipelined_k_loops_give_the_same_bits(scheme, stages, device, monkeypatc
     w = random_weights(E, H, N, scheme, device=device, seed=stages)
     tw, ids = random_routing(M, E, K, device=device, seed=stages)
     x = random_x(M, H, device=device, seed=stages)
-    plain = gemv(64, 256)
+    plain = gemv(64, 256, late=late)
     pipelined = dataclasses.replace(plain, num_stages=stages)
     expected = run(x, w, tw, ids, plain)
     assert torch.equal(check(x, w, tw, ids, pipelined), expected)
@@ -339,6 +352,7 @@ def test_pipelined_k_loops_give_the_same_bits(scheme, stages, device, monkeypatc
     # GEMM2 on a depth of its own (num_stages2), GEMM1 unpipelined
     assert torch.equal(run(x, w, tw, ids, plain.with_gemm2(num_stages=stages)), expected)
     assert depths == {gemv_module.gk.gemv1_kernel: (1, 1), gemv_module.gk.gemv2_kernel: (stages, stages)}
+    assert lates == [late] * 3  # GEMM1 launched three times, each with the config's reduction
 
 
 _COMPILE_PIPELINED = """
@@ -350,13 +364,15 @@ from triton.compiler import ASTSource
 from moekit.backends.triton import _gemv_kernels as g
 
 POINTERS = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "out_ptr": "*bf16", "ids_ptr": "*i32"}
-CONSTANTS = {  # fp8 per-channel weights; GEMM1 in steps of 512, GEMM2 one 128-group per pair at top-8
-    "gemv1_kernel": {"A_SCALE": 2, "B_SCALE": 2, "OUT_MODE": 0, "ACT_DTYPE": tl.bfloat16, "BLOCK_N": 8, "GROUPS": 4},
-    "gemv2_kernel": {"A_MODE": 1, "B_SCALE": 2, "K_TOP": 8, "K_POW2": 8, "BLOCK_N": 8, "GROUPS": 1},
+GEMV1 = {"A_SCALE": 2, "B_SCALE": 2, "OUT_MODE": 0, "ACT_DTYPE": tl.bfloat16, "BLOCK_N": 8, "GROUPS": 4}
+CONSTANTS = {  # fp8 per-channel weights; GEMM1 in steps of 512 (reducing each step, then once), GEMM2 one 128-group per pair at top-8
+    "gemv1_kernel": ("gemv1_kernel", {**GEMV1, "LATE": False}),
+    "gemv1_kernel late": ("gemv1_kernel", {**GEMV1, "LATE": True}),
+    "gemv2_kernel": ("gemv2_kernel", {"A_MODE": 1, "B_SCALE": 2, "K_TOP": 8, "K_POW2": 8, "BLOCK_N": 8, "GROUPS": 1}),
 }
 found = {}
-for name, constants in CONSTANTS.items():
-    kernel = getattr(g, name)
+for name, (kernel_name, constants) in CONSTANTS.items():
+    kernel = getattr(g, kernel_name)
     for stages in (1, 3):
         signature, consts, attrs = {}, {}, {}
         for i, param in enumerate(kernel.params):
@@ -376,7 +392,7 @@ json.dump(found, sys.stdout)
 
 def test_pipelined_k_loops_compile_to_async_copies_for_hopper():
     """What the interpreter cannot show: compiled for sm_90 (without a GPU, in a process of its
-    own), STAGES > 1 turns both kernels' K-loop loads into cp.async copies into shared memory,
+    own), STAGES > 1 turns both kernels' K-loop loads (GEMM1 reducing each step or late) into cp.async copies into shared memory,
     holding at least the pipeline's tiles (space.gemv_shared_memory_bytes: GEMM1 2 x (512 + 2 x 8
     x 512) bytes, GEMM2 2 x 8 rows x 128 x (1 + 8)), and STAGES = 1 copies nothing."""
     import json
@@ -386,12 +402,13 @@ def test_pipelined_k_loops_compile_to_async_copies_for_hopper():
     from helpers import compile_in_child
 
     found = json.loads(compile_in_child(["-c", _COMPILE_PIPELINED]))
-    for name in ("gemv1_kernel", "gemv2_kernel"):
+    for name in ("gemv1_kernel", "gemv1_kernel late", "gemv2_kernel"):
         assert found[f"{name} 1"][0] == 0 and found[f"{name} 3"][0] > 0, found
     static = moekit.get_scheme("fp8-tensor-static")  # GEMM2's input fp8, as A_MODE 1
     gemm1_only = KernelConfig(16, 8, 512, 1, 2, 3, GEMV=1).with_gemm2(num_stages=1)
     gemm2_only = KernelConfig(16, 8, 512, 1, 2, 1, GEMV=1).with_gemm2(num_stages=3)
-    assert found["gemv1_kernel 3"][1] >= gemv_shared_memory_bytes(gemm1_only, static, 8) == 2 * (512 + 2 * 8 * 512)
+    for name in ("gemv1_kernel", "gemv1_kernel late"):  # the same tiles loaded either way
+        assert found[f"{name} 3"][1] >= gemv_shared_memory_bytes(gemm1_only, static, 8) == 2 * (512 + 2 * 8 * 512)
     assert found["gemv2_kernel 3"][1] >= gemv_shared_memory_bytes(gemm2_only, static, 8) == 2 * 8 * 128 * (1 + 8)
 
 
@@ -402,18 +419,20 @@ def test_gpu_preset_shapes(name, M):
     E, H, N, K, scheme = PRESET_SHAPES[name]
     w = random_weights(E, H, N, scheme, device="cuda")
     tw, ids = random_routing(M, E, K, device="cuda", seed=M)
-    for cfg in (gemv(4, 512), gemv(16, 256, 4)):  # the narrowest and widest blocks of the search space
+    # the narrowest and widest blocks of the search space, GEMM1 reducing each step, then once
+    for cfg in (gemv(4, 512), gemv(16, 256, 4), gemv(4, 512, late=True), gemv(8, 1024, 4, late=True)):
         check(random_x(M, H, device="cuda"), w, tw, ids, cfg)
 
 
 @pytest.mark.gpu
 def test_gpu_bitwise_deterministic_and_graph_replay_with_fresh_routing():
     E, H, N, K, scheme = PRESET_SHAPES["deepseek-v3 tp8"]
-    M, cfg = 2, gemv(8, 512)
+    M = 2
     w = random_weights(E, H, N, scheme, device="cuda")
     x = random_x(M, H, device="cuda")
     tw, ids = random_routing(M, E, K, device="cuda", seed=1)
-    first = run(x, w, tw, ids, cfg)
-    for _ in range(5):
-        assert torch.equal(run(x, w, tw, ids, cfg), first)
-    assert_graph_replays_fresh_routing(lambda x, tw, ids: run(x, w, tw, ids, cfg), x, tw, ids, E)
+    for cfg in (gemv(8, 512), gemv(8, 512, late=True)):
+        first = run(x, w, tw, ids, cfg)
+        for _ in range(5):
+            assert torch.equal(run(x, w, tw, ids, cfg), first)
+        assert_graph_replays_fresh_routing(lambda x, tw, ids, cfg=cfg: run(x, w, tw, ids, cfg), x, tw, ids, E)

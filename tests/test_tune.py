@@ -1972,6 +1972,7 @@ def test_config_from_key_inverts_config_key():
     assert any(c.has_gemm2 and c.N_TILES2 for c in configs) and any(c.OVERLAP2 for c in configs)
     assert any(c.GEMV and c.has_gemm2 for c in configs)
     assert any(c.GEMV and c.num_stages2 and config_key(c).endswith(f"-s{c.num_stages2}") for c in configs)
+    assert any(c.GEMV == 2 and c.has_gemm2 and "-late+" in config_key(c) for c in configs)  # GEMM1 reducing late
     # the joined tile: no search space has it, a table may (runner.Worker._incumbents); its key is its own
     joined = KernelConfig(64, 128, 128, 8, 4, 3, JOIN=1)
     configs += [joined, joined.with_gemm2(BLOCK_N=64)]
@@ -1980,7 +1981,7 @@ def test_config_from_key_inverts_config_key():
         assert space.config_from_key(config_key(cfg)) == cfg, config_key(cfg)
     for bad in ("", "M128-N128", "M128-N128-K128-G8-w8-s4+", "gemv-N8-K512-w2", "m128-n128-k128-g8-w8-s4 ",
                 "gemv-N8-K512-w2-s1+N16", "gemv-N8-K512-w2-s1+N0-w4", "gemv-N8-K512-w2-s1+N16-G1-w4-s1",
-                "gemv-N8-K512-w2-s1+N16-w4-s0",
+                "gemv-N8-K512-w2-s1+N16-w4-s0", "gemv-N8-K512-w2-s1-Late", "gemv-N8-K512-w2-late-s3",
                 "M128-N128-K128-G8-w8-s4+N0-G8-w8-s4", "M128-N128-K128-G8-w8-s4+N64-G8-w4-s3-r1", "M0-N128-K128-G8-w8-s4"):
         with pytest.raises(ValueError, match="expected M<rows>"):
             space.config_from_key(bad)
@@ -2125,6 +2126,11 @@ def test_candidates_ordered_by_evidence():
     overlap, half = dataclasses.replace(eight, OVERLAP=1), KernelConfig(32, 128, 128, 8, 8, 4)
     neighbour = NeighbourResult(1024, {config_key(a): 20.0, config_key(eight): 30.0, config_key(half): 5.0}, {}, set())
     assert runner.order_candidates([a, overlap], neighbour, default) == [a, overlap]
+    # a GEMV config reducing late (GEMV=2) new here by its GEMV=1 sibling (the same tile)
+    step_fast, step_slow = space.GEMV_START, dataclasses.replace(space.GEMV_START, BLOCK_N=4)
+    late_fast, late_slow = (dataclasses.replace(c, GEMV=2) for c in (step_fast, step_slow))
+    neighbour = NeighbourResult(2, {config_key(a): 20.0, config_key(step_fast): 5.0, config_key(step_slow): 30.0}, {}, set())
+    assert runner.order_candidates([late_slow, a, late_fast], neighbour, default) == [late_fast, a, late_slow]
 
 
 # --------------------------------------------------------------------------- vLLM export
@@ -2257,6 +2263,15 @@ def test_summary_names_a_gemv_config_by_what_it_uses():
     assert _config_text(pipelined.with_gemm2(BLOCK_N=16, num_stages=1).to_dict()) == "GEMV N8 K512 w2 s3 + GEMM2 N16 w2 s1"
     assert _config_text(pipelined.with_gemm2(BLOCK_N=16).to_dict()) == "GEMV N8 K512 w2 s3 + GEMM2 N16 w2"
     assert _config_text(KernelConfig(16, 64, 128, 1, 4, 3).to_dict()) == "M16 N64 K128 G1 w4 s3"
+
+
+def test_the_gemv_space_holds_both_reductions_within_the_register_cap():
+    late = space.gemv_late_space()
+    assert late and all(c in space.gemv_space() and not c.problems(FP8_BLOCK128) for c in late)
+    assert {c.GEMV for c in space.gemv_space()} == {1, 2}
+    per_thread = [c.BLOCK_N * c.BLOCK_K // (32 * c.num_warps) for c in late]
+    assert max(per_thread) == space.GEMV_LATE_MAX_VALUES_PER_THREAD  # the cap is reached, never passed
+    assert dataclasses.replace(space.GEMV_START, GEMV=2) in late  # the start's tile, reducing late
 
 
 def test_gemv_configs_are_ordered_among_the_tiled_ones_not_last():

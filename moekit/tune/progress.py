@@ -98,6 +98,7 @@ def _config_text(cfg: dict) -> str:
     if cfg.get("GEMV"):  # the GEMV path: no row tiles, no tile order; stages only where its K loops are pipelined
         gemv = KernelConfig.from_dict(cfg)
         text = f"GEMV N{gemv.BLOCK_N} K{gemv.BLOCK_K} w{gemv.num_warps}" + (f" s{gemv.num_stages}" if gemv.num_stages > 1 else "")
+        text += " late" if gemv.GEMV == 2 else ""  # GEMM1 reducing once after its K loop
         if gemv.has_gemm2:  # GEMM2's own column block and warps, and depth where its own
             g2 = gemv.gemm2()
             text += f" + GEMM2 N{g2.BLOCK_N} w{g2.num_warps}" + (f" s{g2.num_stages}" if gemv.num_stages2 else "")

@@ -338,7 +338,7 @@ def order_candidates(configs: Sequence[KernelConfig], neighbour: NeighbourResult
     neighbouring batch size (a config new here by its half-height sibling's, or, for a 16-warp
     one, that of its half-height sibling on 8 warps: the same share per warpgroup, since 16-warp
     configs have no half-height sibling in the space; an overlapped GEMM1 (OVERLAP) by its Triton
-    sibling's, the same tile), then the unmeasured ones by how few fields they change from the
+    sibling's, the same tile; a GEMV config reducing late (GEMV=2) by its GEMV=1 sibling's), then the unmeasured ones by how few fields they change from the
     default config (GEMV-path configs: from space.GEMV_START, so that they are interleaved with
     the tiled ones rather than all last)."""
     measured = neighbour.us if neighbour else {}
@@ -348,6 +348,8 @@ def order_candidates(configs: Sequence[KernelConfig], neighbour: NeighbourResult
         guesses = [cfg, half]
         if cfg.OVERLAP:
             guesses.insert(1, dataclasses.replace(cfg, OVERLAP=0))
+        if cfg.GEMV == 2:  # GEMM1 reducing once after its K loop: by its sibling reducing each step
+            guesses.insert(1, dataclasses.replace(cfg, GEMV=1))
         if cfg.num_warps == WIDE_TILE_WARPS:
             guesses.append(dataclasses.replace(half, num_warps=WIDE_TILE_WARPS // 2))
         for guess in guesses:

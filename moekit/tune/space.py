@@ -76,7 +76,7 @@ SpaceFn = Callable[[QuantScheme], Sequence[KernelConfig]]
 def config_key(cfg: KernelConfig) -> str:
     """A short, stable name for a config: the journal's and the summary's key."""
     if cfg.GEMV:  # BLOCK_M and GROUP_M mean nothing to the GEMV path
-        key = f"gemv-N{cfg.BLOCK_N}-K{cfg.BLOCK_K}-w{cfg.num_warps}-s{cfg.num_stages}"
+        key = f"gemv-N{cfg.BLOCK_N}-K{cfg.BLOCK_K}-w{cfg.num_warps}-s{cfg.num_stages}" + ("-late" if cfg.GEMV == 2 else "")
         if cfg.has_gemm2:  # GEMM2's own column block and warps, and depth where its own (gemv_gemm2_variants)
             g2 = cfg.gemm2()
             key += f"+N{g2.BLOCK_N}-w{g2.num_warps}" + (f"-s{g2.num_stages}" if cfg.num_stages2 else "")
@@ -98,9 +98,9 @@ def config_key(cfg: KernelConfig) -> str:
 
 _TILED_KEY = re.compile(r"M(?P<bm>\d+)-N(?P<bn>\d+)-K(?P<bk>\d+)-G(?P<g>\d+)-w(?P<w>\d+)-s(?P<s>\d+)(?P<ov>-ov)?(?P<join>-join)?"
                         r"(?:\+N(?P<bn2>\d+)-G(?P<g2>\d+)-w(?P<w2>\d+)-s(?P<s2>\d+)(?:-r(?P<r2>\d+))?(?P<ov2>-ov)?)?")
-_GEMV_KEY = re.compile(r"gemv-N(?P<bn>\d+)-K(?P<bk>\d+)-w(?P<w>\d+)-s(?P<s>\d+)(?:\+N(?P<bn2>\d+)-w(?P<w2>\d+)(?:-s(?P<s2>\d+))?)?")
+_GEMV_KEY = re.compile(r"gemv-N(?P<bn>\d+)-K(?P<bk>\d+)-w(?P<w>\d+)-s(?P<s>\d+)(?P<late>-late)?(?:\+N(?P<bn2>\d+)-w(?P<w2>\d+)(?:-s(?P<s2>\d+))?)?")
 _KEY_FORMS = ("M<rows>-N<cols>-K<k>-G<group>-w<warps>-s<stages>[-ov][-join] (optionally +N<cols>-G<group>-w<warps>-s<stages>"
-              "[-r<runs>][-ov] for GEMM2's own launch, runs 2 or more) or gemv-N<cols>-K<k>-w<warps>-s<stages> "
+              "[-r<runs>][-ov] for GEMM2's own launch, runs 2 or more) or gemv-N<cols>-K<k>-w<warps>-s<stages>[-late] "
               "(optionally +N<cols>-w<warps>[-s<stages>] for GEMM2's own), "
               "every number positive")
 
@@ -112,12 +112,12 @@ def config_from_key(key: str) -> KernelConfig:
     m = _GEMV_KEY.fullmatch(key) or _TILED_KEY.fullmatch(key)
     if m is None:
         raise ValueError(f"config key {key!r}: expected {_KEY_FORMS}")
-    n = {name: int(v) for name, v in m.groupdict().items() if v is not None and name not in ("ov", "ov2", "join")}
+    n = {name: int(v) for name, v in m.groupdict().items() if v is not None and name not in ("ov", "ov2", "join", "late")}
     if 0 in n.values() or n.get("r2", 2) < 2:  # a run of one is written without -r
         raise ValueError(f"config key {key!r}: expected {_KEY_FORMS}")
     if m.re is _GEMV_KEY:
         cfg = KernelConfig(BLOCK_M=16, BLOCK_N=n["bn"], BLOCK_K=n["bk"], GROUP_M=1, num_warps=n["w"],
-                           num_stages=n["s"], GEMV=1)
+                           num_stages=n["s"], GEMV=2 if m.group("late") else 1)
         if "bn2" not in n:
             return cfg
         return cfg.with_gemm2(BLOCK_N=n["bn2"], num_warps=n["w2"], num_stages=n.get("s2", n["s"]))
@@ -188,7 +188,8 @@ def hopper_space(scheme: QuantScheme, full: bool = False, overlap: bool = True) 
 
 
 def gemv_space() -> list[KernelConfig]:
-    """The GEMV path's configs (backends/triton/gemv.py): narrow column blocks and wide K steps,
+    """The GEMV path's configs (backends/triton/gemv.py), GEMM1 reducing each step (GEMV=1) and
+    once after its K loop (GEMV=2, gemv_late_space). GEMV=1: narrow column blocks and wide K steps,
     which put the most bytes in flight in its probe (BENCHMARKS.md, sixth session), each with its
     K loops unpipelined and pipelined (GEMV_STAGES). Steps of 1024 (twenty-sixth session; 2.6-2.7% per layer at
     DeepSeek-V3 M = 1 on an H200 and an H100, twenty-eighth) halve the sequential steps of each program again (GLM-4.5V at M = 1: GEMM1 8 steps
@@ -197,6 +198,25 @@ def gemv_space() -> list[KernelConfig]:
     return [
         KernelConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=s, GEMV=1)
         for bn, bk, w, s in itertools.product((4, 8, 16), (256, 512, 1024), (2, 4), GEMV_STAGES) if bn * bk <= 8192
+    ] + gemv_late_space()
+
+
+# The most float32 values one thread holds in each of GEMM1's two accumulators on the GEMV path
+# with its late reduction (GEMV=2: BLOCK_N x BLOCK_K per program). Its probe (BENCHMARKS.md,
+# thirty-second session) ran up to 128 (8 x 1024 or 4 x 2048 on 2 warps); none of those was among
+# the eight fastest at any point, and 64 (4 x 1024 on 2 warps) was, at GLM-4.5V M = 4.
+GEMV_LATE_MAX_VALUES_PER_THREAD = 64
+
+
+def gemv_late_space() -> list[KernelConfig]:
+    """GEMV=2 configs: the column blocks and K steps of the probe's winners (4 and 8 columns, steps
+    of 256-1024; 1 and 2 columns were no faster there, and would leave GEMM2, which shares the
+    column block unless tuned apart, far too narrow), 2 or 4 warps, and the pipelined depths alone:
+    every one of the probe's eight fastest late configs at each point ran 3 stages, none unpipelined."""
+    return [
+        KernelConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=s, GEMV=2)
+        for bn, bk, w, s in itertools.product((4, 8), (256, 512, 1024), (2, 4), GEMV_STAGES[1:])
+        if bn * bk <= GEMV_LATE_MAX_VALUES_PER_THREAD * 32 * w
     ]
 
 

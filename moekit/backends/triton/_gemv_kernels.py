@@ -1,4 +1,4 @@
-"""Triton kernels of the triton backend's GEMV path (KernelConfig.GEMV = 1; launched by gemv.py).
+"""Triton kernels of the triton backend's GEMV path (KernelConfig.GEMV = 1 or 2; launched by gemv.py).
 
 At decode sizes a layer reads each used expert's weights once and does almost no arithmetic, so
 its time is launches and how many bytes are in flight, not tensor-core work. This path has no
@@ -19,6 +19,13 @@ blocks), and reduces them at once. A probe on an H200 (BENCHMARKS.md, sixth sess
 GLM-4.5V at M = 1 took 22.4 µs with 4 columns x 512 of K per step, 28.6 with 16 x 256, and 31
 with 16 x 128 (the step of the tensor-core tiles), against 25.4 for the tiled GEMM1.
 
+GEMM1 reduces its products one of two ways, the config's GEMV value: 1 sums each K step across
+its 128-wide rows before adding it (_gemv1_step_sums), 2 adds the products elementwise into
+[BLOCK_N, BLOCK_K] accumulators and reduces once after the loop (_gemv1_late_sums). A probe on an
+H100 (BENCHMARKS.md, thirty-second session, scripts/diag_gemv1_reduce.py) had the second 4% faster at
+GLM-4.5V M = 1 (26.2 against the table's 27.3 µs) and 2.3% at Mixtral M = 1, within 0.6-1.3 µs
+of a bare read of the same weights; the tuner times both.
+
 Scale kinds as in _kernels.py (A_SCALE, B_SCALE); GEMM2's A_MODE as gemm2_kernel's, except that
 5 (one scale per row) computes the row's scale itself from the bf16/fp16 intermediate.
 """
@@ -38,32 +45,13 @@ def _k_steps(GROUPS: tl.constexpr):
 
 
 @triton.jit
-def gemv1_kernel(
-    a_ptr,  # (M, H) fp8 or bf16/fp16 activations
-    a_scale_ptr,  # (1,) | (M,) | (M, ceil(H/128)) float32
-    w_ptr,  # (E, 2N, H) weights, gate rows then up rows
-    w_scale_ptr,  # (E,) | (E, 2N) | (E, 2N/128, ceil(H/128)) float32
-    out_ptr,  # (P, N) SiLU(gate) * up of each pair, in pair order: bf16/fp16, or fp8 (OUT_MODE 2)
-    out_scale_ptr,  # (1,) static scale of the output (OUT_MODE 2)
-    amax_ptr,  # (1,) shared maximum of |output| (OUT_MODE 1)
-    ids_ptr,  # (P,) expert of each pair
-    E, N, H, K_TOP,
-    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
-    A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, OUT_MODE: tl.constexpr, ACT_DTYPE: tl.constexpr,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
-    CHECK_IDS: tl.constexpr, PDL: tl.constexpr,
-):
-    """OUT_MODE: 0 store in the activations' dtype, 1 also record amax, 2 quantize with the static
-    scale. Weight tiles are [BLOCK_N, GROUPS, 128] with K contiguous, as w13 is stored."""
-    _pdl_enter(PDL)
-    pair = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    token = (pair // K_TOP).to(tl.int64)
-    e = tl.load(ids_ptr + pair)
-    _check_expert_ids(e, 1, E, CHECK_IDS)
-    e = e.to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+def _gemv1_step_sums(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, token, e, pid_n, cols, col_ok, N, H,
+                     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn,
+                     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                     STAGES: tl.constexpr):
+    """GEMM1's gate and up sums of one program ([BLOCK_N] each, before the per-tensor and
+    per-channel scales) with each K step reduced across its 128-wide rows before it is added
+    (GEMV=1): few registers per sum, a cross-thread reduction per step."""
     k_offs, groups = _k_steps(GROUPS)
     a_ptrs = a_ptr + token * stride_am + k_offs
     gate_ptrs = w_ptr + e * stride_we + cols[:, None, None] * stride_wn + k_offs[None, :, :]
@@ -94,6 +82,83 @@ def gemv1_kernel(
         a_ptrs += GROUPS * 128
         gate_ptrs += GROUPS * 128
         up_ptrs += GROUPS * 128
+    return g, u
+
+
+@triton.jit
+def _gemv1_late_sums(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, token, e, pid_n, cols, col_ok, N, H,
+                     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn,
+                     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     STAGES: tl.constexpr):
+    """The same sums with each product added elementwise into [BLOCK_N, BLOCK_K] float32
+    accumulators and one reduction after the K loop (GEMV=2): no cross-thread sums inside the
+    loop, at the cost of BLOCK_N x BLOCK_K / threads registers per accumulator (the search space
+    caps them, space.GEMV_LATE_MAX_VALUES_PER_THREAD). Scales that change every 128 of K (1x128
+    activation groups, 128x128 weight blocks) multiply the activation row before the product,
+    each column of it by its own group's scale."""
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + token * stride_am + ks
+    gate_ptrs = w_ptr + e * stride_we + cols[:, None] * stride_wn + ks[None, :]
+    up_ptrs = gate_ptrs + N * stride_wn
+    g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
+        k_ok = ks < H - k0
+        a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        w_ok = col_ok[:, None] & k_ok[None, :]
+        gate = tl.load(gate_ptrs, mask=w_ok, other=0.0).to(tl.float32)
+        up = tl.load(up_ptrs, mask=w_ok, other=0.0).to(tl.float32)
+        a_gate = a
+        if A_SCALE == 3:  # each column's 1x128 group scale
+            a_gate = a * tl.load(a_scale_ptr + token * stride_as + (k0 + ks) // 128, mask=k_ok, other=0.0)
+        a_up = a_gate
+        if B_SCALE == 3:  # the 128x128 weight block of these columns (BLOCK_N divides 128), gate's and up's
+            ws = w_scale_ptr + e * stride_wse + (k0 + ks) // 128
+            a_gate = a_gate * tl.load(ws + (pid_n * BLOCK_N // 128) * stride_wsn, mask=k_ok, other=0.0)
+            a_up = a_up * tl.load(ws + ((N + pid_n * BLOCK_N) // 128) * stride_wsn, mask=k_ok, other=0.0)
+        g += gate * a_gate[None, :]
+        u += up * a_up[None, :]
+        a_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    return tl.sum(g, axis=1), tl.sum(u, axis=1)
+
+
+@triton.jit
+def gemv1_kernel(
+    a_ptr,  # (M, H) fp8 or bf16/fp16 activations
+    a_scale_ptr,  # (1,) | (M,) | (M, ceil(H/128)) float32
+    w_ptr,  # (E, 2N, H) weights, gate rows then up rows
+    w_scale_ptr,  # (E,) | (E, 2N) | (E, 2N/128, ceil(H/128)) float32
+    out_ptr,  # (P, N) SiLU(gate) * up of each pair, in pair order: bf16/fp16, or fp8 (OUT_MODE 2)
+    out_scale_ptr,  # (1,) static scale of the output (OUT_MODE 2)
+    amax_ptr,  # (1,) shared maximum of |output| (OUT_MODE 1)
+    ids_ptr,  # (P,) expert of each pair
+    E, N, H, K_TOP,
+    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, OUT_MODE: tl.constexpr, ACT_DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
+    CHECK_IDS: tl.constexpr, PDL: tl.constexpr, LATE: tl.constexpr,
+):
+    """OUT_MODE: 0 store in the activations' dtype, 1 also record amax, 2 quantize with the static
+    scale. Weight tiles are [BLOCK_N, GROUPS, 128] with K contiguous, as w13 is stored."""
+    _pdl_enter(PDL)
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    token = (pair // K_TOP).to(tl.int64)
+    e = tl.load(ids_ptr + pair)
+    _check_expert_ids(e, 1, E, CHECK_IDS)
+    e = e.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if LATE:
+        g, u = _gemv1_late_sums(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, token, e, pid_n, cols, col_ok, N, H,
+                                stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn,
+                                A_SCALE, B_SCALE, BLOCK_N, GROUPS * 128, STAGES)
+    else:
+        g, u = _gemv1_step_sums(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, token, e, pid_n, cols, col_ok, N, H,
+                                stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn,
+                                A_SCALE, B_SCALE, BLOCK_N, GROUPS, STAGES)
 
     if A_SCALE == 1:
         a_s = tl.load(a_scale_ptr)

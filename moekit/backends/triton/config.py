@@ -50,7 +50,9 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     JOIN: int = 0  # 1: GEMM1's gate and up columns in one wide tile (_kernels._gemm1_joined)
-    GEMV: int = 0  # 1: the decode path of gemv.py (no alignment; BLOCK_M and GROUP_M unused)
+    # 1 or 2: the decode path of gemv.py (no alignment; BLOCK_M and GROUP_M unused), its GEMM1
+    # reducing each K step (1) or once after the K loop (2; _gemv_kernels module docstring)
+    GEMV: int = 0
     # 1: GEMM1 runs _gluon_kernels.gemm1_overlap_kernel (64 rows) or gemm1_overlap_tall_kernel
     # (128) on Hopper, which add each K step's FP8 product into float32 while the next product
     # runs (OVERLAP_TILE, OVERLAP_ROWS; launch.gemm1 says where)
@@ -177,10 +179,10 @@ class KernelConfig:
             out.append(f"OVERLAP={self.OVERLAP} must be 0 or 1")
         elif self.OVERLAP:
             out += self._overlap_problems(scheme)
-        if self.GEMV not in (0, 1):
-            out.append(f"GEMV={self.GEMV} must be 0 or 1")
+        if self.GEMV not in (0, 1, 2):
+            out.append(f"GEMV={self.GEMV} must be 0 (tiled), 1 or 2 (the GEMV path, GEMM1 reducing each K step or once)")
         elif self.GEMV and self.JOIN:
-            out.append("JOIN=1 is a tile of the tensor-core path; the GEMV path (GEMV=1) has none")
+            out.append(f"JOIN=1 is a tile of the tensor-core path; the GEMV path (GEMV={self.GEMV}) has none")
         elif self.JOIN and scheme.is_fp8 and (scheme.activation == "group" or scheme.weight == "block"):
             # the joined tile sums the whole K in one accumulator: no room for per-K-step scales
             out.append(f"JOIN=1 cannot apply {scheme.name}'s per-128-of-K scales (use JOIN=0)")
@@ -195,7 +197,7 @@ class KernelConfig:
         others = [name for name in self.GEMM2_FIELDS + self.GEMM2_ONLY
                   if getattr(self, name) and name not in self.GEMV_GEMM2_FIELDS]
         if others:
-            return [f"{' / '.join(others)} {'are' if len(others) > 1 else 'is'} for the tiled path; the GEMV path (GEMV=1) takes only "
+            return [f"{' / '.join(others)} {'are' if len(others) > 1 else 'is'} for the tiled path; the GEMV path (GEMV={self.GEMV}) takes only "
                     f"{', '.join(self.GEMV_GEMM2_FIELDS[:-1])} and {self.GEMV_GEMM2_FIELDS[-1]} of GEMM2's own"]
         negative = [f"{name}={getattr(self, name)} must be 0 (GEMM1's) or positive" for name in self.GEMV_GEMM2_FIELDS
                     if getattr(self, name) < 0]

@@ -1,4 +1,4 @@
-"""The triton backend's GEMV path (KernelConfig.GEMV = 1): a decode layer in three launches for
+"""The triton backend's GEMV path (KernelConfig.GEMV = 1 or 2, how GEMM1 reduces its products): a decode layer in three launches for
 row-quantized schemes (quantize x, GEMM1 per pair, GEMM2 per token with the combine in it; a
 dynamic per-tensor scale adds its max pass and a zeroed maximum), no alignment; kernels in
 _gemv_kernels.py, the why in its docstring. The tuner decides where it beats the tiled kernels
@@ -77,7 +77,8 @@ def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfi
         weights.w13.stride(0), weights.w13.stride(1), stride_wse, stride_wsn, out.stride(0),
         A_SCALE=A_SCALE_KIND[scheme.activation] if scheme.is_fp8 else 0, B_SCALE=B_SCALE_KIND[scheme.weight],
         OUT_MODE=out_mode, ACT_DTYPE=_TL_DTYPE[out_dtype], BLOCK_N=cfg.BLOCK_N, GROUPS=cfg.BLOCK_K // 128,
-        STAGES=cfg.num_stages, INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        STAGES=cfg.num_stages, INTERPRET=_interpreting(), LATE=cfg.GEMV == 2, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out, out_scale, a_mode
 
