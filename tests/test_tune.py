@@ -2062,10 +2062,13 @@ def test_gemv_shared_memory_is_the_larger_kernels_pipeline():
 
 
 def test_the_gemv_space_pipelines_its_k_loops():
-    gemv = space.gemv_space()
-    assert {c.num_stages for c in gemv} == set(space.GEMV_STAGES) and 1 in space.GEMV_STAGES
-    tiles = {(c.BLOCK_N, c.BLOCK_K, c.num_warps) for c in gemv}
-    assert len(gemv) == len(tiles) * len(space.GEMV_STAGES)  # every tile at every depth
+    step = [c for c in space.gemv_space() if c.GEMV == 1]  # GEMM1 reducing each step: unpipelined too
+    assert {c.num_stages for c in step} == set(space.GEMV_STAGES) and 1 in space.GEMV_STAGES
+    tiles = {(c.BLOCK_N, c.BLOCK_K, c.num_warps) for c in step}
+    assert len(step) == len(tiles) * len(space.GEMV_STAGES)  # every tile at every depth
+    late = space.gemv_late_space()  # reducing once: the pipelined depths alone, every tile at each
+    assert {c.num_stages for c in late} == set(space.GEMV_STAGES) - {1}
+    assert len(late) == len({(c.BLOCK_N, c.BLOCK_K, c.num_warps) for c in late}) * (len(space.GEMV_STAGES) - 1)
 
 
 def test_neighbour_prune_margin():

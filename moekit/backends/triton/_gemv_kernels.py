@@ -21,10 +21,11 @@ with 16 x 128 (the step of the tensor-core tiles), against 25.4 for the tiled GE
 
 GEMM1 reduces its products one of two ways, the config's GEMV value: 1 sums each K step across
 its 128-wide rows before adding it (_gemv1_step_sums), 2 adds the products elementwise into
-[BLOCK_N, BLOCK_K] accumulators and reduces once after the loop (_gemv1_late_sums). A probe on an
-H100 (BENCHMARKS.md, thirty-second session, scripts/diag_gemv1_reduce.py) had the second 4% faster at
-GLM-4.5V M = 1 (26.2 against the table's 27.3 µs) and 2.3% at Mixtral M = 1, within 0.6-1.3 µs
-of a bare read of the same weights; the tuner times both.
+[BLOCK_N, BLOCK_K] accumulators and reduces once after the loop (_gemv1_late_sums). On an H100
+(BENCHMARKS.md, thirty-second session) GEMM1 alone ran 4% faster the second way at GLM-4.5V M = 1
+(26.2 against the table's 27.3 µs; scripts/diag_gemv1_reduce.py) and 2.3% at Mixtral M = 1, within
+0.6-1.3 µs of a bare read of the same weights; as whole layers in the tuner's decision timing it won
+by 0.4-1.8% at four decode sizes and lost at the others, so the tuner times both.
 
 Scale kinds as in _kernels.py (A_SCALE, B_SCALE); GEMM2's A_MODE as gemm2_kernel's, except that
 5 (one scale per row) computes the row's scale itself from the bf16/fp16 intermediate.
