@@ -67,7 +67,7 @@ def test_a_bad_point_names_what_is_wrong(text, message):
 @pytest.mark.parametrize("script", ["bench_ids_dtype", "bench_route", "bench_hf_router", "diag_decode", "diag_fast", "diag_gemm2",
                                     "diag_gemm2_resident", "diag_prefill", "diag_half_tail", "diag_configs",
                                     "diag_gemv_stages", "diag_gemv_gemm2_steps", "diag_quantize_chunks",
-                                    "diag_gemv1_reduce"])
+                                    "diag_gemv1_reduce", "diag_gemv2_input"])
 def test_each_script_imports_and_parses_its_arguments(script):
     """Each GPU script that reads models or points starts on the CPU (its imports resolve)."""
     done = subprocess.run([sys.executable, str(REPO / "scripts" / f"{script}.py"), "--help"], cwd=REPO,
@@ -159,3 +159,33 @@ def test_the_gemv1_probe_kernels_compute_what_they_claim(block_n, block_k, devic
     w13 = w.w13.float()[ids.reshape(-1).long()]  # [P, 2N, H]: each pair's expert
     sums = (w13[:, :N].sum(dim=2) + w13[:, N:].sum(dim=2)).to(torch.bfloat16)
     assert torch.allclose(read.float(), sums.float(), rtol=1e-2, atol=1e-2)  # float32 sums of 1280 values, in another order
+
+
+def test_the_gemv2_input_probe_runs_each_input_it_times(device):
+    """diag_gemv2_input.py's inputs: the bf16 intermediate quantized per group (the backend's own),
+    per row, unquantized, and already FP8 with a per-tensor scale, each through gemv.gemv2 with its
+    A_MODE. Each stays near the group rule's output (the script's own check, 5e-2 relative L2:
+    other quantizations of the same values, each within a few FP8 steps), and the unquantized one
+    differs from it (the probe would time nothing new otherwise)."""
+    import torch
+
+    import diag_gemv2_input as probe
+    from moekit.backends.triton import KernelConfig, gemv
+
+    from helpers import random_routing, random_weights, random_x, rel_l2
+
+    E, H, N, M, K = 5, 256, 320, 2, 3
+    w = random_weights(E, H, N, "fp8-channel-token", device=device)
+    tw, ids = random_routing(M, E, K, device=device)
+    cfg = KernelConfig(16, 8, 256, 1, 2, 1, GEMV=1)
+    a, a_scale = gemv.quantize_input(random_x(M, H, device=device), w)
+    act, act_scale, a_mode = gemv.gemv1(a, a_scale, w, ids, torch.bfloat16, cfg, False)
+    assert a_mode == probe.A_MODES["group"]
+    expected = gemv.gemv2(act, act_scale, a_mode, w, tw.float(), ids, torch.bfloat16, cfg)
+    outs = {kind: gemv.gemv2(act_in, scale, probe.A_MODES[kind], w, tw.float(), ids, torch.bfloat16, cfg)
+            for kind, (act_in, scale) in probe.inputs(act).items()}
+    assert torch.equal(outs["group"], expected)
+    assert outs["fp8"].dtype == torch.bfloat16 and probe.inputs(act)["fp8"][0].dtype == torch.float8_e4m3fn
+    for kind, out in outs.items():
+        assert rel_l2(out, expected) < 5e-2, kind
+    assert not torch.equal(outs["bf16"], expected)
