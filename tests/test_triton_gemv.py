@@ -314,6 +314,70 @@ def test_non_contiguous_activations(cfg, device):
     assert rel_l2(out, reference_for(x.contiguous(), w, tw, ids)) < REL_L2_TOL
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["step", "late"])
+@pytest.mark.parametrize("scheme,E,H,N,M,K,block_n", [
+    ("fp8-channel-token", 5, 256, 320, 3, 2, 8),  # N = 320: two whole 128-groups and a half one, 16 column blocks per group
+    ("fp8-channel-token", 4, 256, 200, 4, 4, 4),  # N = 200: a group of 72, the last column block part masked
+    ("fp8-block128", 5, 256, 384, 3, 2, 8),  # block weights: N whole 128-row blocks
+    ("fp8-block128", 3, 384, 128, 1, 3, 128),  # M = 1, one column block per group
+])
+def test_gemm1_records_the_group_maxima_gemm2_would_compute(scheme, E, H, N, M, K, block_n, late, device, monkeypatch):
+    """Where the intermediate is quantized per 1x128 group, GEMM1 records each pair's group maxima
+    (OUT_MODE 3) in a buffer the quantize launch zeroes, and GEMM2 quantizes with them (A_MODE 6)
+    instead of reducing each group again: the same maxima, so bitwise the output of GEMM2 reducing
+    them itself (RECORD_GROUP_MAXIMA off). The launches are checked too, since equal outputs alone
+    would pass with the switch ignored."""
+    from moekit.backends.triton import gemv as gemv_module
+
+    modes = []
+    real = gemv_module._launch
+
+    def recording(kernel, grid, *args, **kw):
+        modes.append(kw.get("OUT_MODE", kw.get("A_MODE")))
+        return real(kernel, grid, *args, **kw)
+
+    monkeypatch.setattr(gemv_module, "_launch", recording)
+    w = random_weights(E, H, N, scheme, device=device, seed=N)
+    tw, ids = random_routing(M, E, K, device=device, seed=M)
+    x = random_x(M, H, device=device, seed=K)
+    cfg = gemv(block_n, 256, late=late)
+    recorded = check(x, w, tw, ids, cfg)
+    assert modes == [3, 6]  # GEMM1 records, GEMM2 reads
+    modes.clear()
+    monkeypatch.setattr(gemv_module, "RECORD_GROUP_MAXIMA", False)
+    assert torch.equal(run(x, w, tw, ids, cfg), recorded)
+    assert modes == [0, 2]  # GEMM2 reduces the groups itself
+
+
+def test_the_recorded_group_maxima_are_each_groups_max_and_zeroed_first(device):
+    """The buffer: the quantize launch zeroes it whatever it held (a CUDA graph replays into the
+    same memory), and GEMM1 leaves there the maximum |value| of each pair's 1x128 group of the
+    intermediate it stored."""
+    from moekit.backends.triton import gemv as gemv_module
+
+    E, H, N, M, K = 4, 256, 200, 3, 2
+    w = random_weights(E, H, N, "fp8-channel-token", device=device)
+    _, ids = random_routing(M, E, K, device=device)
+    cfg = gemv(8, 256)
+    maxima = gemv_module.group_maxima_buffer(w, ids, cfg, row_intermediate=False)
+    assert maxima.shape == (M * K, 2)
+    maxima.fill_(1e30)  # stale values from an earlier call
+    a, a_scale = gemv_module.quantize_input(random_x(M, H, device=device), w, zero=maxima)
+    assert torch.equal(maxima, torch.zeros_like(maxima))
+    act, act_scale, a_mode = gemv_module.gemv1(a, a_scale, w, ids, torch.bfloat16, cfg, False, maxima)
+    assert a_mode == 6 and act_scale is maxima
+    groups = torch.nn.functional.pad(act.float().abs(), (0, 256 - N)).reshape(M * K, 2, 128).amax(dim=2)
+    assert torch.equal(maxima, groups)
+    # where GEMM2 reads no group maxima there is no buffer, and a buffer given is refused
+    assert gemv_module.group_maxima_buffer(w, ids, cfg, row_intermediate=True) is None  # fast mode: per row
+    assert gemv_module.group_maxima_buffer(random_weights(E, H, N, "bf16", device=device), ids, cfg, False) is None
+    with pytest.raises(ValueError, match=r"expected None, or \(6, 2\)"):
+        gemv_module.gemv1(a, a_scale, w, ids, torch.bfloat16, cfg, False, torch.zeros(6, 3, device=device))
+    with pytest.raises(ValueError, match="zeroes a contiguous float32 buffer only where x is quantized in one launch"):
+        gemv_module.quantize_input(random_x(M, H, device=device), random_weights(E, H, N, "fp8-tensor-dynamic", device=device),
+                                   zero=torch.zeros(4, device=device))
+
+
 # ------------------------------------------------------------------------------------ GPU
 
 
