@@ -133,19 +133,16 @@ def gemv1_kernel(
     w_scale_ptr,  # (E,) | (E, 2N) | (E, 2N/128, ceil(H/128)) float32
     out_ptr,  # (P, N) SiLU(gate) * up of each pair, in pair order: bf16/fp16, or fp8 (OUT_MODE 2)
     out_scale_ptr,  # (1,) static scale of the output (OUT_MODE 2)
-    amax_ptr,  # (1,) shared maximum of |output| (OUT_MODE 1); (P, ceil(N/128)) zeroed, each pair's group maxima (OUT_MODE 3)
+    amax_ptr,  # (1,) shared maximum of |output| (OUT_MODE 1)
     ids_ptr,  # (P,) expert of each pair
     E, N, H, K_TOP,
-    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_gm,
+    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, OUT_MODE: tl.constexpr, ACT_DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
     CHECK_IDS: tl.constexpr, PDL: tl.constexpr, LATE: tl.constexpr,
 ):
     """OUT_MODE: 0 store in the activations' dtype, 1 also record amax, 2 quantize with the static
-    scale, 3 also record the maximum of each 1x128 group of each pair's output (a program's
-    BLOCK_N columns lie in one group: BLOCK_N divides 128), which GEMM2 then quantizes it with
-    (A_MODE 6) instead of reducing every group again in each of its programs. Weight tiles are
-    [BLOCK_N, GROUPS, 128] with K contiguous, as w13 is stored."""
+    scale. Weight tiles are [BLOCK_N, GROUPS, 128] with K contiguous, as w13 is stored."""
     _pdl_enter(PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -184,12 +181,8 @@ def gemv1_kernel(
     # SiLU(gate) * up, rounded to the activations' dtype as the reference defines it
     act = _to_dtype(g / (1.0 + tl.exp(-g)) * u, ACT_DTYPE, INTERPRET)
     out_ptrs = out_ptr + pair.to(tl.int64) * stride_om + cols
-    if OUT_MODE == 1 or OUT_MODE == 3:  # the maximum of |output| as stored (rounded), a NaN winning
-        bits = tl.max(tl.where(col_ok, _magnitude_bits(act.to(tl.float32)), 0), axis=0)
-        if OUT_MODE == 1:
-            _atomic_amax(amax_ptr, bits)
-        else:
-            _atomic_amax(amax_ptr + pair.to(tl.int64) * stride_gm + pid_n * BLOCK_N // 128, bits)
+    if OUT_MODE == 1:
+        _atomic_amax(amax_ptr, tl.max(tl.where(col_ok, _magnitude_bits(act.to(tl.float32)), 0), axis=0))
     if OUT_MODE == 2:
         static = tl.full((1,), 1.0, tl.float32) * tl.load(out_scale_ptr)
         q = _quantize_tile(act.to(tl.float32)[None, :], static, INTERPRET)  # a [1, BLOCK_N] tile
@@ -201,14 +194,14 @@ def gemv1_kernel(
 @triton.jit
 def gemv2_kernel(
     a_ptr,  # (P, N) intermediate in pair order: bf16/fp16, or fp8 (A_MODE 1)
-    a_scale_ptr,  # (1,) static scale (A_MODE 1) or shared amax (A_MODE 3); (P, ceil(N/128)) group maxima (A_MODE 6)
+    a_scale_ptr,  # (1,) static scale (A_MODE 1) or shared amax (A_MODE 3)
     w_ptr,  # (E, H, N)
     w_scale_ptr,  # (E,) | (E, H) | (E, ceil(H/128), ceil(N/128)) float32
     topk_weights_ptr,  # (P,) float32
     ids_ptr,  # (P,) expert of each pair
     out_ptr,  # (M, H) the layer's output
     N, H,
-    stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_gm,
+    stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     A_MODE: tl.constexpr, B_SCALE: tl.constexpr, K_TOP: tl.constexpr, K_POW2: tl.constexpr,
     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
@@ -221,8 +214,7 @@ def gemv2_kernel(
 
     A_MODE: 0 unquantized, 1 FP8 with a static scale, 2 quantize per 1x128 group while loading,
     3 quantize per tensor while loading (scale from the shared amax), 5 quantize per row while
-    loading (each row's scale from its own |max| first), 6 as 2 with each group's maximum read
-    from what GEMM1 recorded (its OUT_MODE 3: the same maximum, so the same bits as 2). Each pair's weighted output is rounded to
+    loading (each row's scale from its own |max| first). Each pair's weighted output is rounded to
     the output dtype before the K are summed, as the tiled path stores pairs before its combine;
     the sum is one fixed reduction (the same bits every run)."""
     _pdl_enter(PDL)
@@ -268,11 +260,6 @@ def gemv2_kernel(
         if A_MODE == 2:
             step = _scale_from_amax(tl.max(tl.abs(a), axis=1))  # one scale per 1x128 group
             a = _quantize_tile(a, step, INTERPRET).to(tl.float32)
-        elif A_MODE == 6:  # the same scale from the group's maximum GEMM1 recorded
-            group_max = tl.load(a_scale_ptr + (token * K_TOP + row_pair) * stride_gm + (k0 + row_k) // 128,
-                                mask=row_ok & (row_k < N - k0), other=0.0)
-            step = _scale_from_amax(group_max)
-            a = _quantize_tile(a, step, INTERPRET).to(tl.float32)
         elif A_MODE == 3 or A_MODE == 5:
             a = _quantize_tile(a, row_scale, INTERPRET).to(tl.float32)
         if B_SCALE == 3:
@@ -280,7 +267,7 @@ def gemv2_kernel(
             step *= tl.load(w_scale_ptr + row_e * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn + (k0 + row_k) // 128,
                             mask=group_ok, other=0.0)
         parts = tl.sum(w * a[:, None, :], axis=2)  # [ROWS, BLOCK_N]
-        if A_MODE == 2 or A_MODE == 6 or B_SCALE == 3:
+        if A_MODE == 2 or B_SCALE == 3:
             y += parts * step[:, None]
         else:
             y += parts

@@ -245,20 +245,12 @@ def quantize_rows_kernel(
     q_ptr,  # (M, H) fp8 out
     scale_ptr,  # (M,) or (M, ceil(H/128)) float32 out; or (1,) in for MODE 3
     amax_ptr,  # (1,) float32 shared maximum (MODE 2 writes it, MODE 3 + FROM_AMAX reads it)
-    zero_ptr,  # (zero_count,) float32 the next kernel accumulates maxima into (ZERO_BLOCK > 0)
-    H, stride_x, stride_q, stride_s, zero_count,
+    H, stride_x, stride_q, stride_s,
     MODE: tl.constexpr, FROM_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
-    INTERPRET: tl.constexpr, PDL: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program per (row, chunk of BLOCK_H columns). With ZERO_BLOCK > 0 the first program also
-    zeroes zero_count floats for the launch after it (the GEMV path's GEMM1 records each pair's
-    1x128-group maxima there: a zeroing here saves the layer a launch of its own)."""
+    """One program per (row, chunk of BLOCK_H columns)."""
     _pdl_enter(PDL)
-    if ZERO_BLOCK > 0:
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            offs = tl.arange(0, ZERO_BLOCK)
-            for start in range(0, zero_count, ZERO_BLOCK):
-                tl.store(zero_ptr + start + offs, tl.zeros((ZERO_BLOCK,), tl.float32), mask=start + offs < zero_count)
     _quantize_row(tl.program_id(0).to(tl.int64), tl.program_id(1), x_ptr, q_ptr, scale_ptr, amax_ptr, H, stride_x,
                   stride_q, stride_s, MODE, FROM_AMAX, BLOCK_H, GROUP, INTERPRET)
 

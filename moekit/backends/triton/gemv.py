@@ -1,6 +1,5 @@
 """The triton backend's GEMV path (KernelConfig.GEMV = 1 or 2, how GEMM1 reduces its products): a decode layer in three launches for
-row-quantized schemes (quantize x, which also zeroes the buffer of GEMM1's group maxima where it
-records them; GEMM1 per pair; GEMM2 per token with the combine in it; a
+row-quantized schemes (quantize x, GEMM1 per pair, GEMM2 per token with the combine in it; a
 dynamic per-tensor scale adds its max pass and a zeroed maximum), no alignment; kernels in
 _gemv_kernels.py, the why in its docstring. The tuner decides where it beats the tiled kernels
 (its search space holds GEMV configs at decode sizes, moekit.tune.space)."""
@@ -17,41 +16,17 @@ from .config import KernelConfig
 from .launch import A_SCALE_KIND, B_SCALE_KIND, _TL_DTYPE, _gemm2_launch, _interpreting, _launch, _scale_strides, quantize_input
 
 
-# Where the intermediate is quantized per 1x128 group (A_MODE 2), GEMM1 records each pair's group
-# maxima (gemv1_kernel's OUT_MODE 3) and GEMM2 reads them (A_MODE 6) rather than reducing every
-# group again in each of its programs: the same bits. False: GEMM2 reduces them (the A/B of
-# scripts/diag_gemv2_input.py). The buffer is zeroed by the launch that quantizes x (run_gemv).
-RECORD_GROUP_MAXIMA = True
-
-
-def records_group_maxima(weights: MoEWeights, cfg: KernelConfig, row_intermediate: bool) -> bool:
-    """Whether GEMM1 records the intermediate's group maxima for GEMM2 (RECORD_GROUP_MAXIMA): per
-    1x128-group intermediates, column blocks within one group (BLOCK_N divides 128)."""
-    return RECORD_GROUP_MAXIMA and _gemm2_input_mode(weights, row_intermediate) == 2 and 128 % cfg.BLOCK_N == 0
-
-
-def group_maxima_buffer(weights: MoEWeights, topk_ids, cfg: KernelConfig, row_intermediate: bool):
-    """The (pairs, groups of N) float32 buffer GEMM1 records the group maxima in (not zeroed: the
-    launch that quantizes x zeroes it), or None where it records none."""
-    if not records_group_maxima(weights, cfg, row_intermediate):
-        return None
-    return torch.empty(topk_ids.numel(), cdiv(weights.n, 128), dtype=torch.float32, device=topk_ids.device)
-
-
 def run_gemv(x, weights: MoEWeights, topk_weights, topk_ids, cfg: KernelConfig, *, row_intermediate: bool):
     """The whole layer by the GEMV path. `row_intermediate`: quantize fp8 token/group schemes'
     intermediate per row (fast mode's rule) rather than per 1x128 group."""
-    maxima = group_maxima_buffer(weights, topk_ids, cfg, row_intermediate)
-    a, a_scale = quantize_input(x, weights, zero=maxima)  # zeroed in the same launch
-    return gemv_gemms(a, a_scale, weights, topk_weights, topk_ids, x.dtype, cfg, row_intermediate=row_intermediate,
-                      group_maxima=maxima)
+    a, a_scale = quantize_input(x, weights)
+    return gemv_gemms(a, a_scale, weights, topk_weights, topk_ids, x.dtype, cfg, row_intermediate=row_intermediate)
 
 
 def gemv_gemms(a, a_scale, weights: MoEWeights, topk_weights, topk_ids, out_dtype, cfg: KernelConfig, *,
-               row_intermediate: bool, group_maxima=None):
-    """The layer from x already quantized (quantize_input): GEMM1, then GEMM2 with the combine.
-    `group_maxima`: the zeroed buffer of group_maxima_buffer, else made (zeroed) here where needed."""
-    act, act_scale, a_mode = gemv1(a, a_scale, weights, topk_ids, out_dtype, cfg, row_intermediate, group_maxima)
+               row_intermediate: bool):
+    """The layer from x already quantized (quantize_input): GEMM1, then GEMM2 with the combine."""
+    act, act_scale, a_mode = gemv1(a, a_scale, weights, topk_ids, out_dtype, cfg, row_intermediate)
     return gemv2(act, act_scale, a_mode, weights, topk_weights, topk_ids, out_dtype, cfg)
 
 
@@ -77,31 +52,19 @@ def _gemm2_input_mode(weights: MoEWeights, row_intermediate: bool) -> int:
     return 5 if row_intermediate else 2
 
 
-def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfig, row_intermediate: bool,
-          group_maxima=None):
-    """(each pair's SiLU(gate) * up [P, N], the scale GEMM2 reads with it, GEMM2's A_MODE).
-    `group_maxima`: where GEMM1 records them (records_group_maxima), a zeroed buffer of
-    group_maxima_buffer's shape; None makes one."""
+def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfig, row_intermediate: bool):
+    """(each pair's SiLU(gate) * up [P, N], the scale GEMM2 reads with it, GEMM2's A_MODE)."""
     scheme = weights.scheme
     M, K = topk_ids.shape
     N, H = weights.n, weights.hidden
     dev = a.device
     unused = a  # pointer arguments a variant never reads (no buffer, no fill launched for them)
     a_mode = _gemm2_input_mode(weights, row_intermediate)
-    records = records_group_maxima(weights, cfg, row_intermediate)
-    if group_maxima is not None and (not records or group_maxima.shape != (M * K, cdiv(N, 128))):
-        raise ValueError(f"gemv1 records group maxima here: {records}; got a buffer of shape {tuple(group_maxima.shape)} "
-                         f"(expected None, or ({M * K}, {cdiv(N, 128)}) where it records them)")
-    # static: quantize here; dynamic tensor: record the max; groups: record each group's max
-    out_mode = {1: 2, 3: 1}.get(a_mode, 3 if records else 0)
+    out_mode = {1: 2, 3: 1}.get(a_mode, 0)  # static: quantize here; dynamic tensor: record the max
     if a_mode == 1:
         out_scale = weights.a2_scale
     elif a_mode == 3:  # the shared maximum GEMV1 records
         out_scale = torch.zeros(1, dtype=torch.float32, device=dev)
-    elif records:  # each pair's group maxima, which GEMM2 quantizes with
-        out_scale = group_maxima if group_maxima is not None else torch.zeros(M * K, cdiv(N, 128), dtype=torch.float32,
-                                                                              device=dev)
-        a_mode = 6
     else:
         out_scale = unused
     out = torch.empty(M * K, N, dtype=torch.float8_e4m3fn if out_mode == 2 else out_dtype, device=dev)
@@ -112,7 +75,6 @@ def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfi
         out, out_scale, out_scale, topk_ids.reshape(-1), weights.num_experts, N, H, K,
         a.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
         weights.w13.stride(0), weights.w13.stride(1), stride_wse, stride_wsn, out.stride(0),
-        out_scale.stride(0) if out_mode == 3 else 0,
         A_SCALE=A_SCALE_KIND[scheme.activation] if scheme.is_fp8 else 0, B_SCALE=B_SCALE_KIND[scheme.weight],
         OUT_MODE=out_mode, ACT_DTYPE=_TL_DTYPE[out_dtype], BLOCK_N=cfg.BLOCK_N, GROUPS=cfg.BLOCK_K // 128,
         STAGES=cfg.num_stages, INTERPRET=_interpreting(), LATE=cfg.GEMV == 2, num_warps=cfg.num_warps,
@@ -137,7 +99,7 @@ def gemv2(act, act_scale, a_mode, weights: MoEWeights, topk_weights, topk_ids, o
         act, act_scale, weights.w2, w_scale if w_scale is not None else act,
         topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1), out, N, H,
         act.stride(0), weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
-        act_scale.stride(0) if a_mode == 6 else 0, A_MODE=a_mode, B_SCALE=B_SCALE_KIND[weights.scheme.weight], K_TOP=K, K_POW2=next_pow2(K),
+        A_MODE=a_mode, B_SCALE=B_SCALE_KIND[weights.scheme.weight], K_TOP=K, K_POW2=next_pow2(K),
         BLOCK_N=g2.BLOCK_N, GROUPS=groups or gemm2_groups(cfg, K), STAGES=g2.num_stages, INTERPRET=_interpreting(),
         num_warps=g2.num_warps, num_stages=g2.num_stages,
     )

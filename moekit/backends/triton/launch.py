@@ -381,27 +381,16 @@ def _quantize_columns(H: int, mode: int | None) -> int:
     return whole if mode == 0 or not chunk else min(whole, chunk)
 
 
-# floats quantize_rows_kernel's first program zeroes per store (its `zero` buffer: a GEMV layer's
-# group maxima, 48 at GLM-4.5V M = 1, 448 at Mixtral-8x7B M = 2)
-ZERO_BLOCK = 512
-
-
-def quantize_input(x: torch.Tensor, weights: MoEWeights, zero: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x -> (FP8 x, scales) by the scheme's activation rule; unquantized schemes pass x through.
-    `zero`: a float32 buffer the same launch zeroes (for a later kernel's atomic maxima), which
-    must then be an FP8 scheme's with one scale per row or group (one launch)."""
+def quantize_input(x: torch.Tensor, weights: MoEWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x -> (FP8 x, scales) by the scheme's activation rule; unquantized schemes pass x through."""
     scheme = weights.scheme
     x = x.contiguous()  # every kernel reads rows of x with unit stride, unquantized ones included
-    mode = _row_quant_mode(scheme) if scheme.is_fp8 else None
-    if zero is not None and (mode is None or zero.dtype != torch.float32 or not zero.is_contiguous()):
-        raise ValueError(f"quantize_input zeroes a contiguous float32 buffer only where x is quantized in one launch "
-                         f"(FP8 with static, per-token or 1x128-group scales); got {scheme.name}, a {zero.dtype} buffer")
     if not scheme.is_fp8:
         return x, None
     M, H = x.shape
     q = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=x.device)
     scale = _input_scale(x, weights)
+    mode = _row_quant_mode(scheme)
     columns = _quantize_columns(H, mode)
     launch = functools.partial(
         _launch, k.quantize_rows_kernel, (M, cdiv(H, columns)), x, q, scale, H=H, stride_x=x.stride(0),
@@ -409,12 +398,11 @@ def quantize_input(x: torch.Tensor, weights: MoEWeights, zero: torch.Tensor | No
         INTERPRET=_interpreting(),
     )
     if mode is not None:
-        launch(amax_ptr=scale, MODE=mode, FROM_AMAX=False, zero_ptr=zero if zero is not None else scale,
-               zero_count=zero.numel() if zero is not None else 0, ZERO_BLOCK=ZERO_BLOCK if zero is not None else 0)
+        launch(amax_ptr=scale, MODE=mode, FROM_AMAX=False)
     else:  # one dynamic scale for the whole tensor: a max pass, then the quantizing pass
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-        launch(amax_ptr=amax, MODE=2, FROM_AMAX=False, zero_ptr=amax, zero_count=0, ZERO_BLOCK=0)
-        launch(amax_ptr=amax, MODE=3, FROM_AMAX=True, zero_ptr=amax, zero_count=0, ZERO_BLOCK=0)
+        launch(amax_ptr=amax, MODE=2, FROM_AMAX=False)
+        launch(amax_ptr=amax, MODE=3, FROM_AMAX=True)
     return q, scale
 
 
