@@ -18,14 +18,18 @@ import torch
 import moekit
 from moekit.backends.triton import gemv
 from moekit.timing import time_graphs
-from moekit.tune.space import GEMV_START
+from moekit.tune.space import GEMV_LATE_MAX_VALUES_PER_THREAD, GEMV_START
 
 from diag_points import layer_points, print_gemm_times, write_json  # scripts/ is on the path when a script runs
 
 
 def variants(base, stages):
+    """`base` at each K step the tuner's space allows its tile (space.gemv_space: at most 8192
+    weights per gate or up tile; reducing late, GEMV=2, at most GEMV_LATE_MAX_VALUES_PER_THREAD
+    per thread in each sum) and at each of `stages`."""
     for block_k, s in itertools.product((256, 512, 1024), stages):
-        if base.BLOCK_N * block_k <= 8192:  # the tuner's GEMV space rule (space.gemv_space)
+        values = base.BLOCK_N * block_k
+        if values <= 8192 and (base.GEMV != 2 or values <= GEMV_LATE_MAX_VALUES_PER_THREAD * 32 * base.num_warps):
             yield dataclasses.replace(base, BLOCK_K=block_k, num_stages=s)
 
 

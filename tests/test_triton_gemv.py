@@ -54,11 +54,60 @@ def test_matches_reference(scheme, E, H, N, M, K, cfg, late, device):
     check(random_x(M, H, device=device, seed=K), w, tw, ids, cfg)
 
 
+def test_late_reduction_adds_each_k_column_across_steps_before_reducing(device):
+    """What GEMV=2 is, not only that it is right: GEMM1's products are added per K column across
+    the K steps and reduced once (GEMV=1 reduces each step first). bf16 weights all 1, one row of
+    x with 2**24 at k = 0, 1 at k = 1 and -2**24 at k = 128, K steps of 128: reduced per step,
+    2**24 + 1 rounds to 2**24 in float32 and the gate and up sums are 0; added per column first,
+    2**24 - 2**24 is exactly 0 and the sums are 1, whatever the order of either reduction."""
+    from moekit.backends.triton import gemv as gemv_module
+
+    w = random_weights(2, 256, 128, "bf16", device=device)
+    w.w13.fill_(1.0)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16, device=device)
+    x[0, 0], x[0, 1], x[0, 128] = 2.0**24, 1.0, -(2.0**24)
+    ids = torch.zeros(1, 1, dtype=torch.int32, device=device)
+
+    def act(cfg):  # SiLU(gate) * up of the one pair
+        return gemv_module.gemv1(x, None, w, ids, torch.bfloat16, cfg, False)[0].float()
+
+    assert torch.equal(act(gemv(32, 128)), torch.zeros(1, 128, device=device))
+    one = torch.nn.functional.silu(torch.ones(1, 128, device=device)).to(torch.bfloat16).float()
+    assert torch.equal(act(gemv(32, 128, late=True)), one)
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["step", "late"])
+def test_masked_k_lanes_read_no_scale_past_their_row(late, device):
+    """A K step of 512 over a hidden size of 256: the step's masked half must gather no 1x128
+    group scale past the token's own (in a wider buffer here, NaN guards) nor a 128x128 block
+    scale past the block row's own (the next row's: NaN in the rows of columns 128-255, so
+    columns 0-127 must come out as with finite scales there)."""
+    from moekit.backends.triton import gemv as gemv_module
+
+    E, H, N, M, K = 3, 256, 256, 3, 2
+    w = random_weights(E, H, N, "fp8-block128", device=device)
+    tw, ids = random_routing(M, E, K, device=device)
+    a, a_scale = gemv_module.quantize_input(random_x(M, H, device=device), w)
+    cfg = gemv(64, 512, late=late)
+
+    def act(a_scale):
+        return gemv_module.gemv1(a, a_scale, w, ids, torch.bfloat16, cfg, False)[0]
+
+    expected = act(a_scale)
+    guarded = torch.full((M, 8), float("nan"), device=device)
+    guarded[:, :2] = a_scale
+    assert torch.equal(act(guarded[:, :2]), expected)
+    w.w13_scale[:, 1::2] = float("nan")  # block rows 1 (gate) and 3 (up): columns 128-255
+    out = act(a_scale)
+    assert out[:, 128:].isnan().all() and torch.equal(out[:, :128], expected[:, :128])
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["step", "late"])
 @pytest.mark.parametrize("scheme", ["bf16", "fp8-channel-token", "fp8-tensor-dynamic", "fp8-tensor-static"])
-def test_intermediate_not_a_multiple_of_the_column_block(scheme, device):
+def test_intermediate_not_a_multiple_of_the_column_block(scheme, late, device):
     w = random_weights(3, 208, 96, scheme, device=device)  # N = 96 in column blocks of 64, hidden 208
     tw, ids = random_routing(7, 3, 2, device=device)
-    check(random_x(7, 208, device=device), w, tw, ids, gemv(64, 256))
+    check(random_x(7, 208, device=device), w, tw, ids, gemv(64, 256, late=late))
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["step", "late"])

@@ -2265,6 +2265,9 @@ def test_summary_names_a_gemv_config_by_what_it_uses():
     assert _config_text(pipelined.to_dict()) == "GEMV N8 K512 w2 s3"
     assert _config_text(pipelined.with_gemm2(BLOCK_N=16, num_stages=1).to_dict()) == "GEMV N8 K512 w2 s3 + GEMM2 N16 w2 s1"
     assert _config_text(pipelined.with_gemm2(BLOCK_N=16).to_dict()) == "GEMV N8 K512 w2 s3 + GEMM2 N16 w2"
+    late = dataclasses.replace(pipelined, GEMV=2)  # GEMM1 reducing once after its K loop
+    assert _config_text(late.to_dict()) == "GEMV N8 K512 w2 s3 late"
+    assert _config_text(late.with_gemm2(BLOCK_N=16).to_dict()) == "GEMV N8 K512 w2 s3 late + GEMM2 N16 w2"
     assert _config_text(KernelConfig(16, 64, 128, 1, 4, 3).to_dict()) == "M16 N64 K128 G1 w4 s3"
 
 

@@ -301,7 +301,7 @@ def vllm_config(cfg: KernelConfig, scheme: QuantScheme) -> tuple[dict | None, st
     GEMM1 holds two thirds of the layer's work, so its tile is the one exported (vLLM's GEMM2 then
     runs tiles twice as wide as moekit's)."""
     if cfg.GEMV:
-        return None, "the GEMV path (GEMV=1) has no vLLM counterpart"
+        return None, f"the GEMV path (GEMV={cfg.GEMV}) has no vLLM counterpart"
     if cfg.OVERLAP2:
         return None, ("GEMM2 in Gluon with the FP8 promotion overlapped (OVERLAP2=1): its time is that kernel's, "
                       "which vLLM does not have")

@@ -6,7 +6,7 @@ One layer call is, on the GPU and without a host synchronisation (so it captures
   3. GEMM1, rows gathered through the sorted pair ids, SiLU(gate) * up in the epilogue
   4. GEMM2, the intermediate quantized while it is loaded, top-k weight in the epilogue
   5. combine each token's K rows in a fixed order (deterministic)
-A config with GEMV=1 runs the GEMV path instead (gemv.py: no alignment, no combine pass).
+A config with GEMV=1 or 2 runs the GEMV path instead (gemv.py: no alignment, no combine pass).
 A call of more than MAX_ALIGN_PAIRS (token, expert) pairs (2**18: M = 32,768 tokens at top-8) runs
 as consecutive calls on slices of its tokens (TritonBackend._run_in_chunks).
 On Hopper each of these kernels is launched to overlap the end of the one before it (programmatic
