@@ -40,6 +40,7 @@ NAN_TOKEN, NAN_COLUMN = 2, 17
 TILE = KernelConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
 TRITON_CONFIGS = {
     "gemv": KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=2, num_stages=1, GEMV=1),
+    "gemv-late": KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=2, num_stages=1, GEMV=2),
     "gluon-gemm1": dataclasses.replace(TILE, OVERLAP=1),
     "gluon-gemm1-tall-gemm2": dataclasses.replace(TILE, BLOCK_M=128, OVERLAP=1).with_gemm2(OVERLAP=1),
 }

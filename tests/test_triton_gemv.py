@@ -121,21 +121,23 @@ def test_experts_without_tokens_and_all_on_one_expert(scheme, late, device):
     check(x, w, tw, ids, gemv(64, late=late))
 
 
-def test_fp16_activations(device):
+@pytest.mark.parametrize("late", [False, True], ids=["step", "late"])
+def test_fp16_activations(late, device):
     w = random_weights(3, 128, 128, "bf16", dtype=torch.float16, device=device)
     tw, ids = random_routing(4, 3, 2, device=device)
-    check(random_x(4, 128, dtype=torch.float16, device=device), w, tw, ids, gemv())
+    check(random_x(4, 128, dtype=torch.float16, device=device), w, tw, ids, gemv(late=late))
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["step", "late"])
 @pytest.mark.parametrize("scheme", [s for s in SCHEMES if s != "bf16"])
 @pytest.mark.parametrize("M", [1, 5])
-def test_fp16_activations_with_fp8_weights(scheme, M, device):
+def test_fp16_activations_with_fp8_weights(scheme, M, late, device):
     """fp16 activations for every FP8 scheme on the GEMV path (the tiled path: test_triton_backend):
     hidden 144 (a partial group in the one K step), top-2 of 3 experts. fp16 rounds 8x finer than
     bf16, so the bf16-derived tolerances hold a fortiori."""
     w = random_weights(3, 144, 128, scheme, device=device, seed=M)
     tw, ids = random_routing(M, 3, 2, device=device, seed=M)
-    check(random_x(M, 144, dtype=torch.float16, device=device, seed=M), w, tw, ids, gemv(64, 256))
+    check(random_x(M, 144, dtype=torch.float16, device=device, seed=M), w, tw, ids, gemv(64, 256, late=late))
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["step", "late"])
@@ -350,7 +352,8 @@ def test_a_table_entry_of_the_gemv_path_stays_within_its_bound(monkeypatch):
     assert config.get_config(shape, scheme, 8, "GPU") == tiled
 
 
-@pytest.mark.parametrize("cfg", [gemv(64), KernelConfig(16, 64, 64, 1, 4, 2)], ids=["gemv", "tiled"])
+@pytest.mark.parametrize("cfg", [gemv(64), gemv(64, late=True), KernelConfig(16, 64, 64, 1, 4, 2)],
+                         ids=["gemv", "gemv-late", "tiled"])
 def test_non_contiguous_activations(cfg, device):
     """Rows of x with a stride (a view of a wider buffer): both paths read x with unit stride."""
     w = random_weights(3, 128, 128, "bf16", device=device)
