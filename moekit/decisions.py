@@ -3,8 +3,9 @@
 `moekit tune` writes one JSON file per (device, shape, scheme), named by `moekit.tables.table_name`
 and found by `moekit.tables.find_tables("backends", ...)` (the user's MOEKIT_CONFIG_DIR folders
 before the shipped moekit/configs/backends/, an exact device name before another name of the same
-GPU model; in fast accumulation mode a fast-mode table refines the precise one, see
-moekit.tables). The format (version 1):
+GPU model; the tables found are layered, each answering within the range of sizes it measured
+where none before it does; in fast accumulation mode a fast-mode table refines the precise one,
+see moekit.tables). The format (version 1):
 
     {"format": "moekit-backend-table", "version": 1,
      "meta": {"device_name": "...", "num_experts": E, "hidden": H, "intermediate": N_per_gpu,
@@ -118,6 +119,8 @@ class BackendTable:
     path: Path
     meta: dict
     points: tuple[Point, ...]  # sorted by batch size
+    # the tables found after this one whose points it holds beyond its own sizes (find_table's layering)
+    filled_from: tuple[Path, ...] = ()
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -257,14 +260,16 @@ def refine(base: BackendTable, top: BackendTable) -> BackendTable:
     one, moekit.tables); it reads as `top`'s file."""
     measured = {p.m for p in top.points}
     points = sorted([*(p for p in base.points if p.m not in measured), *top.points], key=lambda p: p.m)
-    return BackendTable(top.path, {**top.meta, "refines": base.path.name}, tuple(points))
+    return BackendTable(top.path, {**top.meta, "refines": base.path.name}, tuple(points),
+                        (*top.filled_from, *base.filled_from))
 
 
 def find_table(
     shape: MoEShape, scheme: QuantScheme, device_name: str, skipped: list | None = None
 ) -> BackendTable | None:
-    """The first valid table for this problem on this device (user folders, then shipped), or None;
-    in fast accumulation mode the first fast-mode one refines it (`refine`).
+    """The valid tables for this problem on this device (user folders, then shipped, then a GPU of
+    the sharing group), layered (_layered_valid), or None; in fast accumulation mode the
+    fast-mode ones refine them (`refine`).
 
     Tables that fail to load are skipped with one warning per file; their (path, problem) is also
     appended to `skipped` when given. Never raises."""
@@ -273,30 +278,48 @@ def find_table(
     except ValueError as e:  # a bad MOEKIT_FP8_ACCUMULATION: select refuses it first; here, never raise
         warnings.warn(f"moekit: {e}; reading the precise-mode decision tables", BackendTableWarning, stacklevel=2)
         accumulation = "precise"
-    found = precise = _first_valid(shape, scheme, device_name, "precise", skipped)
+    found = precise = _layered_valid(shape, scheme, device_name, "precise", skipped)
     precise_path = precise.path if precise is not None else None
-    used = [precise_path] if precise_path else []
+    used = [precise_path, *precise.filled_from] if precise is not None else []
     if accumulation != "precise":
-        fast = _first_valid(shape, scheme, device_name, accumulation, skipped)
+        fast = _layered_valid(shape, scheme, device_name, accumulation, skipped)
         if fast is not None and tables.fast_may_refine(precise_path, fast.path, device_name):
             found = refine(precise, fast) if precise is not None else fast
-            used.append(fast.path)
+            used += [fast.path, *fast.filled_from]
     tables.note_borrowed(used, device_name, "backend decision")
     return found
 
 
-def _first_valid(shape, scheme, device_name, accumulation: str, skipped: list | None) -> BackendTable | None:
+def _layered_valid(shape, scheme, device_name, accumulation: str, skipped: list | None) -> BackendTable | None:
+    """The valid tables found (moekit.tables.find_tables' order), layered: the first answers within
+    the range of sizes it measured, each later one only beyond the ranges of those before it (a
+    tune of a few sizes hides no other size of the tables after it). The result reads as the first
+    table's file; `filled_from` names the others whose points it holds."""
     try:
         candidates = tables.find_tables("backends", shape, scheme, device_name, accumulation)
     except Exception as e:  # noqa: BLE001 - an unreadable folder must not break a forward pass
         _warn_once(tables.search_dirs("backends")[0], f"cannot search for tables: {e}")
         return None
+    first: BackendTable | None = None
+    points: list[Point] = []
+    ranges: list[tuple[int, int]] = []
+    filled_from: list[Path] = []
     for path in candidates:
         try:
-            return load_table(path, shape, scheme)
+            table = load_table(path, shape, scheme)
         except Exception as e:  # noqa: BLE001 - TableError and anything unexpected alike
             problem = str(e) if isinstance(e, TableError) else f"{type(e).__name__}: {e}"
             if skipped is not None:
                 skipped.append((path, problem))
             _warn_once(path, problem)
-    return None
+            continue
+        beyond = [p for p in table.points if not any(lo <= p.m <= hi for lo, hi in ranges)]
+        if first is None:
+            first = table
+        elif beyond:
+            filled_from.append(path)
+        points += beyond
+        ranges.append((table.points[0].m, table.points[-1].m))
+    if first is None or not filled_from:
+        return first
+    return dataclasses.replace(first, points=tuple(sorted(points, key=lambda p: p.m)), filled_from=tuple(filled_from))

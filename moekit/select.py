@@ -266,8 +266,11 @@ def explain(
     if choice.source == "table":
         where = r.table.locate(num_tokens).describe()
         lines += [f"from: decision table {r.table.path}", f"  {where}"]
+        if r.table.filled_from:  # tables found after it, layered beyond the sizes it measured
+            lines.append(f"  beyond the sizes it measured, filled from {', '.join(map(str, r.table.filled_from))}")
         # a fast-mode table may refine a precise one of another file: either may be borrowed
-        files = [r.table.path] + ([Path(r.table.meta["refines"])] if "refines" in r.table.meta else [])
+        files = dict.fromkeys([r.table.path, *r.table.filled_from]
+                              + ([Path(r.table.meta["refines"])] if "refines" in r.table.meta else []))
         borrowed = [f.name for f in files if tables.is_borrowed(f, device_name(device) or "")]
         if borrowed:
             lines.append(f"  ({' and '.join(borrowed)}: measured on another GPU model of its sharing group, "

@@ -186,8 +186,10 @@ def find_tables(
     device name of the same GPU model (H100 SXM for an H100 PCIe, say). After every folder's,
     the tables of the other GPU models of its sharing group (SHARING_GROUPS: an H200's for an
     H100), user folders first, in the group's order within a folder: a table of this GPU model,
-    wherever it is, comes before them. Callers take the first file that loads; a file that
-    fails to load is skipped with a warning by the caller.
+    wherever it is, comes before them. Callers layer the files that load in this order: each
+    answers within the range of batch sizes it measured, where no file before it does (a tune of
+    a few sizes hides no other size of the tables after it); a file that fails to load is skipped
+    with a warning by the caller.
     """
     exact = table_name(shape, scheme, device_name, accumulation)
     family = device_family(device_name)

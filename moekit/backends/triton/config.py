@@ -19,8 +19,10 @@ BLOCK_SIZE_N for the same tile is 2 * BLOCK_N).
 
 Tuned tables (written by `moekit tune`, found through `moekit.tables`: the user's folders, then
 the shipped ones) hold {"meta": {...}, "configs": {"<batch size>": {BLOCK_M: .., ..., "us": ..}}};
-the entry of the nearest measured batch size (in log space) is used; in fast accumulation mode,
-over the union of the fast-mode table's sizes and the precise table's (fast entries first).
+the tables found are layered (each answers within the range of sizes it measured, where no table
+found before it does: _layered_table), and the entry of the nearest measured batch size (in log
+space) is used; in fast accumulation mode, over the union of the fast-mode tables' sizes and the
+precise tables' (fast entries first).
 """
 
 from __future__ import annotations
@@ -361,8 +363,17 @@ def _load_table(path: Path, stamp, generation: int = 0) -> TunedTable | None:
         return None
 
 
-def _first_table(shape: MoEShape, scheme: QuantScheme, device_name: str, accumulation: str,
-                 skip_roots: Sequence[Path] = ()):
+def _layered_table(shape: MoEShape, scheme: QuantScheme, device_name: str, accumulation: str,
+                   skip_roots: Sequence[Path] = ()) -> tuple[dict[int, KernelConfig], list[Path]] | None:
+    """(configs by batch size, the files they came from, first found first), or None: every usable
+    table in the order find_tables gives them (the user's folders, the shipped ones, a GPU of the
+    sharing group last), layered: the first answers at every size within the range of sizes it
+    measured, each later one only beyond the ranges of the tables before it. A tune of a few sizes
+    (`moekit tune --batch-sizes 1 2 4 8` into MOEKIT_CONFIG_DIR, or a GPU's own table of decode
+    sizes) so leaves the sizes it did not measure to the tables it would otherwise hide."""
+    configs: dict[int, KernelConfig] = {}
+    ranges: list[tuple[int, int]] = []
+    used: list[Path] = []
     for path in find_tables("triton", shape, scheme, device_name, accumulation, skip_roots):
         table = load_table(path)
         if table is not None and table.top_k not in (None, shape.top_k):
@@ -370,28 +381,34 @@ def _first_table(shape: MoEShape, scheme: QuantScheme, device_name: str, accumul
             log.warning("moekit: tuned table %s was measured with top_k=%d, this layer has top_k=%d: not used",
                         path, table.top_k, shape.top_k)
             continue
-        if table is not None and table.configs:
-            return table.configs, path
-    return None
+        if table is None or not table.configs:
+            continue
+        beyond = {m: c for m, c in table.configs.items() if not any(lo <= m <= hi for lo, hi in ranges)}
+        if beyond:
+            configs.update(beyond)
+            used.append(path)
+        ranges.append((min(table.configs), max(table.configs)))
+    return (configs, used) if configs else None
 
 
 def tuned_configs(shape: MoEShape, scheme: QuantScheme, device_name: str,
                   skip_own: Sequence[Path] = ()) -> tuple[dict[int, KernelConfig], Path] | None:
-    """(configs by batch size, the file they came from), or None. In fast accumulation mode a
-    fast-mode table refines the precise one (moekit.tables): its sizes over the precise table's,
-    unless it was measured on another GPU model and the precise table on this one (this GPU's
-    own measurements win over a borrowed table's). The tables of the current accumulation mode
-    under the table roots `skip_own` are not read (a tune run's own: moekit.tune.runner.Worker._incumbents)."""
+    """(configs by batch size, the first file they came from), or None: the tables found, layered
+    (_layered_table). In fast accumulation mode the fast-mode tables refine the precise ones
+    (moekit.tables): their sizes over the precise ones', unless the first fast table was measured
+    on another GPU model and the first precise one on this one (this GPU's own measurements win
+    over a borrowed table's). The tables of the current accumulation mode under the table roots
+    `skip_own` are not read (a tune run's own: moekit.tune.runner.Worker._incumbents)."""
     mode = table_accumulation(scheme)
-    found = precise = _first_table(shape, scheme, device_name, "precise", skip_own if mode == "precise" else ())
-    used = [precise[1]] if precise else []
+    found = precise = _layered_table(shape, scheme, device_name, "precise", skip_own if mode == "precise" else ())
+    used = list(precise[1]) if precise else []
     if mode == "fast":
-        fast = _first_table(shape, scheme, device_name, "fast", skip_own)
-        if fast is not None and tables.fast_may_refine(precise[1] if precise else None, fast[1], device_name):
+        fast = _layered_table(shape, scheme, device_name, "fast", skip_own)
+        if fast is not None and tables.fast_may_refine(precise[1][0] if precise else None, fast[1][0], device_name):
             found = ({**precise[0], **fast[0]} if precise else fast[0]), fast[1]
-            used.append(fast[1])
+            used += fast[1]
     tables.note_borrowed(used, device_name, "tuned triton")
-    return found
+    return (found[0], found[1][0]) if found else None
 
 
 def nearest(table: dict[int, KernelConfig], num_tokens: int) -> KernelConfig:
