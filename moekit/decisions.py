@@ -121,6 +121,12 @@ class BackendTable:
     points: tuple[Point, ...]  # sorted by batch size
     # the tables found after this one whose points it holds beyond its own sizes (find_table's layering)
     filled_from: tuple[Path, ...] = ()
+    # (size, file) of each point measured in another file than `path` (layering, refine)
+    sources: tuple[tuple[int, Path], ...] = ()
+
+    def source(self, m: int) -> Path:
+        """The file the point of measured size m came from."""
+        return dict(self.sources).get(m, self.path)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -260,8 +266,9 @@ def refine(base: BackendTable, top: BackendTable) -> BackendTable:
     one, moekit.tables); it reads as `top`'s file."""
     measured = {p.m for p in top.points}
     points = sorted([*(p for p in base.points if p.m not in measured), *top.points], key=lambda p: p.m)
+    sources = tuple((p.m, base.source(p.m)) for p in base.points if p.m not in measured) + top.sources
     return BackendTable(top.path, {**top.meta, "refines": base.path.name}, tuple(points),
-                        (*top.filled_from, *base.filled_from))
+                        (*top.filled_from, *base.filled_from), sources)
 
 
 def find_table(
@@ -282,15 +289,17 @@ def find_table(
     precise_path = precise.path if precise is not None else None
     used = [precise_path, *precise.filled_from] if precise is not None else []
     if accumulation != "precise":
-        fast = _layered_valid(shape, scheme, device_name, accumulation, skipped)
-        if fast is not None and tables.fast_may_refine(precise_path, fast.path, device_name):
+        fast = _layered_valid(shape, scheme, device_name, accumulation, skipped,
+                              keep=lambda path: tables.fast_may_refine(precise_path, path, device_name))
+        if fast is not None:
             found = refine(precise, fast) if precise is not None else fast
             used += [fast.path, *fast.filled_from]
-    tables.note_borrowed(used, device_name, "backend decision")
+    tables.note_borrowed(used, device_name, "backend decision table")
     return found
 
 
-def _layered_valid(shape, scheme, device_name, accumulation: str, skipped: list | None) -> BackendTable | None:
+def _layered_valid(shape, scheme, device_name, accumulation: str, skipped: list | None,
+                   keep=lambda path: True) -> BackendTable | None:
     """The valid tables found (moekit.tables.find_tables' order), layered: the first answers within
     the range of sizes it measured, each later one only beyond the ranges of those before it (a
     tune of a few sizes hides no other size of the tables after it). The result reads as the first
@@ -304,7 +313,10 @@ def _layered_valid(shape, scheme, device_name, accumulation: str, skipped: list 
     points: list[Point] = []
     ranges: list[tuple[int, int]] = []
     filled_from: list[Path] = []
+    sources: list[tuple[int, Path]] = []
     for path in candidates:
+        if not keep(path):
+            continue
         try:
             table = load_table(path, shape, scheme)
         except Exception as e:  # noqa: BLE001 - TableError and anything unexpected alike
@@ -318,8 +330,10 @@ def _layered_valid(shape, scheme, device_name, accumulation: str, skipped: list 
             first = table
         elif beyond:
             filled_from.append(path)
+            sources += [(p.m, path) for p in beyond]
         points += beyond
         ranges.append((table.points[0].m, table.points[-1].m))
     if first is None or not filled_from:
         return first
-    return dataclasses.replace(first, points=tuple(sorted(points, key=lambda p: p.m)), filled_from=tuple(filled_from))
+    return dataclasses.replace(first, points=tuple(sorted(points, key=lambda p: p.m)), filled_from=tuple(filled_from),
+                               sources=tuple(sources))

@@ -264,17 +264,21 @@ def explain(
     r = _resolver(shape, scheme, device, dtype, True)
     lines = [f"backend: {choice.backend}"]
     if choice.source == "table":
-        where = r.table.locate(num_tokens).describe()
+        loc = r.table.locate(num_tokens)
+        where = loc.describe()
         lines += [f"from: decision table {r.table.path}", f"  {where}"]
-        if r.table.filled_from:  # tables found after it, layered beyond the sizes it measured
-            lines.append(f"  beyond the sizes it measured, filled from {', '.join(map(str, r.table.filled_from))}")
-        # a fast-mode table may refine a precise one of another file: either may be borrowed
-        files = dict.fromkeys([r.table.path, *r.table.filled_from]
-                              + ([Path(r.table.meta["refines"])] if "refines" in r.table.meta else []))
-        borrowed = [f.name for f in files if tables.is_borrowed(f, device_name(device) or "")]
+        # the files of the sizes used: a table found after it (layered beyond the range it measured),
+        # or the precise table a fast-mode one refines
+        used = dict.fromkeys(r.table.source(p.m) for p in loc.neighbours())
+        later = [f for f in used if f != r.table.path and f.name != r.table.meta.get("refines")]
+        if later:
+            lines.append(f"  sizes measured in {', '.join(map(str, later))}: a table found after it answers beyond "
+                         "the range it measured")
+        names = dict.fromkeys(f.name for f in used)
+        borrowed = [name for name in names if tables.is_borrowed(Path(name), device_name(device) or "")]
         if borrowed:
-            lines.append(f"  ({' and '.join(borrowed)}: measured on another GPU model of its sharing group, "
-                         "none of this one; `moekit tune` here writes this GPU's own)")
+            lines.append(f"  ({' and '.join(borrowed)}: measured on another GPU model of its sharing group; "
+                         "`moekit tune` here writes this GPU's own)")
         rest = choice.detail.split(where, 1)[-1].lstrip("; ")
         if rest:
             lines.append(f"  {rest}")
@@ -296,8 +300,16 @@ def explain(
         points = loc.neighbours()
         if loc.how == "between":
             points = [*points, loc.point]
-        over = f", over {r.table.meta['refines']} where it measured nothing" if "refines" in r.table.meta else ""
-        lines.append(f"measured (us) in {r.table.path.name}{over}:")
+        used = dict.fromkeys(r.table.source(p.m) for p in loc.neighbours())
+        if list(used) == [r.table.path]:
+            over = f", over {r.table.meta['refines']} where it measured nothing" if "refines" in r.table.meta else ""
+            lines.append(f"measured (us) in {r.table.path.name}{over}:")
+        elif len(used) == 1:
+            lines.append(f"measured (us) in {next(iter(used)).name}:")
+        else:
+            lines.append("measured (us) in " + " and ".join(
+                f"{f.name} (M={', '.join(str(p.m) for p in loc.neighbours() if r.table.source(p.m) == f)})"
+                for f in used) + ":")
         header = ["backend"] + [
             f"M={p.m}" + (" (interpolated, used)" if loc.how == "between" else " (used)") * (p is loc.point)
             for p in points

@@ -130,8 +130,9 @@ def note_borrowed(paths, device_name: str, what: str) -> None:
         if not is_borrowed(path, device_name) or (str(path), device_name) in _borrowed_noted:
             continue
         _borrowed_noted.add((str(path), device_name))
-        log.info("moekit: no %s table of %s for this problem; using %s, measured on another GPU of the same "
-                 "architecture and SM count (run `moekit tune` here for tables of this GPU)", what, device_name, path)
+        log.info("moekit: %s for this problem on %s at the sizes no table of this GPU measured: %s, measured on "
+                 "another GPU of the same architecture and SM count (run `moekit tune` here for tables of this GPU)",
+                 what, device_name, path)
 
 
 def table_name(shape: MoEShape, scheme: QuantScheme, device_name: str, accumulation: str = "precise") -> str:

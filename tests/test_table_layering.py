@@ -5,9 +5,13 @@ table of decode sizes, so hides no other size of the tables after it."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 
 from moekit import decisions, select, tables
+from moekit.accumulation import FP8_ACCUMULATION_ENV
 from moekit.backends.triton.config import KernelConfig, get_config
 from moekit.select import DeviceSpec, explain
 
@@ -15,6 +19,10 @@ from test_accumulation_tables import FP8, H100, H200, SHAPE, isolated, write_con
 
 DECODE_A = KernelConfig(16, 32, 128, 1, 4, 2)
 DECODE_B = KernelConfig(16, 64, 128, 1, 4, 3)
+A = KernelConfig(16, 32, 128, 1, 4, 2)
+B = KernelConfig(16, 64, 128, 1, 4, 3)
+C = KernelConfig(64, 128, 128, 8, 8, 4)
+D = KernelConfig(128, 128, 128, 8, 8, 3)
 SHIPPED = {m: KernelConfig(16 * (1 + i % 2), 128, 128, 1 + 7 * (i % 2), 4 + 4 * (i % 2), 3 + i % 2)
            for i, m in enumerate((1, 4, 16, 1024))}
 
@@ -62,9 +70,114 @@ def test_decision_tables_are_layered_alike_and_select_says_so(tmp_path):
     assert select.select_backend(SHAPE, FP8, device, torch.bfloat16, 1).backend == "cutlass"  # the user's
     assert select.select_backend(SHAPE, FP8, device, torch.bfloat16, 4096).backend == "cutlass"  # the shipped
     text = "\n".join(explain(SHAPE, FP8, device, torch.bfloat16, 4096))
-    assert "beyond the sizes it measured, filled from" in text and str(table.filled_from[0]) in text
+    assert f"sizes measured in {table.filled_from[0]}: a table found after it answers beyond" in text
+    assert "sizes measured in" not in "\n".join(explain(SHAPE, FP8, device, torch.bfloat16, 1))  # the user's own
     # only the first table found: nothing filled, nothing said
     (shipped / "backends" / tables.table_name(SHAPE, FP8, H100)).unlink()
     select.clear_cache()
     table = decisions.find_table(SHAPE, FP8, H100)
-    assert table.filled_from == () and "filled from" not in "\n".join(explain(SHAPE, FP8, device, torch.bfloat16, 4096))
+    assert table.filled_from == () and "sizes measured in" not in "\n".join(explain(SHAPE, FP8, device, torch.bfloat16, 4096))
+
+
+def test_a_third_table_answers_only_beyond_the_ranges_of_both_before_it(tmp_path, monkeypatch, caplog):
+    """user [1, 2], the H100's shipped [1, 16], the H200's [8, 1024]: the H200's 8 and 16 lie in
+    the shipped table's range (16 on its edge) and are hidden; only 1024 is the H200's."""
+    monkeypatch.setattr(tables, "_borrowed_noted", set())
+    write_configs(tmp_path / "user", {1: A, 2: A})
+    write_configs(tmp_path / "shipped", {1: B, 4: B, 16: B})
+    write_configs(tmp_path / "shipped", {8: C, 16: C, 1024: C}, device_name=H200)
+    select.clear_cache()
+    with caplog.at_level("INFO", logger="moekit.tables"):
+        assert [config(m) for m in (1, 2, 4, 8, 16, 1024)] == [A, A, B, B, B, C]
+    assert tables.table_name(SHAPE, FP8, H200) in caplog.text  # the borrowed table it uses is logged
+
+
+def test_three_decision_tables_layer_alike_and_select_names_the_borrowed_one(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(tables, "_borrowed_noted", set())
+    write_decisions(tmp_path / "user", {1: {"triton": 5.0, "cutlass": 4.0}, 2: {"triton": 6.0, "cutlass": 5.0}})
+    shipped = write_decisions(tmp_path / "shipped", {1: {"triton": 1.0, "cutlass": 9.0},
+                                                     16: {"triton": 10.0, "cutlass": 20.0}})
+    borrowed = write_decisions(tmp_path / "shipped", {8: {"triton": 90.0, "cutlass": 1.0},
+                                                      16: {"triton": 90.0, "cutlass": 1.0},
+                                                      1024: {"triton": 900.0, "cutlass": 800.0}}, device_name=H200)
+    select.clear_cache()
+    with caplog.at_level("INFO", logger="moekit.tables"):
+        table = decisions.find_table(SHAPE, FP8, H100)
+    assert table.sizes == (1, 2, 16, 1024) and table.filled_from == (shipped, borrowed)
+    assert [table.locate(m).point.winner for m in (1, 16)] == ["cutlass", "triton"]
+    assert borrowed.name in caplog.text
+    text = "\n".join(explain(SHAPE, FP8, DeviceSpec.from_name(H100), torch.bfloat16, 1024))
+    assert f"({borrowed.name}: measured on another GPU model" in text
+
+
+def test_fast_mode_tables_are_layered_before_they_refine_the_precise_ones(tmp_path, monkeypatch):
+    """The user's fast tune of M = 1, 2 and the shipped fast table of the prefill sizes, both the
+    H100's own, over the H100's precise table: each fast table at its own sizes."""
+    write_configs(tmp_path / "shipped", {1: A, 64: A, 8192: A})
+    write_configs(tmp_path / "shipped", {4096: D, 8192: D}, "fast")
+    write_configs(tmp_path / "user", {1: B, 2: B}, "fast")
+    shipped_fast = write_decisions(tmp_path / "shipped", {4096: {"triton": 300.0, "cutlass": 400.0}}, "fast")
+    write_decisions(tmp_path / "shipped", {1: {"triton": 9.0, "cutlass": 8.0}, 4096: {"triton": 500.0, "cutlass": 400.0}})
+    write_decisions(tmp_path / "user", {1: {"triton": 8.0, "cutlass": 9.0}}, "fast")
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, "fast")
+    select.clear_cache()
+    assert [config(m) for m in (1, 2, 64, 4096, 8192)] == [B, B, A, D, D]
+    table = decisions.find_table(SHAPE, FP8, H100)
+    assert table.sizes == (1, 4096) and table.filled_from == (shipped_fast,)
+    device = DeviceSpec.from_name(H100)
+    assert [select.select_backend(SHAPE, FP8, device, torch.bfloat16, m).backend for m in (1, 4096)] == ["triton"] * 2
+
+
+def test_a_table_not_used_hides_nothing(tmp_path, monkeypatch):
+    """A triton table of another top_k, and an unloadable one, between valid ones: no range of theirs."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, f"{one}:{two}")
+    path = write_configs(one, {1: C, 8192: C})
+    doc = json.loads(path.read_text())
+    doc["meta"]["top_k"] = SHAPE.top_k + 1
+    tables.write_json_atomically(path, doc)
+    write_configs(two, {1: A, 2: A})
+    write_configs(tmp_path / "shipped", {1: B, 64: B})
+    select.clear_cache()
+    assert [config(m) for m in (1, 64, 8192)] == [A, B, B]
+    (one / "backends").mkdir()
+    (one / "backends" / tables.table_name(SHAPE, FP8, H100)).write_text("{not json")
+    write_decisions(two, {1: {"triton": 5.0, "cutlass": 4.0}})
+    write_decisions(tmp_path / "shipped", {64: {"triton": 5.0, "cutlass": 9.0}})
+    skipped = []
+    with pytest.warns(decisions.BackendTableWarning, match="not valid JSON"):
+        table = decisions.find_table(SHAPE, FP8, H100, skipped)
+    assert table.sizes == (1, 64) and len(skipped) == 1
+
+
+def test_an_own_fast_tune_of_a_few_sizes_lets_no_borrowed_fast_table_over_own_precise(tmp_path, monkeypatch):
+    """tables.fast_may_refine: a borrowed fast table does not override this GPU's own precise one.
+    A fast tune of M = 1, 2 on the H100 must not change that at M = 4096: every fast table is
+    judged before it is layered, not only the first (the H200's fast entries, layered behind the
+    user's fast table, won there in the first version of the layering)."""
+    user, shipped = tmp_path / "user", tmp_path / "shipped"
+    write_configs(shipped, {1: A, 4096: C})
+    write_configs(shipped, {1: B, 4096: D}, "fast", device_name=H200)
+    write_decisions(shipped, {1: {"triton": 10.0, "cutlass": 20.0}, 4096: {"triton": 500.0, "cutlass": 400.0}})
+    write_decisions(shipped, {4096: {"triton": 300.0, "cutlass": 400.0}}, "fast", device_name=H200)
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, "fast")
+    device = DeviceSpec.from_name(H100)
+    select.clear_cache()
+    assert get_config(SHAPE, FP8, 4096, H100) == C
+    assert select.select_backend(SHAPE, FP8, device, torch.bfloat16, 4096).backend == "cutlass"
+    write_configs(user, {1: B, 2: B}, "fast")
+    write_decisions(user, {1: {"triton": 10.0, "cutlass": 20.0}, 2: {"triton": 10.0, "cutlass": 20.0}}, "fast")
+    select.clear_cache()
+    assert get_config(SHAPE, FP8, 4096, H100) == C
+    assert select.select_backend(SHAPE, FP8, device, torch.bfloat16, 4096).backend == "cutlass"
+
+
+def test_select_names_the_file_the_times_used_were_measured_in(tmp_path):
+    """At M = 4096 the point used is the H200 table's (the H100's own measured M = 1, 2 only):
+    moekit select must not say it was measured in the H100's file."""
+    mine = write_decisions(tmp_path / "shipped", {1: {"triton": 50.0, "cutlass": 40.0}, 2: {"triton": 60.0, "cutlass": 55.0}})
+    theirs = write_decisions(tmp_path / "shipped", {1: {"triton": 30.0, "cutlass": 40.0},
+                                                    4096: {"triton": 900.0, "cutlass": 800.0}}, device_name=H200)
+    select.clear_cache()
+    text = "\n".join(explain(SHAPE, FP8, DeviceSpec.from_name(H100), torch.bfloat16, 4096))
+    assert f"measured (us) in {mine.name}" not in text and f"measured (us) in {theirs.name}" in text, text

@@ -547,7 +547,7 @@ class Worker:
         another GPU model of the sharing group (moekit.tables.SHARING_GROUPS). The tuner times it
         beside the default config, so the table it writes is never slower at a size it measures
         than the one it replaces (up to the timing's spread), however short the budget: an H100
-        tune replaces the H200 table it borrowed entirely, and that table carries configs
+        tune replaces the H200 table it borrowed within the sizes it measured, and that table carries configs
         hand-timed over many sessions, which a short search may not reach. {} where no table is
         found. The run's own tables (of its accumulation mode, in its --out) are looked past, so
         that the answer is the same before and after the run writes them; in fast mode a precise

@@ -364,7 +364,7 @@ def _load_table(path: Path, stamp, generation: int = 0) -> TunedTable | None:
 
 
 def _layered_table(shape: MoEShape, scheme: QuantScheme, device_name: str, accumulation: str,
-                   skip_roots: Sequence[Path] = ()) -> tuple[dict[int, KernelConfig], list[Path]] | None:
+                   skip_roots: Sequence[Path] = (), keep=lambda path: True) -> tuple[dict[int, KernelConfig], list[Path]] | None:
     """(configs by batch size, the files they came from, first found first), or None: every usable
     table in the order find_tables gives them (the user's folders, the shipped ones, a GPU of the
     sharing group last), layered: the first answers at every size within the range of sizes it
@@ -375,6 +375,8 @@ def _layered_table(shape: MoEShape, scheme: QuantScheme, device_name: str, accum
     ranges: list[tuple[int, int]] = []
     used: list[Path] = []
     for path in find_tables("triton", shape, scheme, device_name, accumulation, skip_roots):
+        if not keep(path):
+            continue
         table = load_table(path)
         if table is not None and table.top_k not in (None, shape.top_k):
             # its name has E, N, H and the scheme, not top-k: measured on other rows per expert
@@ -403,11 +405,13 @@ def tuned_configs(shape: MoEShape, scheme: QuantScheme, device_name: str,
     found = precise = _layered_table(shape, scheme, device_name, "precise", skip_own if mode == "precise" else ())
     used = list(precise[1]) if precise else []
     if mode == "fast":
-        fast = _layered_table(shape, scheme, device_name, "fast", skip_own)
-        if fast is not None and tables.fast_may_refine(precise[1][0] if precise else None, fast[1][0], device_name):
+        first = precise[1][0] if precise else None  # this GPU's own wherever it has one (find_tables' order)
+        fast = _layered_table(shape, scheme, device_name, "fast", skip_own,
+                              keep=lambda path: tables.fast_may_refine(first, path, device_name))
+        if fast is not None:
             found = ({**precise[0], **fast[0]} if precise else fast[0]), fast[1]
             used += fast[1]
-    tables.note_borrowed(used, device_name, "tuned triton")
+    tables.note_borrowed(used, device_name, "tuned triton table")
     return (found[0], found[1][0]) if found else None
 
 
