@@ -398,7 +398,8 @@ class _Resolver:
         note = ""
         if self.table is not None:
             loc = self.table.locate(m)
-            point, where = loc.point, f"{self.table.path}: {loc.describe()}"
+            files = dict.fromkeys(self.table.source(p.m) for p in loc.neighbours())  # where its sizes were measured
+            point, where = loc.point, f"{', '.join(map(str, files))}: {loc.describe()}"
             if point.winner in self.eligible:
                 return Choice(point.winner, "table", where, self.refused, self.avoided)
             passed = [f"winner {point.winner} cannot be used ({self.why_not(point.winner)})"]

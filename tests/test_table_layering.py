@@ -181,3 +181,6 @@ def test_select_names_the_file_the_times_used_were_measured_in(tmp_path):
     select.clear_cache()
     text = "\n".join(explain(SHAPE, FP8, DeviceSpec.from_name(H100), torch.bfloat16, 4096))
     assert f"measured (us) in {mine.name}" not in text and f"measured (us) in {theirs.name}" in text, text
+    device = DeviceSpec.from_name(H100)
+    assert select.select_backend(SHAPE, FP8, device, torch.bfloat16, 4096).detail.startswith(f"{theirs}: measured at M=4096")
+    assert select.select_backend(SHAPE, FP8, device, torch.bfloat16, 2).detail.startswith(f"{mine}: measured at M=2")
