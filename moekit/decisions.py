@@ -128,6 +128,10 @@ class BackendTable:
         """The file the point of measured size m came from."""
         return dict(self.sources).get(m, self.path)
 
+    def files(self, points) -> list[Path]:
+        """The files the measured `points` came from, each once, in their order."""
+        return list(dict.fromkeys(self.source(p.m) for p in points))
+
     @property
     def sizes(self) -> tuple[int, ...]:
         return tuple(p.m for p in self.points)
@@ -311,7 +315,7 @@ def _layered_valid(shape, scheme, device_name, accumulation: str, skipped: list 
         return None
     first: BackendTable | None = None
     points: list[Point] = []
-    ranges: list[tuple[int, int]] = []
+    layers = tables.Layers()
     filled_from: list[Path] = []
     sources: list[tuple[int, Path]] = []
     for path in candidates:
@@ -325,14 +329,14 @@ def _layered_valid(shape, scheme, device_name, accumulation: str, skipped: list 
                 skipped.append((path, problem))
             _warn_once(path, problem)
             continue
-        beyond = [p for p in table.points if not any(lo <= p.m <= hi for lo, hi in ranges)]
+        mine = layers.take(table.sizes)
+        beyond = [p for p in table.points if p.m in mine]
         if first is None:
             first = table
         elif beyond:
             filled_from.append(path)
             sources += [(p.m, path) for p in beyond]
         points += beyond
-        ranges.append((table.points[0].m, table.points[-1].m))
     if first is None or not filled_from:
         return first
     return dataclasses.replace(first, points=tuple(sorted(points, key=lambda p: p.m)), filled_from=tuple(filled_from),

@@ -269,7 +269,7 @@ def explain(
         lines += [f"from: decision table {r.table.path}", f"  {where}"]
         # the files of the sizes used: a table found after it (layered beyond the range it measured),
         # or the precise table a fast-mode one refines
-        used = dict.fromkeys(r.table.source(p.m) for p in loc.neighbours())
+        used = r.table.files(loc.neighbours())
         later = [f for f in used if f != r.table.path and f.name != r.table.meta.get("refines")]
         if later:
             lines.append(f"  sizes measured in {', '.join(map(str, later))}: a table found after it answers beyond "
@@ -300,12 +300,12 @@ def explain(
         points = loc.neighbours()
         if loc.how == "between":
             points = [*points, loc.point]
-        used = dict.fromkeys(r.table.source(p.m) for p in loc.neighbours())
-        if list(used) == [r.table.path]:
+        used = r.table.files(loc.neighbours())
+        if used == [r.table.path]:
             over = f", over {r.table.meta['refines']} where it measured nothing" if "refines" in r.table.meta else ""
             lines.append(f"measured (us) in {r.table.path.name}{over}:")
         elif len(used) == 1:
-            lines.append(f"measured (us) in {next(iter(used)).name}:")
+            lines.append(f"measured (us) in {used[0].name}:")
         else:
             lines.append("measured (us) in " + " and ".join(
                 f"{f.name} (M={', '.join(str(p.m) for p in loc.neighbours() if r.table.source(p.m) == f)})"
@@ -398,7 +398,7 @@ class _Resolver:
         note = ""
         if self.table is not None:
             loc = self.table.locate(m)
-            files = dict.fromkeys(self.table.source(p.m) for p in loc.neighbours())  # where its sizes were measured
+            files = self.table.files(loc.neighbours())  # where its sizes were measured
             point, where = loc.point, f"{', '.join(map(str, files))}: {loc.describe()}"
             if point.winner in self.eligible:
                 return Choice(point.winner, "table", where, self.refused, self.avoided)

@@ -224,6 +224,22 @@ def find_tables(
     return found + borrowed
 
 
+class Layers:
+    """find_tables' layering, shared by the triton config tables and the decision tables: each
+    table answers within the range of batch sizes it measured, where no table taken before it
+    does."""
+
+    def __init__(self) -> None:
+        self._ranges: list[tuple[int, int]] = []
+
+    def take(self, sizes) -> set[int]:
+        """Of the next table's measured sizes (non-empty), those it answers; its range is recorded."""
+        sizes = list(sizes)
+        mine = {m for m in sizes if not any(lo <= m <= hi for lo, hi in self._ranges)}
+        self._ranges.append((min(sizes), max(sizes)))
+        return mine
+
+
 def _created_file_mode() -> int:
     """0666 less the process's umask: the mode open() gives a new file. Read from /proc where it
     says (setting the umask to read it back would give other threads' files 0666 meanwhile)."""

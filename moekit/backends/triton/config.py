@@ -372,7 +372,7 @@ def _layered_table(shape: MoEShape, scheme: QuantScheme, device_name: str, accum
     (`moekit tune --batch-sizes 1 2 4 8` into MOEKIT_CONFIG_DIR, or a GPU's own table of decode
     sizes) so leaves the sizes it did not measure to the tables it would otherwise hide."""
     configs: dict[int, KernelConfig] = {}
-    ranges: list[tuple[int, int]] = []
+    layers = tables.Layers()
     used: list[Path] = []
     for path in find_tables("triton", shape, scheme, device_name, accumulation, skip_roots):
         if not keep(path):
@@ -385,11 +385,10 @@ def _layered_table(shape: MoEShape, scheme: QuantScheme, device_name: str, accum
             continue
         if table is None or not table.configs:
             continue
-        beyond = {m: c for m, c in table.configs.items() if not any(lo <= m <= hi for lo, hi in ranges)}
-        if beyond:
-            configs.update(beyond)
+        mine = layers.take(table.configs)
+        if mine:
+            configs.update({m: table.configs[m] for m in mine})
             used.append(path)
-        ranges.append((min(table.configs), max(table.configs)))
     return (configs, used) if configs else None
 
 
