@@ -33,9 +33,8 @@ from moekit.backends.triton import gemv
 from moekit.backends.triton._kernels import _to_dtype
 from moekit.backends.triton.launch import _interpreting, _scale_strides
 from moekit.timing import time_graphs
-from moekit.tune.space import GEMV_START
 
-from diag_points import layer_points, print_gemm_times, write_json  # scripts/ is on the path when a script runs
+from diag_points import gemv_config, layer_points, print_gemm_times, write_json  # scripts/ is on the path when a script runs
 
 
 @triton.jit
@@ -164,9 +163,7 @@ def main():
     for p in layer_points(args.points, dev):
         if p.w.scheme.name != "fp8-channel-token":
             raise SystemExit(f"{p.model}: this probe runs fp8-channel-token only, not {p.w.scheme.name}")
-        cfg = backend.config_for(p.w, p.shape.top_k, p.M, dev)
-        if not cfg.GEMV:
-            cfg = GEMV_START
+        cfg = gemv_config(backend, p, dev)
         a, a_scale = gemv.quantize_input(p.x, p.w)
         expected = gemv.gemv1(a, a_scale, p.w, p.ids, p.x.dtype, cfg, False)[0]
         out = torch.empty_like(expected)

@@ -28,9 +28,8 @@ import moekit
 from moekit.backends.triton import gemv
 from moekit.spec import FP8_MAX
 from moekit.timing import time_graphs
-from moekit.tune.space import GEMV_START
 
-from diag_points import layer_points, print_gemm_times, write_json  # scripts/ is on the path when a script runs
+from diag_points import gemv_config, layer_points, print_gemm_times, write_json  # scripts/ is on the path when a script runs
 
 A_MODES = {"group": 2, "row": 5, "bf16": 0, "fp8": 1}  # gemv2_kernel's A_MODE of each input
 
@@ -55,8 +54,7 @@ def main():
     backend = moekit.get_backend("triton")
     results = []
     for p in layer_points(args.points, dev):
-        table = backend.config_for(p.w, p.shape.top_k, p.M, dev)
-        cfg = table if table.GEMV else GEMV_START
+        cfg = gemv_config(backend, p, dev)
         a, a_scale = gemv.quantize_input(p.x, p.w)
         act, act_scale, a_mode = gemv.gemv1(a, a_scale, p.w, p.ids, p.x.dtype, cfg, False)
         if a_mode != A_MODES["group"]:

@@ -18,9 +18,9 @@ import torch
 import moekit
 from moekit.backends.triton import gemv
 from moekit.timing import time_graphs
-from moekit.tune.space import GEMV_LATE_MAX_VALUES_PER_THREAD, GEMV_START
+from moekit.tune.space import GEMV_LATE_MAX_VALUES_PER_THREAD
 
-from diag_points import layer_points, print_gemm_times, write_json  # scripts/ is on the path when a script runs
+from diag_points import gemv_config, layer_points, print_gemm_times, write_json  # scripts/ is on the path when a script runs
 
 
 def variants(base, stages):
@@ -47,9 +47,7 @@ def main():
     for p in layer_points(args.points, dev):
         x, w, tw, ids = p.x, p.w, p.tw, p.ids
         used = int(torch.unique(ids).numel())
-        base = backend.config_for(w, p.shape.top_k, p.M, dev)
-        if not base.GEMV:
-            base = GEMV_START
+        base = gemv_config(backend, p, dev)
         a, a_scale = gemv.quantize_input(x, w)
         fns, unpipelined = {}, {}
         for c in variants(base, args.stages):

@@ -85,6 +85,15 @@ def layer_points(points: Sequence[str], dev: torch.device, scheme: str | None = 
         yield Point(model, tp, M, shape, quant, weights, x, tw.float(), ids)
 
 
+def gemv_config(backend, p: Point, dev: torch.device):
+    """The config the triton backend runs at point `p` where that is a GEMV-path one, else
+    space.GEMV_START: what the GEMV diag scripts take as their table's config."""
+    from moekit.tune.space import GEMV_START
+
+    cfg = backend.config_for(p.w, p.shape.top_k, p.M, dev)
+    return cfg if cfg.GEMV else GEMV_START
+
+
 def print_gemm_times(times: dict, bytes1: int, bytes2: int, width: int = 22) -> Iterator[tuple[str, float]]:
     """Print each of time_graphs' results (median µs, p20-p80; for a label starting with "gemm1"
     or "gemm2", also that GEMM's bandwidth: the expert weights it must read, `bytes1` / `bytes2`,

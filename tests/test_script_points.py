@@ -189,3 +189,16 @@ def test_the_gemv2_input_probe_runs_each_input_it_times(device):
     for kind, out in outs.items():
         assert rel_l2(out, expected) < 5e-2, kind
     assert not torch.equal(outs["bf16"], expected)
+
+
+def test_the_gemv_scripts_take_the_tables_gemv_config_else_the_start():
+    from types import SimpleNamespace
+
+    from moekit.backends.triton import KernelConfig
+    from moekit.tune.space import GEMV_START
+
+    point = SimpleNamespace(w="weights", shape=SimpleNamespace(top_k=8), M=2)
+    late = KernelConfig(BLOCK_M=16, BLOCK_N=4, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=3, GEMV=2)
+    for table, expected in ((late, late), (KernelConfig(16, 64, 128, 1, 4, 3), GEMV_START)):
+        backend = SimpleNamespace(config_for=lambda w, top_k, M, dev, table=table: table)
+        assert diag_points.gemv_config(backend, point, "cuda") == expected
