@@ -8,7 +8,10 @@ On a CUDA GPU (the method of BENCHMARKS.md and its reference points):
      torch requires the warm-up before a capture to happen off the default stream);
   2. one call of `fn` is captured into a `torch.cuda.CUDAGraph`;
   3. before every replay the L2 cache is flushed by zeroing a 512 MiB buffer (far larger than
-     any L2: 50 MiB on H100, 60 MiB on H200), so each replay reads its weights from HBM;
+     any L2: 50 MiB on H100, 60 MiB on H200), so each replay reads its weights from HBM
+     (`flush_with="read"` reads the buffer instead: the L2 is then left holding clean lines, not
+     the zeroing's dirty ones, whose write-back a replay's first reads would pay for; a
+     diagnostic, scripts/diag_flush.py: every reference point was measured with the zeroing);
   4. CUDA events time every "flush, then replay" in two parts, `reps` times, in `rounds` blocks
      (several closures' blocks alternate, the order rotating each round), each block led by one
      untimed call, so the GPU is never idle at a start event: an event between the flush and the
@@ -44,6 +47,7 @@ DEFAULT_ROUNDS = 5  # time_graphs: replays of several closures interleaved in th
 # every timing, so that timings of the older harness (a flush median measured apart; their
 # entries carry no such field) are told apart from this one's (tune.output.decision_candidates).
 FLUSH_METHOD = "per-sample"
+FLUSH_WITH = ("zero", "read")  # how the flush buffer empties the L2 (step 3 above); the first is the default
 
 _flush_buffers: dict[int, torch.Tensor] = {}  # CUDA device index -> its flush buffer
 
@@ -78,12 +82,13 @@ def time_graph(
     device: torch.device | str | None = None,
     use_graph: bool = True,
     rounds: int = DEFAULT_ROUNDS,
+    flush_with: str = FLUSH_WITH[0],
 ) -> Timing:
     """Time `fn()` (a closure over inputs prepared beforehand). See the module docstring.
 
     Its replays are timed in `rounds` blocks, as time_graphs does for several closures."""
     result = time_graphs({"fn": fn}, reps=reps, warmup=warmup, flush_l2=flush_l2, device=device,
-                         use_graph=use_graph, rounds=rounds)["fn"]
+                         use_graph=use_graph, rounds=rounds, flush_with=flush_with)["fn"]
     if isinstance(result, BaseException):
         raise result
     return result
@@ -99,6 +104,7 @@ def time_graphs(
     use_graph: bool = True,
     rounds: int = DEFAULT_ROUNDS,
     before_each: Callable[[str], object] | None = None,
+    flush_with: str = FLUSH_WITH[0],
 ) -> dict[str, Timing | Exception]:
     """Time several closures fairly against each other: each is warmed up and captured first,
     then their replays are interleaved in `rounds` rounds (the order rotating each round), so that
@@ -111,6 +117,9 @@ def time_graphs(
     input buffers, e.g. rotate through several routings (a captured graph reads its buffers anew
     at each replay). Given the name, it can give every closure the same sequence of inputs.
 
+    `flush_with`: "zero" (the default, the method of every reference point) or "read" (step 3 of
+    the module docstring).
+
     Returns each name's Timing, or the exception its warm-up raised."""
     if not isinstance(reps, int) or reps < 1:
         raise ValueError(f"reps must be a positive integer, got {reps!r}")
@@ -118,12 +127,15 @@ def time_graphs(
         raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
+    if flush_with not in FLUSH_WITH:
+        raise ValueError(f"flush_with must be one of {', '.join(FLUSH_WITH)}, got {flush_with!r}")
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
     if device.type == "cuda":
         with torch.cuda.device(device):
-            return _time_cuda(fns, reps, warmup, flush_l2, use_graph, rounds, before_each)
+            flush = _flush(flush_with) if flush_l2 else None
+            return _time_cuda(fns, reps, warmup, flush, use_graph, rounds, before_each)
     return _time_cpu(fns, reps, warmup, rounds, before_each)
 
 
@@ -244,6 +256,15 @@ def flush_buffer() -> torch.Tensor:
     return buf
 
 
+def _flush(flush_with: str) -> Callable[[], object]:
+    """The L2 flush of `flush_with` (FLUSH_WITH) over the current device's flush buffer."""
+    buf = flush_buffer()
+    if flush_with == "zero":
+        return buf.zero_
+    words = buf.view(torch.int32)
+    return lambda: torch.amax(words)  # reads all 512 MiB, writes one word
+
+
 def _event_times(body: Callable[[], None], reps: int, before_each: Callable[[], object] | None = None) -> list[float]:
     """GPU time of `body` in µs, `reps` times: one pair of events around each call
     (`before_each` runs before each, outside the events).
@@ -340,7 +361,7 @@ def _prepare_cuda(fn, warmup: int, use_graph: bool):
     return run, ("cuda-graph" if graph is not None else "cuda-eager"), note, graph
 
 
-def _time_cuda(fns, reps: int, warmup: int, flush_l2: bool, use_graph: bool, rounds: int,
+def _time_cuda(fns, reps: int, warmup: int, flush: Callable[[], object] | None, use_graph: bool, rounds: int,
                before_each=None) -> dict[str, Timing | Exception]:
     results: dict[str, Timing | Exception] = {}
     prepared = {}
@@ -353,7 +374,6 @@ def _time_cuda(fns, reps: int, warmup: int, flush_l2: bool, use_graph: bool, rou
                 torch.cuda.synchronize()
             except Exception:  # noqa: BLE001 - a broken context shows up in the next call
                 pass
-    flush = flush_buffer().zero_ if flush_l2 else None
     if flush is not None and prepared:  # a flush that fails is no closure's error: nothing can be timed
         flush()
         torch.cuda.synchronize()
@@ -377,4 +397,4 @@ def _time_cuda(fns, reps: int, warmup: int, flush_l2: bool, use_graph: bool, rou
     return {name: results[name] for name in fns}
 
 
-__all__ = ["Timing", "time_graph", "time_graphs", "flush_buffer", "FLUSH_BYTES", "DEFAULT_REPS", "DEFAULT_WARMUP"]
+__all__ = ["Timing", "time_graph", "time_graphs", "flush_buffer", "FLUSH_BYTES", "FLUSH_WITH", "DEFAULT_REPS", "DEFAULT_WARMUP"]

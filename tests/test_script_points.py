@@ -67,7 +67,7 @@ def test_a_bad_point_names_what_is_wrong(text, message):
 @pytest.mark.parametrize("script", ["bench_ids_dtype", "bench_route", "bench_hf_router", "diag_decode", "diag_fast", "diag_gemm2",
                                     "diag_gemm2_resident", "diag_prefill", "diag_half_tail", "diag_configs",
                                     "diag_gemv_stages", "diag_gemv_gemm2_steps", "diag_quantize_chunks",
-                                    "diag_gemv1_reduce", "diag_gemv2_input"])
+                                    "diag_gemv1_reduce", "diag_gemv2_input", "diag_flush"])
 def test_each_script_imports_and_parses_its_arguments(script):
     """Each GPU script that reads models or points starts on the CPU (its imports resolve)."""
     done = subprocess.run([sys.executable, str(REPO / "scripts" / f"{script}.py"), "--help"], cwd=REPO,
@@ -189,6 +189,41 @@ def test_the_gemv2_input_probe_runs_each_input_it_times(device):
     for kind, out in outs.items():
         assert rel_l2(out, expected) < 5e-2, kind
     assert not torch.equal(outs["bf16"], expected)
+
+
+@pytest.mark.parametrize("gemv", [0, 1])
+def test_the_flush_probe_times_the_layer_its_gemms_and_reads_of_their_bytes(gemv, device, monkeypatch):
+    """diag_flush.py's closures on a small problem: the layer with the config given (its output the
+    backend's), GEMM1 and GEMM2 alone where that config is a GEMV one (their composition is the
+    layer's output, bit for bit: the same launches), and the bare reads of as many bytes as the
+    used experts' weights (their counts are those bytes)."""
+    import torch
+    from types import SimpleNamespace
+
+    import diag_flush as probe
+    import moekit
+    from moekit.backends.triton import KernelConfig
+
+    from helpers import random_routing, random_weights, random_x
+
+    E, H, N, M, K = 5, 256, 320, 2, 3
+    w = random_weights(E, H, N, "fp8-channel-token", device=device)
+    tw, ids = random_routing(M, E, K, device=device)
+    p = SimpleNamespace(w=w, x=random_x(M, H, device=device), tw=tw.float(), ids=ids, M=M, shape=SimpleNamespace(top_k=K))
+    cfg = KernelConfig(16, 8, 256, 1, 2, 1, GEMV=1) if gemv else KernelConfig(16, 32, 128, 1, 2, 1)
+    backend = moekit.get_backend("triton")
+    monkeypatch.setattr(backend, "config_for", lambda *args: cfg)
+    fns, bytes1, bytes2 = probe.closures(backend, p, device)
+    used = int(torch.unique(ids).numel())
+    assert (bytes1, bytes2) == (used * 2 * N * H, used * H * N)  # one byte per FP8 weight
+    assert set(fns) == {"layer", "read w13", "read w2"} | ({"gemm1", "gemm2"} if gemv else set())
+    out = fns["layer"]()
+    assert torch.equal(out, backend.run(p.x, w, p.tw, ids, config=cfg))
+    assert int(fns["read w13"]()) == int(w.w13[:used].view(torch.int32).max())
+    assert int(fns["read w2"]()) == int(w.w2[:used].view(torch.int32).max())
+    if gemv:
+        fns["gemm1"]()
+        assert torch.equal(fns["gemm2"](), out)
 
 
 def test_the_gemv_scripts_take_the_tables_gemv_config_else_the_start():

@@ -83,6 +83,13 @@ def test_cuda_graph_timing_flushes_the_l2_before_each_replay():
     assert t.flush_us is not None and math.isfinite(t.flush_us) and t.flush_us > 0
     assert int(buf.count_nonzero()) == 0  # the whole buffer was written
     assert torch.equal(out, (a.double() @ a.double()).float())  # the replays ran the captured matmul
+    buf.fill_(1)
+    out.fill_(float("nan"))
+    t = time_graph(lambda: torch.mm(a, a, out=out), reps=10, warmup=2, flush_with="read")
+    assert_well_formed(t, 10, "cuda-graph")
+    assert t.flush_us is not None and math.isfinite(t.flush_us) and t.flush_us > 0
+    assert int(buf.count_nonzero()) == buf.numel()  # read, not written
+    assert torch.equal(out, (a.double() @ a.double()).float())
 
 
 @pytest.mark.gpu
@@ -382,10 +389,9 @@ def test_each_closure_is_reported_without_its_flushes(monkeypatch):
         def zero_(self):
             device.launch(next(lengths))
 
-    monkeypatch.setattr(timing, "flush_buffer", lambda: Buffer())
     monkeypatch.setattr(timing, "_prepare_cuda", lambda fn, warmup, use_graph: (fn, "cuda-graph", None, None))
     fns = {"a": lambda: device.launch(50.0), "b": lambda: device.launch(80.0)}
-    t = timing._time_cuda(fns, 8, 1, True, True, 2)
+    t = timing._time_cuda(fns, 8, 1, Buffer().zero_, True, 2)
     assert t["a"].samples == pytest.approx((50.0,) * 8) and t["b"].samples == pytest.approx((80.0,) * 8)
     assert all(166.0 <= t[name].flush_us <= 225.0 for name in fns)
 
@@ -393,9 +399,25 @@ def test_each_closure_is_reported_without_its_flushes(monkeypatch):
         def zero_(self):
             raise RuntimeError("the flush failed")
 
-    monkeypatch.setattr(timing, "flush_buffer", lambda: Broken())
     with pytest.raises(RuntimeError, match="the flush failed"):
-        timing._time_cuda(fns, 8, 1, True, True, 2)
+        timing._time_cuda(fns, 8, 1, Broken().zero_, True, 2)
+
+
+def test_flush_with_reads_or_zeroes_the_flush_buffer(monkeypatch):
+    """flush_with picks the flush: "zero" writes the whole buffer, "read" reads all of it and writes
+    none of it (a CPU tensor stands in for the GPU's buffer); anything else is refused naming the
+    choices, before anything runs."""
+    from moekit import timing
+
+    buf = torch.arange(64, dtype=torch.uint8)
+    monkeypatch.setattr(timing, "flush_buffer", lambda: buf)
+    read = timing._flush("read")
+    assert int(read()) == int(buf.view(torch.int32).max())  # it reduced the whole buffer...
+    assert torch.equal(buf, torch.arange(64, dtype=torch.uint8))  # ...and left it as it was
+    timing._flush("zero")()
+    assert int(buf.count_nonzero()) == 0
+    with pytest.raises(ValueError, match="flush_with must be one of zero, read, got 'memset'"):
+        time_graph(lambda: None, flush_with="memset")
 
 
 def test_eager_us_per_call_counts_warmup_apart(monkeypatch):
