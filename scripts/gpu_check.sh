@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemvstages|gemv2steps|gemv1reduce|gemv2input|prefetch|flush|quantchunks|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|timingmethods|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemvstages|gemv2steps|gemv1reduce|gemv2input|flush|quantchunks|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|timingmethods|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points (BENCHMARKS.md, Reference points): the expert GEMMs alone
@@ -53,10 +53,6 @@
 # gemv2input: scripts/diag_gemv2_input.py, the GEMV path's GEMM2 alone on its input quantized per
 #        1x128 group while loading (its own), per row, unquantized and already FP8: what quantizing
 #        costs it (GEMV2_INPUT_ARGS adds arguments); not part of `all`.
-# prefetch: scripts/diag_gemv_prefetch.py, the GEMV path's layer with its GEMMs asking the L2 for
-#        their weights before waiting on the kernel before (GEMM1's, GEMM2's while GEMM1 runs, both,
-#        and GEMM2's kept in the L2 first) against none, in the same rounds, at decode points
-#        (PREFETCH_ARGS adds arguments); not part of `all`.
 # flush: scripts/diag_flush.py, the triton layer, the GEMV path's GEMMs alone and bare reads of their
 #        weights' bytes, timed after the harness's L2 flush (zeroing 512 MiB, which leaves the L2
 #        dirty) and after a flush that reads it (clean), at the anchors' decode points
@@ -284,11 +280,6 @@ if [[ " ${steps[*]} " == *" gemv1reduce "* ]]; then
 fi
 if [[ " ${steps[*]} " == *" gemv2input "* ]]; then
   python3 scripts/diag_gemv2_input.py ${GEMV2_INPUT_ARGS:-} --json "$WORK/diag_gemv2_input.json" || status=1
-fi
-if [[ " ${steps[*]} " == *" prefetch "* ]]; then
-  python3 scripts/diag_gemv_prefetch.py ${PREFETCH_ARGS:-} --json "$WORK/diag_gemv_prefetch.json" 2>&1 \
-    | tee "$WORK/diag_gemv_prefetch.log"
-  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ " ${steps[*]} " == *" flush "* ]]; then
   python3 scripts/diag_flush.py ${FLUSH_ARGS:-} --json "$WORK/diag_flush.json" 2>&1 | tee "$WORK/diag_flush.log"

@@ -67,8 +67,7 @@ def test_a_bad_point_names_what_is_wrong(text, message):
 @pytest.mark.parametrize("script", ["bench_ids_dtype", "bench_route", "bench_hf_router", "diag_decode", "diag_fast", "diag_gemm2",
                                     "diag_gemm2_resident", "diag_prefill", "diag_half_tail", "diag_configs",
                                     "diag_gemv_stages", "diag_gemv_gemm2_steps", "diag_quantize_chunks",
-                                    "diag_gemv1_reduce", "diag_gemv2_input", "diag_flush",
-                                    "diag_gemv_prefetch"])
+                                    "diag_gemv1_reduce", "diag_gemv2_input", "diag_flush"])
 def test_each_script_imports_and_parses_its_arguments(script):
     """Each GPU script that reads models or points starts on the CPU (its imports resolve)."""
     done = subprocess.run([sys.executable, str(REPO / "scripts" / f"{script}.py"), "--help"], cwd=REPO,

@@ -431,8 +431,7 @@ for name, (kernel_name, constants) in CONSTANTS.items():
             n = param.name
             if param.is_constexpr:
                 signature[n] = "constexpr"
-                consts[(i,)] = {**constants, "STAGES": stages, "INTERPRET": False, "CHECK_IDS": False, "PDL": False,
-                                "PREFETCH": 0, "LANES": 64, "PARTS": 1, "W_BYTES": 1}[n]
+                consts[(i,)] = {**constants, "STAGES": stages, "INTERPRET": False, "CHECK_IDS": False, "PDL": False}[n]
             else:
                 signature[n] = POINTERS.get(n, "*fp32") if n.endswith("_ptr") else "i32"
                 attrs[(i,)] = [["tt.divisibility", 16]]  # as a launch on aligned tensors and strides specializes
@@ -465,62 +464,6 @@ def test_pipelined_k_loops_compile_to_async_copies_for_hopper():
     assert found["gemv2_kernel 3"][1] >= gemv_shared_memory_bytes(gemm2_only, static, 8) == 2 * 8 * 128 * (1 + 8)
 
 
-_COMPILE_PREFETCH = """
-import json, sys
-import triton
-import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from moekit.backends.triton import _gemv_kernels as g
-
-POINTERS = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "out_ptr": "*bf16", "ids_ptr": "*i32"}
-CONSTANTS = {
-    g.gemv1_kernel: {"A_SCALE": 2, "B_SCALE": 2, "OUT_MODE": 0, "ACT_DTYPE": tl.bfloat16, "BLOCK_N": 8, "GROUPS": 4,
-                     "LATE": False},
-    g.gemv2_kernel: {"A_MODE": 2, "B_SCALE": 2, "K_TOP": 6, "K_POW2": 8, "BLOCK_N": 8, "GROUPS": 1},
-}
-found = {}
-for kernel, constants in CONSTANTS.items():
-    for prefetch in (0, 1, 2):
-        signature, consts, attrs = {}, {}, {}
-        for i, param in enumerate(kernel.params):
-            n = param.name
-            if param.is_constexpr:
-                signature[n] = "constexpr"
-                consts[(i,)] = {**constants, "STAGES": 1, "INTERPRET": False, "CHECK_IDS": False, "PDL": True,
-                                "PREFETCH": prefetch, "LANES": 64, "PARTS": 1, "W_BYTES": 1}[n]
-            else:
-                signature[n] = POINTERS.get(n, "*fp32") if n.endswith("_ptr") else "i32"
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        ptx = triton.compile(ASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": 2, "num_stages": 1}).asm["ptx"]  # through ptxas: the asm assembles
-        wait = ptx.find("griddepcontrol.wait")
-        found[f"{kernel.__name__} {prefetch}"] = {
-            "prefetches": ptx.count("cp.async.bulk.prefetch.L2.global"),
-            "evict_last": ptx.count("createpolicy.fractional.L2::evict_last"),
-            "before_wait": wait > 0 and ptx.rfind("cp.async.bulk.prefetch", 0, wait) >= 0 if "cp.async.bulk" in ptx else False,
-        }
-json.dump(found, sys.stdout)
-"""
-
-
-def test_prefetch_compiles_to_bulk_l2_prefetches_before_the_wait():
-    """What the interpreter cannot run: compiled for sm_90 (without a GPU, through ptxas, in a
-    process of its own), PREFETCH 1 puts one cp.async.bulk.prefetch per run of weight rows in the
-    kernel (GEMM1: gate and up; GEMM2: one per pair slot of K_POW2, 8 here with 6 pairs: the 2
-    padded slots ask for 0 bytes and skip it), before the wait for the kernel before (else it
-    overlaps nothing); 2 adds the evict_last policy to each; 0 none at all."""
-    import json
-
-    from helpers import compile_in_child
-
-    found = json.loads(compile_in_child(["-c", _COMPILE_PREFETCH]))
-    for kernel, runs in (("gemv1_kernel", 2), ("gemv2_kernel", 8)):
-        assert found[f"{kernel} 0"] == {"prefetches": 0, "evict_last": 0, "before_wait": False}, found
-        assert found[f"{kernel} 1"] == {"prefetches": runs, "evict_last": 0, "before_wait": True}, found
-        assert found[f"{kernel} 2"] == {"prefetches": runs, "evict_last": runs, "before_wait": True}, found
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(PRESET_SHAPES))
 @pytest.mark.parametrize("M", [1, 3])
@@ -545,24 +488,3 @@ def test_gpu_bitwise_deterministic_and_graph_replay_with_fresh_routing():
         for _ in range(5):
             assert torch.equal(run(x, w, tw, ids, cfg), first)
         assert_graph_replays_fresh_routing(lambda x, tw, ids, cfg=cfg: run(x, w, tw, ids, cfg), x, tw, ids, E)
-
-
-def test_prefetch_is_asked_for_only_on_hopper_and_aligned_rows(monkeypatch):
-    """gemv.prefetch_mode: the kernels' PREFETCH is the one asked for only where the device runs
-    programmatic dependent launch (the prefetch goes before its wait; cp.async.bulk.prefetch is
-    sm_90's) and each program's rows are one 16-byte-aligned run of bytes; anything but 0, 1 or 2
-    is refused by name."""
-    import torch
-
-    from moekit.backends.triton import gemv as gemv_module
-
-    fp8_rows_of_64 = torch.zeros(3, 16, 64, dtype=torch.float8_e4m3fn)
-    assert gemv_module.prefetch_mode(1, fp8_rows_of_64) == 0  # the CPU: no PDL
-    monkeypatch.setattr(gemv_module, "pdl_enabled", lambda device: True)
-    assert [gemv_module.prefetch_mode(p, fp8_rows_of_64) for p in (0, 1, 2)] == [0, 1, 2]
-    assert gemv_module.prefetch_mode(1, torch.zeros(3, 16, 40, dtype=torch.float8_e4m3fn)) == 0  # 40-byte rows
-    assert gemv_module.prefetch_mode(1, torch.zeros(3, 16, 40, dtype=torch.bfloat16)) == 1  # 80-byte rows
-    assert gemv_module.prefetch_mode(1, fp8_rows_of_64.transpose(1, 2)) == 0  # rows not contiguous
-    assert gemv_module.prefetch_mode(1, torch.zeros(3 * 16 * 64 + 1, dtype=torch.float8_e4m3fn)[1:].view(3, 16, 64)) == 0
-    with pytest.raises(ValueError, match="prefetch must be 0, 1 or 2, got 3"):
-        gemv_module.prefetch_mode(3, fp8_rows_of_64)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..glue._kernels import _atomic_amax, _magnitude_bits, _scale_from_amax
-from ._kernels import _check_expert_ids, _pdl_enter, _prefetch_l2, _quantize_tile, _to_dtype
+from ._kernels import _check_expert_ids, _pdl_enter, _quantize_tile, _to_dtype
 
 
 @triton.jit
@@ -140,20 +140,9 @@ def gemv1_kernel(
     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, OUT_MODE: tl.constexpr, ACT_DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
     CHECK_IDS: tl.constexpr, PDL: tl.constexpr, LATE: tl.constexpr,
-    PREFETCH: tl.constexpr = 0, LANES: tl.constexpr = 64, PARTS: tl.constexpr = 1, W_BYTES: tl.constexpr = 1,
 ):
     """OUT_MODE: 0 store in the activations' dtype, 1 also record amax, 2 quantize with the static
-    scale. Weight tiles are [BLOCK_N, GROUPS, 128] with K contiguous, as w13 is stored.
-    PREFETCH (1, 2: _prefetch_l2's): ask the L2 for the program's gate and up rows before waiting
-    for the kernel before (the weights need nothing from it; W_BYTES bytes per weight, LANES the
-    program's threads, PARTS the requests of each run)."""
-    if PREFETCH != 0:
-        hint_e = tl.minimum(tl.maximum(tl.load(ids_ptr + tl.program_id(0)).to(tl.int64), 0), E - 1)  # any id: a hint
-        first_col = tl.program_id(1) * BLOCK_N
-        gate_rows = w_ptr + hint_e * stride_we + first_col.to(tl.int64) * stride_wn
-        nbytes = tl.minimum(BLOCK_N, N - first_col) * stride_wn * W_BYTES
-        _prefetch_l2(gate_rows, nbytes, LANES, PARTS, PREFETCH)
-        _prefetch_l2(gate_rows + N.to(tl.int64) * stride_wn, nbytes, LANES, PARTS, PREFETCH)
+    scale. Weight tiles are [BLOCK_N, GROUPS, 128] with K contiguous, as w13 is stored."""
     _pdl_enter(PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -211,11 +200,11 @@ def gemv2_kernel(
     topk_weights_ptr,  # (P,) float32
     ids_ptr,  # (P,) expert of each pair
     out_ptr,  # (M, H) the layer's output
-    E, N, H,
+    N, H,
     stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     A_MODE: tl.constexpr, B_SCALE: tl.constexpr, K_TOP: tl.constexpr, K_POW2: tl.constexpr,
     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr = 0, LANES: tl.constexpr = 64, PARTS: tl.constexpr = 1, W_BYTES: tl.constexpr = 1,
+    PDL: tl.constexpr,
 ):
     """One program per (token, column block of H): the token's K pairs side by side in every
     tile, each step reading GROUPS 128-groups of N for each pair (rows = K_POW2 x GROUPS, pair
@@ -227,19 +216,7 @@ def gemv2_kernel(
     3 quantize per tensor while loading (scale from the shared amax), 5 quantize per row while
     loading (each row's scale from its own |max| first). Each pair's weighted output is rounded to
     the output dtype before the K are summed, as the tiled path stores pairs before its combine;
-    the sum is one fixed reduction (the same bits every run).
-
-    PREFETCH (1, 2: _prefetch_l2's): ask the L2 for the program's rows of each pair's expert
-    before waiting for GEMM1: with programmatic dependent launch this grid is resident while GEMM1
-    still runs (GEMM1 releases it at once), and its weights need nothing from GEMM1."""
-    if PREFETCH != 0:
-        first_col = tl.program_id(1) * BLOCK_N
-        nbytes = tl.minimum(BLOCK_N, H - first_col) * stride_wn * W_BYTES
-        for j in tl.static_range(K_POW2):
-            hint_e = tl.load(ids_ptr + tl.program_id(0).to(tl.int64) * K_TOP + j, mask=j < K_TOP, other=0)
-            hint_e = tl.minimum(tl.maximum(hint_e.to(tl.int64), 0), E - 1)  # any id: a hint
-            _prefetch_l2(w_ptr + hint_e * stride_we + first_col.to(tl.int64) * stride_wn,
-                         tl.where(j < K_TOP, nbytes, 0), LANES, PARTS, PREFETCH)
+    the sum is one fixed reduction (the same bits every run)."""
     _pdl_enter(PDL)
     ROWS: tl.constexpr = K_POW2 * GROUPS
     token = tl.program_id(0).to(tl.int64)

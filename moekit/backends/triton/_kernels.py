@@ -55,36 +55,6 @@ def _pdl_enter(PDL: tl.constexpr):
     _pdl_release(PDL)
 
 
-# PTX of one lane's L2 prefetch (_prefetch_l2's PREFETCH 1) and of one kept in the L2 before other
-# lines (2, an evict_last cache policy): cp.async.bulk.prefetch (sm_90) asks the L2 for a
-# 16-byte-aligned run of bytes and returns at once; a lane with nothing to ask for (size 0) skips it.
-_PREFETCH_PLAIN = tl.constexpr(
-    "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
-_PREFETCH_EVICT_LAST = tl.constexpr(
-    "{ .reg .pred p; .reg .b64 pol; setp.ne.u32 p, $2, 0; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-    "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }")
-
-
-@triton.jit
-def _prefetch_l2(start_ptr, nbytes, LANES: tl.constexpr, PARTS: tl.constexpr, PREFETCH: tl.constexpr):
-    """Ask the L2 for the `nbytes` bytes from `start_ptr` (both multiples of 16) without waiting
-    for them: a hint, whatever the bytes, so it changes no result. The run is split into PARTS
-    requests, one for each of the first PARTS of LANES lanes (the program's threads: one element
-    each, so none is asked twice; a scalar's asm would run in every thread). PREFETCH 0 does
-    nothing; 1 and 2 as _PREFETCH_PLAIN and _PREFETCH_EVICT_LAST."""
-    if PREFETCH != 0:
-        lane = tl.arange(0, LANES)
-        chunk = tl.cdiv(nbytes, PARTS * 16) * 16
-        offs = lane * chunk
-        size = tl.minimum(tl.maximum(nbytes - offs, 0), chunk)
-        ptrs = start_ptr.to(tl.pointer_type(tl.uint8)) + offs
-        if PREFETCH == 1:
-            tl.inline_asm_elementwise(_PREFETCH_PLAIN, "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise(_PREFETCH_EVICT_LAST, "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False,
-                                      pack=1)
-
-
 # --------------------------------------------------------------------------- CPU-interpreter fixes
 # INTERPRET (constexpr) is True only under TRITON_INTERPRET=1. The interpreter of triton 3.9 gets four
 # things wrong that the GPU gets right: a float32 -> e4m3 cast that rounds up across a power of two

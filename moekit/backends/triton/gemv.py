@@ -13,8 +13,7 @@ from ..sizes import cdiv, next_pow2
 from . import _gemv_kernels as gk
 from .config import KernelConfig
 # launch.py imports this module only inside functions (run, prepare_gemm_only): launch is loaded here
-from .launch import (A_SCALE_KIND, B_SCALE_KIND, _TL_DTYPE, _gemm2_launch, _interpreting, _launch, _scale_strides,
-                     pdl_enabled, quantize_input)
+from .launch import A_SCALE_KIND, B_SCALE_KIND, _TL_DTYPE, _gemm2_launch, _interpreting, _launch, _scale_strides, quantize_input
 
 
 def run_gemv(x, weights: MoEWeights, topk_weights, topk_ids, cfg: KernelConfig, *, row_intermediate: bool):
@@ -53,23 +52,8 @@ def _gemm2_input_mode(weights: MoEWeights, row_intermediate: bool) -> int:
     return 5 if row_intermediate else 2
 
 
-def prefetch_mode(prefetch: int, w: torch.Tensor) -> int:
-    """The kernels' PREFETCH for weights `w` [E, rows, K]: `prefetch` (0 none, 1 plain, 2 kept
-    before other lines: _kernels._prefetch_l2) where the device runs programmatic dependent
-    launch (Hopper: the kernels ask before waiting, and cp.async.bulk.prefetch is sm_90's) and each
-    program's rows are a 16-byte-aligned run of bytes (contiguous rows of a 16-byte multiple,
-    16-byte-aligned storage), else 0: the prefetch is a hint, leaving it out changes no result."""
-    if prefetch not in (0, 1, 2):
-        raise ValueError(f"prefetch must be 0, 1 or 2, got {prefetch!r}")
-    row_bytes = w.shape[-1] * w.element_size()
-    aligned = w.is_contiguous() and row_bytes % 16 == 0 and w.data_ptr() % 16 == 0
-    return prefetch if prefetch and aligned and pdl_enabled(w.device) else 0
-
-
-def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfig, row_intermediate: bool,
-          prefetch: int = 0, prefetch_parts: int = 1):
-    """(each pair's SiLU(gate) * up [P, N], the scale GEMM2 reads with it, GEMM2's A_MODE).
-    `prefetch`: prefetch_mode's, each run of rows asked for in `prefetch_parts` requests."""
+def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfig, row_intermediate: bool):
+    """(each pair's SiLU(gate) * up [P, N], the scale GEMM2 reads with it, GEMM2's A_MODE)."""
     scheme = weights.scheme
     M, K = topk_ids.shape
     N, H = weights.n, weights.hidden
@@ -93,21 +77,18 @@ def gemv1(a, a_scale, weights: MoEWeights, topk_ids, out_dtype, cfg: KernelConfi
         weights.w13.stride(0), weights.w13.stride(1), stride_wse, stride_wsn, out.stride(0),
         A_SCALE=A_SCALE_KIND[scheme.activation] if scheme.is_fp8 else 0, B_SCALE=B_SCALE_KIND[scheme.weight],
         OUT_MODE=out_mode, ACT_DTYPE=_TL_DTYPE[out_dtype], BLOCK_N=cfg.BLOCK_N, GROUPS=cfg.BLOCK_K // 128,
-        STAGES=cfg.num_stages, INTERPRET=_interpreting(), LATE=cfg.GEMV == 2,
-        PREFETCH=prefetch_mode(prefetch, weights.w13), LANES=32 * cfg.num_warps,
-        PARTS=min(prefetch_parts, 32 * cfg.num_warps), W_BYTES=weights.w13.element_size(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        STAGES=cfg.num_stages, INTERPRET=_interpreting(), LATE=cfg.GEMV == 2, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out, out_scale, a_mode
 
 
 def gemv2(act, act_scale, a_mode, weights: MoEWeights, topk_weights, topk_ids, out_dtype, cfg: KernelConfig,
-          groups: int | None = None, prefetch: int = 0, prefetch_parts: int = 1):
+          groups: int | None = None):
     """The layer's output [M, H]: each token's K pairs through w2, weighted and summed; on
     GEMM2's own column block, warps and K-loop depth where the config has them
     (KernelConfig.gemm2), its K step GEMM1's (gemm2_groups) unless `groups` (128-groups per pair
-    and step, a power of two) is given: scripts/diag_gemv_gemm2_steps.py measures other steps.
-    `prefetch`: prefetch_mode's, each run of rows asked for in `prefetch_parts` requests."""
+    and step, a power of two) is given: scripts/diag_gemv_gemm2_steps.py measures other steps."""
     M, K = topk_ids.shape
     g2 = _gemm2_launch(cfg)
     N, H = weights.n, weights.hidden
@@ -116,12 +97,10 @@ def gemv2(act, act_scale, a_mode, weights: MoEWeights, topk_weights, topk_ids, o
     stride_wse, stride_wsn = _scale_strides(w_scale)
     _launch(gk.gemv2_kernel, (M, cdiv(H, g2.BLOCK_N)),
         act, act_scale, weights.w2, w_scale if w_scale is not None else act,
-        topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1), out, weights.num_experts, N, H,
+        topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1), out, N, H,
         act.stride(0), weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
         A_MODE=a_mode, B_SCALE=B_SCALE_KIND[weights.scheme.weight], K_TOP=K, K_POW2=next_pow2(K),
         BLOCK_N=g2.BLOCK_N, GROUPS=groups or gemm2_groups(cfg, K), STAGES=g2.num_stages, INTERPRET=_interpreting(),
-        PREFETCH=prefetch_mode(prefetch, weights.w2), LANES=32 * g2.num_warps,
-        PARTS=min(prefetch_parts, 32 * g2.num_warps), W_BYTES=weights.w2.element_size(),
         num_warps=g2.num_warps, num_stages=g2.num_stages,
     )
     return out
