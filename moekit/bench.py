@@ -50,7 +50,7 @@ from .backends import backend_names, get_backend
 from .models import ModelSpec, get_model
 from .select import ENV_VAR, select_backend
 from .spec import MoEShape, QuantScheme, get_scheme
-from .timing import DEFAULT_REPS, DEFAULT_WARMUP, DEFAULT_ROUNDS, Timing, time_graphs
+from .timing import DEFAULT_REPS, DEFAULT_WARMUP, DEFAULT_ROUNDS, FLUSH_WITH, Timing, time_graphs
 from .weights import MoEWeights, quantize_weights
 
 
@@ -760,6 +760,7 @@ class BenchOptions:
     reps: int = DEFAULT_REPS
     warmup: int = DEFAULT_WARMUP
     routings: int = DEFAULT_ROUTINGS  # layer mode: routings each point's replays cycle through
+    l2_flush: str = FLUSH_WITH[0]  # how the L2 is emptied before each replay (timing.FLUSH_WITH)
     model_estimate: bool = False
     plots: bool = True
     refresh_ceilings: bool = True  # the floor's ceilings measured in this run (False: an earlier run's)
@@ -818,6 +819,10 @@ def check_run_settings(seed) -> None:
         raise BenchInputError(f"--seed must be an integer in [0, {MAX_SEED}), got {seed!r}")
 
 
+# how the timing text names each --l2-flush
+_FLUSH_TEXT = {"zero": "zeroing", "read": "reading"}
+
+
 def _validate(opts: BenchOptions, device: torch.device) -> _Plan:
     if opts.mode not in ("layer", "gemm"):
         raise BenchInputError(f"--mode: {opts.mode!r} is not 'layer' or 'gemm'")
@@ -828,6 +833,8 @@ def _validate(opts: BenchOptions, device: torch.device) -> _Plan:
         raise BenchInputError(f"--warmup must be a non-negative integer, got {opts.warmup!r}")
     if not isinstance(opts.routings, int) or opts.routings < 1:
         raise BenchInputError(f"--routings must be a positive integer, got {opts.routings!r}")
+    if opts.l2_flush not in FLUSH_WITH:
+        raise BenchInputError(f"--l2-flush: {opts.l2_flush!r} is not one of {', '.join(FLUSH_WITH)}")
     dtype = parse_dtype(opts.dtype)
     batch_sizes = parse_batch_sizes(opts.batch_sizes, DEFAULT_BATCH_SIZES if device.type == "cuda" else CPU_BATCH_SIZES)
     problems = resolve_problems(opts.models, opts.tp, opts.scheme, device)
@@ -1041,7 +1048,8 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
                     fns = {row["backend"]: fn for row, fn in prepared if fn is not None}
                     with torch.no_grad():
                         timings = time_graphs(fns, reps=opts.reps, warmup=opts.warmup, device=device,
-                                              before_each=rotation if len(rotation) > 1 else None) if fns else {}
+                                              before_each=rotation if len(rotation) > 1 else None,
+                                              flush_with=opts.l2_flush) if fns else {}
                     rotation.reset()  # the accuracy check uses the first routing
                     counts = replay_counts(p, M, [r[1] for r in rotation.routings], opts.reps, x.dtype)
                     for row, fn in prepared:
@@ -1080,12 +1088,13 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
         reps=opts.reps,
         warmup=opts.warmup,
         routings=routings,
+        l2_flush=opts.l2_flush if device.type == "cuda" else None,
         baseline=plan.baseline,
         accuracy_check=opts.check,
         cpu_scaled_down=device.type != "cuda",
         batch_sizes=plan.batch_sizes,
         timing=(
-            f"CUDA graph replays; L2 flushed by zeroing a 512 MiB buffer before each, each flush's own "
+            f"CUDA graph replays; L2 flushed by {_FLUSH_TEXT[opts.l2_flush]} a 512 MiB buffer before each, each flush's own "
             f"time subtracted; median of {opts.reps} after {opts.warmup} warm-up calls; the backends of one "
             f"batch size interleaved in {min(DEFAULT_ROUNDS, opts.reps)} rounds"
             + (f"; the replays cycle through {routings} routings of each batch size" if routings > 1 else "")

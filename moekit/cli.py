@@ -121,7 +121,8 @@ def cmd_bench(args) -> int:
         models=args.model, tp=args.tp, scheme=args.scheme, batch_sizes=args.batch_sizes,
         backends=args.backends, baseline=args.baseline, mode=args.mode, routing=args.routing,
         check=not args.no_check, out=args.out, seed=args.seed, dtype=args.dtype, reps=args.reps,
-        warmup=args.warmup, routings=args.routings, model_estimate=args.model_estimate, plots=not args.no_plots,
+        warmup=args.warmup, routings=args.routings, l2_flush=args.l2_flush, model_estimate=args.model_estimate,
+        plots=not args.no_plots,
         refresh_ceilings=args.refresh_ceilings, overwrite=args.overwrite, argv=getattr(args, "argv", None),
     )
     try:
@@ -333,6 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--routings", type=int, default=4, metavar="N",
                        help="layer mode: the replays of each point cycle through N routings of its batch size "
                             "(default: 4)")
+    bench.add_argument("--l2-flush", choices=("zero", "read"), default="zero",
+                       help="how the L2 is emptied before each replay: zero a 512 MiB buffer (default; the method "
+                            "of the reference points), or read it, leaving no dirty lines whose write-back "
+                            "the replay's first reads pay (6-10 us at decode sizes on an H100)")
     bench.add_argument("--no-plots", action="store_true", help="write no PNG plots (no matplotlib needed)")
     bench.add_argument("--cached-ceilings", action="store_false", dest="refresh_ceilings",
                        help="use the device's copy bandwidth and matmul rates measured by an earlier run "

@@ -212,6 +212,36 @@ def test_bench_cycles_through_routings_in_layer_mode_only(tmp_path, tiny_config,
     assert json.loads((tmp_path / "g" / "bench.json").read_text())["metadata"]["routings"] == 1
 
 
+def test_bench_l2_flush_reaches_the_harness_and_the_metadata(tmp_path, tiny_config, monkeypatch):
+    """--l2-flush picks the harness's flush (timing.FLUSH_WITH, the default its first: the
+    reference points' zeroing), the run's metadata says which (none on the CPU, which flushes
+    nothing), and a value the harness does not know is refused before anything runs."""
+    from moekit.cli import build_parser
+
+    seen = []
+    original = bench.time_graphs
+
+    def spy(fns, **kw):
+        seen.append(kw["flush_with"])
+        return original(fns, **kw)
+
+    monkeypatch.setattr(bench, "time_graphs", spy)
+    for flag, expected in (([], "zero"), (["--l2-flush", "read"], "read")):
+        out = tmp_path / expected
+        assert main(["bench", "--model", str(tiny_config), "--batch-sizes", "5", "--backends", "reference",
+                     "--no-plots", "--out", str(out), *flag, *FAST]) == 0
+        assert seen[-1] == expected
+        meta = json.loads((out / "bench.json").read_text())["metadata"]
+        assert meta["l2_flush"] == (None if CPU else expected)
+        assert CPU or f"L2 flushed by {expected}ing a 512 MiB buffer" in meta["timing"]
+    bench_parser = build_parser()._subparsers._group_actions[0].choices["bench"]
+    assert tuple(next(a for a in bench_parser._actions if a.dest == "l2_flush").choices) == timing.FLUSH_WITH
+    with pytest.raises(bench.BenchInputError, match="--l2-flush: 'memset' is not one of zero, read"):
+        bench.run_bench(bench.BenchOptions(models=[str(tiny_config)], batch_sizes=["5"], backends=["reference"],
+                                           plots=False, out=str(tmp_path / "bad"), l2_flush="memset"))
+    assert not (tmp_path / "bad").exists()
+
+
 class GemmOnlyBackend(ReferenceBackend):
     """A backend with the optional gemm-only hook: only the two GEMMs on pre-sorted rows."""
 
