@@ -16,16 +16,14 @@ understate the kernels. Not part of the package: a measurement (BENCHMARKS.md).
 
     PYTHONPATH=. python3 scripts/diag_flush.py [--points glm-4.5v-fp8:2:1 ...] [--json FILE]
 """
-import argparse
 
 import torch
 
-import moekit
 from moekit.backends.triton import gemv
 from moekit.timing import FLUSH_WITH, time_graphs
 from moekit.tune.space import config_key
 
-from diag_points import layer_points, print_gemm_times, write_json  # scripts/ is on the path when a script runs
+from diag_points import cuda_triton, layer_points, points_parser, print_gemm_times, write_json  # scripts/ is on the path when a script runs
 
 DEFAULT_POINTS = ["glm-4.5v-fp8:2:1", "glm-4.5v-fp8:2:8", "mixtral-8x7b:1:1:fp8-channel-token",
                   "mixtral-8x7b:1:8:fp8-channel-token", "deepseek-v3:8:1", "deepseek-v3:8:8"]
@@ -50,13 +48,10 @@ def closures(backend, p, dev) -> tuple[dict, int, int]:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--points", nargs="+", default=DEFAULT_POINTS)
+    ap = points_parser(DEFAULT_POINTS)
     ap.add_argument("--passes", type=int, default=2, help="passes over the flush methods, alternating")
-    ap.add_argument("--json")
     args = ap.parse_args()
-    dev = torch.device("cuda")
-    backend = moekit.get_backend("triton")
+    dev, backend = cuda_triton()
     results = []
     for p in layer_points(args.points, dev):
         fns, bytes1, bytes2 = closures(backend, p, dev)

@@ -21,20 +21,18 @@ precision). Not part of the package: a measurement to decide what to build (BENC
 
     PYTHONPATH=. python3 scripts/diag_gemv1_reduce.py [--points glm-4.5v-fp8:2:1 ...] [--json FILE]
 """
-import argparse
 import itertools
 
 import torch
 import triton
 import triton.language as tl
 
-import moekit
 from moekit.backends.triton import gemv
 from moekit.backends.triton._kernels import _to_dtype
 from moekit.backends.triton.launch import _interpreting, _scale_strides
 from moekit.timing import time_graphs
 
-from diag_points import gemv_config, layer_points, print_gemm_times, write_json  # scripts/ is on the path when a script runs
+from diag_points import cuda_triton, gemv_config, layer_points, points_parser, print_gemm_times, write_json  # scripts/ is on the path when a script runs
 
 
 @triton.jit
@@ -150,15 +148,12 @@ def tiles():
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--points", nargs="+", default=["glm-4.5v-fp8:2:1", "glm-4.5v-fp8:2:4",
+    ap = points_parser(["glm-4.5v-fp8:2:1", "glm-4.5v-fp8:2:4",
                                                     "mixtral-8x7b:1:1:fp8-channel-token"])
     ap.add_argument("--warps", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 3])
-    ap.add_argument("--json")
     args = ap.parse_args()
-    dev = torch.device("cuda")
-    backend = moekit.get_backend("triton")
+    dev, backend = cuda_triton()
     results = []
     for p in layer_points(args.points, dev):
         if p.w.scheme.name != "fp8-channel-token":

@@ -19,17 +19,15 @@ build (BENCHMARKS.md).
 
     PYTHONPATH=. python3 scripts/diag_gemv2_input.py [--points glm-4.5v-fp8:2:1 ...] [--json FILE]
 """
-import argparse
 import itertools
 
 import torch
 
-import moekit
 from moekit.backends.triton import gemv
 from moekit.spec import FP8_MAX
 from moekit.timing import time_graphs
 
-from diag_points import gemv_config, layer_points, print_gemm_times, write_json  # scripts/ is on the path when a script runs
+from diag_points import cuda_triton, gemv_config, layer_points, points_parser, print_gemm_times, write_json  # scripts/ is on the path when a script runs
 
 A_MODES = {"group": 2, "row": 5, "bf16": 0, "fp8": 1}  # gemv2_kernel's A_MODE of each input
 
@@ -43,15 +41,12 @@ def inputs(act: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--points", nargs="+", default=["glm-4.5v-fp8:2:1", "glm-4.5v-fp8:2:2", "deepseek-v3:8:1",
+    ap = points_parser(["glm-4.5v-fp8:2:1", "glm-4.5v-fp8:2:2", "deepseek-v3:8:1",
                                                     "deepseek-v3:8:2", "mixtral-8x7b:1:1:fp8-channel-token"])
     ap.add_argument("--block-n", type=int, nargs="+", default=[4, 8, 16, 32])
     ap.add_argument("--warps", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--json")
     args = ap.parse_args()
-    dev = torch.device("cuda")
-    backend = moekit.get_backend("triton")
+    dev, backend = cuda_triton()
     results = []
     for p in layer_points(args.points, dev):
         cfg = gemv_config(backend, p, dev)

@@ -8,30 +8,25 @@ with the table launch's (the sums change order across groups, so within a few bf
 
     PYTHONPATH=. python3 scripts/diag_gemv_gemm2_steps.py [--points glm-4.5v-fp8:2:1 ...] [--json FILE]
 """
-import argparse
 import itertools
 
 import torch
 
-import moekit
 from moekit.backends.sizes import cdiv, next_pow2
 from moekit.backends.triton import gemv
 from moekit.timing import time_graphs
 
-from diag_points import gemv_config, layer_points, print_gemm_times, write_json  # scripts/ is on the path when a script runs
+from diag_points import cuda_triton, gemv_config, layer_points, points_parser, print_gemm_times, write_json  # scripts/ is on the path when a script runs
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--points", nargs="+", default=["glm-4.5v-fp8:2:1", "glm-4.5v-fp8:2:2", "deepseek-v3:8:1",
+    ap = points_parser(["glm-4.5v-fp8:2:1", "glm-4.5v-fp8:2:2", "deepseek-v3:8:1",
                                                     "deepseek-v3:8:2"])
     ap.add_argument("--block-n", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--warps", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--json")
     args = ap.parse_args()
-    dev = torch.device("cuda")
-    backend = moekit.get_backend("triton")
+    dev, backend = cuda_triton()
     results = []
     for p in layer_points(args.points, dev):
         cfg = gemv_config(backend, p, dev)

@@ -9,18 +9,16 @@ same order), which the script asserts before timing.
     PYTHONPATH=. python3 scripts/diag_gemv_stages.py [--points glm-4.5v-fp8:2:1 deepseek-v3:8:2]
         [--stages 1 2 3 4] [--json FILE]
 """
-import argparse
 import dataclasses
 import itertools
 
 import torch
 
-import moekit
 from moekit.backends.triton import gemv
 from moekit.timing import time_graphs
 from moekit.tune.space import GEMV_LATE_MAX_VALUES_PER_THREAD
 
-from diag_points import gemv_config, layer_points, print_gemm_times, write_json  # scripts/ is on the path when a script runs
+from diag_points import cuda_triton, gemv_config, layer_points, points_parser, print_gemm_times, write_json  # scripts/ is on the path when a script runs
 
 
 def variants(base, stages):
@@ -34,15 +32,12 @@ def variants(base, stages):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--points", nargs="+", default=[f"{m}:{M}{s}" for (m, s), M in itertools.product(
+    ap = points_parser([f"{m}:{M}{s}" for (m, s), M in itertools.product(
         (("glm-4.5v-fp8:2", ""), ("deepseek-v3:8", ""), ("mixtral-8x7b:1", ":fp8-channel-token")), (1, 2, 4, 8))],
         help="model:tp:M[:scheme] points (default: GLM-4.5V TP2, DeepSeek-V3 TP8, Mixtral at M = 1, 2, 4, 8)")
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3, 4])
-    ap.add_argument("--json")
     args = ap.parse_args()
-    dev = torch.device("cuda")
-    backend = moekit.get_backend("triton")
+    dev, backend = cuda_triton()
     results = []
     for p in layer_points(args.points, dev):
         x, w, tw, ids = p.x, p.w, p.tw, p.ids

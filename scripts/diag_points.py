@@ -3,10 +3,13 @@
 `model:tp:M` points (layer_points): a model's weights made once for its run of points (the
 generator drops them before making the next model's; a caller that still holds the last point's
 tensors keeps them alive until its loop moves on), a fresh batch and uniform routing per point."""
+import argparse
 import json
 from typing import Iterator, NamedTuple, Sequence
 
 import torch
+
+import moekit
 
 from moekit.bench import make_weights, make_x, uniform_routing
 from moekit.models import ModelSpec, get_model
@@ -83,6 +86,20 @@ def layer_points(points: Sequence[str], dev: torch.device, scheme: str | None = 
         x = make_x(M, shape.hidden, dev)
         tw, ids = (t.to(dev) for t in uniform_routing(M, shape.num_experts, shape.top_k))
         yield Point(model, tp, M, shape, quant, weights, x, tw.float(), ids)
+
+
+def points_parser(default_points: Sequence[str], help: str | None = None) -> argparse.ArgumentParser:
+    """A point script's command line: --points ("model:tp:M[:scheme]", default `default_points`)
+    and --json (write_json's path); the script adds its own arguments."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--points", nargs="+", default=list(default_points), help=help or "model:tp:M[:scheme] points")
+    ap.add_argument("--json", help="also write the results to this file")
+    return ap
+
+
+def cuda_triton():
+    """(the CUDA device, the triton backend): what every point script runs on."""
+    return torch.device("cuda"), moekit.get_backend("triton")
 
 
 def gemv_config(backend, p: Point, dev: torch.device):

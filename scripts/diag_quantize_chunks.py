@@ -8,15 +8,13 @@ per-token scales keep whole rows (a control: its times should not move).
     PYTHONPATH=. python3 scripts/diag_quantize_chunks.py [--points deepseek-v3:8:1 ...] [--chunks 0 512 1024 2048]
         [--json FILE]
 """
-import argparse
 
 import torch
 
-import moekit
 from moekit.backends.triton import launch
 from moekit.timing import time_graphs
 
-from diag_points import layer_points, print_gemm_times, write_json  # scripts/ is on the path when a script runs
+from diag_points import cuda_triton, layer_points, points_parser, print_gemm_times, write_json  # scripts/ is on the path when a script runs
 
 
 def with_chunk(chunk, fn):
@@ -32,14 +30,11 @@ def with_chunk(chunk, fn):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--points", nargs="+", default=["deepseek-v3:8:1", "deepseek-v3:8:2", "deepseek-v3:8:8",
+    ap = points_parser(["deepseek-v3:8:1", "deepseek-v3:8:2", "deepseek-v3:8:8",
                                                     "deepseek-v3:8:64", "glm-4.5v-fp8:2:1", "glm-4.5v-fp8:2:8"])
     ap.add_argument("--chunks", type=int, nargs="+", default=[0, 512, 1024, 2048])
-    ap.add_argument("--json")
     args = ap.parse_args()
-    dev = torch.device("cuda")
-    backend = moekit.get_backend("triton")
+    dev, backend = cuda_triton()
     results = []
     for p in layer_points(args.points, dev):
         cfg = backend.config_for(p.w, p.shape.top_k, p.M, dev)

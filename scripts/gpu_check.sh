@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemvstages|gemv2steps|gemv1reduce|gemv2input|flush|quantchunks|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|timingmethods|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemvstages|gemv2steps|gemv1reduce|gemv2input|parts|flush|quantchunks|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|timingmethods|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points (BENCHMARKS.md, Reference points): the expert GEMMs alone
@@ -53,6 +53,9 @@
 # gemv2input: scripts/diag_gemv2_input.py, the GEMV path's GEMM2 alone on its input quantized per
 #        1x128 group while loading (its own), per row, unquantized and already FP8: what quantizing
 #        costs it (GEMV2_INPUT_ARGS adds arguments); not part of `all`.
+# parts: scripts/diag_parts.py, each launch of the tiled layer alone at prefill sizes (alignment,
+#        x's quantization, GEMM1, GEMM2, the combine) beside the layer and `moekit bench --mode gemm`'s
+#        closure, in the same rounds (PARTS_ARGS adds arguments); not part of `all`.
 # flush: scripts/diag_flush.py, the triton layer, the GEMV path's GEMMs alone and bare reads of their
 #        weights' bytes, timed after the harness's L2 flush (zeroing 512 MiB, which leaves the L2
 #        dirty) and after a flush that reads it (clean), at the anchors' decode points
@@ -280,6 +283,10 @@ if [[ " ${steps[*]} " == *" gemv1reduce "* ]]; then
 fi
 if [[ " ${steps[*]} " == *" gemv2input "* ]]; then
   python3 scripts/diag_gemv2_input.py ${GEMV2_INPUT_ARGS:-} --json "$WORK/diag_gemv2_input.json" || status=1
+fi
+if [[ " ${steps[*]} " == *" parts "* ]]; then
+  python3 scripts/diag_parts.py ${PARTS_ARGS:-} --json "$WORK/diag_parts.json" 2>&1 | tee "$WORK/diag_parts.log"
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ " ${steps[*]} " == *" flush "* ]]; then
   python3 scripts/diag_flush.py ${FLUSH_ARGS:-} --json "$WORK/diag_flush.json" 2>&1 | tee "$WORK/diag_flush.log"

@@ -67,7 +67,7 @@ def test_a_bad_point_names_what_is_wrong(text, message):
 @pytest.mark.parametrize("script", ["bench_ids_dtype", "bench_route", "bench_hf_router", "diag_decode", "diag_fast", "diag_gemm2",
                                     "diag_gemm2_resident", "diag_prefill", "diag_half_tail", "diag_configs",
                                     "diag_gemv_stages", "diag_gemv_gemm2_steps", "diag_quantize_chunks",
-                                    "diag_gemv1_reduce", "diag_gemv2_input", "diag_flush"])
+                                    "diag_gemv1_reduce", "diag_gemv2_input", "diag_flush", "diag_parts"])
 def test_each_script_imports_and_parses_its_arguments(script):
     """Each GPU script that reads models or points starts on the CPU (its imports resolve)."""
     done = subprocess.run([sys.executable, str(REPO / "scripts" / f"{script}.py"), "--help"], cwd=REPO,
@@ -224,6 +224,38 @@ def test_the_flush_probe_times_the_layer_its_gemms_and_reads_of_their_bytes(gemv
     if gemv:
         fns["gemm1"]()
         assert torch.equal(fns["gemm2"](), out)
+
+
+def test_the_parts_probe_times_the_layers_own_launches(device):
+    """diag_parts.py's closures on a small tiled problem: the layer is the backend's, and its own
+    launches, run in order (align, quantize x, GEMM1, GEMM2, combine), give the layer's output bit
+    for bit; the gemm-mode closure gives GEMM2's pair rows."""
+    import torch
+    from types import SimpleNamespace
+
+    import diag_parts as probe
+    import moekit
+    from moekit.backends.triton import KernelConfig, launch
+
+    from helpers import random_routing, random_weights, random_x
+
+    E, H, N, M, K = 5, 256, 320, 7, 3
+    w = random_weights(E, H, N, "fp8-channel-token", device=device)
+    tw, ids = random_routing(M, E, K, device=device)
+    p = SimpleNamespace(w=w, x=random_x(M, H, device=device), tw=tw.float(), ids=ids, M=M, shape=SimpleNamespace(top_k=K))
+    cfg = KernelConfig(16, 32, 128, 1, 2, 1)
+    backend = moekit.get_backend("triton")
+    fns = probe.parts(backend, p, cfg)
+    assert set(fns) == {"layer", "gemms", "align", "quantize x", "gemm1", "gemm2", "combine"}
+    out = fns["layer"]()
+    assert torch.equal(out, backend.run(p.x, w, p.tw, ids, config=cfg))
+    align = fns["align"]()
+    a, a_scale = fns["quantize x"]()
+    act = launch.gemm1(a, a_scale, w, align, K, p.x.dtype, cfg)
+    pairs = launch.gemm2(act, w, align, p.tw, p.x.dtype, cfg)
+    assert torch.equal(launch.combine(pairs, M, K), out)
+    assert torch.equal(fns["gemms"](), pairs)
+    assert torch.equal(fns["combine"](), out)  # on the pairs the probe made once
 
 
 def test_the_gemv_scripts_take_the_tables_gemv_config_else_the_start():

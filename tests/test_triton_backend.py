@@ -184,7 +184,7 @@ def test_run_with_no_tokens(scheme, config, device):
     assert out.shape == (0, 144) and out.dtype == x.dtype and out.device == x.device
 
 
-@pytest.mark.parametrize("P,E,block_m", [(7, 3, 16), (128, 5, 16), (300, 7, 32), (129, 130, 16)])
+@pytest.mark.parametrize("P,E,block_m", [(7, 3, 16), (128, 5, 16), (300, 7, 32), (129, 130, 16), (2000, 70, 16)])
 def test_alignment_is_a_padded_stable_sort(P, E, block_m, device):
     g = torch.Generator().manual_seed(P)
     ids = torch.randint(0, E, (P,), generator=g, dtype=torch.int32)

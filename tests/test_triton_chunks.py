@@ -17,17 +17,31 @@ from helpers import compile_in_child, random_routing, random_weights, random_x, 
 from test_triton_backend import REL_L2_TOL, assert_matches_reference, reference_for
 
 
-def test_the_scan_runs_at_the_limit(device):
+@pytest.mark.parametrize("E", [3, 40])
+def test_the_scan_runs_at_the_limit(device, E):
     """align_pairs at launch.MAX_ALIGN_PAIRS pairs launches the scan over SCAN_MAX_CHUNKS chunks in
-    one tile (Triton's tile limit allows it); it runs and prefixes every chunk's counts."""
-    chunks, E = launch.SCAN_MAX_CHUNKS, 3
+    one tile per program (Triton's tile limit allows it), a program per SCAN_E_BLOCK experts (40:
+    three, the last one partial); it runs, prefixes every chunk's counts and totals every expert,
+    each expert's own (counts differing per expert and chunk). One program (3 experts) also writes
+    the counts and padded starts; several leave them to align_starts_kernel."""
+    chunks = launch.SCAN_MAX_CHUNKS
     assert launch.MAX_ALIGN_PAIRS == launch.CHUNK * chunks
     assert chunks * launch.SCAN_E_BLOCK <= tl.TRITON_MAX_TENSOR_NUMEL
-    counts = torch.ones(chunks, E, dtype=torch.int32, device=device)
-    count, start, total = (torch.empty(n, dtype=torch.int32, device=device) for n in (E, E + 1, E))
-    launch._launch(k.align_scan_kernel, (1,), counts, total, count, start, chunks, E,
-                   BLOCK_M=16, C_POW2=triton.next_power_of_2(chunks), E_BLOCK=launch.SCAN_E_BLOCK)
-    assert total.tolist() == [chunks] * E and counts[-1].tolist() == [chunks - 1] * E
+    counts = (torch.arange(chunks, device=device)[:, None] % 3 + torch.arange(E, device=device)[None, :]).int()
+    expected_prefix = torch.cumsum(counts, dim=0) - counts
+    total, count, start = (torch.full((n,), -1, dtype=torch.int32, device=device) for n in (E, E, E + 1))
+    programs = triton.cdiv(E, launch.SCAN_E_BLOCK)
+    launch._launch(k.align_scan_kernel, (programs,), counts, total, count, start, chunks, E, BLOCK_M=16,
+                   C_POW2=triton.next_power_of_2(chunks), E_BLOCK=launch.SCAN_E_BLOCK, WITH_STARTS=programs == 1)
+    assert torch.equal(counts, expected_prefix)
+    expected_total = expected_prefix[-1] + (torch.arange(E, device=device) + (chunks - 1) % 3).int()
+    assert torch.equal(total, expected_total)
+    if programs > 1:  # the starts are the next kernel's (align_pairs launches it): none written here
+        assert (count == -1).all() and (start == -1).all()
+        launch._launch(k.align_starts_kernel, (1,), total, count, start, E, BLOCK_M=16, E_BLOCK=launch.E_BLOCK)
+    padded = (expected_total + 15) // 16 * 16
+    assert torch.equal(count, expected_total)
+    assert torch.equal(start, torch.cat([torch.zeros(1, dtype=torch.int32, device=device), torch.cumsum(padded, 0).int()]))
 
 
 # Shared memory per block: sm_89 (Ada, the oldest FP8 GPU the backend supports) 99 KiB, sm_90 227.
@@ -43,7 +57,7 @@ signature = dict.fromkeys(names[:4], "*i32") | dict.fromkeys(names[4:6], "i32") 
 shared = {}
 for cap in (89, 90):
     for chunks in (launch.SCAN_MAX_CHUNKS // 2, launch.SCAN_MAX_CHUNKS):
-        constants = {"BLOCK_M": 64, "C_POW2": chunks, "E_BLOCK": launch.SCAN_E_BLOCK}
+        constants = {"BLOCK_M": 64, "C_POW2": chunks, "E_BLOCK": launch.SCAN_E_BLOCK, "WITH_STARTS": True}
         source = ASTSource(k.align_scan_kernel, signature, {(names.index(n),): v for n, v in constants.items()})
         compiled = triton.compile(source, target=GPUTarget("cuda", cap, 32), options={"num_warps": 4})
         shared[f"{cap}-{chunks}"] = compiled.metadata.shared

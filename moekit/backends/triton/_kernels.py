@@ -172,20 +172,33 @@ def align_count_kernel(ids_ptr, chunk_counts_ptr, P, E, CHUNK: tl.constexpr, E_B
 @triton.jit
 def align_scan_kernel(
     chunk_counts_ptr,  # (C, E) int32 in: per-chunk counts; out: pairs of e in earlier chunks
-    total_ptr,  # (E,) int32 scratch
-    count_ptr, start_ptr, C, E,
-    BLOCK_M: tl.constexpr, C_POW2: tl.constexpr, E_BLOCK: tl.constexpr,
+    total_ptr,  # (E,) int32 out: pairs of each expert
+    count_ptr, start_ptr,  # written here only WITH_STARTS (else by align_starts_kernel)
+    C, E,
+    BLOCK_M: tl.constexpr, C_POW2: tl.constexpr, E_BLOCK: tl.constexpr, WITH_STARTS: tl.constexpr,
 ):
+    """One program per E_BLOCK experts (the experts' scans are independent): the exclusive prefix
+    of their counts over the chunks, and their totals. One program walking every block in turn
+    took 70 µs of DeepSeek-V3's layer at M = 8192 (256 experts, 512 chunks) on an H100, as long
+    as quantizing x; 24 µs so (BENCHMARKS.md, thirty-third session). WITH_STARTS (a single program:
+    E <= E_BLOCK) also writes each expert's count and padded first row, which align_starts_kernel
+    does otherwise: a launch fewer (1.5 µs of Mixtral's alignment)."""
     chunks = tl.arange(0, C_POW2)
-    for e0 in range(0, E, E_BLOCK):
-        experts = e0 + tl.arange(0, E_BLOCK)
-        mask = (chunks[:, None] < C) & (experts[None, :] < E)
-        ptrs = chunk_counts_ptr + chunks[:, None] * E + experts[None, :]
-        cnt = tl.load(ptrs, mask=mask, other=0)  # [C_POW2, E_BLOCK]
-        inclusive = tl.cumsum(cnt, axis=0)
-        tl.store(ptrs, inclusive - cnt, mask=mask)  # exclusive prefix over chunks
-        tl.store(total_ptr + experts, tl.sum(cnt, axis=0), mask=experts < E)
-    tl.debug_barrier()
+    experts = tl.program_id(0) * E_BLOCK + tl.arange(0, E_BLOCK)
+    mask = (chunks[:, None] < C) & (experts[None, :] < E)
+    ptrs = chunk_counts_ptr + chunks[:, None] * E + experts[None, :]
+    cnt = tl.load(ptrs, mask=mask, other=0)  # [C_POW2, E_BLOCK]
+    inclusive = tl.cumsum(cnt, axis=0)
+    tl.store(ptrs, inclusive - cnt, mask=mask)  # exclusive prefix over chunks
+    tl.store(total_ptr + experts, tl.sum(cnt, axis=0), mask=experts < E)
+    if WITH_STARTS:
+        tl.debug_barrier()  # the totals written above are read back by other threads
+        _padded_starts(total_ptr, count_ptr, start_ptr, E, BLOCK_M, E_BLOCK)
+
+
+@triton.jit
+def align_starts_kernel(total_ptr, count_ptr, start_ptr, E, BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr):
+    """Each expert's count and padded first row from the totals of align_scan_kernel."""
     _padded_starts(total_ptr, count_ptr, start_ptr, E, BLOCK_M, E_BLOCK)
 
 

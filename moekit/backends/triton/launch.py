@@ -47,7 +47,7 @@ except ImportError:
 SINGLE_ALIGN_MAX_PAIRS = 128  # up to this many pairs, one program aligns them all
 CHUNK = 128  # pairs per program of the multi-program alignment
 E_BLOCK = 64  # experts handled at once when counting
-SCAN_E_BLOCK = 16  # experts handled at once by the scan over the per-chunk counts
+SCAN_E_BLOCK = 16  # experts of one program of the scan over the per-chunk counts
 
 # The most chunks the multi-program alignment's scan (_kernels.align_scan_kernel) takes: it reads
 # every chunk's counts of SCAN_E_BLOCK experts in one [next_power_of_2(chunks), SCAN_E_BLOCK] int32
@@ -319,10 +319,13 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
         chunk_counts = torch.empty(chunks, E, dtype=torch.int32, device=dev)
         total = torch.empty(E, dtype=torch.int32, device=dev)
         _launch(k.align_count_kernel, (chunks,), ids, chunk_counts, P, E, CHUNK=CHUNK, E_BLOCK=E_BLOCK)
-        _launch(k.align_scan_kernel, (1,),
+        scan_programs = cdiv(E, SCAN_E_BLOCK)
+        _launch(k.align_scan_kernel, (scan_programs,),
             chunk_counts, total, count, start, chunks, E,
-            BLOCK_M=block_m, C_POW2=next_pow2(chunks), E_BLOCK=SCAN_E_BLOCK,
+            BLOCK_M=block_m, C_POW2=next_pow2(chunks), E_BLOCK=SCAN_E_BLOCK, WITH_STARTS=scan_programs == 1,
         )
+        if scan_programs > 1:
+            _launch(k.align_starts_kernel, (1,), total, count, start, E, BLOCK_M=block_m, E_BLOCK=E_BLOCK)
         _launch(k.align_scatter_kernel, (chunks,), ids, sorted_pairs, chunk_counts, start, P, E, CHUNK=CHUNK)
     return align
 
