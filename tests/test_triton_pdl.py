@@ -107,14 +107,15 @@ def test_gpu_on_where_hopper_and_bitwise_the_same_as_off(cfg, name, monkeypatch)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("M", [3, 80])  # 3: one-launch alignment and prologue; 80 x top-2 > 128 pairs: three launches
+@pytest.mark.parametrize("M,E", [(3, 6), (80, 6), (80, 40)])  # 3: one-launch alignment and prologue; 80 x top-2 > 128
+# pairs: the multi-launch alignment, its scan in one program with the starts (6 experts) or in three and the starts apart (40)
 @pytest.mark.parametrize("accumulation", ["precise", "fast"])
-def test_gpu_every_scheme_and_path_bitwise_the_same_as_off(scheme, M, accumulation, monkeypatch):
+def test_gpu_every_scheme_and_path_bitwise_the_same_as_off(scheme, M, E, accumulation, monkeypatch):
     """Every launch sequence a layer can take: dynamic per-tensor scales (a fill and two quantize
     passes), static scales, bf16, fast mode's per-row quantization of the intermediate, and the
-    multi-launch alignment (launched without PDL, between kernels launched with it)."""
+    multi-launch alignment in both its forms (every launch with PDL since the thirty-third session)."""
     monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", accumulation)
-    E, H, N, K = 6, 512, 384, 2
+    H, N, K = 512, 384, 2
     w = random_weights(E, H, N, scheme, device="cuda")
     x = random_x(M, H, device="cuda")
     tw, ids = random_routing(M, E, K, device="cuda", seed=M)

@@ -164,7 +164,8 @@ def _align_single(ids_ptr, sorted_ptr, count_ptr, start_ptr, P, E,
 
 @triton.jit
 def align_count_kernel(ids_ptr, chunk_counts_ptr, P, E, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr,
-                       CHECK_IDS: tl.constexpr):
+                       CHECK_IDS: tl.constexpr, PDL: tl.constexpr):
+    _pdl_enter(PDL)
     chunk = tl.program_id(0)
     _chunk_counts(ids_ptr, chunk_counts_ptr + chunk * E, chunk, P, E, CHUNK, E_BLOCK, CHECK_IDS)
 
@@ -176,6 +177,7 @@ def align_scan_kernel(
     count_ptr, start_ptr,  # written here only WITH_STARTS (else by align_starts_kernel)
     C, E,
     BLOCK_M: tl.constexpr, C_POW2: tl.constexpr, E_BLOCK: tl.constexpr, WITH_STARTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per E_BLOCK experts (the experts' scans are independent): the exclusive prefix
     of their counts over the chunks, and their totals. One program walking every block in turn
@@ -183,6 +185,7 @@ def align_scan_kernel(
     as quantizing x; 24 µs so (BENCHMARKS.md, thirty-third session). WITH_STARTS (a single program:
     E <= E_BLOCK) also writes each expert's count and padded first row, which align_starts_kernel
     does otherwise: a launch fewer (1.5 µs of Mixtral's alignment)."""
+    _pdl_enter(PDL)
     chunks = tl.arange(0, C_POW2)
     experts = tl.program_id(0) * E_BLOCK + tl.arange(0, E_BLOCK)
     mask = (chunks[:, None] < C) & (experts[None, :] < E)
@@ -197,13 +200,17 @@ def align_scan_kernel(
 
 
 @triton.jit
-def align_starts_kernel(total_ptr, count_ptr, start_ptr, E, BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr):
+def align_starts_kernel(total_ptr, count_ptr, start_ptr, E, BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
     """Each expert's count and padded first row from the totals of align_scan_kernel."""
+    _pdl_enter(PDL)
     _padded_starts(total_ptr, count_ptr, start_ptr, E, BLOCK_M, E_BLOCK)
 
 
 @triton.jit
-def align_scatter_kernel(ids_ptr, sorted_ptr, chunk_offsets_ptr, start_ptr, P, E, CHUNK: tl.constexpr):
+def align_scatter_kernel(ids_ptr, sorted_ptr, chunk_offsets_ptr, start_ptr, P, E, CHUNK: tl.constexpr,
+                         PDL: tl.constexpr):
+    _pdl_enter(PDL)
     chunk = tl.program_id(0)
     _scatter_chunk(ids_ptr, sorted_ptr, chunk_offsets_ptr + chunk * E, start_ptr, chunk, P, E, CHUNK, True)
 
