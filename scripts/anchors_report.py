@@ -85,6 +85,10 @@ def load_results(dirs: list[Path], mode: str) -> tuple[dict[tuple[str, str, int,
         try:
             doc = json.loads(f.read_text(encoding="utf-8"))
             devices.add(doc["metadata"]["device"])
+            flush = doc["metadata"].get("l2_flush", "zero")  # runs before --l2-flush zeroed, as the reference did
+            if flush != "zero":
+                raise ReportError(f"{f}: timed with --l2-flush {flush}; the reference points were timed after "
+                                  f"zeroing the flush buffer (--l2-flush zero), so the two cannot be compared")
             for r in doc["rows"]:
                 rows[(kind, r["model"], int(r["batch_size"]), r["backend"])] = r
         except (OSError, ValueError, KeyError, TypeError) as e:

@@ -6,7 +6,7 @@ tiled layer with the table's config, alone, in the same rounds:
 - `layer`: backend.run, what `moekit bench` times;
 - `gemms`: the closure `moekit bench --mode gemm` times (prepare_gemm_only: GEMM1 and GEMM2 on
   inputs aligned and quantized before);
-- `align`: the pairs sorted by expert and padded (launch.align_pairs: count, scan, scatter);
+- `align`: the pairs sorted by expert and padded (launch.align_pairs: count, scan, starts, scatter);
 - `quantize x`: launch.quantize_input;
 - `gemm1`, `gemm2`, `combine`: the layer's own launches (launch.gemm1, gemm2, combine).
 

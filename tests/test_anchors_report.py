@@ -88,6 +88,24 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, setup, message):
     assert "not a directory" in capsys.readouterr().err
 
 
+def test_results_timed_after_another_flush_are_refused(tmp_path, capsys):
+    """The reference points were timed after zeroing the flush buffer: a bench run with
+    --l2-flush read (6-10 µs less per decode replay on an H100) is not compared with them; a run
+    that names zero, or one from before the option (no field), is."""
+    rows = [("triton", None, 1, 44.0, 0.5)]
+    write(tmp_path / "zero", "precise", "gemm", "glm-4.5v-fp8", rows)
+    write(tmp_path / "read", "precise", "gemm", "glm-4.5v-fp8", rows)
+    for folder, flush in (("zero", "zero"), ("read", "read")):
+        f = tmp_path / folder / "anchors-precise-gemm-glm-4.5v-fp8" / "bench.json"
+        doc = json.loads(f.read_text())
+        doc["metadata"]["l2_flush"] = flush
+        f.write_text(json.dumps(doc))
+    assert report.main([str(tmp_path / "zero")]) == 0
+    capsys.readouterr()
+    assert report.main([str(tmp_path / "read")]) == 2
+    assert "timed with --l2-flush read" in capsys.readouterr().err
+
+
 def test_a_reference_row_of_an_unknown_model_is_refused(tmp_path):
     doc = tmp_path / "B.md"
     doc.write_text("## Reference points\n\n| model | M | floor | vllm | cutlass |\n|---|\n| Qwen9 | 1 | 1.0 | 2.0 (0.50) | n/a |\n")

@@ -221,15 +221,19 @@ def test_the_flush_probe_times_the_layer_its_gemms_and_reads_of_their_bytes(gemv
     assert torch.equal(out, backend.run(p.x, w, p.tw, ids, config=cfg))
     assert int(fns["read w13"]()) == int(w.w13[:used].view(torch.int32).max())
     assert int(fns["read w2"]()) == int(w.w2[:used].view(torch.int32).max())
-    if gemv:
-        fns["gemm1"]()
+    if gemv:  # GEMM2 alone runs on the intermediate made once; GEMM1 alone makes that intermediate again
+        from moekit.backends.triton import gemv as gemv_module
+
+        act, act_scale, a_mode = fns["gemm1"]()
+        assert torch.equal(gemv_module.gemv2(act, act_scale, a_mode, w, p.tw, ids, p.x.dtype, cfg), out)
         assert torch.equal(fns["gemm2"](), out)
 
 
 def test_the_parts_probe_times_the_layers_own_launches(device):
-    """diag_parts.py's closures on a small tiled problem: the layer is the backend's, and its own
-    launches, run in order (align, quantize x, GEMM1, GEMM2, combine), give the layer's output bit
-    for bit; the gemm-mode closure gives GEMM2's pair rows."""
+    """diag_parts.py's closures on a small tiled problem: the layer is the backend's, and the
+    parts, run in order (align, quantize x, GEMM1, GEMM2, combine), give the layer's output bit
+    for bit (at 21 pairs the layer itself joins the alignment to x's quantization in one launch:
+    the same alignment and values); the gemm-mode closure gives GEMM2's pair rows."""
     import torch
     from types import SimpleNamespace
 
@@ -251,11 +255,13 @@ def test_the_parts_probe_times_the_layers_own_launches(device):
     assert torch.equal(out, backend.run(p.x, w, p.tw, ids, config=cfg))
     align = fns["align"]()
     a, a_scale = fns["quantize x"]()
-    act = launch.gemm1(a, a_scale, w, align, K, p.x.dtype, cfg)
-    pairs = launch.gemm2(act, w, align, p.tw, p.x.dtype, cfg)
+    pairs = launch.gemm2(launch.gemm1(a, a_scale, w, align, K, p.x.dtype, cfg), w, align, p.tw, p.x.dtype, cfg)
     assert torch.equal(launch.combine(pairs, M, K), out)
     assert torch.equal(fns["gemms"](), pairs)
-    assert torch.equal(fns["combine"](), out)  # on the pairs the probe made once
+    # the probe's own GEMM closures, on the inputs it made once
+    assert torch.equal(launch.gemm2(fns["gemm1"](), w, align, p.tw, p.x.dtype, cfg), pairs)
+    assert torch.equal(fns["gemm2"](), pairs)
+    assert torch.equal(fns["combine"](), out)
 
 
 def test_the_gemv_scripts_take_the_tables_gemv_config_else_the_start():

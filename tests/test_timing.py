@@ -403,6 +403,22 @@ def test_each_closure_is_reported_without_its_flushes(monkeypatch):
         timing._time_cuda(fns, 8, 1, Broken().zero_, True, 2)
 
 
+def test_the_read_flush_reads_every_word_of_the_buffer(monkeypatch):
+    """flush_with="read" reduces the whole flush buffer: one nonzero word anywhere in it (the
+    first, the last, odd and even ones) is found, and the buffer is left as it was (a review's
+    mutants reading only the last word, or every other one, passed the test below)."""
+    from moekit import timing
+
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    monkeypatch.setattr(timing, "flush_buffer", lambda: buf)
+    read = timing._flush("read")
+    for word in (0, 1, 510, 1023):
+        buf.zero_()
+        buf[4 * word : 4 * word + 4] = 1
+        assert int(read()) == 0x01010101, word
+        assert int(buf.count_nonzero()) == 4
+
+
 def test_flush_with_reads_or_zeroes_the_flush_buffer(monkeypatch):
     """flush_with picks the flush: "zero" writes the whole buffer, "read" reads all of it and writes
     none of it (a CPU tensor stands in for the GPU's buffer); anything else is refused naming the

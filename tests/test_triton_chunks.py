@@ -3,6 +3,7 @@ triton backend's run() splits the tokens into consecutive slices, each a normal 
 the limit is patched small, so a few dozen tokens span several slices."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -19,11 +20,12 @@ from test_triton_backend import REL_L2_TOL, assert_matches_reference, reference_
 
 @pytest.mark.parametrize("E", [3, 40])
 def test_the_scan_runs_at_the_limit(device, E):
-    """align_pairs at launch.MAX_ALIGN_PAIRS pairs launches the scan over SCAN_MAX_CHUNKS chunks in
-    one tile per program (Triton's tile limit allows it), a program per SCAN_E_BLOCK experts (40:
+    """The scan as align_pairs launches it at launch.MAX_ALIGN_PAIRS pairs: over SCAN_MAX_CHUNKS chunks
+    in one tile per program (Triton's tile limit allows it), a program per SCAN_E_BLOCK experts (40:
     three, the last one partial); it runs, prefixes every chunk's counts and totals every expert,
     each expert's own (counts differing per expert and chunk). One program (3 experts) also writes
-    the counts and padded starts; several leave them to align_starts_kernel."""
+    the counts and padded starts; several leave them to align_starts_kernel. Which launches
+    align_pairs itself makes: test_align_pairs_scans_a_program_per_16_experts_and_pads_once."""
     chunks = launch.SCAN_MAX_CHUNKS
     assert launch.MAX_ALIGN_PAIRS == launch.CHUNK * chunks
     assert chunks * launch.SCAN_E_BLOCK <= tl.TRITON_MAX_TENSOR_NUMEL
@@ -42,6 +44,85 @@ def test_the_scan_runs_at_the_limit(device, E):
     padded = (expected_total + 15) // 16 * 16
     assert torch.equal(count, expected_total)
     assert torch.equal(start, torch.cat([torch.zeros(1, dtype=torch.int32, device=device), torch.cumsum(padded, 0).int()]))
+
+
+@pytest.mark.parametrize("E", [3, 15, 16, 17, 32, 33, 70])
+def test_align_pairs_scans_a_program_per_16_experts_and_pads_once(E, monkeypatch, device):
+    """align_pairs over several chunks launches count, scan on cdiv(E, SCAN_E_BLOCK) programs,
+    then scatter; where the scan is one program (E <= SCAN_E_BLOCK: 16 exactly included) that
+    program writes the counts and padded starts itself (WITH_STARTS) and nothing more is launched;
+    where it is several, none of them does (a program would read totals that others may not have
+    written yet) and align_starts_kernel runs between the scan and the scatter. The interpreter runs
+    a grid's programs one after another, so a wrong choice here still gives the right alignment on
+    the CPU: the launches themselves are checked, and then the alignment (a padded stable sort).
+    (Written by a review's mutants: WITH_STARTS always on, or off at 16 experts, or no starts
+    launch at 17-32 experts all passed every other test.)"""
+    programs = triton.cdiv(E, launch.SCAN_E_BLOCK)
+    expected = ["align_count_kernel", "align_scan_kernel"] + (["align_starts_kernel"] if programs > 1 else []) \
+        + ["align_scatter_kernel"]
+    launches = []
+    original = launch._launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        launches.append((kernel.__name__, tuple(grid), kwargs.get("WITH_STARTS")))
+        if kernel.__name__ == "align_scatter_kernel":  # checked before it runs: wrong starts would scatter out of bounds
+            assert [name for name, _, _ in launches] == expected
+            assert launches[1][1:] == ((programs,), programs == 1)  # the scan's grid and WITH_STARTS
+        return original(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "_launch", spy)
+    P = 3 * launch.CHUNK + 5  # four chunks, the last one partial
+    assert P > launch.SINGLE_ALIGN_MAX_PAIRS
+    g = torch.Generator().manual_seed(E)
+    ids = torch.randint(0, E, (P,), generator=g, dtype=torch.int32)
+    ids[:E] = torch.arange(E, dtype=torch.int32)  # every expert has pairs, the last block's included
+    al = launch.align_pairs(ids.view(-1, 1).to(device), E, 16)
+    assert [name for name, _, _ in launches] == expected
+
+    count, start = al.count.cpu(), al.start.cpu()
+    assert torch.equal(count, torch.bincount(ids.long(), minlength=E).int())
+    padded = (count + 15) // 16 * 16
+    assert start[0] == 0 and torch.equal(start[1:] - start[:-1], padded)
+    pairs = al.sorted_pairs.cpu()
+    for e in range(E):
+        assert torch.equal(pairs[start[e] : start[e] + count[e]], torch.nonzero(ids == e).flatten().int())
+
+
+_SCAN_TTIR = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moekit.backends.triton import _kernels as k, launch
+names = list(k.align_scan_kernel.arg_names)
+signature = dict.fromkeys(names[:4], "*i32") | dict.fromkeys(names[4:6], "i32") | dict.fromkeys(names[6:], "constexpr")
+ttir = {}
+for with_starts in (True, False):
+    constants = {"BLOCK_M": 16, "C_POW2": 64, "E_BLOCK": launch.SCAN_E_BLOCK, "WITH_STARTS": with_starts, "PDL": False}
+    source = ASTSource(k.align_scan_kernel, signature, {(names.index(n),): v for n, v in constants.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ttir[str(with_starts)] = compiled.asm["ttir"]
+json.dump(ttir, sys.stdout)
+"""
+
+
+def test_the_one_program_scan_waits_for_its_totals_before_reading_them():
+    """WITH_STARTS: align_scan_kernel stores each expert's total, then _padded_starts loads them
+    back, in other threads of the program than stored them: a barrier must come between (the
+    interpreter runs a program as one thread, so no CPU run notices a missing one; a review's
+    mutant without it passed every other test). Compiled for sm_90 in a process of its own, the
+    kernel's memory operations in order: the counts' load, the prefix's and the totals' stores,
+    the barrier, then the starts' load of the totals. Without WITH_STARTS the kernel reads nothing
+    back and needs none."""
+    ttir = json.loads(compile_in_child(["-c", _SCAN_TTIR], timeout=600))
+
+    def memory_ops(text):
+        return re.findall(r"\b(tt\.load|tt\.store|(?:gpu|ttg)\.barrier)\b", text)
+
+    with_starts = memory_ops(ttir["True"])
+    assert with_starts[:3] == ["tt.load", "tt.store", "tt.store"], with_starts
+    assert with_starts[3].endswith(".barrier") and with_starts[4] == "tt.load", with_starts
+    assert memory_ops(ttir["False"]) == ["tt.load", "tt.store", "tt.store"]
 
 
 # Shared memory per block: sm_89 (Ada, the oldest FP8 GPU the backend supports) 99 KiB, sm_90 227.
