@@ -23,7 +23,8 @@ from moekit.backends.triton import gemv
 from moekit.timing import FLUSH_WITH, time_graphs
 from moekit.tune.space import config_key
 
-from diag_points import cuda_triton, layer_points, points_parser, print_gemm_times, write_json  # scripts/ is on the path when a script runs
+# scripts/ is on the path when a script runs
+from diag_points import cuda_triton, gemv_intermediate, layer_points, points_parser, print_gemm_times, write_json
 
 DEFAULT_POINTS = ["glm-4.5v-fp8:2:1", "glm-4.5v-fp8:2:8", "mixtral-8x7b:1:1:fp8-channel-token",
                   "mixtral-8x7b:1:8:fp8-channel-token", "deepseek-v3:8:1", "deepseek-v3:8:8"]
@@ -40,8 +41,7 @@ def closures(backend, p, dev) -> tuple[dict, int, int]:
     fns = {"layer": lambda: backend.run(p.x, p.w, p.tw, p.ids, config=cfg),
            "read w13": lambda: torch.amax(w13_words), "read w2": lambda: torch.amax(w2_words)}
     if cfg.GEMV:
-        a, a_scale = gemv.quantize_input(p.x, p.w)
-        act, act_scale, a_mode = gemv.gemv1(a, a_scale, p.w, p.ids, p.x.dtype, cfg, False)
+        a, a_scale, act, act_scale, a_mode = gemv_intermediate(p, cfg)
         fns["gemm1"] = lambda: gemv.gemv1(a, a_scale, p.w, p.ids, p.x.dtype, cfg, False)
         fns["gemm2"] = lambda: gemv.gemv2(act, act_scale, a_mode, p.w, p.tw, p.ids, p.x.dtype, cfg)
     return fns, bytes1, bytes2

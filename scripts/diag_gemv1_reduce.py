@@ -32,7 +32,8 @@ from moekit.backends.triton._kernels import _to_dtype
 from moekit.backends.triton.launch import _interpreting, _scale_strides
 from moekit.timing import time_graphs
 
-from diag_points import cuda_triton, gemv_config, layer_points, points_parser, print_gemm_times, write_json  # scripts/ is on the path when a script runs
+# scripts/ is on the path when a script runs
+from diag_points import cuda_triton, gemv_config, layer_points, points_parser, print_gemm_times, write_json
 
 
 @triton.jit
@@ -149,7 +150,7 @@ def tiles():
 
 def main():
     ap = points_parser(["glm-4.5v-fp8:2:1", "glm-4.5v-fp8:2:4",
-                                                    "mixtral-8x7b:1:1:fp8-channel-token"])
+                        "mixtral-8x7b:1:1:fp8-channel-token"])
     ap.add_argument("--warps", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 3])
     args = ap.parse_args()

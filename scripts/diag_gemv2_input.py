@@ -27,7 +27,9 @@ from moekit.backends.triton import gemv
 from moekit.spec import FP8_MAX
 from moekit.timing import time_graphs
 
-from diag_points import cuda_triton, gemv_config, layer_points, points_parser, print_gemm_times, write_json  # scripts/ is on the path when a script runs
+# scripts/ is on the path when a script runs
+from diag_points import (cuda_triton, gemv_config, gemv_intermediate, layer_points, points_parser,
+                         print_gemm_times, write_json)
 
 A_MODES = {"group": 2, "row": 5, "bf16": 0, "fp8": 1}  # gemv2_kernel's A_MODE of each input
 
@@ -42,7 +44,7 @@ def inputs(act: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 def main():
     ap = points_parser(["glm-4.5v-fp8:2:1", "glm-4.5v-fp8:2:2", "deepseek-v3:8:1",
-                                                    "deepseek-v3:8:2", "mixtral-8x7b:1:1:fp8-channel-token"])
+                        "deepseek-v3:8:2", "mixtral-8x7b:1:1:fp8-channel-token"])
     ap.add_argument("--block-n", type=int, nargs="+", default=[4, 8, 16, 32])
     ap.add_argument("--warps", type=int, nargs="+", default=[2, 4])
     args = ap.parse_args()
@@ -50,8 +52,7 @@ def main():
     results = []
     for p in layer_points(args.points, dev):
         cfg = gemv_config(backend, p, dev)
-        a, a_scale = gemv.quantize_input(p.x, p.w)
-        act, act_scale, a_mode = gemv.gemv1(a, a_scale, p.w, p.ids, p.x.dtype, cfg, False)
+        _, _, act, act_scale, a_mode = gemv_intermediate(p, cfg)
         if a_mode != A_MODES["group"]:
             raise SystemExit(f"{p.model}: its intermediate is quantized with A_MODE {a_mode}, not per 1x128 group")
         expected = gemv.gemv2(act, act_scale, a_mode, p.w, p.tw, p.ids, p.x.dtype, cfg)

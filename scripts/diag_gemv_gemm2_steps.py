@@ -16,12 +16,14 @@ from moekit.backends.sizes import cdiv, next_pow2
 from moekit.backends.triton import gemv
 from moekit.timing import time_graphs
 
-from diag_points import cuda_triton, gemv_config, layer_points, points_parser, print_gemm_times, write_json  # scripts/ is on the path when a script runs
+# scripts/ is on the path when a script runs
+from diag_points import (cuda_triton, gemv_config, gemv_intermediate, layer_points, points_parser,
+                         print_gemm_times, write_json)
 
 
 def main():
     ap = points_parser(["glm-4.5v-fp8:2:1", "glm-4.5v-fp8:2:2", "deepseek-v3:8:1",
-                                                    "deepseek-v3:8:2"])
+                        "deepseek-v3:8:2"])
     ap.add_argument("--block-n", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--warps", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2])
@@ -30,8 +32,7 @@ def main():
     results = []
     for p in layer_points(args.points, dev):
         cfg = gemv_config(backend, p, dev)
-        a, a_scale = gemv.quantize_input(p.x, p.w)
-        act, act_scale, a_mode = gemv.gemv1(a, a_scale, p.w, p.ids, p.x.dtype, cfg, False)
+        _, _, act, act_scale, a_mode = gemv_intermediate(p, cfg)
         expected = gemv.gemv2(act, act_scale, a_mode, p.w, p.tw, p.ids, p.x.dtype, cfg)
         whole = next_pow2(cdiv(p.w.n, 128))  # the whole intermediate in one step
         group_counts = sorted({g for g in (1, 2, 4, 8) if g <= whole})

@@ -18,7 +18,8 @@ from moekit.backends.triton import gemv
 from moekit.timing import time_graphs
 from moekit.tune.space import GEMV_LATE_MAX_VALUES_PER_THREAD
 
-from diag_points import cuda_triton, gemv_config, layer_points, points_parser, print_gemm_times, write_json  # scripts/ is on the path when a script runs
+# scripts/ is on the path when a script runs
+from diag_points import cuda_triton, gemv_config, layer_points, points_parser, print_gemm_times, write_json
 
 
 def variants(base, stages):

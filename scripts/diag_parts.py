@@ -22,7 +22,8 @@ from moekit.backends.triton import launch
 from moekit.timing import time_graphs
 from moekit.tune.space import config_key
 
-from diag_points import cuda_triton, layer_points, points_parser, write_json  # scripts/ is on the path when a script runs
+# scripts/ is on the path when a script runs
+from diag_points import cuda_triton, layer_points, points_parser, write_json
 
 DEFAULT_POINTS = ["deepseek-v3:8:1024", "deepseek-v3:8:4096", "deepseek-v3:8:8192", "glm-4.5v-fp8:2:1024",
                   "glm-4.5v-fp8:2:4096", "glm-4.5v-fp8:2:8192", "mixtral-8x7b:1:1024:fp8-channel-token",

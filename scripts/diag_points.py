@@ -111,6 +111,16 @@ def gemv_config(backend, p: Point, dev: torch.device):
     return cfg if cfg.GEMV else GEMV_START
 
 
+def gemv_intermediate(p: Point, cfg) -> tuple:
+    """(a, a_scale, act, act_scale, a_mode) at point `p` with the GEMV config `cfg`: x quantized as
+    the GEMV path does it, and GEMM1's intermediate with the scale and A_MODE GEMM2 reads it with
+    (gemv.gemv1, precise mode's group rule)."""
+    from moekit.backends.triton import gemv
+
+    a, a_scale = gemv.quantize_input(p.x, p.w)
+    return (a, a_scale, *gemv.gemv1(a, a_scale, p.w, p.ids, p.x.dtype, cfg, False))
+
+
 def print_gemm_times(times: dict, bytes1: int, bytes2: int, width: int = 22) -> Iterator[tuple[str, float]]:
     """Print each of time_graphs' results (median µs, p20-p80; for a label starting with "gemm1"
     or "gemm2", also that GEMM's bandwidth: the expert weights it must read, `bytes1` / `bytes2`,

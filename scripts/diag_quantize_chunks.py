@@ -14,7 +14,8 @@ import torch
 from moekit.backends.triton import launch
 from moekit.timing import time_graphs
 
-from diag_points import cuda_triton, layer_points, points_parser, print_gemm_times, write_json  # scripts/ is on the path when a script runs
+# scripts/ is on the path when a script runs
+from diag_points import cuda_triton, layer_points, points_parser, print_gemm_times, write_json
 
 
 def with_chunk(chunk, fn):
@@ -31,7 +32,7 @@ def with_chunk(chunk, fn):
 
 def main():
     ap = points_parser(["deepseek-v3:8:1", "deepseek-v3:8:2", "deepseek-v3:8:8",
-                                                    "deepseek-v3:8:64", "glm-4.5v-fp8:2:1", "glm-4.5v-fp8:2:8"])
+                        "deepseek-v3:8:64", "glm-4.5v-fp8:2:1", "glm-4.5v-fp8:2:8"])
     ap.add_argument("--chunks", type=int, nargs="+", default=[0, 512, 1024, 2048])
     args = ap.parse_args()
     dev, backend = cuda_triton()
