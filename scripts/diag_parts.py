@@ -23,7 +23,7 @@ from moekit.timing import time_graphs
 from moekit.tune.space import config_key
 
 # scripts/ is on the path when a script runs
-from diag_points import cuda_triton, layer_points, points_parser, write_json
+from diag_points import cuda_triton, layer_points, points_parser, tiled_intermediate, write_json
 
 DEFAULT_POINTS = ["deepseek-v3:8:1024", "deepseek-v3:8:4096", "deepseek-v3:8:8192", "glm-4.5v-fp8:2:1024",
                   "glm-4.5v-fp8:2:4096", "glm-4.5v-fp8:2:8192", "mixtral-8x7b:1:1024:fp8-channel-token",
@@ -33,9 +33,7 @@ DEFAULT_POINTS = ["deepseek-v3:8:1024", "deepseek-v3:8:4096", "deepseek-v3:8:819
 def parts(backend, p, cfg) -> dict:
     """The closures timed at point `p` with the tiled config `cfg`."""
     K = p.shape.top_k
-    align = launch.align_pairs(p.ids, p.w.num_experts, cfg.BLOCK_M)
-    a, a_scale = launch.quantize_input(p.x, p.w)
-    act = launch.gemm1(a, a_scale, p.w, align, K, p.x.dtype, cfg)
+    align, a, a_scale, act = tiled_intermediate(p, cfg)
     pairs = launch.gemm2(act, p.w, align, p.tw, p.x.dtype, cfg)
     return {
         "layer": lambda: backend.run(p.x, p.w, p.tw, p.ids, config=cfg),

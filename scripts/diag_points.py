@@ -120,6 +120,16 @@ def gemv_intermediate(p: Point, cfg) -> tuple:
     return (a, a_scale, *gemv.gemv1(a, a_scale, p.w, p.ids, p.x.dtype, cfg, False))
 
 
+def tiled_intermediate(p: Point, cfg) -> tuple:
+    """(align, a, a_scale, act) at point `p` with the tiled config `cfg`: the pairs aligned, x
+    quantized, and GEMM1's intermediate, as the triton backend's layer makes them before GEMM2."""
+    from moekit.backends.triton import launch
+
+    align = launch.align_pairs(p.ids, p.w.num_experts, cfg.BLOCK_M)
+    a, a_scale = launch.quantize_input(p.x, p.w)
+    return align, a, a_scale, launch.gemm1(a, a_scale, p.w, align, p.shape.top_k, p.x.dtype, cfg)
+
+
 def print_gemm_times(times: dict, bytes1: int, bytes2: int, width: int = 22) -> Iterator[tuple[str, float]]:
     """Print each of time_graphs' results (median µs, p20-p80; for a label starting with "gemm1"
     or "gemm2", also that GEMM's bandwidth: the expert weights it must read, `bytes1` / `bytes2`,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemvstages|gemv2steps|gemv1reduce|gemv2input|parts|flush|quantchunks|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|timingmethods|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemvstages|gemv2steps|gemv1reduce|gemv2input|parts|keepa|flush|quantchunks|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|timingmethods|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points (BENCHMARKS.md, Reference points): the expert GEMMs alone
@@ -56,6 +56,10 @@
 # parts: scripts/diag_parts.py, each launch of the tiled layer alone at prefill sizes (alignment,
 #        x's quantization, GEMM1, GEMM2, the combine) beside the layer and `moekit bench --mode gemm`'s
 #        closure, in the same rounds (PARTS_ARGS adds arguments); not part of `all`.
+# keepa: scripts/diag_gemm2_keep_a.py, GEMM2 alone with the table's launch against runs keeping
+#        their row block's activations (KernelConfig.KEEP_A2) over widths, warps, stages and run
+#        lengths, then the whole layer with the fastest, DeepSeek-V3 TP8 at M = 1024-8192
+#        (KEEPA_ARGS adds arguments: "--points deepseek-v3:8:4096"); not part of `all`.
 # flush: scripts/diag_flush.py, the triton layer, the GEMV path's GEMMs alone and bare reads of their
 #        weights' bytes, timed after the harness's L2 flush (zeroing 512 MiB, which leaves the L2
 #        dirty) and after a flush that reads it (clean), at the anchors' decode points
@@ -286,6 +290,10 @@ if [[ " ${steps[*]} " == *" gemv2input "* ]]; then
 fi
 if [[ " ${steps[*]} " == *" parts "* ]]; then
   python3 scripts/diag_parts.py ${PARTS_ARGS:-} --json "$WORK/diag_parts.json" 2>&1 | tee "$WORK/diag_parts.log"
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+if [[ " ${steps[*]} " == *" keepa "* ]]; then
+  python3 scripts/diag_gemm2_keep_a.py ${KEEPA_ARGS:-} --json "$WORK/diag_gemm2_keep_a.json" 2>&1 | tee "$WORK/diag_gemm2_keep_a.log"
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ " ${steps[*]} " == *" flush "* ]]; then

@@ -2,6 +2,7 @@
 and at the real preset shapes on a GPU (marked `gpu`)."""
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -246,11 +247,12 @@ def test_config_checks_are_remembered_per_config_and_scheme(monkeypatch):
     real = KernelConfig.problems
     monkeypatch.setattr(KernelConfig, "problems", lambda self, scheme: calls.append(scheme.name) or real(self, scheme))
     launch._config_problems.cache_clear()
+    channel = types.SimpleNamespace(scheme=moekit.get_scheme("fp8-channel-token"), n=256)  # what it reads of weights
     for _ in range(3):
-        launch._check_config(cfg, moekit.get_scheme("fp8-channel-token"))
+        launch._check_config(cfg, channel)
     assert calls == ["fp8-channel-token"]
     with pytest.raises(ValueError, match="must be 128"):
-        launch._check_config(dataclasses.replace(cfg, BLOCK_K=64), moekit.get_scheme("fp8-block128"))
+        launch._check_config(dataclasses.replace(cfg, BLOCK_K=64), types.SimpleNamespace(scheme=moekit.get_scheme("fp8-block128"), n=256))
     assert launch._gemm2_launch(cfg) == cfg.gemm2() and launch._gemm2_launch(cfg) is launch._gemm2_launch(cfg)
 
 

@@ -1110,6 +1110,28 @@ def test_a_gemm2_base_no_longer_taken_leaves_no_record(tmp_path, tiny_model, mon
     assert "GEMM2's launch variants" not in text
 
 
+@pytest.mark.parametrize("kept", [True, False])
+def test_gemm2_search_keeps_a_where_the_intermediate_fits(tmp_path, tiny_model, monkeypatch, kept):
+    """With runs keeping A in the grid (the GPU's has runs of 8 and 16; here the CPU's, patched to
+    runs of 2), the GEMM2 step times them after the best config where the intermediate fits
+    (KernelConfig.keep_a2_fits), and the table takes the fastest; where it does not (here: no K
+    step fits, since the CPU's tune shrinks every shape to an intermediate of 128), never."""
+    monkeypatch.setattr(space, "GEMM2_KEEP_A_RUNS_CPU", (2,))
+    if not kept:
+        monkeypatch.setattr(KernelConfig, "KEEP_A2_STEPS", 0)
+    keep_a = FAST_CFG.with_gemm2(BLOCK_N=64, num_stages=3, N_TILES=2, KEEP_A=1)
+    timer = FakeTimer(us={triton(FAST_CFG): 50.0, triton(FAST_GEMM2): 40.0, triton(keep_a): 30.0}).install(monkeypatch)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out, gemm2=True, between=False)
+    assert result.exit_code == 0, text
+    assert any("+" in call for call in timer.calls)  # the GEMM2 step ran
+    assert any(call.endswith("-ka at M=1") for call in timer.calls) is kept
+    if kept:
+        assert f"{triton(keep_a)} at M=1" in timer.calls
+        assert all(KernelConfig.from_dict(e) == keep_a for e in read(only_file(out / "triton"))["configs"].values())
+        assert "GEMM2 N64 G1 w4 s3 x2 tiles per program keeping A" in text
+
+
 def test_gemm2_search_off_and_under_search_space_none(tmp_path, tiny_model, monkeypatch):
     """--no-gemm2-search times no variant; a later run with --search-space none times only the
     variants of the best config found before."""
@@ -1287,7 +1309,7 @@ def test_the_cli_turns_the_gemm2_search_off():
 ])
 def test_gemm2_variants_drop_what_collapsed_when_measured(block_m, block_n, warps, promoted, collapsed):
     base = KernelConfig(block_m, 128 if block_n != 128 else 64, 128, 8, 8, 4)
-    kept, dropped = space.gemm2_variants(base, FP8_CHANNEL_TOKEN, [(block_n, warps, 3, 1)], 227 * 1024, promoted)
+    kept, dropped = space.gemm2_variants(base, FP8_CHANNEL_TOKEN, [(block_n, warps, 3, 1, 0)], 227 * 1024, promoted)
     variant = base.with_gemm2(BLOCK_N=block_n, num_warps=warps, num_stages=3)
     assert (variant in kept) is not collapsed
     assert (config_key(variant) in dropped and "registers" in dropped[config_key(variant)]) is collapsed
@@ -1295,7 +1317,7 @@ def test_gemm2_variants_drop_what_collapsed_when_measured(block_m, block_n, warp
 
 def test_gemm2_variants_rules():
     base = KernelConfig(64, 128, 128, 8, 8, 4)
-    grid = [(128, 8, 4, 1), (256, 8, 3, 1), (64, 4, 5, 1), (128, 8, 8, 1), (128, 8, 4, 8), (128, 8, 4, -1)]
+    grid = [(128, 8, 4, 1, 0), (256, 8, 3, 1, 0), (64, 4, 5, 1, 0), (128, 8, 8, 1, 0), (128, 8, 4, 8, 0), (128, 8, 4, -1, 0)]
     kept, dropped = space.gemm2_variants(base, FP8_BLOCK128, grid, 100 * 1024, True)  # an Ada-sized limit
     assert base not in kept and base.with_gemm2(num_stages=4) == base  # GEMM1's own launch: not a variant
     assert base.with_gemm2(N_TILES=8) in kept  # GEMM1's launch in runs of 8 column tiles: a variant
@@ -1915,6 +1937,25 @@ def test_overlapped_gemm1_dropped_where_it_runs_as_its_twin(monkeypatch):
     assert vllm_config(dataclasses.replace(cfg, OVERLAP=0), FP8_CHANNEL_TOKEN)[0] is not None
 
 
+def test_gemm2_variants_keep_a_where_the_intermediate_fits_two_k_steps():
+    """The grid's launches keeping A (KernelConfig.KEEP_A2) are variants only where the intermediate
+    fits two K steps of 128 (DeepSeek-V3 at TP8: 256; GLM-4.5V at TP2: 704 does not), and the
+    GPU's grid has them with runs of 8 and 16 beside every launch of its own."""
+    base = KernelConfig(64, 128, 128, 8, 8, 4)
+    grid = [(64, 8, 3, 8, 0), (64, 8, 3, 16, 1)]
+    kept_a = base.with_gemm2(BLOCK_N=64, num_stages=3, N_TILES=16, KEEP_A=1)
+    for intermediate, fits in ((256, True), (128, True), (257, False), (704, False), (None, False)):
+        kept, dropped = space.gemm2_variants(base, FP8_BLOCK128, grid, space.HOPPER_SHARED_MEMORY, True,
+                                             intermediate=intermediate)
+        assert base.with_gemm2(BLOCK_N=64, num_stages=3, N_TILES=8) in kept
+        assert (kept_a in kept) is fits and config_key(kept_a) not in dropped, intermediate
+    gpu = space.gemm2_grid(torch.device("cuda"))
+    launches = {entry[:3] for entry in gpu}
+    assert {entry[:3] + entry[3:] for entry in gpu if entry[4]} == {launch + (runs, 1) for launch in launches
+                                                                     for runs in space.GEMM2_KEEP_A_RUNS_GPU}
+    assert all(entry[3] >= 2 for entry in space.gemm2_grid(torch.device("cpu")) if entry[4])
+
+
 def test_overlapped_gemm2_tried_on_128_row_bases_where_it_runs(monkeypatch):
     """gemm2_variants adds the overlapped GEMM2 (its tile, OVERLAP2_SEARCH_STAGES, the base's
     grouping) when asked, after a 128x128 GEMM1 base only (it reads whole 1x128 groups of the
@@ -1922,7 +1963,7 @@ def test_overlapped_gemm2_tried_on_128_row_bases_where_it_runs(monkeypatch):
     Triton twin; vLLM's export refuses it (GEMM2 has a launch of its own)."""
     from moekit.tune.output import vllm_config
 
-    grid = [(128, 8, 4, 1)]
+    grid = [(128, 8, 4, 1, 0)]
     tall = KernelConfig(128, 128, 128, 16, 8, 3)
     kept, _ = space.gemm2_variants(tall, FP8_CHANNEL_TOKEN, grid, space.HOPPER_SHARED_MEMORY, True, overlap_k_steps=112)
     overlapped = [c for c in kept if c.OVERLAP2]
@@ -1966,10 +2007,12 @@ def test_config_from_key_inverts_config_key():
         searched = space.hopper_space(scheme, full=True)
         configs += searched
         for base in (c for c in searched if c.num_warps == space.WIDE_TILE_WARPS):
-            configs += space.gemm2_variants(base, scheme, grid, space.HOPPER_SHARED_MEMORY, True, overlap_k_steps=8)[0]
+            configs += space.gemm2_variants(base, scheme, grid, space.HOPPER_SHARED_MEMORY, True, overlap_k_steps=8,
+                                            intermediate=256)[0]
         for base, top_k in itertools.product((c for c in searched if c.GEMV), (1, 2, 6, 8)):
             configs += space.gemv_gemm2_variants(base, scheme, top_k)[0]
     assert any(c.has_gemm2 and c.N_TILES2 for c in configs) and any(c.OVERLAP2 for c in configs)
+    assert any(c.KEEP_A2 for c in configs)
     assert any(c.GEMV and c.has_gemm2 for c in configs)
     assert any(c.GEMV and c.num_stages2 and config_key(c).endswith(f"-s{c.num_stages2}") for c in configs)
     assert any(c.GEMV == 2 and c.has_gemm2 and "-late+" in config_key(c) for c in configs)  # GEMM1 reducing late

@@ -115,6 +115,8 @@ def _config_text(cfg: dict) -> str:
             text += f" x{g2.N_TILES2} tiles per program"
         if g2.OVERLAP2:
             text += " Gluon"
+        if g2.KEEP_A2:  # the run keeps its row block's activations
+            text += " keeping A"
     return text
 
 

@@ -684,7 +684,7 @@ class Worker:
         else:
             variants, dropped = gemm2_variants(base, p.scheme, self.plan.gemm2_grid, self.shared_memory,
                                                gemm2_partial_accumulator(p.scheme, fp8_accumulation()),
-                                               self._overlap2_k_steps(p))
+                                               self._overlap2_k_steps(p), intermediate=p.shape.n)
         todo = [c for c in variants if j.config(config_key(c)) is None]
         j.data[field] = {"base": config_key(base), "variants": len(variants), "dropped": dropped,
                          "complete": not todo}

@@ -93,14 +93,16 @@ def config_key(cfg: KernelConfig) -> str:
             key += f"-r{g2.N_TILES2}"
         if g2.OVERLAP2:  # GEMM2 in Gluon with the promotion overlapped (KernelConfig.OVERLAP2)
             key += "-ov"
+        if g2.KEEP_A2:  # a run keeping its row block's activations (KernelConfig.KEEP_A2)
+            key += "-ka"
     return key
 
 
 _TILED_KEY = re.compile(r"M(?P<bm>\d+)-N(?P<bn>\d+)-K(?P<bk>\d+)-G(?P<g>\d+)-w(?P<w>\d+)-s(?P<s>\d+)(?P<ov>-ov)?(?P<join>-join)?"
-                        r"(?:\+N(?P<bn2>\d+)-G(?P<g2>\d+)-w(?P<w2>\d+)-s(?P<s2>\d+)(?:-r(?P<r2>\d+))?(?P<ov2>-ov)?)?")
+                        r"(?:\+N(?P<bn2>\d+)-G(?P<g2>\d+)-w(?P<w2>\d+)-s(?P<s2>\d+)(?:-r(?P<r2>\d+))?(?P<ov2>-ov)?(?P<ka2>-ka)?)?")
 _GEMV_KEY = re.compile(r"gemv-N(?P<bn>\d+)-K(?P<bk>\d+)-w(?P<w>\d+)-s(?P<s>\d+)(?P<late>-late)?(?:\+N(?P<bn2>\d+)-w(?P<w2>\d+)(?:-s(?P<s2>\d+))?)?")
 _KEY_FORMS = ("M<rows>-N<cols>-K<k>-G<group>-w<warps>-s<stages>[-ov][-join] (optionally +N<cols>-G<group>-w<warps>-s<stages>"
-              "[-r<runs>][-ov] for GEMM2's own launch, runs 2 or more) or gemv-N<cols>-K<k>-w<warps>-s<stages>[-late] "
+              "[-r<runs>][-ov][-ka] for GEMM2's own launch, runs 2 or more) or gemv-N<cols>-K<k>-w<warps>-s<stages>[-late] "
               "(optionally +N<cols>-w<warps>[-s<stages>] for GEMM2's own), "
               "every number positive")
 
@@ -112,7 +114,7 @@ def config_from_key(key: str) -> KernelConfig:
     m = _GEMV_KEY.fullmatch(key) or _TILED_KEY.fullmatch(key)
     if m is None:
         raise ValueError(f"config key {key!r}: expected {_KEY_FORMS}")
-    n = {name: int(v) for name, v in m.groupdict().items() if v is not None and name not in ("ov", "ov2", "join", "late")}
+    n = {name: int(v) for name, v in m.groupdict().items() if v is not None and name not in ("ov", "ov2", "ka2", "join", "late")}
     if 0 in n.values() or n.get("r2", 2) < 2:  # a run of one is written without -r
         raise ValueError(f"config key {key!r}: expected {_KEY_FORMS}")
     if m.re is _GEMV_KEY:
@@ -125,7 +127,8 @@ def config_from_key(key: str) -> KernelConfig:
                        num_stages=n["s"], OVERLAP=int(m.group("ov") is not None), JOIN=int(m.group("join") is not None))
     if "bn2" in n:  # GEMM2's own launch
         cfg = cfg.with_gemm2(BLOCK_N=n["bn2"], GROUP_M=n["g2"], num_warps=n["w2"], num_stages=n["s2"],
-                             N_TILES=n.get("r2", 0), OVERLAP=int(m.group("ov2") is not None))
+                             N_TILES=n.get("r2", 0), OVERLAP=int(m.group("ov2") is not None),
+                             KEEP_A=int(m.group("ka2") is not None))
     return cfg
 
 
@@ -279,6 +282,13 @@ GEMM2_GRID_CPU = ((32, 4, 2), (64, 4, 3))  # the interpreter: enough to run the 
 # depends on the launch (GLM's 64-wide tiles lost with runs), so every launch is timed with both.
 GEMM2_RUNS_GPU = (1, 8)
 GEMM2_RUNS_CPU = (1,)
+# Where GEMM2's inner dimension fits two K steps (KernelConfig.KEEP_A2: DeepSeek-V3 at TP8), each
+# launch also with runs of these lengths keeping their row block's activations. GEMM2 alone,
+# precise mode, H100 (BENCHMARKS.md, thirty-fourth session), DeepSeek-V3 TP8 M = 1024-8192:
+# 64-wide tiles on 8 warps, 3 stages, runs of 16 took 12-22% less time than the table's launch
+# (855 -> 671 µs at M = 8192); runs of 8 were within 0-3% of 16.
+GEMM2_KEEP_A_RUNS_GPU = (8, 16)
+GEMM2_KEEP_A_RUNS_CPU = ()  # the interpreter's grid stays GEMM2_GRID_CPU's (its tests patch this in)
 
 # float32 registers per thread GEMM2's accumulators may take. Beyond 128 (counting the partial
 # accumulator of a promoted FP8 sum twice) every variant measured collapsed to 3-10x slower:
@@ -287,10 +297,14 @@ GEMM2_RUNS_CPU = (1,)
 GEMM2_MAX_ACCUMULATOR_REGISTERS = 128
 
 
-def gemm2_grid(device: torch.device) -> tuple[tuple[int, int, int, int], ...]:
-    """(BLOCK_N, num_warps, num_stages, N_TILES) of GEMM2's launch variants on this device."""
-    launches, runs = (GEMM2_GRID_GPU, GEMM2_RUNS_GPU) if device.type == "cuda" else (GEMM2_GRID_CPU, GEMM2_RUNS_CPU)
-    return tuple(launch + (n_tiles,) for launch in launches for n_tiles in runs)
+def gemm2_grid(device: torch.device) -> tuple[tuple[int, int, int, int, int], ...]:
+    """(BLOCK_N, num_warps, num_stages, N_TILES, KEEP_A) of GEMM2's launch variants on this device
+    (those with KEEP_A 1 run only where the intermediate fits: gemm2_variants)."""
+    gpu = device.type == "cuda"
+    launches, runs = (GEMM2_GRID_GPU, GEMM2_RUNS_GPU) if gpu else (GEMM2_GRID_CPU, GEMM2_RUNS_CPU)
+    keep_a_runs = GEMM2_KEEP_A_RUNS_GPU if gpu else GEMM2_KEEP_A_RUNS_CPU
+    return (tuple(launch + (n_tiles, 0) for launch in launches for n_tiles in runs)
+            + tuple(launch + (n_tiles, 1) for launch in launches for n_tiles in keep_a_runs))
 
 
 # GEMM2 of the GEMV path on a launch of its own (KernelConfig.GEMV_GEMM2_FIELDS): column blocks x
@@ -363,19 +377,22 @@ OVERLAP2_SEARCH_STAGES = (4, 5)
 
 
 def gemm2_variants(
-    base: KernelConfig, scheme: QuantScheme, grid: Sequence[tuple[int, int, int, int]], smem_limit: int,
-    partial_accumulator: bool, overlap_k_steps: int = 0,
+    base: KernelConfig, scheme: QuantScheme, grid: Sequence[tuple[int, int, int, int, int]], smem_limit: int,
+    partial_accumulator: bool, overlap_k_steps: int = 0, intermediate: int | None = None,
 ) -> tuple[list[KernelConfig], dict[str, str]]:
     """(variants of `base` with GEMM2's own launch, {key dropped: why}); the variant equal to base
-    (GEMM2 launched as GEMM1) is not among them. `overlap_k_steps`: GEMM2's K steps where the
+    (GEMM2 launched as GEMM1) is not among them. The grid's launches keeping A (KEEP_A2) run only
+    where the `intermediate` size per GPU fits them (KernelConfig.keep_a2_fits; None: nowhere).
+    `overlap_k_steps`: GEMM2's K steps where the
     overlapped GEMM2 runs on this problem (0 where it does not: overlap2_idle); then it is tried
     too, on its tile, with the OVERLAP2_SEARCH_STAGES that leave at least one step beyond those
     the pipeline preloads (launch._overlapped2; fewer run the Triton twin), after a base that
     writes the intermediate it reads (128x128 GEMM1 tiles: whole 1x128 groups)."""
     kept: list[KernelConfig] = []
     dropped: dict[str, str] = {}
-    launches = [base.with_gemm2(BLOCK_N=block_n, num_warps=warps, num_stages=stages, N_TILES=n_tiles)
-                for block_n, warps, stages, n_tiles in grid]
+    keep_a = intermediate is not None and base.keep_a2_fits(intermediate)
+    launches = [base.with_gemm2(BLOCK_N=block_n, num_warps=warps, num_stages=stages, N_TILES=n_tiles, KEEP_A=kept)
+                for block_n, warps, stages, n_tiles, kept in grid if keep_a or not kept]
     if overlap_k_steps and base.BLOCK_N == 128 and (base.BLOCK_M, 128) in KernelConfig.OVERLAP2_TILES:
         launches += [base.with_gemm2(BLOCK_N=128, num_warps=8, num_stages=stages, OVERLAP=1)
                      for stages in OVERLAP2_SEARCH_STAGES if overlap_k_steps >= stages - 1]

@@ -579,7 +579,7 @@ def gemm2_kernel(
     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     A_MODE: tl.constexpr, B_SCALE: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, N_TILES: tl.constexpr,
+    GROUP_M: tl.constexpr, N_TILES: tl.constexpr, KEEP_A_STEPS: tl.constexpr,
     PROMOTE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """A_MODE: 0 unquantized, 1 FP8 with a static scale, 2 quantize per 1x128 group while loading,
@@ -587,7 +587,10 @@ def gemm2_kernel(
     5 FP8 with one scale per row (a_scale_ptr: (rows,)).
     N_TILES > 1: each program runs N_TILES column blocks of one row block in turn (_gemm2_row_run),
     row block after row block in program order (GROUP_M does not apply: the programs of a row
-    block already share its A rows, and neighbouring row blocks mostly share an expert)."""
+    block already share its A rows, and neighbouring row blocks mostly share an expert).
+    KEEP_A_STEPS (1 or 2, with N_TILES > 1; 0: off): the run loads its row block's A once, in that
+    many K steps (the whole inner dimension N), and keeps it across its column tiles
+    (_gemm2_resident_run)."""
     _pdl_wait(PDL)
     num_n_blocks = tl.cdiv(H, BLOCK_N)
     if N_TILES == 1:
@@ -607,12 +610,12 @@ def gemm2_kernel(
         _gemm2_row_run(row0, e, pid_n, n_count, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
                        sorted_ptr, count_ptr, start_ptr, N, H,
                        stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
-                       A_MODE, B_SCALE, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_TILES, PROMOTE, INTERPRET, PDL)
+                       A_MODE, B_SCALE, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_TILES, KEEP_A_STEPS, PROMOTE, INTERPRET, PDL)
     else:
         _gemm2_row_run(row0, e, pid_n, n_count, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
                        sorted_ptr, count_ptr, start_ptr, N, H,
                        stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
-                       A_MODE, B_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, N_TILES, PROMOTE, INTERPRET, PDL)
+                       A_MODE, B_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, N_TILES, KEEP_A_STEPS, PROMOTE, INTERPRET, PDL)
 
 
 @triton.jit
@@ -621,7 +624,7 @@ def _gemm2_row_run(
     sorted_ptr, count_ptr, start_ptr, N, H,
     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     A_MODE: tl.constexpr, B_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, N_TILES: tl.constexpr, PROMOTE: tl.constexpr,
+    BLOCK_K: tl.constexpr, N_TILES: tl.constexpr, KEEP_A_STEPS: tl.constexpr, PROMOTE: tl.constexpr,
     INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """GEMM2 of column blocks pid_n .. pid_n + n_count - 1 of one row block, one after another.
@@ -639,6 +642,12 @@ def _gemm2_row_run(
                     sorted_ptr, count_ptr, start_ptr, N, H,
                     stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
                     A_MODE, B_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET, PDL)
+    elif KEEP_A_STEPS > 0:
+        _gemm2_resident_run(row0, e, pid_n, n_count, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
+                            sorted_ptr, count_ptr, start_ptr, N, H,
+                            stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+                            A_MODE, B_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, KEEP_A_STEPS, PROMOTE, INTERPRET)
+        _pdl_release(PDL)
     else:
         for j in range(0, n_count):
             _gemm2_tile(row0, e, pid_n + j, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
@@ -666,36 +675,118 @@ def _gemm2_tile(
     e64 = e.to(tl.int64)
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
     b_ptrs = w_ptr + e64 * stride_we + cols[None, :] * stride_wn + ks[:, None]
-    tensor_scale = 1.0
-    if A_MODE == 1:
-        tensor_scale = tl.load(a_scale_ptr)
-    elif A_MODE == 3:
-        tensor_scale = _scale_from_amax(tl.load(a_scale_ptr))
+    tensor_scale = _gemm2_tensor_scale(a_scale_ptr, A_MODE)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, N, BLOCK_K):
         k_ok = ks < N - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if A_MODE == 2 or A_MODE == 4:
-            if A_MODE == 2:
-                a32 = a.to(tl.float32)
-                step_a = _scale_from_amax(tl.max(tl.abs(a32), axis=1))  # [BLOCK_M]
-                a = _quantize_tile(a32, step_a, INTERPRET)
-            else:
-                step_a = tl.load(a_scale_ptr + rows.to(tl.int64) * stride_as + k0 // BLOCK_K, mask=row_ok, other=0.0)
-            step_b = 1.0
-            if B_SCALE == 3:
-                step_b = tl.load(w_scale_ptr + e64 * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn + k0 // BLOCK_K)
-            acc += _dot(a, b, None, 0, INTERPRET) * (step_a[:, None] * step_b)  # see gemm1_kernel
-        elif A_MODE == 3:
-            a = _quantize_tile(a.to(tl.float32), tl.full((BLOCK_M,), 1.0, tl.float32) * tensor_scale, INTERPRET)
-            acc = _dot(a, b, acc, PROMOTE, INTERPRET)
-        else:
-            acc = _dot(a, b, acc, PROMOTE, INTERPRET)
+        a, step_a = _gemm2_a_step(a, a_scale_ptr, rows, row_ok, k0, stride_as, tensor_scale, A_MODE, BLOCK_K,
+                                  INTERPRET)
+        acc = _gemm2_accumulate(acc, a, step_a, b, w_scale_ptr, e64, pid_n, k0, stride_wse, stride_wsn,
+                                A_MODE, B_SCALE, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     _pdl_release(PDL)
+    _gemm2_store(acc, rows, row_ok, cols, col_ok, e64, a_scale_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
+                 sorted_ptr, stride_as, stride_wse, stride_om, tensor_scale, A_MODE, B_SCALE, INTERPRET)
 
+
+@triton.jit
+def _gemm2_resident_run(
+    row0, e, pid_n, n_count, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
+    sorted_ptr, count_ptr, start_ptr, N, H,
+    stride_am, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    A_MODE: tl.constexpr, B_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """_gemm2_row_run's run of column tiles where GEMM2's whole inner dimension is K_STEPS (1 or
+    2) steps of BLOCK_K (N <= 256 at BLOCK_K 128: DeepSeek-V3 at TP8). The row block's A is
+    loaded (and scaled or quantized) once, before the run, instead of once per column tile; the
+    loop over the tiles is then the kernel's only loop, so Triton's pipeliner prefetches the next
+    tiles' weights while a tile multiplies and stores, where one tile per K loop starts cold. At
+    prefill the L2 serves every tile's A and B (an expert's weights are read once per row block):
+    at DeepSeek-V3 M = 8192 that was about 3 GB of L2 reads beside 1.4 GB of HBM traffic. The
+    products, their scales and the epilogue are _gemm2_tile's, in the same order: bitwise equal."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows - tl.load(start_ptr + e) < tl.load(count_ptr + e)
+    ks = tl.arange(0, BLOCK_K)
+    e64 = e.to(tl.int64)
+    tensor_scale = _gemm2_tensor_scale(a_scale_ptr, A_MODE)
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
+    a0 = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < N)[None, :], other=0.0)
+    a0, step_a0 = _gemm2_a_step(a0, a_scale_ptr, rows, row_ok, 0, stride_as, tensor_scale, A_MODE, BLOCK_K, INTERPRET)
+    if K_STEPS == 2:
+        a1 = tl.load(a_ptrs + BLOCK_K, mask=row_ok[:, None] & (ks < N - BLOCK_K)[None, :], other=0.0)
+        a1, step_a1 = _gemm2_a_step(a1, a_scale_ptr, rows, row_ok, BLOCK_K, stride_as, tensor_scale, A_MODE,
+                                    BLOCK_K, INTERPRET)
+    for j in range(0, n_count):
+        tile_n = pid_n + j
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < H
+        b_ptrs = w_ptr + e64 * stride_we + cols[None, :] * stride_wn + ks[:, None]
+        b0 = tl.load(b_ptrs, mask=(ks < N)[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _gemm2_accumulate(acc, a0, step_a0, b0, w_scale_ptr, e64, tile_n, 0, stride_wse, stride_wsn,
+                                A_MODE, B_SCALE, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET)
+        if K_STEPS == 2:
+            b1 = tl.load(b_ptrs + BLOCK_K, mask=(ks < N - BLOCK_K)[:, None] & col_ok[None, :], other=0.0)
+            acc = _gemm2_accumulate(acc, a1, step_a1, b1, w_scale_ptr, e64, tile_n, BLOCK_K, stride_wse, stride_wsn,
+                                    A_MODE, B_SCALE, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET)
+        _gemm2_store(acc, rows, row_ok, cols, col_ok, e64, a_scale_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
+                     sorted_ptr, stride_as, stride_wse, stride_om, tensor_scale, A_MODE, B_SCALE, INTERPRET)
+
+
+@triton.jit
+def _gemm2_tensor_scale(a_scale_ptr, A_MODE: tl.constexpr):
+    """The intermediate's per-tensor scale (A_MODE 1: static, 3: from the shared amax), else 1."""
+    tensor_scale = 1.0
+    if A_MODE == 1:
+        tensor_scale = tl.load(a_scale_ptr)
+    elif A_MODE == 3:
+        tensor_scale = _scale_from_amax(tl.load(a_scale_ptr))
+    return tensor_scale
+
+
+@triton.jit
+def _gemm2_a_step(a, a_scale_ptr, rows, row_ok, k0, stride_as, tensor_scale,
+                  A_MODE: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """A's K step from k0 as the tensor cores take it, and its per-row scale where the step has
+    one of its own (A_MODE 2: quantized here per 1x128 group; 4: FP8 with group scales; else 1)."""
+    step_a = tl.full((a.shape[0],), 1.0, tl.float32)
+    if A_MODE == 2:
+        a32 = a.to(tl.float32)
+        step_a = _scale_from_amax(tl.max(tl.abs(a32), axis=1))  # [BLOCK_M]
+        a = _quantize_tile(a32, step_a, INTERPRET)
+    elif A_MODE == 4:
+        step_a = tl.load(a_scale_ptr + rows.to(tl.int64) * stride_as + k0 // BLOCK_K, mask=row_ok, other=0.0)
+    elif A_MODE == 3:
+        a = _quantize_tile(a.to(tl.float32), tl.full((a.shape[0],), 1.0, tl.float32) * tensor_scale, INTERPRET)
+    return a, step_a
+
+
+@triton.jit
+def _gemm2_accumulate(acc, a, step_a, b, w_scale_ptr, e64, pid_n, k0, stride_wse, stride_wsn,
+                      A_MODE: tl.constexpr, B_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PROMOTE: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc plus one K step's product: scaled by the step's scales where it has its own (A_MODE 2
+    and 4, with a 128x128 weight block's scale for B_SCALE 3), else by the compiler's promotion."""
+    if A_MODE == 2 or A_MODE == 4:
+        step_b = 1.0
+        if B_SCALE == 3:
+            step_b = tl.load(w_scale_ptr + e64 * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn + k0 // BLOCK_K)
+        acc += _dot(a, b, None, 0, INTERPRET) * (step_a[:, None] * step_b)  # see gemm1_kernel
+    else:
+        acc = _dot(a, b, acc, PROMOTE, INTERPRET)
+    return acc
+
+
+@triton.jit
+def _gemm2_store(acc, rows, row_ok, cols, col_ok, e64, a_scale_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
+                 sorted_ptr, stride_as, stride_wse, stride_om, tensor_scale,
+                 A_MODE: tl.constexpr, B_SCALE: tl.constexpr, INTERPRET: tl.constexpr):
+    """GEMM2's epilogue: the scales not applied per K step, the pair's top-k weight, and the
+    store to each pair's own row."""
     if A_MODE == 1 or A_MODE == 3:
         acc *= tensor_scale
     elif A_MODE == 5:

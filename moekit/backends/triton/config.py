@@ -71,11 +71,16 @@ class KernelConfig:
     # 1: GEMM2 runs _gluon_kernels.gemm2_overlap_kernel on Hopper, each K step's FP8 product
     # promoted while the next runs (OVERLAP2_TILES; launch.gemm2 says where); 0: the Triton kernel
     OVERLAP2: int = 0
+    # 1: GEMM2's programs, running N_TILES2 > 1 column tiles each, load their row block's
+    # activations once for the run (GEMM2's inner dimension N in at most two K steps: N <= 2 *
+    # BLOCK_K, KEEP_A2_STEPS) and pipeline one column tile into the next (_kernels._gemm2_resident_run)
+    KEEP_A2: int = 0
 
     # class constants, not fields: GEMM2's own value of a GEMM1 parameter (its name + "2"), and
     # the parameters only GEMM2 has
     GEMM2_FIELDS = ("BLOCK_N2", "num_warps2", "num_stages2", "GROUP_M2")
-    GEMM2_ONLY = ("N_TILES2", "OVERLAP2")
+    GEMM2_ONLY = ("N_TILES2", "OVERLAP2", "KEEP_A2")
+    KEEP_A2_STEPS = 2  # the K steps of GEMM2's inner dimension KEEP_A2 holds at most
 
     # the launch shape of the overlapped GEMM1 (its accumulator, the product in flight and the one
     # being added fill the register file: _gluon_kernels module docstring), on 64 rows or on 128
@@ -110,16 +115,16 @@ class KernelConfig:
 
     def gemm2(self) -> "KernelConfig":
         """The config GEMM2 runs: GEMM2's own parameters in place of GEMM1's, where set (JOIN and
-        OVERLAP, GEMM1's alone, cleared), and N_TILES2 and OVERLAP2 kept."""
+        OVERLAP, GEMM1's alone, cleared), and N_TILES2, OVERLAP2 and KEEP_A2 kept."""
         if not self.has_gemm2:
             return self
         own = {name[:-1]: getattr(self, name) for name in self.GEMM2_FIELDS if getattr(self, name)}
         return dataclasses.replace(self.gemm1(), **own, JOIN=0, OVERLAP=0, N_TILES2=self.N_TILES2,
-                                   OVERLAP2=self.OVERLAP2)
+                                   OVERLAP2=self.OVERLAP2, KEEP_A2=self.KEEP_A2)
 
     def with_gemm2(self, **params: int) -> "KernelConfig":
         """This config with GEMM2's parameters set (BLOCK_N=, num_warps=, num_stages=, GROUP_M=,
-        N_TILES=, OVERLAP=)."""
+        N_TILES=, OVERLAP=, KEEP_A=)."""
         names = [f[:-1] for f in self.GEMM2_FIELDS + self.GEMM2_ONLY]
         for name in params:
             if name not in names:
@@ -146,9 +151,10 @@ class KernelConfig:
                          if getattr(self, name) < 0]
             if negative:
                 return negative
-            # GEMM2's tile (its runs checked above, its Gluon kernel below)
-            tile2 = dataclasses.replace(self.gemm2(), N_TILES2=0, OVERLAP2=0)
+            # GEMM2's tile (its runs checked above, its Gluon kernel and kept activations below)
+            tile2 = dataclasses.replace(self.gemm2(), N_TILES2=0, OVERLAP2=0, KEEP_A2=0)
             own = tile2.problems(scheme) + (self._overlap2_problems(scheme) if self.OVERLAP2 else [])
+            own += self._keep_a2_problems() if self.KEEP_A2 else []
             return self.gemm1().problems(scheme) + [f"GEMM2: {p}" for p in own]
         out = []
         if self.GEMV:  # K steps of whole 128-groups, columns without a tensor-core tile, no row tiles
@@ -245,6 +251,22 @@ class KernelConfig:
         if g2.N_TILES2 > 1:
             out.append(f"OVERLAP2=1 runs one column tile per program; got N_TILES2={g2.N_TILES2}")
         return out
+
+    def _keep_a2_problems(self) -> list[str]:
+        """Why KEEP_A2=1 cannot run with GEMM2's launch (the inner dimension's bound,
+        KEEP_A2_STEPS, depends on the shape: launch.gemm2 checks it)."""
+        if self.KEEP_A2 != 1:
+            return [f"KEEP_A2={self.KEEP_A2} must be 0 or 1"]
+        out = []
+        if self.gemm2_tiles < 2:
+            out.append("KEEP_A2=1 keeps a row block's activations across a run of column tiles: it needs N_TILES2 > 1")
+        if self.OVERLAP2:
+            out.append("KEEP_A2=1 is a form of the Triton GEMM2; the Gluon one (OVERLAP2=1) has no runs")
+        return out
+
+    def keep_a2_fits(self, n: int) -> bool:
+        """Whether GEMM2's inner dimension n fits the K steps KEEP_A2 holds (KEEP_A2_STEPS)."""
+        return n <= self.KEEP_A2_STEPS * self.BLOCK_K  # BLOCK_K: both GEMMs'
 
     def to_dict(self) -> dict:
         """The fields, without GEMM2's own and OVERLAP where unset (tables of configs that have

@@ -208,7 +208,7 @@ class TritonBackend(Backend):
         M, K = topk_ids.shape
         topk_ids = topk_ids.contiguous()  # every path reads it flat (no copy where it already is)
         cfg = config or self.config_for(weights, K, M, x.device)
-        _check_config(cfg, weights.scheme)
+        _check_config(cfg, weights)
         if cfg.GEMV:
             from .gemv import run_gemv  # imported here: gemv.py imports this module
 
@@ -252,7 +252,7 @@ class TritonBackend(Backend):
         M, K = topk_ids.shape
         topk_ids = topk_ids.contiguous()  # every path reads it flat (no copy where it already is)
         cfg = config or self.config_for(weights, K, M, x.device)
-        _check_config(cfg, weights.scheme)
+        _check_config(cfg, weights)
         a, a_scale = quantize_input(x, weights)
         tw = topk_weights.float()
         if cfg.GEMV:  # its GEMM2 holds the combine, which the tiled closure leaves out (not comparable)
@@ -269,12 +269,14 @@ class TritonBackend(Backend):
         return run_gemms
 
 
-def _check_config(cfg: KernelConfig, scheme: QuantScheme) -> None:
-    """ValueError naming why `cfg` cannot run `scheme` (KernelConfig.problems): the launch steps
-    below, the Gluon kernels' included, assume a config that passed it."""
-    problems = _config_problems(cfg, scheme)
+def _check_config(cfg: KernelConfig, weights: MoEWeights) -> None:
+    """ValueError naming why `cfg` cannot run these weights' scheme (KernelConfig.problems), or
+    their intermediate size where GEMM2 keeps its activations (KEEP_A2): the launch steps below,
+    the Gluon kernels' included, assume a config that passed it."""
+    problems = _config_problems(cfg, weights.scheme)
     if problems:
-        raise ValueError(f"kernel config {cfg} cannot run {scheme.name}: {'; '.join(problems)}")
+        raise ValueError(f"kernel config {cfg} cannot run {weights.scheme.name}: {'; '.join(problems)}")
+    _keep_a_steps(cfg, weights.n)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -641,10 +643,21 @@ def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights
         weights.w2.stride(0), weights.w2.stride(1), stride_wse, stride_wsn, out.stride(0),
         A_MODE=act.a_mode, B_SCALE=B_SCALE_KIND[scheme.weight], E_POW2=next_pow2(E),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        N_TILES=cfg.gemm2_tiles, PROMOTE=fp8_promote(cfg), INTERPRET=_interpreting(),
+        N_TILES=cfg.gemm2_tiles, KEEP_A_STEPS=_keep_a_steps(cfg, N), PROMOTE=fp8_promote(cfg), INTERPRET=_interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def _keep_a_steps(cfg: KernelConfig, n: int) -> int:
+    """gemm2_kernel's KEEP_A_STEPS: the K steps of the intermediate's n columns a KEEP_A2 run
+    holds, 0 without KEEP_A2; ValueError where n does not fit (KernelConfig.keep_a2_fits)."""
+    if not cfg.KEEP_A2:
+        return 0
+    if not cfg.keep_a2_fits(n):
+        raise ValueError(f"KEEP_A2=1 holds GEMM2's inner dimension in at most {cfg.KEEP_A2_STEPS} K steps of "
+                         f"{cfg.BLOCK_K}; this layer's intermediate has {n} columns (use KEEP_A2=0)")
+    return cdiv(n, cfg.BLOCK_K)
 
 
 def combine(pairs: torch.Tensor, M: int, K: int, out: torch.Tensor | None = None) -> torch.Tensor:
