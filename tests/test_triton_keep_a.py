@@ -5,6 +5,7 @@ for every scheme and accumulation mode, at odd sizes, idle experts, half-height 
 M = 0 (CPU interpreter; the preset shapes it fits on a GPU)."""
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from moekit.spec import get_scheme
 from helpers import assert_graph_replays_fresh_routing, random_routing, random_weights, random_x
 from test_triton_backend import PRESET_SHAPES, SCHEMES, assert_matches_reference, with_accumulation_modes
 
+# tests that build or patch what the interpreter runs (the GPU runs compiled kernels)
+interpreter_only = pytest.mark.skipif(not moekit.env.interpreting(), reason="runs under TRITON_INTERPRET=1 only")
 BASE = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=2)
 BLOCK = get_scheme("fp8-block128")
 
@@ -39,6 +42,8 @@ def test_keep_a_is_gemm2s_alone_and_needs_a_run_of_triton_tiles():
     gluon = KernelConfig(128, 128, 128, 8, 8, 4).with_gemm2(N_TILES=4, KEEP_A=1, OVERLAP=1)
     assert any("KEEP_A2=1 is a form of the Triton GEMM2" in p for p in gluon.problems(get_scheme("fp8-channel-token")))
     assert any("KEEP_A2=2 must be 0 or 1" in p for p in BASE.with_gemm2(N_TILES=4, KEEP_A=2).problems(BLOCK))
+    gemv = KernelConfig(16, 8, 512, 1, 4, 1, GEMV=1, KEEP_A2=1)
+    assert "KEEP_A2 is for the tiled path" in gemv.problems(BLOCK)[0]
 
 
 def test_keep_a_fits_an_intermediate_of_two_k_steps_at_most():
@@ -102,6 +107,91 @@ def test_kept_activations_match_reloaded_ones(scheme, accumulation, device, monk
             assert_matches_reference(kept, x, w, tw, ids)
 
 
+@pytest.mark.parametrize("scheme,gemm1_n,n", [
+    ("fp8-channel-token", 64, 200),  # A_MODE 2: the intermediate quantized per 1x128 group while loading
+    ("fp8-block128", 128, 256),  # A_MODE 4 with 128x128 weight blocks (B_SCALE 3): DeepSeek-V3's path
+])
+def test_kept_activations_in_more_a_modes(scheme, gemm1_n, n, device, monkeypatch):
+    """The A_MODEs the test above does not reach with its GEMM1 widths, two K steps each."""
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, "precise")
+    w = random_weights(4, 208, n, scheme, device=device, seed=7)
+    tw, ids = random_routing(37, 4, 2, device=device, experts=[0, 2, 3])
+    x = random_x(37, 208, device=device)
+    reload = dataclasses.replace(BASE, BLOCK_N=gemm1_n).with_gemm2(BLOCK_N=32, num_stages=3)
+    for n_tiles in (2, 7):
+        kept = run(x, w, tw, ids, reload.with_gemm2(N_TILES=n_tiles, KEEP_A=1))
+        assert torch.equal(kept, run(x, w, tw, ids, reload.with_gemm2(N_TILES=n_tiles))), n_tiles
+    assert_matches_reference(kept, x, w, tw, ids)
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8-block128"])
+def test_kept_activations_on_full_height_128_row_blocks(scheme, device, monkeypatch):
+    """About 100 rows per expert: 128-row blocks at full height (the tests above run them at half)."""
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, "precise")
+    n = 256 if scheme == "fp8-block128" else 200
+    w = random_weights(4, 208, n, scheme, device=device, seed=7)
+    tw, ids = random_routing(150, 4, 2, device=device, experts=[0, 2, 3])
+    x = random_x(150, 208, device=device)
+    reload = dataclasses.replace(BASE, BLOCK_M=128, BLOCK_N=64 if scheme == "fp8-block128" else 128).with_gemm2(
+        BLOCK_N=32, num_stages=3, N_TILES=3)
+    kept = run(x, w, tw, ids, reload.with_gemm2(KEEP_A=1))
+    assert torch.equal(kept, run(x, w, tw, ids, reload))
+    assert_matches_reference(kept, x, w, tw, ids)
+
+
+@interpreter_only
+@pytest.mark.parametrize("poison", [float("nan"), 300.0])  # NaN spoils any product; 300 a group's amax
+@pytest.mark.parametrize("scheme,gemm1_n,n,a_mode", [
+    ("bf16", 128, 200, 0), ("bf16", 128, 96, 0), ("fp8-channel-token", 64, 96, 2), ("fp8-channel-token", 64, 200, 2),
+    ("fp8-channel-token", 128, 200, 4), ("fp8-block128", 128, 256, 4)])
+def test_kept_run_reads_nothing_past_the_intermediate_or_its_rows(scheme, gemm1_n, n, a_mode, poison, monkeypatch):
+    """GEMM2 on views into larger buffers filled with poison past the intermediate's n columns,
+    past w2's rows and columns, and in the padding rows: a kept run that read any of it (a wrong
+    K mask, a missing row mask) would differ from the clean result."""
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, "precise")
+    E, H, M, K = 4, 208, 37, 2
+    w = random_weights(E, H, n, scheme, seed=7)
+    tw, ids = random_routing(M, E, K, experts=[0, 2, 3])
+    x = random_x(M, H)
+    cfg = dataclasses.replace(BASE, BLOCK_N=gemm1_n).with_gemm2(BLOCK_N=32, num_stages=3, N_TILES=7)
+    align = launch.align_pairs(ids, E, cfg.BLOCK_M)
+    a, a_scale = launch.quantize_input(x, w)
+    act = launch.gemm1(a, a_scale, w, align, K, x.dtype, cfg)
+    assert act.a_mode == a_mode
+    rows = act.values.shape[0]
+    real = torch.zeros(rows, dtype=torch.bool)
+    for first, count in zip(align.start.tolist(), align.count.tolist()):
+        real[first:first + count] = True
+    wide_a = torch.full((rows, n + 128), poison).to(act.values.dtype)
+    wide_a[real, :n] = act.values[real]
+    poisoned = launch.Intermediate(wide_a[:, :n], act.scale, act.a_mode)
+    wide_w2 = torch.full((E, H + 64, n + 128), poison).to(w.w2.dtype)
+    wide_w2[:, :H, :n] = w.w2
+    w2 = types.SimpleNamespace(scheme=w.scheme, num_experts=E, n=n, hidden=H, w2=wide_w2[:, :H, :n], w2_scale=w.w2_scale)
+    clean = launch.gemm2(act, w, align, tw.float(), x.dtype, cfg)
+    assert torch.equal(launch.gemm2(poisoned, w2, align, tw.float(), x.dtype, cfg), clean)
+    kept = launch.gemm2(poisoned, w2, align, tw.float(), x.dtype, cfg.with_gemm2(KEEP_A=1))
+    assert not kept.isnan().any() and torch.equal(kept, clean)
+
+
+@interpreter_only
+@pytest.mark.parametrize("block_m,M", [(16, 37), (128, 37), (128, 150)])  # half and full height
+def test_a_keep_a_launch_never_reloads_a_per_tile(block_m, M, monkeypatch):
+    """A KEEP_A2 launch never falls back to the per-tile path (same output, lost speed): the
+    interpreter looks each helper up in the module when it is called, so a patched _gemm2_tile
+    that raises catches it."""
+    def no_tile(*args, **kwargs):
+        raise AssertionError("a KEEP_A2 launch ran _gemm2_tile")
+
+    w = random_weights(4, 208, 200, "bf16", seed=7)
+    tw, ids = random_routing(M, 4, 2, experts=[0, 2, 3])
+    x = random_x(M, 208)
+    cfg = dataclasses.replace(BASE, BLOCK_M=block_m).with_gemm2(BLOCK_N=32, N_TILES=3, KEEP_A=1)
+    want = run(x, w, tw, ids, cfg)
+    monkeypatch.setattr(_kernels, "_gemm2_tile", no_tile)
+    assert torch.equal(run(x, w, tw, ids, cfg), want)
+
+
 def test_m_one_and_m_zero_with_kept_activations(device):
     w = random_weights(3, 128, 256, "fp8-block128", device=device)
     cfg = BASE.with_gemm2(BLOCK_N=32, N_TILES=3, KEEP_A=1)  # 4 column tiles: a run of 3, then of 1
@@ -117,12 +207,19 @@ def test_m_one_and_m_zero_with_kept_activations(device):
 def test_gpu_preset_shapes_with_kept_activations(name):
     """The preset shapes whose intermediate fits two K steps (DeepSeek-V3 at TP8), at the tables'
     prefill tile (64 rows, GEMM2 64 wide on 4 warps, runs of 8) and with 128-row blocks: against
-    reference, bitwise equal to the runs reloading A, and under graph replay with fresh routing."""
+    reference, bitwise equal to the runs reloading A, and under graph replay with fresh routing;
+    then with the pairs on K experts only (300 rows each: full-height 128-row blocks)."""
     E, H, N, K, scheme = PRESET_SHAPES[name]
     w = random_weights(E, H, N, scheme, device="cuda")
     M = 300
     tw, ids = random_routing(M, E, K, device="cuda")
     x = random_x(M, H, device="cuda")
+    crowded_tw, crowded_ids = random_routing(M, E, K, device="cuda", experts=list(range(K)))
+    for block_m in (64, 128):
+        reload = KernelConfig(block_m, 128, 128, 8, 8, 4).with_gemm2(BLOCK_N=64, num_warps=4, num_stages=3, N_TILES=8)
+        kept = run(x, w, crowded_tw, crowded_ids, reload.with_gemm2(KEEP_A=1))
+        assert_matches_reference(kept, x, w, crowded_tw, crowded_ids)
+        assert torch.equal(kept, run(x, w, crowded_tw, crowded_ids, reload))
     for block_m in (64, 128):
         reload = KernelConfig(block_m, 128, 128, 8, 8, 4).with_gemm2(BLOCK_N=64, num_warps=4, num_stages=3, N_TILES=8)
         cfg = reload.with_gemm2(KEEP_A=1)

@@ -391,8 +391,8 @@ def gemm2_variants(
     kept: list[KernelConfig] = []
     dropped: dict[str, str] = {}
     keep_a = intermediate is not None and base.keep_a2_fits(intermediate)
-    launches = [base.with_gemm2(BLOCK_N=block_n, num_warps=warps, num_stages=stages, N_TILES=n_tiles, KEEP_A=kept)
-                for block_n, warps, stages, n_tiles, kept in grid if keep_a or not kept]
+    launches = [base.with_gemm2(BLOCK_N=block_n, num_warps=warps, num_stages=stages, N_TILES=n_tiles, KEEP_A=keeps)
+                for block_n, warps, stages, n_tiles, keeps in grid if keep_a or not keeps]
     if overlap_k_steps and base.BLOCK_N == 128 and (base.BLOCK_M, 128) in KernelConfig.OVERLAP2_TILES:
         launches += [base.with_gemm2(BLOCK_N=128, num_warps=8, num_stages=stages, OVERLAP=1)
                      for stages in OVERLAP2_SEARCH_STAGES if overlap_k_steps >= stages - 1]
