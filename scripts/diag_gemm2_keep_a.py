@@ -20,7 +20,7 @@ from moekit.timing import time_graphs
 from moekit.tune.space import config_key
 
 # scripts/ is on the path when a script runs
-from diag_points import cuda_triton, layer_points, points_parser, tiled_intermediate, write_json
+from diag_points import cuda_triton, points_parser, tiled_intermediate, tiled_points, write_json
 
 DEFAULT_POINTS = ["deepseek-v3:8:1024", "deepseek-v3:8:2048", "deepseek-v3:8:4096", "deepseek-v3:8:8192"]
 LAYER_BEST = 3  # KEEP_A2 launches timed in the whole layer, fastest GEMM2 alone first
@@ -50,10 +50,9 @@ def main():
     args = ap.parse_args()
     dev, backend = cuda_triton()
     results = []
-    for p in layer_points(args.points, dev):
-        cfg = backend.config_for(p.w, p.shape.top_k, p.M, dev)
-        if cfg.GEMV or not cfg.keep_a2_fits(p.shape.n):
-            print(f"\n{p.model} M={p.M}: GEMV path or an intermediate of {p.shape.n} (more than two K steps): skipped")
+    for p, cfg in tiled_points(args.points, dev, backend):
+        if not cfg.keep_a2_fits(p.shape.n):
+            print(f"\n{p.model} M={p.M}: an intermediate of {p.shape.n} columns, more than two K steps: skipped")
             continue
         align, a, a_scale, act = tiled_intermediate(p, cfg)
         expected = launch.gemm2(act, p.w, align, p.tw, p.x.dtype, cfg)

@@ -23,7 +23,7 @@ from moekit.timing import time_graphs
 from moekit.tune.space import config_key
 
 # scripts/ is on the path when a script runs
-from diag_points import cuda_triton, layer_points, points_parser, tiled_intermediate, write_json
+from diag_points import cuda_triton, points_parser, tiled_intermediate, tiled_points, write_json
 
 DEFAULT_POINTS = ["deepseek-v3:8:1024", "deepseek-v3:8:4096", "deepseek-v3:8:8192", "glm-4.5v-fp8:2:1024",
                   "glm-4.5v-fp8:2:4096", "glm-4.5v-fp8:2:8192", "mixtral-8x7b:1:1024:fp8-channel-token",
@@ -51,11 +51,7 @@ def main():
     args = ap.parse_args()
     dev, backend = cuda_triton()
     results = []
-    for p in layer_points(args.points, dev):
-        cfg = backend.config_for(p.w, p.shape.top_k, p.M, dev)
-        if cfg.GEMV:
-            print(f"\n{p.model} M={p.M}: the table runs the GEMV path here (no separate alignment or combine): skipped")
-            continue
+    for p, cfg in tiled_points(args.points, dev, backend):
         times = time_graphs(parts(backend, p, cfg), reps=20, warmup=2, rounds=4)
         print(f"\n{p.model} tp{p.tp} M={p.M}: {config_key(cfg)}", flush=True)
         for name, t in times.items():

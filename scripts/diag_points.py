@@ -120,6 +120,17 @@ def gemv_intermediate(p: Point, cfg) -> tuple:
     return (a, a_scale, *gemv.gemv1(a, a_scale, p.w, p.ids, p.x.dtype, cfg, False))
 
 
+def tiled_points(points: Sequence[str], dev: torch.device, backend) -> Iterator[tuple[Point, object]]:
+    """(point, the tiled config the triton backend runs there) for each of `points` (layer_points),
+    saying which it skips: those where the table runs the GEMV path (no alignment, no tiles)."""
+    for p in layer_points(points, dev):
+        cfg = backend.config_for(p.w, p.shape.top_k, p.M, dev)
+        if cfg.GEMV:
+            print(f"\n{p.model} M={p.M}: the table runs the GEMV path here (no alignment, no tiles): skipped")
+            continue
+        yield p, cfg
+
+
 def tiled_intermediate(p: Point, cfg) -> tuple:
     """(align, a, a_scale, act) at point `p` with the tiled config `cfg`: the pairs aligned, x
     quantized, and GEMM1's intermediate, as the triton backend's layer makes them before GEMM2."""

@@ -67,7 +67,8 @@ def test_a_bad_point_names_what_is_wrong(text, message):
 @pytest.mark.parametrize("script", ["bench_ids_dtype", "bench_route", "bench_hf_router", "diag_decode", "diag_fast", "diag_gemm2",
                                     "diag_gemm2_resident", "diag_prefill", "diag_half_tail", "diag_configs",
                                     "diag_gemv_stages", "diag_gemv_gemm2_steps", "diag_quantize_chunks",
-                                    "diag_gemv1_reduce", "diag_gemv2_input", "diag_flush", "diag_parts"])
+                                    "diag_gemv1_reduce", "diag_gemv2_input", "diag_flush", "diag_parts",
+                                    "diag_gemm2_keep_a"])
 def test_each_script_imports_and_parses_its_arguments(script):
     """Each GPU script that reads models or points starts on the CPU (its imports resolve)."""
     done = subprocess.run([sys.executable, str(REPO / "scripts" / f"{script}.py"), "--help"], cwd=REPO,
@@ -88,6 +89,22 @@ def test_gemm_times_are_printed_with_the_bandwidth_of_the_gemm_they_name(capsys)
     assert lines[1].endswith("1.00 TB/s") and lines[2].endswith("0.50 TB/s")  # 5 MB in 5 µs, 1 MB in 2 µs
     assert "FAILED no room" in lines[3]
 
+
+
+def test_the_keep_a_diagnosis_times_runs_keeping_a_after_the_tables_own_launch():
+    """diag_gemm2_keep_a.py: the table's GEMM2 launch kept first (runs of 8 where it had one tile
+    per program), then distinct launches keeping A that the scheme can run."""
+    import diag_gemm2_keep_a
+    from moekit.backends.triton import KernelConfig
+    from moekit.spec import get_scheme
+
+    block = get_scheme("fp8-block128")
+    table = KernelConfig(64, 128, 128, 16, 8, 4, OVERLAP=1).with_gemm2(BLOCK_N=64, num_warps=4, num_stages=3, N_TILES=8)
+    variants = diag_gemm2_keep_a.keep_a_variants(table, block)
+    assert variants[0] == table.with_gemm2(KEEP_A=1)
+    assert diag_gemm2_keep_a.keep_a_variants(table.gemm1(), block)[0] == table.gemm1().with_gemm2(N_TILES=8, KEEP_A=1)
+    assert len(variants) == len(set(variants)) == 24  # widths 64 and 128 (block scales), 2 warps, 3 stages, 2 runs
+    assert all(v.KEEP_A2 and v.gemm2_tiles >= 8 and not v.problems(block) for v in variants)
 
 
 def test_json_is_written_only_where_a_path_was_given(tmp_path, monkeypatch):
