@@ -32,7 +32,7 @@ def keep_a_variants(cfg, scheme):
     g2 = cfg.gemm2()
     widths = (64, 128) if scheme.weight == "block" else (128, 256)
     seen = []
-    first = cfg.with_gemm2(N_TILES=max(g2.gemm2_tiles, 8) if g2.gemm2_tiles < 2 else g2.gemm2_tiles, KEEP_A=1)
+    first = cfg.with_gemm2(N_TILES=g2.gemm2_tiles if g2.gemm2_tiles > 1 else 8, KEEP_A=1)  # runs of 8 where it had none
     for v in [first] + [cfg.gemm1().with_gemm2(BLOCK_N=bn, num_warps=w, num_stages=s, GROUP_M=g2.GROUP_M,
                                                N_TILES=n, KEEP_A=1)
                         for bn, w, s, n in itertools.product(widths, (4, 8), (2, 3, 4), (8, 16))]:

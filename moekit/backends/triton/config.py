@@ -256,7 +256,7 @@ class KernelConfig:
 
     def _keep_a2_problems(self) -> list[str]:
         """Why KEEP_A2=1 cannot run with GEMM2's launch (the inner dimension's bound,
-        KEEP_A2_STEPS, depends on the shape: launch.gemm2 checks it)."""
+        KEEP_A2_STEPS, depends on the shape: launch._check_config checks it before any launch)."""
         if self.KEEP_A2 != 1:
             return [f"KEEP_A2={self.KEEP_A2} must be 0 or 1"]
         out = []
