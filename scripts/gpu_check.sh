@@ -58,8 +58,8 @@
 #        closure, in the same rounds (PARTS_ARGS adds arguments); not part of `all`.
 # keepa: scripts/diag_gemm2_keep_a.py, GEMM2 alone with the table's launch against runs keeping
 #        their row block's activations (KernelConfig.KEEP_A2) over widths, warps, stages and run
-#        lengths, then the whole layer with the fastest, DeepSeek-V3 TP8 at M = 1024-8192
-#        (KEEPA_ARGS adds arguments: "--points deepseek-v3:8:4096"); not part of `all`.
+#        lengths, then the whole layer with the fastest, GLM-4.5V TP2 at M = 1024, 4096 and 8192
+#        (KEEPA_ARGS adds arguments: "--points deepseek-v3:8:4096 --runs 8 16"); not part of `all`.
 # flush: scripts/diag_flush.py, the triton layer, the GEMV path's GEMMs alone and bare reads of their
 #        weights' bytes, timed after the harness's L2 flush (zeroing 512 MiB, which leaves the L2
 #        dirty) and after a flush that reads it (clean), at the anchors' decode points

@@ -92,19 +92,32 @@ def test_gemm_times_are_printed_with_the_bandwidth_of_the_gemm_they_name(capsys)
 
 
 def test_the_keep_a_diagnosis_times_runs_keeping_a_after_the_tables_own_launch():
-    """diag_gemm2_keep_a.py: the table's GEMM2 launch kept first (runs of 8 where it had one tile
-    per program), then distinct launches keeping A that the scheme can run."""
+    """diag_gemm2_keep_a.py: the table's GEMM2 launch kept first (runs of the first length asked
+    where it had one tile per program), then distinct launches keeping A that the scheme can run
+    and whose kept A and weight stages fit Hopper's shared memory."""
     import diag_gemm2_keep_a
     from moekit.backends.triton import KernelConfig
     from moekit.spec import get_scheme
+    from moekit.tune.space import HOPPER_SHARED_MEMORY, kept_a_shared_memory_bytes
 
-    block = get_scheme("fp8-block128")
+    block, channel = get_scheme("fp8-block128"), get_scheme("fp8-channel-token")
     table = KernelConfig(64, 128, 128, 16, 8, 4, OVERLAP=1).with_gemm2(BLOCK_N=64, num_warps=4, num_stages=3, N_TILES=8)
-    variants = diag_gemm2_keep_a.keep_a_variants(table, block)
+    variants = diag_gemm2_keep_a.keep_a_variants(table, block, 256, (8, 16))
     assert variants[0] == table.with_gemm2(KEEP_A=1)
-    assert diag_gemm2_keep_a.keep_a_variants(table.gemm1(), block)[0] == table.gemm1().with_gemm2(N_TILES=8, KEEP_A=1)
+    first = diag_gemm2_keep_a.keep_a_variants(table.gemm1(), block, 256, (8, 16))[0]
+    assert first == table.gemm1().with_gemm2(N_TILES=8, KEEP_A=1)
     assert len(variants) == len(set(variants)) == 24  # widths 64 and 128 (block scales), 2 warps, 3 stages, 2 runs
     assert all(v.KEEP_A2 and v.gemm2_tiles >= 8 and not v.problems(block) for v in variants)
+    # GLM-4.5V at TP2: six K steps. On 64 rows the kept A takes 48 KiB and each stage 24 KiB per
+    # 32 columns: 32 wide at 2-4 stages, 64 wide at 2-4, 128 wide at 2 only, on 4 and 8 warps
+    # (the table's own 128-wide, 4-stage launch does not fit); on 128 rows (96 KiB of A) 32 wide
+    # at 2-4, 64 at 2-3, 128 at 2.
+    for rows, count in ((64, 14), (128, 12)):
+        glm = KernelConfig(rows, 128, 128, 8, 8, 4)
+        deep = diag_gemm2_keep_a.keep_a_variants(glm, channel, 704, (16,))
+        assert len(deep) == len(set(deep)) == count, rows
+        assert all(kept_a_shared_memory_bytes(v.gemm2(), channel, 704) <= HOPPER_SHARED_MEMORY for v in deep)
+        assert {v.gemm2().BLOCK_N for v in deep} == {32, 64, 128} and glm.with_gemm2(N_TILES=16, KEEP_A=1) not in deep
 
 
 def test_json_is_written_only_where_a_path_was_given(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """GEMM2 keeping its row block's activations across a run of column tiles (KernelConfig.KEEP_A2,
-_kernels._gemm2_resident_run): the config rules, the refusal of an intermediate longer than two K
+_kernels._gemm2_resident_run): the config rules, the refusal of an intermediate longer than six K
 steps, and the layer against `reference` and bitwise equal to the same runs reloading A per tile,
 for every scheme and accumulation mode, at odd sizes, idle experts, half-height tiles, M = 1 and
 M = 0 (CPU interpreter; the preset shapes it fits on a GPU)."""
@@ -46,19 +46,19 @@ def test_keep_a_is_gemm2s_alone_and_needs_a_run_of_triton_tiles():
     assert "KEEP_A2 is for the tiled path" in gemv.problems(BLOCK)[0]
 
 
-def test_keep_a_fits_an_intermediate_of_two_k_steps_at_most():
+def test_keep_a_fits_an_intermediate_of_six_k_steps_at_most():
     cfg = BASE.with_gemm2(N_TILES=4, KEEP_A=1)
-    assert cfg.keep_a2_fits(256) and cfg.keep_a2_fits(96) and not cfg.keep_a2_fits(257)
-    assert dataclasses.replace(cfg, BLOCK_K=64).keep_a2_fits(128) and not dataclasses.replace(cfg, BLOCK_K=64).keep_a2_fits(129)
+    assert cfg.keep_a2_fits(256) and cfg.keep_a2_fits(704) and cfg.keep_a2_fits(768) and not cfg.keep_a2_fits(769)
+    assert dataclasses.replace(cfg, BLOCK_K=64).keep_a2_fits(384) and not dataclasses.replace(cfg, BLOCK_K=64).keep_a2_fits(385)
 
 
 def test_a_longer_intermediate_is_refused_before_any_launch(device, monkeypatch):
     launched = []
     monkeypatch.setattr(launch, "_launch", lambda kernel, *a, **kw: launched.append(kernel))
-    w = random_weights(3, 128, 384, "fp8-block128", device=device)  # three K steps of 128
+    w = random_weights(3, 128, 896, "fp8-block128", device=device)  # seven K steps of 128
     tw, ids = random_routing(5, 3, 2, device=device)
-    with pytest.raises(ValueError, match="KEEP_A2=1 holds GEMM2's inner dimension in at most 2 K steps of 128; "
-                                         "this layer's intermediate has 384 columns"):
+    with pytest.raises(ValueError, match="KEEP_A2=1 holds GEMM2's inner dimension in at most 6 K steps of 128; "
+                                         "this layer's intermediate has 896 columns"):
         run(random_x(5, 128, device=device), w, tw, ids, BASE.with_gemm2(N_TILES=4, KEEP_A=1))
     assert launched == []
 
@@ -74,11 +74,11 @@ def test_the_launch_passes_the_k_steps_it_keeps(device, monkeypatch):
 
     monkeypatch.setattr(launch, "_launch", record)
     tw, ids = random_routing(5, 3, 2, device=device)
-    for n, steps in ((128, 1), (200, 2)):
+    for n in (128, 200, 704, 768):
         w = random_weights(3, 128, n, "fp8-channel-token", device=device)
         run(random_x(5, 128, device=device), w, tw, ids, BASE.with_gemm2(N_TILES=2, KEEP_A=1))
         run(random_x(5, 128, device=device), w, tw, ids, BASE.with_gemm2(N_TILES=2))
-    assert seen == [1, 0, 2, 0]
+    assert seen == [1, 0, 2, 0, 6, 0, 6, 0]
 
 
 # ------------------------------------------------------------------------------ the kernel
@@ -105,6 +105,24 @@ def test_kept_activations_match_reloaded_ones(scheme, accumulation, device, monk
                 kept = run(x, w, tw, ids, reload.with_gemm2(N_TILES=n_tiles, KEEP_A=1))
                 assert torch.equal(kept, reloaded), (n, block_m, n_tiles)
             assert_matches_reference(kept, x, w, tw, ids)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_kept_activations_over_five_and_six_k_steps(scheme, device, monkeypatch):
+    """The intermediate in five K steps (block scales: 640 columns, whole 128x128 blocks) or six
+    with the last partial (650: GLM-4.5V's 704 at TP2 is six steps, the last half full), every
+    kept step a variable of its own in _gemm2_resident_run: bitwise equal to the runs reloading
+    A, and against reference, on 16-row and 128-row blocks (an expert's last at half height)."""
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, "precise")
+    n = 640 if scheme == "fp8-block128" else 650
+    w = random_weights(4, 80, n, scheme, device=device, seed=11)
+    tw, ids = random_routing(29, 4, 2, device=device, experts=[0, 1, 3])
+    x = random_x(29, 80, device=device)
+    for block_m in (16, 128):
+        reload = dataclasses.replace(BASE, BLOCK_M=block_m, BLOCK_N=128).with_gemm2(BLOCK_N=32, num_stages=2, N_TILES=2)
+        kept = run(x, w, tw, ids, reload.with_gemm2(KEEP_A=1))
+        assert torch.equal(kept, run(x, w, tw, ids, reload)), block_m
+    assert_matches_reference(kept, x, w, tw, ids)
 
 
 @pytest.mark.parametrize("scheme,gemm1_n,n", [
@@ -143,7 +161,8 @@ def test_kept_activations_on_full_height_128_row_blocks(scheme, device, monkeypa
 @pytest.mark.parametrize("poison", [float("nan"), 300.0])  # NaN spoils any product; 300 a group's amax
 @pytest.mark.parametrize("scheme,gemm1_n,n,a_mode", [
     ("bf16", 128, 200, 0), ("bf16", 128, 96, 0), ("fp8-channel-token", 64, 96, 2), ("fp8-channel-token", 64, 200, 2),
-    ("fp8-channel-token", 128, 200, 4), ("fp8-block128", 128, 256, 4)])
+    ("fp8-channel-token", 128, 200, 4), ("fp8-block128", 128, 256, 4), ("fp8-channel-token", 128, 650, 4),
+    ("fp8-block128", 128, 640, 4)])
 def test_kept_run_reads_nothing_past_the_intermediate_or_its_rows(scheme, gemm1_n, n, a_mode, poison, monkeypatch):
     """GEMM2 on views into larger buffers filled with poison past the intermediate's n columns,
     past w2's rows and columns, and in the padding rows: a kept run that read any of it (a wrong
@@ -203,25 +222,30 @@ def test_m_one_and_m_zero_with_kept_activations(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [n for n, (_, _, N, _, _) in PRESET_SHAPES.items() if N <= 256])
+@pytest.mark.parametrize("name", [n for n, (_, _, N, _, _) in PRESET_SHAPES.items()
+                                  if N <= KernelConfig.KEEP_A2_STEPS * 128])
 def test_gpu_preset_shapes_with_kept_activations(name):
-    """The preset shapes whose intermediate fits two K steps (DeepSeek-V3 at TP8), at the tables'
-    prefill tile (64 rows, GEMM2 64 wide on 4 warps, runs of 8) and with 128-row blocks: against
-    reference, bitwise equal to the runs reloading A, and under graph replay with fresh routing;
-    then with the pairs on K experts only (300 rows each: full-height 128-row blocks)."""
+    """The preset shapes whose intermediate fits six K steps (DeepSeek-V3 at TP8, GLM-4.5V at TP2,
+    Qwen3-30B-A3B), at a prefill tile (64 rows, GEMM2 64 wide on 4 warps, runs of 8; 2 stages
+    beyond two K steps, where each stage holds every step's weights) and with 128-row blocks:
+    against reference, bitwise equal to the runs reloading A, and under graph replay with fresh
+    routing; first with the pairs on K experts only (300 rows each: full-height 128-row blocks)."""
     E, H, N, K, scheme = PRESET_SHAPES[name]
+    stages = 3 if N <= 256 else 2
     w = random_weights(E, H, N, scheme, device="cuda")
     M = 300
     tw, ids = random_routing(M, E, K, device="cuda")
     x = random_x(M, H, device="cuda")
     crowded_tw, crowded_ids = random_routing(M, E, K, device="cuda", experts=list(range(K)))
     for block_m in (64, 128):
-        reload = KernelConfig(block_m, 128, 128, 8, 8, 4).with_gemm2(BLOCK_N=64, num_warps=4, num_stages=3, N_TILES=8)
+        reload = KernelConfig(block_m, 128, 128, 8, 8, 4).with_gemm2(BLOCK_N=64, num_warps=4, num_stages=stages,
+                                                                    N_TILES=8)
         kept = run(x, w, crowded_tw, crowded_ids, reload.with_gemm2(KEEP_A=1))
         assert_matches_reference(kept, x, w, crowded_tw, crowded_ids)
         assert torch.equal(kept, run(x, w, crowded_tw, crowded_ids, reload))
     for block_m in (64, 128):
-        reload = KernelConfig(block_m, 128, 128, 8, 8, 4).with_gemm2(BLOCK_N=64, num_warps=4, num_stages=3, N_TILES=8)
+        reload = KernelConfig(block_m, 128, 128, 8, 8, 4).with_gemm2(BLOCK_N=64, num_warps=4, num_stages=stages,
+                                                                    N_TILES=8)
         cfg = reload.with_gemm2(KEEP_A=1)
         out = assert_matches_reference(run(x, w, tw, ids, cfg), x, w, tw, ids)
         assert torch.equal(out, run(x, w, tw, ids, reload))

@@ -1937,18 +1937,30 @@ def test_overlapped_gemm1_dropped_where_it_runs_as_its_twin(monkeypatch):
     assert vllm_config(dataclasses.replace(cfg, OVERLAP=0), FP8_CHANNEL_TOKEN)[0] is not None
 
 
-def test_gemm2_variants_keep_a_where_the_intermediate_fits_two_k_steps():
+def test_gemm2_variants_keep_a_where_the_intermediate_fits_six_k_steps():
     """The grid's launches keeping A (KernelConfig.KEEP_A2) are variants only where the intermediate
-    fits two K steps of 128 (DeepSeek-V3 at TP8: 256; GLM-4.5V at TP2: 704 does not), and the
-    GPU's grid has them with runs of 8 and 16 beside every launch of its own."""
+    fits six K steps of 128 (DeepSeek-V3 at TP8: 256; GLM-4.5V at TP2: 704; not 769) and their kept
+    A with one weight tile per K step in each pipeline stage fits the shared memory
+    (kept_a_shared_memory_bytes), and the GPU's grid has them with runs of 8 and 16 beside every
+    launch of its own."""
     base = KernelConfig(64, 128, 128, 8, 8, 4)
-    grid = [(64, 8, 3, 8, 0), (64, 8, 3, 16, 1)]
+    grid = [(64, 8, 3, 8, 0), (64, 8, 3, 16, 1), (128, 8, 3, 16, 1)]
     kept_a = base.with_gemm2(BLOCK_N=64, num_stages=3, N_TILES=16, KEEP_A=1)
-    for intermediate, fits in ((256, True), (128, True), (257, False), (704, False), (None, False)):
+    wide = base.with_gemm2(BLOCK_N=128, num_stages=3, N_TILES=16, KEEP_A=1)
+    for intermediate, fits, wide_fits in ((256, True, True), (128, True, True), (704, True, False),
+                                          (768, True, False), (769, False, False), (None, False, False)):
         kept, dropped = space.gemm2_variants(base, FP8_BLOCK128, grid, space.HOPPER_SHARED_MEMORY, True,
                                              intermediate=intermediate)
         assert base.with_gemm2(BLOCK_N=64, num_stages=3, N_TILES=8) in kept
         assert (kept_a in kept) is fits and config_key(kept_a) not in dropped, intermediate
+        assert (wide in kept) is wide_fits, intermediate
+        if fits and not wide_fits:  # 48 KiB of A and 2 stages of 96 KiB: 240 KiB
+            assert dropped[config_key(wide)] == "shared memory: GEMM2 needs at least 240 KiB, the device has 227 KiB"
+    # the bound: A's K steps by its rows, and num_stages - 1 stages of a weight tile per K step (bf16: 2 bytes)
+    g2 = kept_a.gemm2()
+    assert space.kept_a_shared_memory_bytes(g2, FP8_BLOCK128, 704) == 64 * 768 + 2 * 768 * 64
+    assert space.kept_a_shared_memory_bytes(g2, FP8_BLOCK128, 256) == 64 * 256 + 2 * 256 * 64
+    assert space.kept_a_shared_memory_bytes(g2, BF16, 200) == 2 * (64 * 256 + 2 * 256 * 64)
     gpu = space.gemm2_grid(torch.device("cuda"))
     launches = {entry[:3] for entry in gpu}
     assert {entry for entry in gpu if entry[4]} == {launch + (runs, 1) for launch in launches

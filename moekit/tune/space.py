@@ -282,8 +282,9 @@ GEMM2_GRID_CPU = ((32, 4, 2), (64, 4, 3))  # the interpreter: enough to run the 
 # depends on the launch (GLM's 64-wide tiles lost with runs), so every launch is timed with both.
 GEMM2_RUNS_GPU = (1, 8)
 GEMM2_RUNS_CPU = (1,)
-# Where GEMM2's inner dimension fits two K steps (KernelConfig.KEEP_A2: DeepSeek-V3 at TP8), each
-# launch also with runs of these lengths keeping their row block's activations. GEMM2 alone,
+# Where GEMM2's inner dimension fits six K steps (KernelConfig.KEEP_A2: DeepSeek-V3 at TP8, GLM-4.5V
+# at TP2, Qwen3-30B-A3B), each launch also with runs of these lengths keeping their row block's
+# activations (those whose kept A and weight stages fit: kept_a_shared_memory_bytes). GEMM2 alone,
 # precise mode, H100 (BENCHMARKS.md, thirty-fourth session), DeepSeek-V3 TP8 M = 1024-8192:
 # 64-wide tiles on 8 warps, 3 stages, runs of 16 took 12-22% less time than the table's launch
 # (855 -> 671 µs at M = 8192); runs of 8 were within 0-3% of 16.
@@ -401,7 +402,8 @@ def gemm2_variants(
             continue
         key, g2 = config_key(cfg), cfg.gemm2()
         registers = accumulator_registers(g2, 2 if partial_accumulator else 1)
-        smem = shared_memory_bytes(g2, scheme, b_tiles=1)
+        smem = (kept_a_shared_memory_bytes(g2, scheme, intermediate) if g2.KEEP_A2
+                else shared_memory_bytes(g2, scheme, b_tiles=1))
         problems = cfg.problems(scheme)
         if problems:
             dropped[key] = "cannot run: " + "; ".join(problems)
@@ -456,6 +458,18 @@ def shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme, b_tiles: int = 2
     gemv_shared_memory_bytes."""
     per_stage = cfg.BLOCK_M * cfg.BLOCK_K + b_tiles * cfg.BLOCK_K * cfg.BLOCK_N
     return per_stage * _operand_bytes(scheme) * max(cfg.num_stages - 1, 1)
+
+
+def kept_a_shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme, intermediate: int) -> int:
+    """A lower bound of the shared memory of GEMM2's launch `cfg` keeping its row block's
+    activations (KEEP_A2) over an intermediate of `intermediate` columns: the kept A, every K step
+    of it, and each pipeline stage's weight tiles, one per K step (the loop it pipelines runs
+    over column tiles, each reading the whole intermediate). GLM-4.5V at TP2 (six steps) on
+    128-row blocks keeps 96 KiB of A, and its stages take 48 KiB each at 64 columns."""
+    k_steps = -(-intermediate // cfg.BLOCK_K)
+    a_kept = cfg.BLOCK_M * k_steps * cfg.BLOCK_K
+    b_stage = k_steps * cfg.BLOCK_K * cfg.BLOCK_N
+    return (a_kept + b_stage * max(cfg.num_stages - 1, 1)) * _operand_bytes(scheme)
 
 
 def gemv_shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme, top_k: int) -> int:

@@ -588,7 +588,7 @@ def gemm2_kernel(
     N_TILES > 1: each program runs N_TILES column blocks of one row block in turn (_gemm2_row_run),
     row block after row block in program order (GROUP_M does not apply: the programs of a row
     block already share its A rows, and neighbouring row blocks mostly share an expert).
-    KEEP_A_STEPS (1 or 2, with N_TILES > 1; 0: off): the run loads its row block's A once, in that
+    KEEP_A_STEPS (1 to 6, with N_TILES > 1; 0: off): the run loads its row block's A once, in that
     many K steps (the whole inner dimension N), and keeps it across its column tiles
     (_gemm2_resident_run)."""
     _pdl_wait(PDL)
@@ -700,41 +700,85 @@ def _gemm2_resident_run(
     A_MODE: tl.constexpr, B_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """_gemm2_row_run's run of column tiles where GEMM2's whole inner dimension is K_STEPS (1 or
-    2) steps of BLOCK_K (N <= 256 at BLOCK_K 128: DeepSeek-V3 at TP8). The row block's A is
-    loaded (and scaled or quantized) once, before the run, instead of once per column tile; the
-    loop over the tiles is then the kernel's only loop, so Triton's pipeliner prefetches the next
-    tiles' weights while a tile multiplies and stores, where one tile per K loop starts cold. At
-    prefill the L2 serves every tile's A and B (an expert's weights are read once per row block):
-    at DeepSeek-V3 M = 8192 that was about 3 GB of L2 reads beside 1.4 GB of HBM traffic. The
-    products, their scales and the epilogue are _gemm2_tile's, in the same order: bitwise equal."""
+    """_gemm2_row_run's run of column tiles where GEMM2's whole inner dimension is K_STEPS (1 to
+    6) steps of BLOCK_K (N <= 768 at BLOCK_K 128: DeepSeek-V3 at TP8 has 2, GLM-4.5V at TP2 and
+    Qwen3-30B-A3B 6). The row block's A is loaded (and scaled or quantized) once, before the run,
+    instead of once per column tile; the loop over the tiles is then the kernel's only loop, so
+    Triton's pipeliner prefetches the next tiles' weights while a tile multiplies and stores, where
+    one tile per K loop starts cold. At prefill the L2 serves every tile's A and B (an expert's
+    weights are read once per row block): at DeepSeek-V3 M = 8192 that was about 3 GB of L2 reads
+    beside 1.4 GB of HBM traffic. The products, their scales and the epilogue are _gemm2_tile's,
+    in the same order: bitwise equal. Each step's A is a variable of its own (a0 .. a5: Triton
+    keeps no list of tensors), each guarded by the compile-time step count."""
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows - tl.load(start_ptr + e) < tl.load(count_ptr + e)
     ks = tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
     tensor_scale = _gemm2_tensor_scale(a_scale_ptr, A_MODE)
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
-    a0 = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < N)[None, :], other=0.0)
-    a0, step_a0 = _gemm2_a_step(a0, a_scale_ptr, rows, row_ok, 0, stride_as, tensor_scale, A_MODE, BLOCK_K, INTERPRET)
-    if K_STEPS == 2:
-        a1 = tl.load(a_ptrs + BLOCK_K, mask=row_ok[:, None] & (ks < N - BLOCK_K)[None, :], other=0.0)
-        a1, step_a1 = _gemm2_a_step(a1, a_scale_ptr, rows, row_ok, BLOCK_K, stride_as, tensor_scale, A_MODE,
-                                    BLOCK_K, INTERPRET)
+    a0, s0 = _gemm2_kept_a(a_ptrs, a_scale_ptr, rows, row_ok, ks, N, 0, stride_as, tensor_scale, A_MODE, BLOCK_K,
+                           INTERPRET)
+    if K_STEPS > 1:
+        a1, s1 = _gemm2_kept_a(a_ptrs, a_scale_ptr, rows, row_ok, ks, N, 1, stride_as, tensor_scale, A_MODE,
+                               BLOCK_K, INTERPRET)
+    if K_STEPS > 2:
+        a2, s2 = _gemm2_kept_a(a_ptrs, a_scale_ptr, rows, row_ok, ks, N, 2, stride_as, tensor_scale, A_MODE,
+                               BLOCK_K, INTERPRET)
+    if K_STEPS > 3:
+        a3, s3 = _gemm2_kept_a(a_ptrs, a_scale_ptr, rows, row_ok, ks, N, 3, stride_as, tensor_scale, A_MODE,
+                               BLOCK_K, INTERPRET)
+    if K_STEPS > 4:
+        a4, s4 = _gemm2_kept_a(a_ptrs, a_scale_ptr, rows, row_ok, ks, N, 4, stride_as, tensor_scale, A_MODE,
+                               BLOCK_K, INTERPRET)
+    if K_STEPS > 5:
+        a5, s5 = _gemm2_kept_a(a_ptrs, a_scale_ptr, rows, row_ok, ks, N, 5, stride_as, tensor_scale, A_MODE,
+                               BLOCK_K, INTERPRET)
     for j in range(0, n_count):
         tile_n = pid_n + j
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < H
         b_ptrs = w_ptr + e64 * stride_we + cols[None, :] * stride_wn + ks[:, None]
-        b0 = tl.load(b_ptrs, mask=(ks < N)[:, None] & col_ok[None, :], other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = _gemm2_accumulate(acc, a0, step_a0, b0, w_scale_ptr, e64, tile_n, 0, stride_wse, stride_wsn,
-                                A_MODE, B_SCALE, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET)
-        if K_STEPS == 2:
-            b1 = tl.load(b_ptrs + BLOCK_K, mask=(ks < N - BLOCK_K)[:, None] & col_ok[None, :], other=0.0)
-            acc = _gemm2_accumulate(acc, a1, step_a1, b1, w_scale_ptr, e64, tile_n, BLOCK_K, stride_wse, stride_wsn,
-                                    A_MODE, B_SCALE, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET)
+        acc = _gemm2_kept_product(acc, a0, s0, b_ptrs, ks, N, col_ok, w_scale_ptr, e64, tile_n, 0, stride_wse,
+                                  stride_wsn, A_MODE, B_SCALE, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET)
+        if K_STEPS > 1:
+            acc = _gemm2_kept_product(acc, a1, s1, b_ptrs, ks, N, col_ok, w_scale_ptr, e64, tile_n, 1, stride_wse,
+                                      stride_wsn, A_MODE, B_SCALE, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET)
+        if K_STEPS > 2:
+            acc = _gemm2_kept_product(acc, a2, s2, b_ptrs, ks, N, col_ok, w_scale_ptr, e64, tile_n, 2, stride_wse,
+                                      stride_wsn, A_MODE, B_SCALE, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET)
+        if K_STEPS > 3:
+            acc = _gemm2_kept_product(acc, a3, s3, b_ptrs, ks, N, col_ok, w_scale_ptr, e64, tile_n, 3, stride_wse,
+                                      stride_wsn, A_MODE, B_SCALE, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET)
+        if K_STEPS > 4:
+            acc = _gemm2_kept_product(acc, a4, s4, b_ptrs, ks, N, col_ok, w_scale_ptr, e64, tile_n, 4, stride_wse,
+                                      stride_wsn, A_MODE, B_SCALE, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET)
+        if K_STEPS > 5:
+            acc = _gemm2_kept_product(acc, a5, s5, b_ptrs, ks, N, col_ok, w_scale_ptr, e64, tile_n, 5, stride_wse,
+                                      stride_wsn, A_MODE, B_SCALE, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET)
         _gemm2_store(acc, rows, row_ok, cols, col_ok, e64, a_scale_ptr, w_scale_ptr, topk_weights_ptr, out_ptr,
                      sorted_ptr, stride_as, stride_wse, stride_om, tensor_scale, A_MODE, B_SCALE, INTERPRET)
+
+
+@triton.jit
+def _gemm2_kept_a(a_ptrs, a_scale_ptr, rows, row_ok, ks, N, STEP: tl.constexpr, stride_as, tensor_scale,
+                  A_MODE: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """K step STEP of a kept row block's A, loaded as _gemm2_tile loads it (columns past N read
+    as 0), and its per-row scale (_gemm2_a_step)."""
+    k0 = STEP * BLOCK_K
+    a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & (ks < N - k0)[None, :], other=0.0)
+    return _gemm2_a_step(a, a_scale_ptr, rows, row_ok, k0, stride_as, tensor_scale, A_MODE, BLOCK_K, INTERPRET)
+
+
+@triton.jit
+def _gemm2_kept_product(acc, a, step_a, b_ptrs, ks, N, col_ok, w_scale_ptr, e64, tile_n, STEP: tl.constexpr,
+                        stride_wse, stride_wsn, A_MODE: tl.constexpr, B_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc plus K step STEP's product of a kept A step with the tile's weights, loaded here."""
+    k0 = STEP * BLOCK_K
+    b = tl.load(b_ptrs + k0, mask=(ks < N - k0)[:, None] & col_ok[None, :], other=0.0)
+    return _gemm2_accumulate(acc, a, step_a, b, w_scale_ptr, e64, tile_n, k0, stride_wse, stride_wsn,
+                             A_MODE, B_SCALE, BLOCK_N, BLOCK_K, PROMOTE, INTERPRET)
 
 
 @triton.jit

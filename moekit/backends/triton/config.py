@@ -82,7 +82,7 @@ class KernelConfig:
     # the parameters only GEMM2 has
     GEMM2_FIELDS = ("BLOCK_N2", "num_warps2", "num_stages2", "GROUP_M2")
     GEMM2_ONLY = ("N_TILES2", "OVERLAP2", "KEEP_A2")
-    KEEP_A2_STEPS = 2  # the K steps of GEMM2's inner dimension KEEP_A2 holds at most
+    KEEP_A2_STEPS = 6  # the K steps of GEMM2's inner dimension KEEP_A2 holds at most (_kernels._gemm2_resident_run)
 
     # the launch shape of the overlapped GEMM1 (its accumulator, the product in flight and the one
     # being added fill the register file: _gluon_kernels module docstring), on 64 rows or on 128
