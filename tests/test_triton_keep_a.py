@@ -226,25 +226,26 @@ def test_m_one_and_m_zero_with_kept_activations(device):
                                   if N <= KernelConfig.KEEP_A2_STEPS * 128])
 def test_gpu_preset_shapes_with_kept_activations(name):
     """The preset shapes whose intermediate fits six K steps (DeepSeek-V3 at TP8, GLM-4.5V at TP2,
-    Qwen3-30B-A3B), at a prefill tile (64 rows, GEMM2 64 wide on 4 warps, runs of 8; 2 stages
-    beyond two K steps, where each stage holds every step's weights) and with 128-row blocks:
+    Qwen3-30B-A3B), at a prefill tile (64 rows, GEMM2 64 wide on 4 warps, 3 stages, runs of 8;
+    beyond two K steps, where each stage holds every step's weights, on 8 warps with 2 stages:
+    on 4 warps the 128-row form spilled, compiled for sm_90 with Triton 3.9) and with 128-row blocks:
     against reference, bitwise equal to the runs reloading A, and under graph replay with fresh
     routing; first with the pairs on K experts only (300 rows each: full-height 128-row blocks)."""
     E, H, N, K, scheme = PRESET_SHAPES[name]
-    stages = 3 if N <= 256 else 2
+    warps, stages = (4, 3) if N <= 256 else (8, 2)
     w = random_weights(E, H, N, scheme, device="cuda")
     M = 300
     tw, ids = random_routing(M, E, K, device="cuda")
     x = random_x(M, H, device="cuda")
     crowded_tw, crowded_ids = random_routing(M, E, K, device="cuda", experts=list(range(K)))
     for block_m in (64, 128):
-        reload = KernelConfig(block_m, 128, 128, 8, 8, 4).with_gemm2(BLOCK_N=64, num_warps=4, num_stages=stages,
+        reload = KernelConfig(block_m, 128, 128, 8, 8, 4).with_gemm2(BLOCK_N=64, num_warps=warps, num_stages=stages,
                                                                     N_TILES=8)
         kept = run(x, w, crowded_tw, crowded_ids, reload.with_gemm2(KEEP_A=1))
         assert_matches_reference(kept, x, w, crowded_tw, crowded_ids)
         assert torch.equal(kept, run(x, w, crowded_tw, crowded_ids, reload))
     for block_m in (64, 128):
-        reload = KernelConfig(block_m, 128, 128, 8, 8, 4).with_gemm2(BLOCK_N=64, num_warps=4, num_stages=stages,
+        reload = KernelConfig(block_m, 128, 128, 8, 8, 4).with_gemm2(BLOCK_N=64, num_warps=warps, num_stages=stages,
                                                                     N_TILES=8)
         cfg = reload.with_gemm2(KEEP_A=1)
         out = assert_matches_reference(run(x, w, tw, ids, cfg), x, w, tw, ids)

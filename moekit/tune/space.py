@@ -461,15 +461,16 @@ def shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme, b_tiles: int = 2
 
 
 def kept_a_shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme, intermediate: int) -> int:
-    """A lower bound of the shared memory of GEMM2's launch `cfg` keeping its row block's
-    activations (KEEP_A2) over an intermediate of `intermediate` columns: the kept A, every K step
-    of it, and each pipeline stage's weight tiles, one per K step (the loop it pipelines runs
-    over column tiles, each reading the whole intermediate). GLM-4.5V at TP2 (six steps) on
-    128-row blocks keeps 96 KiB of A, and its stages take 48 KiB each at 64 columns."""
+    """The shared memory of GEMM2's launch `cfg` keeping its row block's activations (KEEP_A2)
+    over an intermediate of `intermediate` columns, less the epilogue's: the kept A, every K step
+    of it, and num_stages copies of a weight tile per K step (the loop Triton pipelines runs over
+    column tiles, each reading the whole intermediate). Compiled for sm_90 with Triton 3.9 (FP8,
+    GLM-4.5V's six K steps), the kernel asked for this plus 8 KiB: 200 KiB on 64 rows 64 wide with
+    3 stages, 248 (more than Hopper's 227) with 4, 208 on 128 rows with 2."""
     k_steps = -(-intermediate // cfg.BLOCK_K)
     a_kept = cfg.BLOCK_M * k_steps * cfg.BLOCK_K
     b_stage = k_steps * cfg.BLOCK_K * cfg.BLOCK_N
-    return (a_kept + b_stage * max(cfg.num_stages - 1, 1)) * _operand_bytes(scheme)
+    return (a_kept + b_stage * cfg.num_stages) * _operand_bytes(scheme)
 
 
 def gemv_shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme, top_k: int) -> int:

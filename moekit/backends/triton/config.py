@@ -9,7 +9,7 @@ session). GEMM2's programs may also run several of a row block's column tiles in
 _kernels._gemm2_row_run; GEMM2's grouping then does not apply): 4% faster per layer at DeepSeek-V3
 M = 4096 (eleventh session), and GEMM2 may run in Gluon with its FP8 promotion overlapped (OVERLAP2,
 _gluon_kernels.gemm2_overlap_kernel: 2.3-10% per layer at Mixtral-8x7B M = 512-8192, fifteenth
-session), and its runs may keep their row block's activations where the intermediate fits two K
+session), and its runs may keep their row block's activations where the intermediate fits six K
 steps (KEEP_A2, _kernels._gemm2_resident_run: 2.7-9% per layer at DeepSeek-V3 TP8 M = 1024-8192
 on an H100, thirty-fourth session). The GEMV path's GEMM2 (one program per token and column block of the hidden size,
 where GEMM1 has one per pair and column block of N) may take a column block and warps of its
@@ -74,7 +74,7 @@ class KernelConfig:
     # promoted while the next runs (OVERLAP2_TILES; launch.gemm2 says where); 0: the Triton kernel
     OVERLAP2: int = 0
     # 1: GEMM2's programs, running N_TILES2 > 1 column tiles each, load their row block's
-    # activations once for the run (GEMM2's inner dimension N in at most two K steps: N <= 2 *
+    # activations once for the run (GEMM2's inner dimension N in at most six K steps: N <= 6 *
     # BLOCK_K, KEEP_A2_STEPS) and pipeline one column tile into the next (_kernels._gemm2_resident_run)
     KEEP_A2: int = 0
 
