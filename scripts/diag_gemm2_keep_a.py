@@ -34,7 +34,7 @@ def keep_a_variants(cfg, scheme, n, runs):
     """cfg's GEMM1 with GEMM2 launches keeping A: the table's own GEMM2 launch with KEEP_A2, then
     widths (block scales: dividing 128), warps, stages and `runs` (run lengths); beyond two K
     steps, where every pipeline stage holds each step's weights, narrower widths. Those whose kept
-    A and stages pass the shared memory (kept_a_shared_memory_bytes) are left out."""
+    A, weight stages and output tile exceed the shared memory (kept_a_shared_memory_bytes) are left out."""
     g2 = cfg.gemm2()
     deep = n > 2 * cfg.BLOCK_K
     widths = (32, 64, 128) if deep else (64, 128) if scheme.weight == "block" else (128, 256)

@@ -7,6 +7,7 @@ M = 0 (CPU interpreter; the preset shapes it fits on a GPU)."""
 import dataclasses
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -126,6 +127,90 @@ def test_kept_activations_over_five_and_six_k_steps(scheme, device, monkeypatch)
 
 
 @pytest.mark.parametrize("scheme,gemm1_n,n", [
+    ("bf16", 128, 300),  # K_STEPS 3, the last partial (A_MODE 0)
+    ("fp8-channel-token", 64, 400),  # K_STEPS 4, the last partial (A_MODE 2: quantized per group while loading)
+    ("fp8-block128", 128, 768),  # K_STEPS 6 of whole 128x128 weight blocks: step 5's block scale (B_SCALE 3)
+])
+def test_kept_activations_over_three_four_and_six_k_steps(scheme, gemm1_n, n, device, monkeypatch):
+    """Each K_STEPS is a kernel of its own: a step's load or product guarded by the wrong count
+    (`if K_STEPS > 4` for step 3) compiles and is right at 5 and 6 steps, and wrong or a
+    NameError only at 3 or 4."""
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, "precise")
+    w = random_weights(3, 64, n, scheme, device=device, seed=13)
+    tw, ids = random_routing(9, 3, 2, device=device)
+    x = random_x(9, 64, device=device)
+    reload = dataclasses.replace(BASE, BLOCK_N=gemm1_n).with_gemm2(BLOCK_N=32, num_stages=2, N_TILES=2)
+    assert torch.equal(run(x, w, tw, ids, reload.with_gemm2(KEEP_A=1)), run(x, w, tw, ids, reload))
+
+
+def _record_accumulators(monkeypatch):
+    """Patch _gemm2_store (the interpreter looks it up when called) to keep each tile's float32
+    accumulator before the epilogue, by (sorted row, column): the output's bf16 rounding hides
+    most one-ulp differences of a float32 sum taken in another order."""
+    real, seen = _kernels._gemm2_store, {}
+
+    def store(acc, rows, row_ok, cols, col_ok, *rest):
+        ok = row_ok.handle.data[:, None] & col_ok.handle.data[None, :]
+        r, c = np.nonzero(ok)
+        for i, j in zip(r.tolist(), c.tolist()):
+            seen[(int(rows.handle.data[i]), int(cols.handle.data[j]))] = acc.handle.data[i, j].view(np.uint32).item()
+        return real(acc, rows, row_ok, cols, col_ok, *rest)
+
+    monkeypatch.setattr(_kernels, "_gemm2_store", store)
+    return seen
+
+
+@interpreter_only
+@pytest.mark.parametrize("scheme,n", [("bf16", 650), ("fp8-channel-token", 650)])  # A_MODE 0 and 4, six K steps
+def test_kept_run_sums_the_same_float32_products_in_the_same_order(scheme, n, monkeypatch):
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, "precise")
+    w = random_weights(3, 64, n, scheme, seed=13)
+    tw, ids = random_routing(9, 3, 2)
+    x = random_x(9, 64)
+    reload = dataclasses.replace(BASE, BLOCK_N=128).with_gemm2(BLOCK_N=32, num_stages=2, N_TILES=2)
+    with monkeypatch.context() as m:
+        reloaded = _record_accumulators(m)
+        run(x, w, tw, ids, reload)
+    with monkeypatch.context() as m:
+        kept = _record_accumulators(m)
+        run(x, w, tw, ids, reload.with_gemm2(KEEP_A=1))
+    assert reloaded and kept == reloaded
+
+
+@interpreter_only
+@pytest.mark.parametrize("scheme,gemm1_n,n", [("bf16", 128, 650), ("fp8-channel-token", 64, 200),
+                                              ("fp8-block128", 128, 640)])
+def test_kept_a_reads_no_padding_row(scheme, gemm1_n, n, monkeypatch):
+    """A missing row mask on the kept A is invisible in the output (a padding row's products land
+    in rows the store masks): check the kept steps themselves on an intermediate whose padding
+    rows hold NaN."""
+    monkeypatch.setenv(FP8_ACCUMULATION_ENV, "precise")
+    E, H, M, K = 4, 64, 13, 2
+    w = random_weights(E, H, n, scheme, seed=7)
+    tw, ids = random_routing(M, E, K, experts=[0, 2, 3])
+    x = random_x(M, H)
+    cfg = dataclasses.replace(BASE, BLOCK_N=gemm1_n).with_gemm2(BLOCK_N=32, N_TILES=2, KEEP_A=1)
+    align = launch.align_pairs(ids, E, cfg.BLOCK_M)
+    a, a_scale = launch.quantize_input(x, w)
+    act = launch.gemm1(a, a_scale, w, align, K, x.dtype, cfg)
+    real = torch.zeros(act.values.shape[0], dtype=torch.bool)
+    for first, count in zip(align.start.tolist(), align.count.tolist()):
+        real[first:first + count] = True
+    values = torch.full(act.values.shape, float("nan")).to(act.values.dtype)
+    values[real] = act.values[real]
+    steps, kept_a = [], _kernels._gemm2_kept_a
+
+    def spy(a_ptrs, a_scale_ptr, rows, row_ok, *rest):
+        a, step_a = kept_a(a_ptrs, a_scale_ptr, rows, row_ok, *rest)
+        steps.append(np.asarray(a.handle.data)[~row_ok.handle.data].astype(np.float32))
+        return a, step_a
+
+    monkeypatch.setattr(_kernels, "_gemm2_kept_a", spy)
+    launch.gemm2(launch.Intermediate(values, act.scale, act.a_mode), w, align, tw.float(), x.dtype, cfg)
+    assert steps and all((s == 0).all() for s in steps)
+
+
+@pytest.mark.parametrize("scheme,gemm1_n,n", [
     ("fp8-channel-token", 64, 200),  # A_MODE 2: the intermediate quantized per 1x128 group while loading
     ("fp8-block128", 128, 256),  # A_MODE 4 with 128x128 weight blocks (B_SCALE 3): DeepSeek-V3's path
 ])
@@ -165,8 +250,10 @@ def test_kept_activations_on_full_height_128_row_blocks(scheme, device, monkeypa
     ("fp8-block128", 128, 640, 4)])
 def test_kept_run_reads_nothing_past_the_intermediate_or_its_rows(scheme, gemm1_n, n, a_mode, poison, monkeypatch):
     """GEMM2 on views into larger buffers filled with poison past the intermediate's n columns,
-    past w2's rows and columns, and in the padding rows: a kept run that read any of it (a wrong
-    K mask, a missing row mask) would differ from the clean result."""
+    past w2's rows and columns, and in the padding rows: a kept run that read any of it past the
+    columns (a wrong K mask) would differ from the clean result. A padding row's products land
+    only in rows the store masks, so a missing row mask shows only in the kept steps themselves
+    (test_kept_a_reads_no_padding_row)."""
     monkeypatch.setenv(FP8_ACCUMULATION_ENV, "precise")
     E, H, M, K = 4, 208, 37, 2
     w = random_weights(E, H, n, scheme, seed=7)

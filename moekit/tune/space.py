@@ -408,7 +408,8 @@ def gemm2_variants(
         if problems:
             dropped[key] = "cannot run: " + "; ".join(problems)
         elif smem > smem_limit:
-            dropped[key] = f"shared memory: GEMM2 needs at least {smem // 1024} KiB, the device has {smem_limit // 1024} KiB"
+            need = "about" if g2.KEEP_A2 else "at least"  # kept A: the compiler's own figure, not a bound
+            dropped[key] = f"shared memory: GEMM2 needs {need} {smem // 1024} KiB, the device has {smem_limit // 1024} KiB"
         elif registers > GEMM2_MAX_ACCUMULATOR_REGISTERS:
             dropped[key] = (f"registers: GEMM2's accumulators need {registers:.0f} per thread "
                             f"(more than {GEMM2_MAX_ACCUMULATOR_REGISTERS} collapsed when measured)")
@@ -462,15 +463,17 @@ def shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme, b_tiles: int = 2
 
 def kept_a_shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme, intermediate: int) -> int:
     """The shared memory of GEMM2's launch `cfg` keeping its row block's activations (KEEP_A2)
-    over an intermediate of `intermediate` columns, less the epilogue's: the kept A, every K step
-    of it, and num_stages copies of a weight tile per K step (the loop Triton pipelines runs over
-    column tiles, each reading the whole intermediate). Compiled for sm_90 with Triton 3.9 (FP8,
-    GLM-4.5V's six K steps), the kernel asked for this plus 8 KiB: 200 KiB on 64 rows 64 wide with
-    3 stages, 248 (more than Hopper's 227) with 4, 208 on 128 rows with 2."""
+    over an intermediate of `intermediate` columns: the kept A, every K step of it, num_stages
+    copies of a weight tile per K step (the loop Triton pipelines runs over column tiles, each
+    reading the whole intermediate), and the epilogue's 16-bit output tile. Compiled for sm_90
+    with Triton 3.9 (FP8, GLM-4.5V's six K steps), the kernel asked for exactly this: 200 KiB on
+    64 rows 64 wide with 3 stages, 248 (more than Hopper's 227) with 4, 208 on 128 rows with 2,
+    124 on 64 rows 32 wide with 3 and 176 on 128 rows likewise."""
     k_steps = -(-intermediate // cfg.BLOCK_K)
     a_kept = cfg.BLOCK_M * k_steps * cfg.BLOCK_K
     b_stage = k_steps * cfg.BLOCK_K * cfg.BLOCK_N
-    return (a_kept + b_stage * cfg.num_stages) * _operand_bytes(scheme)
+    epilogue = cfg.BLOCK_M * cfg.BLOCK_N * 2
+    return (a_kept + b_stage * cfg.num_stages) * _operand_bytes(scheme) + epilogue
 
 
 def gemv_shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme, top_k: int) -> int:
