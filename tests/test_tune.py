@@ -1963,15 +1963,9 @@ def test_gemm2_variants_keep_a_where_the_intermediate_fits_six_k_steps():
     assert space.kept_a_shared_memory_bytes(g2, FP8_BLOCK128, 256) == 64 * 256 + 3 * 256 * 64 + 64 * 64 * 2
     assert space.kept_a_shared_memory_bytes(g2, BF16, 200) == 2 * (64 * 256 + 3 * 256 * 64) + 64 * 64 * 2
     gpu = space.gemm2_grid(torch.device("cuda"))
-    assert {entry for entry in gpu if not entry[4]} == {launch + (runs, 0) for launch in space.GEMM2_GRID_GPU
-                                                        for runs in space.GEMM2_RUNS_GPU}
-    assert {entry for entry in gpu if entry[4]} == {launch + (runs, 1) for launch in space.GEMM2_KEEP_A_GRID_GPU
-                                                    for runs in space.GEMM2_KEEP_A_RUNS_GPU}
-    # on the GPU's grid: GLM-4.5V's six steps on 128 rows keep 32-wide launches at 2-4 stages and 64-wide at 2
-    tall = KernelConfig(128, 128, 128, 8, 8, 4)
-    kept, _ = space.gemm2_variants(tall, FP8_CHANNEL_TOKEN, gpu, space.HOPPER_SHARED_MEMORY, True, intermediate=704)
-    assert {(c.gemm2().BLOCK_N, c.gemm2().num_stages) for c in kept if c.KEEP_A2} == {(32, 2), (32, 3), (32, 4), (64, 2)}
-    assert (64, 8, 3, 16, 1) in gpu  # DeepSeek-V3's kept launch in the H100 table
+    launches = {entry[:3] for entry in gpu}
+    assert {entry for entry in gpu if entry[4]} == {launch + (runs, 1) for launch in launches
+                                                                     for runs in space.GEMM2_KEEP_A_RUNS_GPU}
     assert all(entry[3] >= 2 for entry in space.gemm2_grid(torch.device("cpu")) if entry[4])
 
 

@@ -290,11 +290,6 @@ GEMM2_RUNS_CPU = (1,)
 # (855 -> 671 µs at M = 8192); runs of 8 were within 0-3% of 16.
 GEMM2_KEEP_A_RUNS_GPU = (8, 16)
 GEMM2_KEEP_A_RUNS_CPU = ()  # the interpreter's grid stays GEMM2_GRID_CPU's (its tests patch this in)
-# The launches (BLOCK_N, num_warps, num_stages) those runs take: narrower and shallower than
-# GEMM2_GRID_GPU's, because each pipeline stage holds a weight tile per K step beside the kept A
-# (kept_a_shared_memory_bytes): at GLM-4.5V's six steps on 128 rows only 32 wide at 2-4 stages and
-# 64 wide at 2 fit. DeepSeek-V3's winner (64 wide, 8 warps, 3 stages) is among them.
-GEMM2_KEEP_A_GRID_GPU = tuple(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
 
 # float32 registers per thread GEMM2's accumulators may take. Beyond 128 (counting the partial
 # accumulator of a promoted FP8 sum twice) every variant measured collapsed to 3-10x slower:
@@ -308,10 +303,9 @@ def gemm2_grid(device: torch.device) -> tuple[tuple[int, int, int, int, int], ..
     (those with KEEP_A 1 run only where the intermediate fits: gemm2_variants)."""
     gpu = device.type == "cuda"
     launches, runs = (GEMM2_GRID_GPU, GEMM2_RUNS_GPU) if gpu else (GEMM2_GRID_CPU, GEMM2_RUNS_CPU)
-    keep_a_launches, keep_a_runs = (GEMM2_KEEP_A_GRID_GPU, GEMM2_KEEP_A_RUNS_GPU) if gpu else (GEMM2_GRID_CPU,
-                                                                                              GEMM2_KEEP_A_RUNS_CPU)
+    keep_a_runs = GEMM2_KEEP_A_RUNS_GPU if gpu else GEMM2_KEEP_A_RUNS_CPU
     return (tuple(launch + (n_tiles, 0) for launch in launches for n_tiles in runs)
-            + tuple(launch + (n_tiles, 1) for launch in keep_a_launches for n_tiles in keep_a_runs))
+            + tuple(launch + (n_tiles, 1) for launch in launches for n_tiles in keep_a_runs))
 
 
 # GEMM2 of the GEMV path on a launch of its own (KernelConfig.GEMV_GEMM2_FIELDS): column blocks x
