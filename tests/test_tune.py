@@ -1937,27 +1937,28 @@ def test_overlapped_gemm1_dropped_where_it_runs_as_its_twin(monkeypatch):
     assert vllm_config(dataclasses.replace(cfg, OVERLAP=0), FP8_CHANNEL_TOKEN)[0] is not None
 
 
-def test_gemm2_variants_keep_a_where_the_intermediate_fits_six_k_steps():
+def test_gemm2_variants_keep_a_where_the_intermediate_fits_two_k_steps(monkeypatch):
     """The grid's launches keeping A (KernelConfig.KEEP_A2) are variants only where the intermediate
-    fits six K steps of 128 (DeepSeek-V3 at TP8: 256; GLM-4.5V at TP2: 704; not 769) and their kept
-    A with one weight tile per K step in each pipeline stage fits the shared memory
-    (kept_a_shared_memory_bytes), and the GPU's grid has them with runs of 8 and 16 beside every
-    launch of its own."""
+    fits the two K steps of 128 where they won (DeepSeek-V3 at TP8: 256; GLM-4.5V at TP2: 704, six
+    steps the kernel holds, lost) and their kept A with one weight tile per K step in each of
+    num_stages stages and the output tile fits the shared memory (kept_a_shared_memory_bytes),
+    and the GPU's grid has them with runs of 8 and 16 beside every launch of its own."""
     base = KernelConfig(64, 128, 128, 8, 8, 4)
     grid = [(64, 8, 3, 8, 0), (64, 8, 3, 16, 1), (128, 8, 3, 16, 1)]
     kept_a = base.with_gemm2(BLOCK_N=64, num_stages=3, N_TILES=16, KEEP_A=1)
     wide = base.with_gemm2(BLOCK_N=128, num_stages=3, N_TILES=16, KEEP_A=1)
-    for intermediate, fits, wide_fits in ((256, True, True), (128, True, True), (704, True, False),
-                                          (768, True, False), (769, False, False), (None, False, False)):
+    for intermediate, fits in ((256, True), (128, True), (257, False), (704, False), (None, False)):
         kept, dropped = space.gemm2_variants(base, FP8_BLOCK128, grid, space.HOPPER_SHARED_MEMORY, True,
                                              intermediate=intermediate)
         assert base.with_gemm2(BLOCK_N=64, num_stages=3, N_TILES=8) in kept
-        assert (kept_a in kept) is fits and config_key(kept_a) not in dropped, intermediate
-        assert (wide in kept) is wide_fits, intermediate
-        if fits and not wide_fits:  # 48 KiB of A, 3 stages of 96 KiB and a 16 KiB output tile: 352 KiB
-            assert dropped[config_key(wide)] == "shared memory: GEMM2 needs about 352 KiB, the device has 227 KiB"
+        assert (kept_a in kept) is fits and (wide in kept) is fits and config_key(kept_a) not in dropped, intermediate
+    # searched at six steps, the shared memory decides: 48 KiB of A, 3 stages of 96 KiB and a 16 KiB output tile
+    monkeypatch.setattr(space, "GEMM2_KEEP_A_SEARCH_STEPS", 6)
+    kept, dropped = space.gemm2_variants(base, FP8_BLOCK128, grid, space.HOPPER_SHARED_MEMORY, True, intermediate=704)
+    assert kept_a in kept and wide not in kept
+    assert dropped[config_key(wide)] == "shared memory: GEMM2 needs about 352 KiB, the device has 227 KiB"
     # the estimate: A's K steps by its rows, num_stages stages of a weight tile per K step (bf16: 2
-    # bytes), and the 16-bit output tile; 200 KiB at GLM-4.5V's six steps, as Triton 3.9 compiled it
+    # bytes), and the 16-bit output tile; 200 KiB at GLM-4.5V's six steps, as Triton 3.9 (CPU) and 3.6 (H100) compiled it
     g2 = kept_a.gemm2()
     assert space.kept_a_shared_memory_bytes(g2, FP8_BLOCK128, 704) == 64 * 768 + 3 * 768 * 64 + 64 * 64 * 2 == 200 * 1024
     assert space.kept_a_shared_memory_bytes(g2, FP8_BLOCK128, 256) == 64 * 256 + 3 * 256 * 64 + 64 * 64 * 2

@@ -282,12 +282,16 @@ GEMM2_GRID_CPU = ((32, 4, 2), (64, 4, 3))  # the interpreter: enough to run the 
 # depends on the launch (GLM's 64-wide tiles lost with runs), so every launch is timed with both.
 GEMM2_RUNS_GPU = (1, 8)
 GEMM2_RUNS_CPU = (1,)
-# Where GEMM2's inner dimension fits six K steps (KernelConfig.KEEP_A2: DeepSeek-V3 at TP8, GLM-4.5V
-# at TP2, Qwen3-30B-A3B), each launch also with runs of these lengths keeping their row block's
-# activations (those whose kept A and weight stages fit: kept_a_shared_memory_bytes). GEMM2 alone,
-# precise mode, H100 (BENCHMARKS.md, thirty-fourth session), DeepSeek-V3 TP8 M = 1024-8192:
-# 64-wide tiles on 8 warps, 3 stages, runs of 16 took 12-22% less time than the table's launch
-# (855 -> 671 µs at M = 8192); runs of 8 were within 0-3% of 16.
+# Where GEMM2's inner dimension fits GEMM2_KEEP_A_SEARCH_STEPS K steps (KernelConfig.KEEP_A2:
+# DeepSeek-V3 at TP8), each launch also with runs of these lengths keeping their row block's
+# activations (those whose kept A, weight stages and output tile fit: kept_a_shared_memory_bytes).
+# GEMM2 alone, precise mode, H100 (BENCHMARKS.md, thirty-fourth session), DeepSeek-V3 TP8 M =
+# 1024-8192: 64-wide tiles on 8 warps, 3 stages, runs of 16 took 12-22% less time than the table's
+# launch (855 -> 671 µs at M = 8192); runs of 8 were within 0-3% of 16. The kernel holds up to six
+# steps (KEEP_A2_STEPS), but at six every kept launch lost (thirty-fifth session, H100): GLM-4.5V TP2
+# GEMM2 alone 477.5 -> 511.4 µs at best at M = 4096 and 194.7 -> 231.2 at 1024, Qwen3-30B-A3B
+# 245.9 -> 254.8 at 4096; so the search tries them only at the two steps where they won.
+GEMM2_KEEP_A_SEARCH_STEPS = 2
 GEMM2_KEEP_A_RUNS_GPU = (8, 16)
 GEMM2_KEEP_A_RUNS_CPU = ()  # the interpreter's grid stays GEMM2_GRID_CPU's (its tests patch this in)
 
@@ -383,7 +387,7 @@ def gemm2_variants(
 ) -> tuple[list[KernelConfig], dict[str, str]]:
     """(variants of `base` with GEMM2's own launch, {key dropped: why}); the variant equal to base
     (GEMM2 launched as GEMM1) is not among them. The grid's launches keeping A (KEEP_A2) run only
-    where the `intermediate` size per GPU fits them (KernelConfig.keep_a2_fits; None: nowhere).
+    where the `intermediate` size per GPU fits GEMM2_KEEP_A_SEARCH_STEPS K steps (None: nowhere).
     `overlap_k_steps`: GEMM2's K steps where the
     overlapped GEMM2 runs on this problem (0 where it does not: overlap2_idle); then it is tried
     too, on its tile, with the OVERLAP2_SEARCH_STAGES that leave at least one step beyond those
@@ -391,7 +395,8 @@ def gemm2_variants(
     writes the intermediate it reads (128x128 GEMM1 tiles: whole 1x128 groups)."""
     kept: list[KernelConfig] = []
     dropped: dict[str, str] = {}
-    keep_a = intermediate is not None and base.keep_a2_fits(intermediate)
+    keep_a = (intermediate is not None and base.keep_a2_fits(intermediate)
+              and intermediate <= GEMM2_KEEP_A_SEARCH_STEPS * base.BLOCK_K)
     launches = [base.with_gemm2(BLOCK_N=block_n, num_warps=warps, num_stages=stages, N_TILES=n_tiles, KEEP_A=keeps)
                 for block_n, warps, stages, n_tiles, keeps in grid if keep_a or not keeps]
     if overlap_k_steps and base.BLOCK_N == 128 and (base.BLOCK_M, 128) in KernelConfig.OVERLAP2_TILES:
