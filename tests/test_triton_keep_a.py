@@ -85,6 +85,18 @@ def test_the_launch_passes_the_k_steps_it_keeps(device, monkeypatch):
 # ------------------------------------------------------------------------------ the kernel
 
 
+def intermediate_and_real_rows(x, w, ids, K, cfg):
+    """(align, GEMM1's intermediate, a mask of its real rows: not an expert's padding) as the
+    layer makes them before GEMM2."""
+    align = launch.align_pairs(ids, w.num_experts, cfg.BLOCK_M)
+    a, a_scale = launch.quantize_input(x, w)
+    act = launch.gemm1(a, a_scale, w, align, K, x.dtype, cfg)
+    real = torch.zeros(act.values.shape[0], dtype=torch.bool)
+    for first, count in zip(align.start.tolist(), align.count.tolist()):
+        real[first:first + count] = True
+    return align, act, real
+
+
 @pytest.mark.parametrize("scheme,accumulation", with_accumulation_modes(SCHEMES))
 def test_kept_activations_match_reloaded_ones(scheme, accumulation, device, monkeypatch):
     """Runs of 2 and all 7 of GEMM2's 32-wide column blocks (hidden 208: the last one partial),
@@ -190,12 +202,7 @@ def test_kept_a_reads_no_padding_row(scheme, gemm1_n, n, monkeypatch):
     tw, ids = random_routing(M, E, K, experts=[0, 2, 3])
     x = random_x(M, H)
     cfg = dataclasses.replace(BASE, BLOCK_N=gemm1_n).with_gemm2(BLOCK_N=32, N_TILES=2, KEEP_A=1)
-    align = launch.align_pairs(ids, E, cfg.BLOCK_M)
-    a, a_scale = launch.quantize_input(x, w)
-    act = launch.gemm1(a, a_scale, w, align, K, x.dtype, cfg)
-    real = torch.zeros(act.values.shape[0], dtype=torch.bool)
-    for first, count in zip(align.start.tolist(), align.count.tolist()):
-        real[first:first + count] = True
+    align, act, real = intermediate_and_real_rows(x, w, ids, K, cfg)
     values = torch.full(act.values.shape, float("nan")).to(act.values.dtype)
     values[real] = act.values[real]
     steps, kept_a = [], _kernels._gemm2_kept_a
@@ -260,14 +267,9 @@ def test_kept_run_reads_nothing_past_the_intermediate_or_its_rows(scheme, gemm1_
     tw, ids = random_routing(M, E, K, experts=[0, 2, 3])
     x = random_x(M, H)
     cfg = dataclasses.replace(BASE, BLOCK_N=gemm1_n).with_gemm2(BLOCK_N=32, num_stages=3, N_TILES=7)
-    align = launch.align_pairs(ids, E, cfg.BLOCK_M)
-    a, a_scale = launch.quantize_input(x, w)
-    act = launch.gemm1(a, a_scale, w, align, K, x.dtype, cfg)
+    align, act, real = intermediate_and_real_rows(x, w, ids, K, cfg)
     assert act.a_mode == a_mode
     rows = act.values.shape[0]
-    real = torch.zeros(rows, dtype=torch.bool)
-    for first, count in zip(align.start.tolist(), align.count.tolist()):
-        real[first:first + count] = True
     wide_a = torch.full((rows, n + 128), poison).to(act.values.dtype)
     wide_a[real, :n] = act.values[real]
     poisoned = launch.Intermediate(wide_a[:, :n], act.scale, act.a_mode)
