@@ -11,7 +11,8 @@ M = 4096 (eleventh session), and GEMM2 may run in Gluon with its FP8 promotion o
 _gluon_kernels.gemm2_overlap_kernel: 2.3-10% per layer at Mixtral-8x7B M = 512-8192, fifteenth
 session), and its runs may keep their row block's activations where the intermediate fits six K
 steps (KEEP_A2, _kernels._gemm2_resident_run: 2.7-9% per layer at DeepSeek-V3 TP8 M = 1024-8192
-on an H100, thirty-fourth session). The GEMV path's GEMM2 (one program per token and column block of the hidden size,
+on an H100 with two steps, thirty-fourth session; at six, GLM-4.5V and Qwen3-30B-A3B, it lost,
+thirty-fifth). The GEMV path's GEMM2 (one program per token and column block of the hidden size,
 where GEMM1 has one per pair and column block of N) may take a column block and warps of its
 own (BLOCK_N2, num_warps2; twenty-seventh session: the tuner's GEMM2 step times them,
 space.GEMV_GEMM2_GRID says why; 2-3.5% per layer at GLM-4.5V and DeepSeek-V3 M = 2, twenty-eighth),
