@@ -9,6 +9,10 @@ from .select import BackendUnavailableError, Choice, DeviceSpec, select_backend
 from .spec import SCHEMES, MoEShape, QuantScheme, get_scheme
 from .weights import MoEWeights, quantize_weights
 
+from . import env
+
+env.record_kernels_defined()  # the kernels above are defined: interpreted or compiled, for good
+
 __version__ = "0.1.0"
 
 __all__ = [

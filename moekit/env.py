@@ -54,7 +54,25 @@ def interpreting() -> bool:
         from triton import knobs  # imported here: env is read by modules that load before triton
 
         answer = _INTERPRETING[raw_value] = bool(knobs.runtime.interpret)
+    if answer and _KERNELS_INTERPRETED is False:
+        raise RuntimeError(
+            f"{INTERPRET_ENV} was set after moekit was imported: Triton decides when a kernel is defined "
+            f"(at import) whether the interpreter runs it, and moekit's kernels were defined for the GPU. "
+            f"Set {INTERPRET_ENV}=1 before importing moekit (or torch/triton code that imports it)"
+        )
     return answer
+
+
+_KERNELS_INTERPRETED: bool | None = None  # None until moekit's package import records it
+
+
+def record_kernels_defined() -> None:
+    """Called once moekit's package has imported its kernel modules: whether Triton defined
+    them for its interpreter (TRITON_INTERPRET as Triton read it then)."""
+    from triton import knobs
+
+    global _KERNELS_INTERPRETED
+    _KERNELS_INTERPRETED = bool(knobs.runtime.interpret)
 
 
 _INTERPRETING: dict = {}  # TRITON_INTERPRET's raw value -> Triton's reading of it

@@ -21,6 +21,7 @@ import dataclasses
 import torch
 
 from .api import fused_moe
+from .backends.base import check_backend_name
 from .handles import HandleOwner
 from .models import ModelSpec, get_model
 from .routing import RoutingConfig, route
@@ -145,7 +146,7 @@ class MoELayer(HandleOwner, torch.nn.Module):
         if routing is not None and not 1 <= routing.top_k <= self.num_experts:
             raise ValueError(f"routing top_k {routing.top_k} does not fit {self.num_experts} experts")
         self.routing = routing
-        self.backend = backend
+        self.backend = backend  # checked by __setattr__
         for name, t in weights.tensors().items():
             self.register_buffer(name, t)
         if routing is not None and routing.use_correction_bias:
@@ -257,6 +258,8 @@ class MoELayer(HandleOwner, torch.nn.Module):
     def __setattr__(self, name, value):
         if name in TENSOR_FIELDS:
             self._drop_weights()  # a new weight tensor
+        elif name == "backend":
+            check_backend_name(value)  # a typo fails where it is written, not at the next call
         super().__setattr__(name, value)
 
     def register_buffer(self, name, tensor, persistent=True):
@@ -313,7 +316,7 @@ class MoELayer(HandleOwner, torch.nn.Module):
                     "this MoELayer has no RoutingConfig: call it with (x, topk_weights, topk_ids), "
                     "or build it with routing=RoutingConfig(...)"
                 )
-            logits = routing[0]
+            logits = self._check_logits(x, routing[0])
             logits = logits.reshape(-1, logits.shape[-1]) if logits.dim() != 2 else logits
             bias = self._buffers.get(BIAS)
             topk_weights, topk_ids = route(logits, config=self.routing, correction_bias=bias)
@@ -346,6 +349,26 @@ class MoELayer(HandleOwner, torch.nn.Module):
                     self.backend, apply_router_weight_on_input=on_input, allow_weight_copies=False,
                 )
         return out if x.dim() == 2 else out.reshape(*lead, out.shape[-1])
+
+    def _check_logits(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The router logits of x: [..., E] over this layer's (the model's) E experts, with x's
+        leading dimensions ([M, E] for any x of M tokens). A narrower tensor would route to the
+        first experts only, silently; a wider one fail on ids it never asked for."""
+        if not isinstance(logits, torch.Tensor) or logits.dim() == 0:
+            got = type(logits).__name__ if not isinstance(logits, torch.Tensor) else "a 0-d tensor"
+            raise ValueError(f"router_logits must be a tensor [..., {self.num_experts}], got {got}")
+        if logits.shape[-1] != self.num_experts:
+            raise ValueError(
+                f"router_logits has {logits.shape[-1]} columns but this layer routes over {self.num_experts} experts "
+                f"(expected shape [..., {self.num_experts}], got {tuple(logits.shape)})"
+            )
+        tokens = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else None
+        if logits.shape[:-1] != x.shape[:-1] and not (logits.dim() == 2 and logits.shape[0] == tokens):
+            raise ValueError(
+                f"router_logits {tuple(logits.shape)} does not match x {tuple(x.shape)}: expected "
+                f"{tuple(x.shape[:-1]) + (self.num_experts,)} (or [{tokens}, {self.num_experts}])"
+            )
+        return logits
 
     def warmup(self, max_batch_size: int | None = None, *, batch_sizes=None, top_k: int | None = None,
                dtype: torch.dtype = torch.bfloat16, on_size=None):

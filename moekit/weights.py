@@ -67,10 +67,12 @@ class MoEWeights:
         deep inside a backend): the old tensor is put back and the error raised. To change
         several tensors at once (another E, another device), make new weights:
         dataclasses.replace(weights, w13=..., w2=..., ...) validates them together."""
-        if name not in TENSOR_FIELDS or not self.__dict__.get("_validated"):
+        if name not in (*TENSOR_FIELDS, "scheme") or not self.__dict__.get("_validated"):
             super().__setattr__(name, value)
             return
         old = self.__dict__.get(name)
+        if name == "scheme":  # a name as the constructor takes it; the tensors must suit it
+            value = get_scheme(value)
         super().__setattr__(name, value)
         try:
             _validate(self)
@@ -192,12 +194,12 @@ class MoEWeights:
         )
 
 
-def _check_tensor(name: str, t, dtypes, shape, device) -> None:
+def _check_tensor(name: str, t, dtypes, shape, device, why: str = "") -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"MoEWeights.{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise ValueError(
-            f"MoEWeights.{name} has dtype {t.dtype}; expected {' or '.join(map(str, dtypes))}"
+            f"MoEWeights.{name} has dtype {t.dtype}; expected {' or '.join(map(str, dtypes))}{why}"
         )
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"MoEWeights.{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
@@ -253,21 +255,27 @@ def _validate(w: MoEWeights) -> None:
     E, two_n, H = w.w13.shape
     if two_n % 2:
         raise ValueError(f"MoEWeights.w13 has {two_n} rows; expected 2N (gate rows then up rows)")
+    if not (E and two_n and H):
+        raise ValueError(f"MoEWeights.w13 has shape {(E, two_n, H)}; expected [E, 2N, H] with E, N and H at least 1")
     N = two_n // 2
     device = w.w13.device
     wdtypes = (quant.FP8_DTYPE,) if s.is_fp8 else UNQUANTIZED_DTYPES
     _check_tensor("w13", w.w13, wdtypes, None, device)
-    _check_tensor("w2", w.w2, (w.w13.dtype,), (E, H, N), device)
+    _check_tensor("w2", w.w2, (w.w13.dtype,), (E, H, N), device, " (w13's dtype)")
+    if s.is_fp8:
+        _validate_scales(w, s, E, N, H, device)
+    else:
+        extra = [k for k in ("w13_scale", "w2_scale", "a13_scale", "a2_scale") if getattr(w, k) is not None]
+        if extra:
+            raise ValueError(f"scheme {s.name} is unquantized but scales were given: {', '.join(extra)}")
+    # last: a tensor of the wrong shape or dtype is told so, not told to be made contiguous
     for name, t in w.tensors().items():  # scales included: the kernels index them the same way
         if isinstance(t, torch.Tensor):
             _check_contiguous(name, t)
 
-    if not s.is_fp8:
-        extra = [k for k in ("w13_scale", "w2_scale", "a13_scale", "a2_scale") if getattr(w, k) is not None]
-        if extra:
-            raise ValueError(f"scheme {s.name} is unquantized but scales were given: {', '.join(extra)}")
-        return
 
+def _validate_scales(w: MoEWeights, s, E: int, N: int, H: int, device) -> None:
+    """The FP8 schemes' weight scales and, for static activation scales, those too."""
     check_intermediate(s, N)
     for name, rows, cols in (("w13_scale", 2 * N, H), ("w2_scale", H, N)):
         t = getattr(w, name)
@@ -318,6 +326,8 @@ def quantize_weights(
         raise ValueError(
             f"quantize_weights takes w13 [E, 2N, H] and w2 [E, H, N], got {tuple(w13.shape)} and {tuple(w2.shape)}"
         )
+    if 0 in w13.shape:
+        raise ValueError(f"quantize_weights takes w13 [E, 2N, H] with E, N and H at least 1, got {tuple(w13.shape)}")
     if w2.device != w13.device:
         raise ValueError(f"w2 is on {w2.device} but w13 is on {w13.device}")
     E, H, N = w2.shape

@@ -1,6 +1,9 @@
 """fused_moe's input checks, the backend override order and its errors."""
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,7 +11,7 @@ import torch
 import moekit
 from moekit.select import ENV_VAR
 
-from helpers import random_routing, random_weights, random_x
+from helpers import REPO, random_routing, random_weights, random_x
 
 
 @pytest.fixture
@@ -58,6 +61,24 @@ def test_unknown_backend_lists_valid_names(problem):
     x, w, tw, ids = problem
     with pytest.raises(ValueError, match="unknown backend 'fast'.*reference"):
         moekit.fused_moe(x, w, tw, ids, backend="fast")
+
+
+def test_get_backend_auto_says_auto_is_a_rule():
+    """get_backend("auto") said "unknown backend 'auto'; expected one of: auto, ..."."""
+    with pytest.raises(ValueError, match=r"auto is not a backend but the rule that chooses one per call.*select_backend"):
+        moekit.get_backend("auto")
+
+
+def test_interpreter_switched_on_after_import_is_refused_by_name():
+    """TRITON_INTERPRET=1 set after `import moekit`: supports() said yes, then Triton failed with
+    "0 active drivers": Triton had defined the kernels for the GPU at import."""
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    script = ("import os, moekit\nos.environ['TRITON_INTERPRET'] = '1'\n"
+              "try:\n    moekit.env.interpreting()\nexcept RuntimeError as e:\n    print('REFUSED', e)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "REFUSED TRITON_INTERPRET was set after moekit was imported" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "before importing moekit" in done.stdout
 
 
 def test_choice_is_logged_at_debug(problem, caplog):

@@ -118,6 +118,38 @@ def test_leading_dimensions_and_bad_calls():
         moekit.MoELayer(layer.weights, SOFTMAX, correction_bias=torch.zeros(E))
 
 
+def test_router_logits_must_cover_the_layers_experts_and_match_x():
+    """Logits of fewer columns than experts routed to the first experts only, silently; more
+    columns failed on the ids ("topk_ids must lie in [0, 8)"), which blamed the ids; leading
+    dimensions of another shape with as many tokens were taken."""
+    layer = moekit.MoELayer.random(spec("bf16", SOFTMAX), backend="torch")
+    x, logits = inputs(6)
+    for columns in (E - 1, E + 1):
+        with pytest.raises(ValueError, match=rf"router_logits has {columns} columns but this layer routes over {E} experts"):
+            layer(x, torch.randn(6, columns))
+    with pytest.raises(ValueError, match=r"router_logits \(3, 2, 8\) does not match x \(2, 3, 128\)"):
+        layer(x.view(2, 3, H), logits.view(3, 2, E))
+    with pytest.raises(ValueError, match="router_logits must be a tensor"):
+        layer(x, torch.tensor(1.0))
+    # [M, E] logits of an x with leading dimensions: as many tokens, taken
+    assert torch.equal(layer(x.view(2, 3, H), logits).view(6, H), layer(x, logits))
+
+
+def test_a_backend_name_is_checked_when_it_is_set():
+    """MoELayer(weights, backend="nope") was taken; the error came at the first call."""
+    layer = moekit.MoELayer.random(spec("bf16", SOFTMAX), backend="torch")
+    with pytest.raises(ValueError, match="unknown backend 'nope'; expected one of: auto, "):
+        moekit.MoELayer(layer.weights, SOFTMAX, backend="nope")
+    with pytest.raises(ValueError, match="unknown backend 'tirton'"):
+        layer.backend = "tirton"
+    assert layer.backend == "torch"
+    with pytest.raises(TypeError, match="backend must be a backend's name"):
+        layer.backend = 3
+    for name in (None, "auto", "reference"):
+        layer.backend = name
+        assert layer.backend == name
+
+
 # ----------------------------------------------------------------------- buffers, state dict, .to
 
 

@@ -367,3 +367,49 @@ def test_a_bad_assignment_of_another_type_is_undone_too():
     with pytest.raises(TypeError):
         w.a13_scale = 2.0  # not a tensor: _check_tensor's TypeError left it in place
     assert w.a13_scale is old
+
+
+def test_a_scale_of_the_wrong_shape_is_told_its_shape_even_when_not_contiguous():
+    """_validate checked contiguity before shapes: a slice of the wrong shape was told to be made
+    contiguous, which would not have helped."""
+    w = random_weights(E, H, N, "fp8-channel-token", seed=11)
+    wide = torch.cat([w.w13_scale, w.w13_scale], dim=1)  # [E, 4N]
+    with pytest.raises(ValueError, match=r"MoEWeights\.w13_scale has shape \(4, 32\); expected \(4, 64\)"):
+        moekit.MoEWeights.from_fp8("fp8-channel-token", w.w13, w.w2, wide[:, :N], w.w2_scale)
+
+
+def test_a_replaced_w13_of_another_dtype_names_w13_as_the_cause():
+    """w.w13 = w13.half() on bf16 weights blamed w2 ("w2 has dtype bfloat16; expected float16")."""
+    w = moekit.MoEWeights("bf16", *_bf16_experts())
+    old = w.w13
+    with pytest.raises(ValueError, match=r"MoEWeights\.w2 has dtype torch\.bfloat16; expected torch\.float16 \(w13's dtype\)"):
+        w.w13 = w.w13.half()
+    assert w.w13 is old
+
+
+def test_a_scheme_assigned_after_construction_is_validated_and_undone():
+    """MoEWeights.scheme could be set to anything: another scheme failed later inside a backend
+    (TypeError in dequantize_expert), a name with AttributeError ('str' has no is_fp8)."""
+    w = moekit.MoEWeights("bf16", *_bf16_experts())
+    bf16 = w.scheme
+    with pytest.raises(ValueError, match=r"MoEWeights\.w13 has dtype torch\.bfloat16; expected torch\.float8_e4m3fn"):
+        w.scheme = "fp8-tensor-dynamic"
+    assert w.scheme is bf16
+    with pytest.raises(ValueError, match="fp9"):
+        w.scheme = "fp9"
+    assert w.scheme is bf16
+    w.scheme = "fp16"  # a name, of a scheme these tensors suit: taken, as a QuantScheme
+    assert w.scheme is SCHEMES["fp16"]
+
+
+@pytest.mark.parametrize("shape", [(E, 0, H), (0, 2 * N, H), (E, 2 * N, 0)])
+def test_empty_dimensions_are_refused_by_name(shape):
+    """N = 0 was accepted (fused_moe then failed in MoEShape) and quantize_weights raised
+    IndexError from inside its amax."""
+    E_, two_n, H_ = shape
+    w13 = torch.randn(E_, two_n, H_).bfloat16()
+    w2 = torch.randn(E_, H_, two_n // 2).bfloat16()
+    with pytest.raises(ValueError, match="E, N and H at least 1"):
+        moekit.MoEWeights("bf16", w13, w2)
+    with pytest.raises(ValueError, match="E, N and H at least 1"):
+        moekit.quantize_weights(w13, w2, "fp8-channel-token")

@@ -72,12 +72,29 @@ def register(backend: Backend) -> Backend:
 
 
 def get_backend(name: str) -> Backend:
+    """The backend registered as `name` ("auto" is not one: it is a rule of moekit.select)."""
     try:
         return _REGISTRY[name]
     except KeyError:
+        if name == "auto":
+            raise ValueError(
+                "get_backend('auto'): auto is not a backend but the rule that chooses one per call; "
+                "moekit.select_backend(...) tells which backend it chooses, or name one of: "
+                + ", ".join(_REGISTRY)
+            ) from None
         raise ValueError(
             f"unknown backend {name!r}; expected one of: auto, {', '.join(_REGISTRY)}"
         ) from None
+
+
+def check_backend_name(backend) -> None:
+    """ValueError unless `backend` is None, "auto" or a registered backend's name: for what
+    stores a name to use later (MoELayer), so that a typo fails where it was written."""
+    if backend is None or backend == "auto":
+        return
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a backend's name, 'auto' or None, got {type(backend).__name__}")
+    get_backend(backend)  # an unknown name raises, listing the valid ones
 
 
 def backend_names() -> list[str]:
