@@ -115,8 +115,15 @@ AUTO_COLUMN = "auto_vs_fastest"
 # ------------------------------------------------------------------------------ input parsing
 
 
+# The largest batch size bench, check and tune take: warmup's bound (compile_ahead), far above
+# a serving step (vLLM's default max-num-batched-tokens is 8192 or 16384). A larger one asked the
+# allocator for its inputs and failed with a traceback (99999999999999 tokens).
+MAX_BATCH_SIZE = 65536
+
+
 def parse_batch_sizes(values: Sequence[str] | None, default: Sequence[int]) -> list[int]:
-    """Positive integers, from repeated and/or comma-separated strings; duplicates dropped."""
+    """Positive integers up to MAX_BATCH_SIZE, from repeated and/or comma-separated strings;
+    duplicates dropped."""
     if not values:
         return list(default)
     sizes: list[int] = []
@@ -128,6 +135,9 @@ def parse_batch_sizes(values: Sequence[str] | None, default: Sequence[int]) -> l
                 raise BenchInputError(f"--batch-sizes: {part!r} is not an integer") from None
             if size < 1:
                 raise BenchInputError(f"--batch-sizes: {size} is not a positive integer")
+            if size > MAX_BATCH_SIZE:
+                raise BenchInputError(f"--batch-sizes: {size} is above {MAX_BATCH_SIZE}, the largest batch size "
+                                      "moekit measures (moekit.bench.MAX_BATCH_SIZE)")
             if size not in sizes:
                 sizes.append(size)
     if not sizes:
@@ -807,12 +817,15 @@ MAX_SEED = 2**31  # input_seed(seed, M) stays far inside a torch Generator's 64-
 def check_run_settings(seed) -> None:
     """BenchInputError for what bench, check and tune refuse before anything runs: the
     environment's MOEKIT_FP8_ACCUMULATION and MOEKIT_PDL (else every triton point would fail on
-    them, or a table be built with a traceback) and a --seed out of range."""
+    them, or a table be built with a traceback), a MOEKIT_BACKEND naming no backend (every auto
+    row failed on it, after the whole run) and a --seed out of range."""
     from .backends.triton.launch import fp8_accumulation, pdl_wanted
+    from .select import environment_backend
 
     try:
         fp8_accumulation()
         pdl_wanted()
+        environment_backend()
     except ValueError as e:
         raise BenchInputError(str(e)) from None
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
@@ -850,6 +863,8 @@ def _validate(opts: BenchOptions, device: torch.device) -> _Plan:
     requested = parse_names(opts.backends)
     baseline = choose_baseline(opts.baseline, problems, device, dtype)
     plan = plan_backends(problems, requested, device, dtype, extra=(baseline,))
+    if opts.mode == "gemm":
+        check_gemm_only(plan, problems, batch_sizes, device, dtype)
     if opts.plots:
         require_plotting()
     columns = [*BASE_COLUMNS, f"speedup_vs_{baseline}", "rel_err"]
@@ -861,6 +876,24 @@ def _validate(opts: BenchOptions, device: torch.device) -> _Plan:
     out_dir, created = prepare_out_dir(opts.out, "bench", results=RESULT_FILES + PARTIAL_FILES,
                                        overwrite=opts.overwrite)
     return _Plan(problems, batch_sizes, plan, baseline, dtype, device, routing_kind, recorded, out_dir, created, columns)
+
+
+def check_gemm_only(plan: BackendPlan, problems, batch_sizes, device, dtype) -> None:
+    """BenchInputError where --mode gemm would time nothing: no backend to run (auto by what it
+    chooses at each batch size) has a GEMM-only mode. Such a run wrote a table of "n/a" rows and
+    exited 0."""
+    for p in problems:
+        for name in plan.per_problem[p.name]:
+            chosen = ({select_backend(p.shape, p.scheme, device, dtype, M, "auto").backend for M in batch_sizes}
+                      if name == "auto" else {name})
+            if any(getattr(get_backend(c), GEMM_ONLY_HOOK, None) is not None for c in chosen):
+                return
+    with_mode = [n for n in backend_names() if getattr(get_backend(n), GEMM_ONLY_HOOK, None) is not None]
+    ran = sorted({n for names in plan.per_problem.values() for n in names})
+    raise BenchInputError(
+        f"--mode gemm: none of the backends to run ({', '.join(ran)}) has a GEMM-only mode (those that do: "
+        f"{', '.join(with_mode)}); name one that can run here in --backends, or use --mode layer"
+    )
 
 
 def _round(value: float | None, digits: int) -> float | None:

@@ -37,15 +37,20 @@ def cmd_info(args) -> int:
     console.print(f"moekit {moekit.__version__}, torch {torch.__version__}, triton {triton.__version__}")
     from moekit.backends.triton.launch import FP8_ACCUMULATION_ENV, PDL_ENV, fp8_accumulation, pdl_enabled, pdl_wanted
 
+    from moekit.select import ENV_VAR as BACKEND_ENV, environment_backend
+
     try:
         accumulation = fp8_accumulation()
         pdl = "on" if pdl_enabled(device) else "off" if not pdl_wanted() else \
             "unavailable here (needs a Hopper or newer GPU and a Triton with griddepcontrol)"
+        forced = environment_backend()
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         return 2
     console.print(f"triton backend: FP8 accumulation {accumulation} ({FP8_ACCUMULATION_ENV}), "
                   f"programmatic dependent launch {pdl} ({PDL_ENV})")
+    console.print(f"backend of calls that leave it to auto: {forced} ({BACKEND_ENV})" if forced else
+                  f"backend of calls that leave it to auto: chosen per call ({BACKEND_ENV} unset)")
     from moekit.routing import _use_kernel
 
     on_kernel = _use_kernel(torch.empty(1, 1, device=device))  # route()'s own rule, for logits here
@@ -106,9 +111,9 @@ def _add_model_args(
     p.add_argument(*TP_FLAGS, dest="tp", type=int, default=1,
                    help="tensor parallelism: the experts' intermediate size is split over this many GPUs")
     p.add_argument("--scheme", default=None, help=scheme_help)
-    p.add_argument("--batch-sizes", "--batch-size", dest="batch_sizes", nargs="+", metavar="M", default=None,
+    p.add_argument("--batch-sizes", "--batch-size", dest="batch_sizes", nargs="+", action="extend", metavar="M", default=None,
                    help=batch_help)
-    p.add_argument("--backends", nargs="+", metavar="NAME", default=None, help=backends_help)
+    p.add_argument("--backends", nargs="+", action="extend", metavar="NAME", default=None, help=backends_help)
     p.add_argument("--out", default=None, help=out_help)
     p.add_argument("--seed", type=int, default=0, help="random seed of weights, inputs and routing")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="activation dtype")
@@ -287,13 +292,22 @@ def _ranges(sizes) -> str:
     return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
 
 
+# the `hf` extra's packages (pyproject.toml), which moekit eval imports
+HF_EXTRA_MODULES = ("transformers", "safetensors", "compressed_tensors", "accelerate")
+
+
 def cmd_eval(args) -> int:
-    from moekit.hf.eval import EvalInputError, EvalOptions, run_eval  # imports transformers: only here
+    try:
+        from moekit.hf.eval import EvalInputError, EvalOptions, run_eval  # imports transformers: only here
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] not in HF_EXTRA_MODULES:
+            raise
+        raise UsageError(f"moekit eval needs {e.name.split('.')[0]}: pip install 'moekit[hf]'") from None
 
     opts = EvalOptions(
         model=args.model, backends=args.backends, text=args.text, max_tokens=args.max_tokens,
         gen_tokens=args.gen_tokens, seq_len=args.seq_len, scheme=args.scheme, out=args.out,
-        fused_routing=args.fused_routing, argv=getattr(args, "argv", None),
+        fused_routing=args.fused_routing, overwrite=args.overwrite, argv=getattr(args, "argv", None),
     )
     try:
         run_eval(opts, console)
@@ -411,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--max-batch-size", "--max-num-batched-tokens", dest="max_batch_size", type=int, default=None,
                       metavar="M", help="compile for every batch size (tokens) from 1 to M (default 8192; vLLM's "
                                         "--max-num-batched-tokens is the largest a step runs)")
-    warm.add_argument("--batch-sizes", nargs="+", metavar="M", default=None,
+    warm.add_argument("--batch-sizes", nargs="+", action="extend", metavar="M", default=None,
                       help="only these batch sizes (instead of 1 ... --max-batch-size)")
     warm.add_argument("--backend", default="auto",
                       help="as fused_moe's backend argument (default auto: the sizes it gives triton)")
@@ -419,14 +433,15 @@ def build_parser() -> argparse.ArgumentParser:
     warm.set_defaults(func=cmd_warmup)
     ev = command("eval", "a local transformers MoE model on each backend: perplexity, KL and top-1 vs reference, tokens/s")
     ev.add_argument("--model", required=True, metavar="PATH", help="a local model folder (config.json, safetensors, tokenizer)")
-    ev.add_argument("--backends", nargs="+", metavar="NAME", default=None,
+    ev.add_argument("--backends", nargs="+", action="extend", metavar="NAME", default=None,
                     help="backends to evaluate (default: every one that can run here); reference is always added")
     ev.add_argument("--text", default=None, metavar="FILE", help="text to score (default: moekit/data/eval.txt)")
     ev.add_argument("--max-tokens", type=int, default=512, help="tokens of the text scored")
     ev.add_argument("--seq-len", type=int, default=256, help="tokens per scoring window")
     ev.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens generated for tokens/s (0: skip)")
     ev.add_argument("--scheme", default=None, help="quantize a bf16 checkpoint's experts on load to this scheme")
-    ev.add_argument("--out", default=None, metavar="FILE", help="write the JSON report here")
+    ev.add_argument("--out", default=None, metavar="FILE", help="write the JSON report here (a new file)")
+    ev.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     ev.add_argument("--fused-routing", action="store_true",
                     help="also run each backend with transformers' routers fused into moekit.route "
                          "(rows BACKEND+fused-routing, against the unfused reference)")

@@ -236,6 +236,18 @@ def _env_backend(raw_value) -> str | None:
     return None if value in ("", "auto") else value
 
 
+def environment_backend() -> str | None:
+    """The backend MOEKIT_BACKEND names (None: unset, empty or "auto"); a ValueError naming the
+    variable where it names no backend: for the commands, which refuse it before they run."""
+    name = _env_backend(env.raw(ENV_VAR))
+    if name is not None:
+        try:
+            get_backend(name)
+        except ValueError as e:
+            raise ValueError(f"{ENV_VAR}={name!r}: {e}") from None
+    return name
+
+
 def _resolver(shape, scheme, device, dtype, allow_weight_copies) -> "_Resolver":
     """The cached resolver of a problem (select_backend inlines the look-up)."""
     _, config_dir, interpret, accumulation = _environment()

@@ -345,6 +345,11 @@ def _bad_cases(tmp_path, tiny_config):
         "no routings": (m + ["--routings", "0"], "--routings must be a positive integer"),
         "seed too large": (m + ["--seed", str(2**44)], "--seed must be an integer in [0, 2147483648)"),
         "negative seed": (m + ["--seed", "-1"], "--seed must be an integer in [0, 2147483648)"),
+        # the allocator's traceback before: 99999999999999 tokens
+        "huge batch size": (m + ["--batch-sizes", "99999999999999"], "is above 65536, the largest batch size"),
+        # every row "n/a (no gemm-only mode)", exit status 0 before
+        "gemm mode, no gemm-only backend": (m + ["--mode", "gemm", "--backends", "reference"],
+                                            "--mode gemm: none of the backends to run (reference, torch) has a GEMM-only mode"),
     }
 
 
@@ -353,7 +358,7 @@ CASES = [
     "baseline that cannot run", "zero batch size", "negative batch size", "text batch size",
     "fractional batch size", "unwritable out", "out is a file", "bad scheme", "bad tp", "tp not dividing",
     "routing file missing", "routing top-k mismatch", "routing ids out of range", "routing of floats",
-    "no routings", "seed too large", "negative seed",
+    "no routings", "seed too large", "negative seed", "huge batch size", "gemm mode, no gemm-only backend",
 ]
 
 
@@ -401,6 +406,8 @@ def test_bench_failure_while_writing_leaves_nothing_half_written(tmp_path, tiny_
 @pytest.mark.parametrize("name,value,expected", [
     ("MOEKIT_FP8_ACCUMULATION", "sloppy", "expected one of precise, fast"),
     ("MOEKIT_PDL", "maybe", "expected 1 (on, the default where the GPU has it) or 0 (off)"),
+    # every auto row failed on it, after the whole run, exit status 1
+    ("MOEKIT_BACKEND", "nonsense", "unknown backend 'nonsense'; expected one of: auto, "),
 ])
 def test_a_bad_triton_setting_is_refused_before_anything_runs(name, value, expected, tmp_path, tiny_config,
                                                               monkeypatch, capsys):
@@ -409,6 +416,15 @@ def test_a_bad_triton_setting_is_refused_before_anything_runs(name, value, expec
     assert main(["bench", "--model", str(tiny_config), "--out", str(out), *FAST]) == 2
     assert f"{name}='{value}': {expected}" in one_line_error(capsys)
     assert not out.exists()
+
+
+def test_repeated_list_flags_add_up():
+    """--batch-sizes 1 --batch-size 3 ran only M = 3, --backends a --backends b only b."""
+    from moekit.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--model", PRESET, "--batch-sizes", "1", "--batch-size", "3", "5",
+                                      "--backends", "torch", "--backends", "reference"])
+    assert args.batch_sizes == ["1", "3", "5"] and args.backends == ["torch", "reference"]
 
 
 def test_argparse_errors_exit_2(capsys):

@@ -28,13 +28,18 @@ def test_defaults_on_this_machine(capsys, monkeypatch):
 def test_the_settings_asked_for(capsys, monkeypatch):
     monkeypatch.setenv("MOEKIT_FP8_ACCUMULATION", "fast")
     monkeypatch.setenv("MOEKIT_PDL", "0")
+    monkeypatch.setenv("MOEKIT_BACKEND", "torch")
     code, out = info(capsys)
     assert code == 0
     assert "FP8 accumulation fast" in out and "programmatic dependent launch off (MOEKIT_PDL)" in out
+    assert "backend of calls that leave it to auto: torch (MOEKIT_BACKEND)" in out
+    monkeypatch.delenv("MOEKIT_BACKEND")
+    assert "backend of calls that leave it to auto: chosen per call (MOEKIT_BACKEND unset)" in info(capsys)[1]
 
 
 @pytest.mark.parametrize("name,value,expected", [("MOEKIT_PDL", "maybe", "expected 1"),
-                                                 ("MOEKIT_FP8_ACCUMULATION", "sloppy", "expected one of precise, fast")])
+                                                 ("MOEKIT_FP8_ACCUMULATION", "sloppy", "expected one of precise, fast"),
+                                                 ("MOEKIT_BACKEND", "nonsense", "unknown backend 'nonsense'")])
 def test_a_bad_setting_is_an_error_naming_it(name, value, expected, capsys, monkeypatch):
     monkeypatch.setenv(name, value)
     code, out = info(capsys)

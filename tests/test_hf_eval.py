@@ -117,12 +117,53 @@ def test_eval_options_are_refused_before_the_model_loads(checkpoints, tmp_path, 
         # static scales need calibration text, which no flag gives: say so, and what to do instead
         ([bf16, "--scheme", "fp8-tensor-static"], "which moekit eval does not take; use --scheme fp8-tensor-dynamic"),
         ([fp8, "--out", str(tmp_path)], f"--out {tmp_path}: is a folder"),
-        ([fp8, "--out", str(a_file / "report.json")], "cannot write there"),
+        ([fp8, "--out", str(a_file / "report.json")], f"{a_file} is a file, not a folder"),
+        # an existing file (a report, or anything else) is replaced only when asked
+        ([fp8, "--out", str(a_file)], "the file exists; pass --overwrite to replace it"),
+        ([fp8, "--out", str(tmp_path / "new" / "sub" / "r.json"), "--text", str(tmp_path)], "is not a file"),
     ]
+    binary = tmp_path / "latin1.txt"
+    binary.write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    cases.append(([fp8, "--text", str(binary)], "not UTF-8 text"))
     for args, expected in cases:
         assert main(["eval", "--model", str(args[0]), *args[1:]]) == 2, args
         line = " ".join(one_line_error(capsys).split())
         assert expected in line, line
+    assert a_file.read_text() == "x"
+    assert not (tmp_path / "new").exists()  # refused input leaves no folder behind
+
+
+def test_eval_of_a_folder_that_does_not_load_is_one_line_and_leaves_no_folder(checkpoints, tmp_path, capsys):
+    """A folder without weights, or with a truncated safetensors file, ended in a traceback
+    (OSError, SafetensorError), after --out's folder had been created."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoints[0], broken)
+    for f in broken.glob("*.safetensors"):
+        f.write_bytes(f.read_bytes()[:64])
+    out = tmp_path / "reports" / "r.json"
+    assert main(["eval", "--model", str(broken), "--backends", "torch", "--out", str(out)]) == 2
+    line = " ".join(one_line_error(capsys).split())
+    assert f"--model {str(broken)!r}: cannot load the model" in line, line
+    assert not (tmp_path / "reports").exists()
+
+
+def test_eval_without_the_hf_extra_says_which_extra():
+    """Without transformers, moekit eval ended in a ModuleNotFoundError traceback. In a process of
+    its own, where transformers cannot be imported."""
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    script = ("import sys; sys.modules['transformers'] = None\n"
+              "from moekit.cli import main\nsys.exit(main(['eval', '--model', 'anywhere']))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr[-2000:]
+    assert "moekit eval needs transformers: pip install 'moekit[hf]'" in " ".join(done.stdout.split())
+    assert "Traceback" not in done.stdout + done.stderr
+
 
 
 def test_eval_quantizes_a_bf16_checkpoint_on_load(checkpoints, tmp_path):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -50,6 +49,7 @@ class EvalOptions:
     out: str | None = None
     device: str | None = None
     fused_routing: bool = False  # also run each backend with the routers fused (routers.py)
+    overwrite: bool = False  # replace an existing --out file
     argv: list[str] | None = None
 
 
@@ -100,23 +100,26 @@ def _check_scheme(name: str | None, folder: Path):
     return scheme
 
 
-def _check_out(out: str | None) -> Path | None:
-    """The report's path, proven writable now: not after the whole evaluation, losing it."""
+def _check_out(out: str | None, overwrite: bool = False) -> Path | None:
+    """The report's path, proven writable now (not after the whole evaluation, losing it) without
+    creating anything: the folders it needs are made when the report is written, so that bad
+    input or a model that fails to load leaves no folder behind. An existing file is replaced only
+    with --overwrite."""
     if not out:
         return None
     path = Path(out).expanduser()
     if path.is_dir():
         raise EvalInputError(f"--out {path}: is a folder; give the report's file name, e.g. {path / 'eval.json'}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=".moekit-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise EvalInputError(f"--out {path}: cannot write there ({e.strerror or e})") from None
+    if path.exists() and not overwrite:
+        raise EvalInputError(f"--out {path}: the file exists; pass --overwrite to replace it")
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise EvalInputError(f"--out {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise EvalInputError(f"--out {path}: cannot write there (no write permission in {existing})")
     return path
-
-
 
 
 def _plan_backends(requested, weights, device, dtype) -> list[str]:
@@ -197,8 +200,14 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
     scheme = _check_scheme(opts.scheme, folder)
     text_path = Path(opts.text) if opts.text else DEFAULT_TEXT
     if not text_path.is_file():
-        raise EvalInputError(f"--text {str(text_path)!r}: no such file")
-    text = text_path.read_text(encoding="utf-8")
+        why = "is not a file" if text_path.exists() else "no such file"
+        raise EvalInputError(f"--text {str(text_path)!r}: {why}")
+    try:
+        text = text_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise EvalInputError(f"--text {str(text_path)!r}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise EvalInputError(f"--text {str(text_path)!r}: cannot read it ({e.strerror or e})") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as e:
@@ -206,7 +215,7 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
     ids = torch.tensor(tokenizer(text).input_ids[: opts.max_tokens], dtype=torch.long)
     if ids.numel() < 2:
         raise EvalInputError(f"{text_path}: fewer than 2 tokens to score")
-    out = _check_out(opts.out)  # last: bad input above leaves no folder behind
+    out = _check_out(opts.out, opts.overwrite)  # creates nothing: the report's folders come with it
 
     device = _device(opts)
     kwargs = {"device_map": str(device)} if device.type == "cuda" else {}
@@ -214,6 +223,9 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
         model = mh.from_pretrained(folder, backend="reference", scheme=scheme, **kwargs)
     except (UnsupportedModelError, ExpertsError) as e:  # a model moekit cannot run, named with the reason
         raise EvalInputError(" ".join(str(e).split())) from None
+    except Exception as e:  # noqa: BLE001 - no weights, a truncated safetensors file ...: one line, not a traceback
+        raise EvalInputError(f"--model {opts.model!r}: cannot load the model ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())})") from None
     model.to(device)
     modules = mh.experts_modules(model)
     first = next(iter(modules.values())).moe_weights()

@@ -145,12 +145,16 @@ def _finish(plan: TunePlan, console, device_names: list[str]) -> tuple[list[Path
                 print_wide(console, summary_table(f"{p.label} on {name}", shown, backend_doc))
             for note in notes:
                 console.print(f"  {note}", highlight=False, soft_wrap=True)
-            missing = uncovered(by_size, plan.batch_sizes, p.backends)
+            missing = uncovered(by_size, plan.batch_sizes, p.backends, searched=plan.search_space != "none")
             between = {j["batch_size"]: j for j in journals if j["batch_size"] in plan.between}
             if between:
                 console.print(f"  between: {between_summary(between, backend_doc)}", highlight=False, soft_wrap=True)
             missing += uncovered_between(between, plan.between, ["triton", *p.backends])
             not_covered += [f"{p.label}: {line}" for line in missing]
+    if plan.search_space == "none":
+        console.print("no search ran (--search-space none): the triton configs are those earlier runs left in "
+                      f"{plan.out_dir}, or the default config where there are none; --search-space pruned searches",
+                      highlight=False, soft_wrap=True)
     if not_covered:
         console.print("[yellow]not covered[/] (rerun the same command, or with a larger --budget, to continue):")
         for line in not_covered:

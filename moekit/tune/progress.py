@@ -158,8 +158,11 @@ def summary_table(title: str, journals: list[dict], backend_doc: dict | None) ->
     return table
 
 
-def uncovered(journals_by_size: dict[int, dict], batch_sizes: list[int], backends: list[str]) -> list[str]:
-    """What was asked for and not measured, one line per batch size."""
+def uncovered(journals_by_size: dict[int, dict], batch_sizes: list[int], backends: list[str],
+              searched: bool = True) -> list[str]:
+    """What was asked for and not measured, one line per batch size. `searched=False`
+    (--search-space none): the search was not asked for, so an absent or partial one is not
+    listed (rerunning the same command would never add it)."""
     lines = []
     for M in batch_sizes:
         j = journals_by_size.get(M)
@@ -171,7 +174,9 @@ def uncovered(journals_by_size: dict[int, dict], batch_sizes: list[int], backend
             missing.append("default config")
         missing += [name for name in backends if name not in j["backends"]]
         search = j.get("search")
-        if search is None:
+        if not searched:
+            pass
+        elif search is None:
             missing.append("the search")
         elif not search.get("complete"):
             timed = sum(1 for v in j["configs"].values() if not KernelConfig.from_dict(v["config"]).has_gemm2)
