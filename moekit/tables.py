@@ -172,8 +172,21 @@ def search_dirs(kind: Kind) -> list[Path]:
     if kind not in KINDS:
         raise ValueError(f"unknown table kind {kind!r}; expected one of {KINDS}")
     # read through moekit.env, the same read that keys `memoized`, so both see one environment
-    user = [Path(p) / kind for p in (env.get(CONFIG_DIR_ENV) or "").split(os.pathsep) if p]
-    return user + [SHIPPED_ROOT / kind]
+    roots = [Path(p) for p in (env.get(CONFIG_DIR_ENV) or "").split(os.pathsep) if p]
+    for root in roots:
+        _warn_if_missing(root)
+    return [root / kind for root in roots] + [SHIPPED_ROOT / kind]
+
+
+_missing_warned: set[Path] = set()
+
+
+def _warn_if_missing(root: Path) -> None:
+    """A MOEKIT_CONFIG_DIR folder that does not exist (a typo) is said once per process: its
+    tables would otherwise be passed over in silence."""
+    if root not in _missing_warned and not root.is_dir():
+        _missing_warned.add(root)
+        log.warning("%s names %s, which is not a folder: no tuned tables are read from it", CONFIG_DIR_ENV, root)
 
 
 def find_tables(

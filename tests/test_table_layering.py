@@ -184,3 +184,16 @@ def test_select_names_the_file_the_times_used_were_measured_in(tmp_path):
     device = DeviceSpec.from_name(H100)
     assert select.select_backend(SHAPE, FP8, device, torch.bfloat16, 4096).detail.startswith(f"{theirs}: measured at M=4096")
     assert select.select_backend(SHAPE, FP8, device, torch.bfloat16, 2).detail.startswith(f"{mine}: measured at M=2")
+
+
+def test_a_config_dir_that_is_not_a_folder_is_said_once(tmp_path, monkeypatch, caplog):
+    """A mistyped MOEKIT_CONFIG_DIR was passed over in silence: the tuned tables never read."""
+    monkeypatch.setattr(tables, "_missing_warned", set())
+    typo, real = tmp_path / "tunde", tmp_path / "tuned"
+    real.mkdir()
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, f"{typo}:{real}")
+    with caplog.at_level("WARNING", logger="moekit.tables"):
+        for kind in tables.KINDS:
+            assert tables.search_dirs(kind)[:2] == [typo / kind, real / kind]
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"MOEKIT_CONFIG_DIR names {typo}, which is not a folder: no tuned tables are read from it"]
