@@ -237,6 +237,8 @@ def cmd_warmup(args) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if args.batch_sizes and args.max_batch_size is not None:
         raise UsageError("give --max-batch-size (every size from 1 to it) or --batch-sizes, not both")
+    if args.max_batch_size is not None and args.max_batch_size < 1:
+        raise UsageError(f"--max-batch-size must be a positive integer, got {args.max_batch_size}")
     try:
         listed = parse_batch_sizes(args.batch_sizes, ()) if args.batch_sizes else None
         sizes = batch_sizes_to_warm(None if listed else (8192 if args.max_batch_size is None else args.max_batch_size), listed)

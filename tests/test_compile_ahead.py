@@ -406,7 +406,7 @@ def test_cli_refuses_without_a_gpu(capsys):
     (["--model", "glm-4.5v-fp8", "--batch-sizes", "x"], "--batch-sizes: 'x' is not an integer"),
     (["--model", "glm-4.5v-fp8", "--max-batch-size", str(MAX_WARMUP_BATCH + 1)], f"above {MAX_WARMUP_BATCH}"),
     (["--model", "glm-4.5v-fp8", "--tp", "0"], "--tp must be a positive integer"),
-    (["--model", "glm-4.5v-fp8", "--max-batch-size", "0"], "max_batch_size must be a positive integer, got 0"),
+    (["--model", "glm-4.5v-fp8", "--max-batch-size", "0"], "--max-batch-size must be a positive integer, got 0"),
     (["--model", "glm-4.5v-fp8", "--scheme", "nope"], "unknown quantization scheme 'nope'"),
     (["--model", "qwen3-30b-a3b-fp8", "--tp", "4"], "multiple of 128"),  # block scales, N = 192 per GPU
     (["--model", "glm-4.5v-fp8", "--batch-sizes", "8", "--max-batch-size", "64"], "not both"),
