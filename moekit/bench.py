@@ -48,7 +48,7 @@ from .api import fused_moe, validate_inputs, weight_input
 from .backends.reference import reference_moe
 from .backends import backend_names, get_backend
 from .models import ModelSpec, get_model
-from .select import ENV_VAR, select_backend
+from .select import ENV_VAR, BackendUnavailableError, select_backend
 from .spec import MoEShape, QuantScheme, get_scheme
 from .timing import DEFAULT_REPS, DEFAULT_WARMUP, DEFAULT_ROUNDS, FLUSH_WITH, Timing, time_graphs
 from .weights import MoEWeights, quantize_weights
@@ -137,7 +137,7 @@ def parse_batch_sizes(values: Sequence[str] | None, default: Sequence[int]) -> l
                 raise BenchInputError(f"--batch-sizes: {size} is not a positive integer")
             if size > MAX_BATCH_SIZE:
                 raise BenchInputError(f"--batch-sizes: {size} is above {MAX_BATCH_SIZE}, the largest batch size "
-                                      "moekit measures (moekit.bench.MAX_BATCH_SIZE)")
+                                      "moekit takes (moekit.bench.MAX_BATCH_SIZE)")
             if size not in sizes:
                 sizes.append(size)
     if not sizes:
@@ -884,8 +884,13 @@ def check_gemm_only(plan: BackendPlan, problems, batch_sizes, device, dtype) -> 
     exited 0."""
     for p in problems:
         for name in plan.per_problem[p.name]:
-            chosen = ({select_backend(p.shape, p.scheme, device, dtype, M, "auto").backend for M in batch_sizes}
-                      if name == "auto" else {name})
+            if name == "auto":
+                try:
+                    chosen = {select_backend(p.shape, p.scheme, device, dtype, M, "auto").backend for M in batch_sizes}
+                except (BackendUnavailableError, ValueError):
+                    return  # auto cannot choose here (MOEKIT_BACKEND naming one that cannot run): its rows say why
+            else:
+                chosen = {name}
             if any(getattr(get_backend(c), GEMM_ONLY_HOOK, None) is not None for c in chosen):
                 return
     with_mode = [n for n in backend_names() if getattr(get_backend(n), GEMM_ONLY_HOOK, None) is not None]

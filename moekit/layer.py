@@ -363,10 +363,14 @@ class MoELayer(HandleOwner, torch.nn.Module):
                 f"(expected shape [..., {self.num_experts}], got {tuple(logits.shape)})"
             )
         tokens = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else None
-        if logits.shape[:-1] != x.shape[:-1] and not (logits.dim() == 2 and logits.shape[0] == tokens):
+        rows = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
+        # one side flat ([M, H] or [M, E]) with as many tokens: the same rows in the same order;
+        # both with leading dimensions: the same ones ([S, B] logits of [B, S] x would misroute)
+        flat = (logits.dim() == 2 or x.dim() == 2) and rows == tokens
+        if logits.shape[:-1] != x.shape[:-1] and not flat:
             raise ValueError(
-                f"router_logits {tuple(logits.shape)} does not match x {tuple(x.shape)}: expected "
-                f"{tuple(x.shape[:-1]) + (self.num_experts,)} (or [{tokens}, {self.num_experts}])"
+                f"router_logits {tuple(logits.shape)} does not match x {tuple(x.shape)}: expected the same "
+                f"leading dimensions, {tuple(x.shape[:-1]) + (self.num_experts,)}, or [{tokens}, {self.num_experts}]"
             )
         return logits
 

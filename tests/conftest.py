@@ -84,3 +84,11 @@ def interpreter_asserts(monkeypatch):
     from helpers import interpreter_asserts_on
 
     interpreter_asserts_on(monkeypatch)
+
+
+@pytest.fixture
+def interpret_switchable(monkeypatch):
+    """For tests of how TRITON_INTERPRET is read, which set it after moekit was imported: moekit
+    refuses that (env.interpreting: the kernels were defined one way for good), so the record of
+    how they were defined is cleared for the test. No kernel may run in such a test."""
+    monkeypatch.setattr(_moekit_env, "_KERNELS_INTERPRETED", None)

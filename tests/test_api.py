@@ -256,7 +256,7 @@ def test_narrow_ids_keeps_every_id_in_range_and_marks_the_rest():
 
 @pytest.mark.parametrize("value,expected", [("1", True), ("0", False), ("", False), ("off", False),
                                             ("true", True), ("TRUE", True), ("on", True)])
-def test_one_reading_of_triton_interpret(monkeypatch, value, expected):
+def test_one_reading_of_triton_interpret(monkeypatch, value, expected, interpret_switchable):
     """The glue read TRITON_INTERPRET as anything but "" / "0", the triton backend's launch steps
     as exactly "1": with "yes" the glue launched interpreted kernels that the backend's supports()
     said could not run. Then "true", which Triton reads as on, made moekit launch interpreted

@@ -418,6 +418,19 @@ def test_a_bad_triton_setting_is_refused_before_anything_runs(name, value, expec
     assert not out.exists()
 
 
+def test_gemm_mode_with_auto_forced_to_a_backend_that_cannot_run_reports_the_row(tmp_path, tiny_config, monkeypatch):
+    """--mode gemm's check of what can be timed asked auto for its choice, and the refusal of
+    MOEKIT_BACKEND=cutlass (it cannot run block FP8, nor anything on the CPU) ended the run in a
+    traceback; the auto row says it, as before the check."""
+    monkeypatch.setenv("MOEKIT_BACKEND", "cutlass")
+    out = tmp_path / "o"
+    main(["bench", "--model", PRESET, "--mode", "gemm", "--backends", "auto", "--batch-sizes", "1", "--no-plots",
+          "--out", str(out), *FAST])
+    _, rows = read_csv(out / "bench.csv")
+    auto = [r for r in rows if r["backend"] == "auto"]
+    assert len(auto) == 1 and "BackendUnavailableError: backend 'cutlass' (from MOEKIT_BACKEND=cutlass)" in auto[0]["note"]
+
+
 def test_repeated_list_flags_add_up():
     """--batch-sizes 1 --batch-size 3 ran only M = 3, --backends a --backends b only b."""
     from moekit.cli import build_parser

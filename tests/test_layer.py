@@ -127,8 +127,13 @@ def test_router_logits_must_cover_the_layers_experts_and_match_x():
     for columns in (E - 1, E + 1):
         with pytest.raises(ValueError, match=rf"router_logits has {columns} columns but this layer routes over {E} experts"):
             layer(x, torch.randn(6, columns))
-    with pytest.raises(ValueError, match=r"router_logits \(3, 2, 8\) does not match x \(2, 3, 128\)"):
+    with pytest.raises(ValueError, match=r"router_logits \(3, 2, 8\) does not match x \(2, 3, 128\): expected the "
+                                         r"same leading dimensions, \(2, 3, 8\), or \[6, 8\]"):
         layer(x.view(2, 3, H), logits.view(3, 2, E))
+    with pytest.raises(ValueError, match=r"router_logits \(5, 8\) does not match x \(6, 128\)"):
+        layer(x, logits[:5])
+    # one side flat with as many tokens: the same rows, taken (flat x with [B, S, E] logits ran before)
+    assert torch.equal(layer(x, logits.view(2, 3, E)), layer(x, logits))
     with pytest.raises(ValueError, match="router_logits must be a tensor"):
         layer(x, torch.tensor(1.0))
     # [M, E] logits of an x with leading dimensions: as many tokens, taken

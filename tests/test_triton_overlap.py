@@ -77,7 +77,7 @@ def test_overlap_is_gemm1s_alone_and_keeps_its_key():
         config_from_key("M64-N128-K128-G8-w8-s4-overlap")
 
 
-def test_overlapped_kernel_runs_only_where_it_can(monkeypatch):
+def test_overlapped_kernel_runs_only_where_it_can(monkeypatch, interpret_switchable):
     """Hopper, the 1x128-group output (OUT_MODE 3), whole K steps, enough of them, never under
     the interpreter; elsewhere the Triton kernel runs the same tile."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -199,7 +199,7 @@ def test_overlap2_keeps_its_key():
     assert "OVERLAP2" not in TILE.to_dict()  # tables of configs without it stay as they were
 
 
-def test_overlapped_gemm2_runs_only_where_it_can(monkeypatch):
+def test_overlapped_gemm2_runs_only_where_it_can(monkeypatch, interpret_switchable):
     """Hopper, the FP8 intermediate with 1x128 group scales (A_MODE 4), whole K steps of the
     intermediate, enough of them, 16-byte aligned rows, never under the interpreter."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -117,7 +117,7 @@ def _check_out(out: str | None, overwrite: bool = False) -> Path | None:
         existing = existing.parent
     if not existing.is_dir():
         raise EvalInputError(f"--out {path}: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    if not os.access(existing, os.W_OK | os.X_OK):  # the report is written beside, then renamed over
         raise EvalInputError(f"--out {path}: cannot write there (no write permission in {existing})")
     return path
 
@@ -185,6 +185,8 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
     import moekit.hf as mh
     from transformers import AutoTokenizer
 
+    from safetensors import SafetensorError
+
     from .experts import ExpertsError
     from .families import UnsupportedModelError
     from .routers import fuse_routers, routers_to_fuse, unfuse_routers
@@ -223,7 +225,7 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
         model = mh.from_pretrained(folder, backend="reference", scheme=scheme, **kwargs)
     except (UnsupportedModelError, ExpertsError) as e:  # a model moekit cannot run, named with the reason
         raise EvalInputError(" ".join(str(e).split())) from None
-    except Exception as e:  # noqa: BLE001 - no weights, a truncated safetensors file ...: one line, not a traceback
+    except (OSError, ValueError, SafetensorError) as e:  # no weights, a truncated safetensors file ...
         raise EvalInputError(f"--model {opts.model!r}: cannot load the model ({type(e).__name__}: "
                              f"{' '.join(str(e).split())})") from None
     model.to(device)
