@@ -90,7 +90,10 @@
 #        test_after_warmup_the_glue_compiles_nothing), the GEMV path's GEMM2 on a launch and depth of
 #        its own and its pipelined K loops (test_triton_gemv.py -k "pipelined or own", and its gpu_ tests),
 #        x quantized in chunks of columns (test_triton_backend.py -k chunks_of_columns). Not yet run
-#        on a GPU: the tuner's decision timing per flush method (test_tune.py). Run test_triton_gemv.py
+#        on a GPU: the tuner's decision timing per flush method (test_tune.py); the thirty-sixth
+#        session's input checks and the refusal of TRITON_INTERPRET set after import, whose tests of
+#        the variable's reading now clear that record (test_api.py, test_layer.py,
+#        test_weights_validation.py, test_triton_overlap.py -k runs_only_where). Run test_triton_gemv.py
 #        with -k filters: unfiltered it passes one call's time. Not
 #        part of `all`. PENDING_TESTS ("test_routing_kernel test_api", say) picks files: all of
 #        them may not fit one call.
@@ -250,7 +253,8 @@ if [[ " ${steps[*]} " == *" pending "* ]]; then
   # (PENDING_TESTS="test_a test_b" runs only those: split the list over calls of the device tool)
   for f in ${PENDING_TESTS:-test_routing_kernel test_glue_id_check test_nan_propagation test_routing test_layer \
            test_glue test_torch_backend test_cutlass_gpu test_triton_id_check test_api test_hf_routers \
-           test_compile_ahead test_hf_compile_ahead test_timing test_tune test_triton_gemv}; do
+           test_compile_ahead test_hf_compile_ahead test_timing test_tune test_triton_gemv test_weights_validation \
+           test_triton_overlap}; do
     python3 -m pytest -q -p no:cacheprovider "tests/$f.py" "${pytest_args[@]}" >"$WORK/pending_$f.log" 2>&1 || status=1
     tail -n 3 "$WORK/pending_$f.log"
   done
