@@ -878,6 +878,10 @@ def _validate(opts: BenchOptions, device: torch.device) -> _Plan:
     return _Plan(problems, batch_sizes, plan, baseline, dtype, device, routing_kind, recorded, out_dir, created, columns)
 
 
+def _has_gemm_only(name: str) -> bool:
+    return getattr(get_backend(name), GEMM_ONLY_HOOK, None) is not None
+
+
 def check_gemm_only(plan: BackendPlan, problems, batch_sizes, device, dtype) -> None:
     """BenchInputError where --mode gemm would time nothing: no backend to run (auto by what it
     chooses at each batch size) has a GEMM-only mode. Such a run wrote a table of "n/a" rows and
@@ -891,9 +895,9 @@ def check_gemm_only(plan: BackendPlan, problems, batch_sizes, device, dtype) -> 
                     return  # auto cannot choose here (MOEKIT_BACKEND naming one that cannot run): its rows say why
             else:
                 chosen = {name}
-            if any(getattr(get_backend(c), GEMM_ONLY_HOOK, None) is not None for c in chosen):
+            if any(map(_has_gemm_only, chosen)):
                 return
-    with_mode = [n for n in backend_names() if getattr(get_backend(n), GEMM_ONLY_HOOK, None) is not None]
+    with_mode = [n for n in backend_names() if _has_gemm_only(n)]
     ran = sorted({n for names in plan.per_problem.values() for n in names})
     raise BenchInputError(
         f"--mode gemm: none of the backends to run ({', '.join(ran)}) has a GEMM-only mode (those that do: "

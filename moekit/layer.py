@@ -363,7 +363,7 @@ class MoELayer(HandleOwner, torch.nn.Module):
                 f"(expected shape [..., {self.num_experts}], got {tuple(logits.shape)})"
             )
         tokens = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else None
-        rows = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
+        rows = logits.numel() // self.num_experts  # its last dimension, checked above
         # one side flat ([M, H] or [M, E]) with as many tokens: the same rows in the same order;
         # both with leading dimensions: the same ones ([S, B] logits of [B, S] x would misroute)
         flat = (logits.dim() == 2 or x.dim() == 2) and rows == tokens

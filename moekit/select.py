@@ -241,11 +241,19 @@ def environment_backend() -> str | None:
     variable where it names no backend: for the commands, which refuse it before they run."""
     name = _env_backend(env.raw(ENV_VAR))
     if name is not None:
-        try:
-            get_backend(name)
-        except ValueError as e:
-            raise ValueError(f"{ENV_VAR}={name!r}: {e}") from None
+        _check_name(name, "environment")
     return name
+
+
+def _check_name(name: str, source: str) -> None:
+    """get_backend's ValueError for a name that is no backend, saying MOEKIT_BACKEND where the
+    name came from there (source "environment"; "argument": as get_backend says it)."""
+    try:
+        get_backend(name)
+    except ValueError as e:
+        if source == "argument":
+            raise
+        raise ValueError(f"{ENV_VAR}={name!r}: {e}") from None
 
 
 def _resolver(shape, scheme, device, dtype, allow_weight_copies) -> "_Resolver":
@@ -377,12 +385,7 @@ class _Resolver:
     def named(self, name: str, source: str) -> Choice:
         choice = self._named.get((name, source))
         if choice is None:
-            try:
-                get_backend(name)  # unknown names raise, listing the valid ones
-            except ValueError as e:
-                if source == "argument":
-                    raise
-                raise ValueError(f"{ENV_VAR}={name!r}: {e}") from None
+            _check_name(name, source)  # unknown names raise, listing the valid ones
             detail = "backend argument" if source == "argument" else f"{ENV_VAR}={name}"
             if self.refused.get(name):
                 where = "argument" if source == "argument" else f"{ENV_VAR}={name}"

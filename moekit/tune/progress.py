@@ -174,11 +174,9 @@ def uncovered(journals_by_size: dict[int, dict], batch_sizes: list[int], backend
             missing.append("default config")
         missing += [name for name in backends if name not in j["backends"]]
         search = j.get("search")
-        if not searched:
-            pass
-        elif search is None:
+        if searched and search is None:
             missing.append("the search")
-        elif not search.get("complete"):
+        elif searched and not search.get("complete"):
             timed = sum(1 for v in j["configs"].values() if not KernelConfig.from_dict(v["config"]).has_gemm2)
             missing.append(f"part of the search ({timed} configs measured, {search['candidates']} candidates)")
         if best_config(j) is not None and not decision_is_current(j):
