@@ -427,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--max-batch-size", "--max-num-batched-tokens", dest="max_batch_size", type=int, default=None,
                       metavar="M", help="compile for every batch size (tokens) from 1 to M (default 8192; vLLM's "
                                         "--max-num-batched-tokens is the largest a step runs)")
-    warm.add_argument("--batch-sizes", nargs="+", action="extend", metavar="M", default=None,
+    warm.add_argument("--batch-sizes", "--batch-size", dest="batch_sizes", nargs="+", action="extend", metavar="M", default=None,
                       help="only these batch sizes (instead of 1 ... --max-batch-size)")
     warm.add_argument("--backend", default="auto",
                       help="as fused_moe's backend argument (default auto: the sizes it gives triton)")

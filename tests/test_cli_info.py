@@ -62,7 +62,7 @@ def test_vllm_spellings_of_tp_are_aliases(command, flag):
     assert int(parse(command, *model, flag, "4").tp) == 4
 
 
-@pytest.mark.parametrize("command", ["bench", "check", "tune"])
+@pytest.mark.parametrize("command", ["bench", "check", "tune", "warmup"])
 def test_batch_size_is_an_alias_of_batch_sizes(command):
     args = parse(command, "--model", "mixtral-8x7b", "--batch-size", "8", "64")
     assert args.batch_sizes == ["8", "64"]
