@@ -7,8 +7,8 @@ Per batch size prints µs per call of:
   - eager: `fused_moe(x, weights, tw, ids, backend=...)` called n times, one synchronize at the end
     (when the host is slower than the GPU, this is the host path: checks, selection, launches);
   - graph: the same call captured once and replayed n times (the GPU's time, no host path);
-  - host: the eager call with the GPU kept busy ahead of it (a long sleep kernel queued first),
-    so the wall time of the calls is the host's alone.
+  - host: 64 eager calls with the GPU kept busy ahead of them (a sleep kernel queued first), so
+    the wall time of the calls is the host's alone.
 `--profile` prints cProfile's top functions of the host path (cumulative) at the first size.
 No L2 flush: this measures the host, not the kernels (moekit bench does those).
 """
@@ -39,10 +39,14 @@ def per_call_us(fn, n: int) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def host_us(fn, n: int) -> float:
-    """Wall time of n calls issued while the GPU is still busy with a long sleep: the host's time."""
+HOST_CALLS = 64  # few enough that their launches fit CUDA's queue of pending launches (about 1024)
+
+
+def host_us(fn, n: int = HOST_CALLS) -> float:
+    """Wall time of n calls issued while the GPU is still busy with a sleep: the host's time. More
+    pending launches than the queue holds would make the host wait for the GPU (500 calls did)."""
     torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time at H100 clocks: longer than n calls
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time at Hopper clocks: longer than n calls
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
@@ -83,7 +87,7 @@ def main() -> None:
         for _ in range(20):
             call()
         eager = per_call_us(call, args.calls)
-        host = host_us(call, args.calls)
+        host = host_us(call)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             call()

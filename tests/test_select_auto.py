@@ -353,6 +353,26 @@ def test_described_capability_does_not_leak_to_real_devices():
     assert "needs a CUDA device, got cpu" in cpu["cutlass"]
 
 
+def test_device_capability_is_asked_of_torch_once_per_device(monkeypatch):
+    """The triton backend asks at every launch; torch's answer cost a sixth of an eager decode
+    layer's host time. Remembered per index; a described GPU (assume_capability) still wins."""
+    from moekit.backends import base
+
+    asked = []
+    monkeypatch.setattr(base, "_CAPABILITIES", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: asked.append(index) or (9, index))
+    assert device_capability(torch.device("cuda", 0)) == (9, 0)
+    assert device_capability(torch.device("cuda", 0)) == (9, 0)
+    assert device_capability(torch.device("cuda")) == (9, 1)  # the current device's, not index 0's
+    assert device_capability(torch.device("cuda", 1)) == (9, 1)
+    assert asked == [0, 1]
+    with base.assume_capability((8, 9)):
+        assert device_capability(torch.device("cuda", 0)) == (8, 9)
+    assert device_capability(torch.device("cpu")) is None
+
+
 # ---------------------------------------------------------------------------------- the CLI
 
 GLM = dict(shape=MoEShape(128, 4096, 1408, 8, tp=2), scheme=FP8)  # glm-4.5v-fp8 at tp 2

@@ -68,7 +68,7 @@ def test_contiguous_copy_of_a_transposed_checkpoint_runs_right_on_triton():
     x = random_x(M, H)
     ref = moekit.fused_moe(x, w, tw, ids, "reference")
     if select_backend(w.shape(K), w.scheme, x.device, x.dtype, M).refused.get("triton"):
-        pytest.skip("triton cannot run here (no GPU, no TRITON_INTERPRET=1)")
+        pytest.skip("triton cannot run on these CPU tensors without TRITON_INTERPRET=1")
     out = moekit.fused_moe(x, w, tw, ids, "triton")
     # bf16 problem: triton rounds GEMM1's output, the intermediate and each pair's output to bf16
     # (2**-8 relative each) where reference keeps float32; three such roundings stay well under

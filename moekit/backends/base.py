@@ -118,12 +118,23 @@ def assume_capability(capability: tuple[int, int]):
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
-    """(major, minor) of a CUDA device, None for any other device."""
+    """(major, minor) of a CUDA device, None for any other device. Remembered per device index:
+    the triton backend asks at every kernel launch (launch.pdl_enabled), and torch's own answer
+    took about a sixth of an eager decode layer's host time on an H200 (BENCHMARKS.md,
+    thirty-seventh session)."""
     if device.type != "cuda":
         return None
     assumed = _assumed_capability.get()
     if assumed is not None:
         return assumed
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability(device)
+    index = device.index
+    if index is None or index not in _CAPABILITIES:
+        if not torch.cuda.is_available():
+            return None
+        index = torch.cuda.current_device() if index is None else index
+        if index not in _CAPABILITIES:
+            _CAPABILITIES[index] = tuple(torch.cuda.get_device_capability(index))
+    return _CAPABILITIES[index]
+
+
+_CAPABILITIES: dict[int, tuple[int, int]] = {}  # CUDA device index -> its compute capability
