@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemvstages|gemv2steps|gemv1reduce|gemv2input|parts|keepa|flush|quantchunks|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|timingmethods|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemvstages|gemv2steps|gemv1reduce|gemv2input|parts|keepa|flush|quantchunks|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|timingmethods|host|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points (BENCHMARKS.md, Reference points): the expert GEMMs alone
@@ -89,11 +89,12 @@
 #        H100 in the thirty-first: the glue's warmup (test_compile_ahead.py's
 #        test_after_warmup_the_glue_compiles_nothing), the GEMV path's GEMM2 on a launch and depth of
 #        its own and its pipelined K loops (test_triton_gemv.py -k "pipelined or own", and its gpu_ tests),
-#        x quantized in chunks of columns (test_triton_backend.py -k chunks_of_columns). Not yet run
-#        on a GPU: the tuner's decision timing per flush method (test_tune.py); the thirty-sixth
-#        session's input checks and the refusal of TRITON_INTERPRET set after import, whose tests of
-#        the variable's reading now clear that record (test_api.py, test_layer.py,
-#        test_weights_validation.py, test_triton_overlap.py -k runs_only_where). Run test_triton_gemv.py
+#        x quantized in chunks of columns (test_triton_backend.py -k chunks_of_columns). Passed on an
+#        H200 in the thirty-seventh: the thirty-sixth session's input checks and the refusal of
+#        TRITON_INTERPRET set after import (test_api.py, test_layer.py, test_weights_validation.py;
+#        test_triton_overlap.py to 97% in 290 s: run it alone). Not yet run on a GPU: the tuner's
+#        decision timing per flush method (test_tune.py); device_capability remembered per device
+#        (test_select_auto.py -k capability). Run test_triton_gemv.py
 #        with -k filters: unfiltered it passes one call's time. Not
 #        part of `all`. PENDING_TESTS ("test_routing_kernel test_api", say) picks files: all of
 #        them may not fit one call.
@@ -112,6 +113,9 @@
 #        deepseek-v3" for all three anchor models) up to M = 8192, twice: the first compiles (a
 #        fresh machine: Triton's on-disk cache empty), the second finds every kernel on disk (a
 #        new process); how long each takes. Not part of `all`.
+# host:  scripts/bench_eager.py --profile (a GLM-4.5V layer called eagerly against its CUDA-graph
+#        replay, and cProfile of the host path) and scripts/bench_select.py (choosing a backend,
+#        fused_moe around a do-nothing backend, route); not part of `all`.
 # timingmethods: scripts/diag_timing_methods.py: the two ways of taking the L2 flush out of a
 #        sample (an event between flush and replay, the harness's since the twenty-sixth session;
 #        flush + replay less the flushes timed apart, before), on a tiny kernel and the layer at
@@ -254,7 +258,7 @@ if [[ " ${steps[*]} " == *" pending "* ]]; then
   for f in ${PENDING_TESTS:-test_routing_kernel test_glue_id_check test_nan_propagation test_routing test_layer \
            test_glue test_torch_backend test_cutlass_gpu test_triton_id_check test_api test_hf_routers \
            test_compile_ahead test_hf_compile_ahead test_timing test_tune test_triton_gemv test_weights_validation \
-           test_triton_overlap}; do
+           test_triton_overlap test_select_auto}; do
     python3 -m pytest -q -p no:cacheprovider "tests/$f.py" "${pytest_args[@]}" >"$WORK/pending_$f.log" 2>&1 || status=1
     tail -n 3 "$WORK/pending_$f.log"
   done
@@ -317,6 +321,12 @@ if [[ " ${steps[*]} " == *" warmup "* ]]; then
       echo "warmup $pass $model: $((SECONDS - start)) s wall, Python start-up included"
     done
   done
+fi
+if [[ " ${steps[*]} " == *" host "* ]]; then
+  python3 scripts/bench_eager.py --profile 2>&1 | tee "$WORK/bench_eager.log"
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+  python3 scripts/bench_select.py 2>&1 | tee "$WORK/bench_select.log"
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ " ${steps[*]} " == *" timingmethods "* ]]; then
   python3 scripts/diag_timing_methods.py --json "$WORK/timing_methods.json" || status=1

@@ -120,8 +120,9 @@ def assume_capability(capability: tuple[int, int]):
 def device_capability(device: torch.device) -> tuple[int, int] | None:
     """(major, minor) of a CUDA device, None for any other device. Remembered per device index:
     the triton backend asks at every kernel launch (launch.pdl_enabled), and torch's own answer
-    took about a sixth of an eager decode layer's host time on an H200 (BENCHMARKS.md,
-    thirty-seventh session)."""
+    (torch.cuda.is_available, get_device_capability, get_device_properties) held 12% of an eager
+    GLM-4.5V decode call's host path in cProfile on an H200 host (BENCHMARKS.md, thirty-seventh
+    session; the gain itself not yet timed)."""
     if device.type != "cuda":
         return None
     assumed = _assumed_capability.get()
