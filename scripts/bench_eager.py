@@ -8,8 +8,13 @@ Per batch size prints µs per call of:
     (when the host is slower than the GPU, this is the host path: checks, selection, launches);
   - graph: the same call captured once and replayed n times (the GPU's time, no host path);
   - host: 64 eager calls with the GPU kept busy ahead of them (a sleep kernel queued first), so
-    the wall time of the calls is the host's alone.
-`--profile` prints cProfile's top functions of the host path (cumulative) at the first size.
+    the wall time of the calls is the host's alone; nan where the sleep had ended by the last
+    call (the calls waited for the GPU somewhere, and the reading would include that).
+`--profile` prints cProfile's top functions of the host path (cumulative) at each size where an
+eager call took over 1.5x its replay (where the GPU is the slower side, a profile would count the
+wait for it as launch time). M = 1 runs the GEMV path's three launches, M = 8-64 the tiled path's
+four or five, whose eager calls took about twice as long per call on an H200 (BENCHMARKS.md,
+thirty-seventh session).
 No L2 flush: this measures the host, not the kernels (moekit bench does those).
 """
 
@@ -51,8 +56,9 @@ def host_us(fn, n: int = HOST_CALLS) -> float:
     for _ in range(n):
         fn()
     elapsed = time.perf_counter() - t0
+    still_busy = not torch.cuda.current_stream().query()  # else the calls waited for the GPU: no reading
     torch.cuda.synchronize()
-    return elapsed / n * 1e6
+    return elapsed / n * 1e6 if still_busy else float("nan")
 
 
 def main() -> None:
@@ -77,7 +83,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {spec.name} {shape.describe()} "
           f"{scheme.name}, backend {args.backend}")
     print(f"{'M':>6} {'eager us/call':>14} {'host us/call':>13} {'graph us/call':>14}")
-    for i, M in enumerate(args.batch_sizes):
+    for M in args.batch_sizes:
         x = torch.randn(M, shape.hidden, device=device, dtype=torch.bfloat16)
         tw, ids = moekit.route(torch.randn(M, shape.num_experts, device=device), shape.top_k)
 
@@ -93,14 +99,14 @@ def main() -> None:
             call()
         replay = per_call_us(graph.replay, args.calls)
         print(f"{M:>6} {eager:>14.1f} {host:>13.1f} {replay:>14.1f}")
-        if args.profile and i == 0:
+        if args.profile and eager > 1.5 * replay:
             profile = cProfile.Profile()
             profile.enable()
             for _ in range(args.calls):
                 call()
             profile.disable()
             torch.cuda.synchronize()
-            pstats.Stats(profile).sort_stats("cumulative").print_stats(30)
+            pstats.Stats(profile).sort_stats("cumulative").print_stats(25)
 
 
 if __name__ == "__main__":

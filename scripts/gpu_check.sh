@@ -113,7 +113,8 @@
 #        deepseek-v3" for all three anchor models) up to M = 8192, twice: the first compiles (a
 #        fresh machine: Triton's on-disk cache empty), the second finds every kernel on disk (a
 #        new process); how long each takes. Not part of `all`.
-# host:  scripts/bench_eager.py --profile (a GLM-4.5V layer called eagerly against its CUDA-graph
+# host:  scripts/bench_eager.py --profile (HOST_ARGS: its other arguments, default
+#        "--batch-sizes 1 8 64 1024"; a GLM-4.5V layer called eagerly against its CUDA-graph
 #        replay, and cProfile of the host path) and scripts/bench_select.py (choosing a backend,
 #        fused_moe around a do-nothing backend, route); not part of `all`.
 # timingmethods: scripts/diag_timing_methods.py: the two ways of taking the L2 flush out of a
@@ -323,7 +324,7 @@ if [[ " ${steps[*]} " == *" warmup "* ]]; then
   done
 fi
 if [[ " ${steps[*]} " == *" host "* ]]; then
-  python3 scripts/bench_eager.py --profile 2>&1 | tee "$WORK/bench_eager.log"
+  python3 scripts/bench_eager.py ${HOST_ARGS:---batch-sizes 1 8 64 1024} --profile 2>&1 | tee "$WORK/bench_eager.log"
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   python3 scripts/bench_select.py 2>&1 | tee "$WORK/bench_select.log"
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
