@@ -233,16 +233,49 @@ def check_intermediate(scheme: QuantScheme, N: int) -> None:
         )
 
 
+def _unreadable(t: torch.Tensor) -> bool:
+    """Whether a tensor's values cannot be read on the host now: while a CUDA graph is being
+    captured (a MoELayer rebuilding its weights in a captured forward; a host read would break
+    the capture), or a tensor without values (meta, torch.compile's fakes)."""
+    return t.is_meta or torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def _host_value(t: torch.Tensor) -> float | None:
-    """A one-element tensor's value read on the host, or None where it cannot be read now: while
-    a CUDA graph is being captured (a MoELayer rebuilding its weights in a captured forward; a
-    host read would break the capture), or a tensor without values (meta, torch.compile's fakes)."""
-    if t.is_meta or torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+    """A one-element tensor's value read on the host, or None where it cannot be read now
+    (_unreadable)."""
+    if _unreadable(t):
         return None
     try:
         return float(t)
     except RuntimeError:  # a traced or fake tensor: no value to read
         return None
+
+
+def _not_a_scale(t: torch.Tensor) -> torch.Tensor:
+    return ~((t >= 0) & (t < float("inf")))  # NaN fails both compares
+
+
+def _check_weight_scale_values(w: MoEWeights) -> None:
+    """ValueError where a weight scale is NaN, infinite or negative: every output channel it
+    scales would be NaN or garbage, with no error anywhere else (no FP8 quantizer writes such a
+    scale; a checkpoint read with the wrong dtype or offset does). Zero is allowed: a channel of
+    zero weights. One host read for both tensors, once per construction (a layer's weights are
+    made at load, or rebuilt at the first call after one); skipped where nothing can be read
+    (_unreadable)."""
+    scales = {name: getattr(w, name) for name in ("w13_scale", "w2_scale")}
+    if any(_unreadable(t) for t in scales.values()):
+        return
+    try:
+        bad = torch.stack([_not_a_scale(t).sum() for t in scales.values()]).tolist()
+    except RuntimeError:  # a traced or fake tensor: no value to read
+        return
+    for (name, t), count in zip(scales.items(), bad):
+        if count:
+            index = tuple(torch.nonzero(_not_a_scale(t))[0].tolist())
+            raise ValueError(
+                f"MoEWeights.{name} has {count} value(s) that are NaN, infinite or negative, e.g. "
+                f"{float(t[index])} at {index}; weight scales must be finite and at least 0"
+            )
 
 
 def _validate(w: MoEWeights) -> None:
@@ -282,6 +315,7 @@ def _validate_scales(w: MoEWeights, s, E: int, N: int, H: int, device) -> None:
         if t is None:
             raise ValueError(f"scheme {s.name} has FP8 weights, so MoEWeights.{name} is required")
         _check_tensor(name, t, (torch.float32,), quant.weight_scale_shape(s.weight, E, rows, cols), device)
+    _check_weight_scale_values(w)
     for name in ("a13_scale", "a2_scale"):
         t = getattr(w, name)
         if s.static_activation:

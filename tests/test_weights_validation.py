@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import random_routing, random_weights, random_x, rel_l2
@@ -334,6 +336,33 @@ def test_static_activation_scales_must_be_positive_and_finite():
         with pytest.raises(ValueError, match="MoEWeights.a13_scale must be positive and finite"):
             moekit.MoEWeights.from_fp8("fp8-tensor-static", w.w13, w.w2, w.w13_scale, w.w2_scale,
                                        torch.tensor([bad]), w.a2_scale)
+
+
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES if SCHEMES[s].is_fp8])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])
+def test_weight_scales_that_are_nan_infinite_or_negative_are_refused(scheme, bad):
+    """A NaN or infinite weight scale made its channels' outputs NaN on every backend with no
+    error (a checkpoint read with the wrong dtype gives such values). Refused at construction and
+    on assignment, naming the tensor, the count and where; the old scale kept. Zero stays
+    allowed (a channel of zero weights)."""
+    w = random_weights(3, 256, 128, scheme, seed=10)  # block scales need N a multiple of 128
+    for name in ("w13_scale", "w2_scale"):
+        scale = getattr(w, name).clone()
+        last = tuple(d - 1 for d in scale.shape)
+        scale[last] = bad
+        with pytest.raises(ValueError, match=rf"MoEWeights.{name} has 1 value\(s\) that are NaN, infinite or negative.*at {re.escape(str(last))}"):
+            moekit.MoEWeights.from_fp8(scheme, w.w13, w.w2, **{**_scales(w), name: scale})
+        old = getattr(w, name)
+        with pytest.raises(ValueError, match=name):
+            setattr(w, name, scale)
+        assert getattr(w, name) is old
+        scale[last] = 0.0
+        setattr(w, name, scale)  # a zero scale is taken
+        assert getattr(w, name) is scale
+
+
+def _scales(w) -> dict:
+    return {k: getattr(w, k) for k in ("w13_scale", "w2_scale", "a13_scale", "a2_scale")}
 
 
 def test_quantize_weights_refuses_arguments_it_would_ignore():
