@@ -433,16 +433,17 @@ def _calibrate(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor) -> tuple[to
 
 
 def empty_weights(shape: MoEShape, scheme: QuantScheme, device: torch.device, dtype: torch.dtype) -> MoEWeights:
-    """Weights with the shapes and dtypes of the scheme, contents undefined (never read; the static
-    activation scales ones, which MoEWeights checks)."""
+    """Weights with the shapes and dtypes of the scheme, the weights' contents undefined (never
+    read); every scale ones, as MoEWeights checks scales' values (finite, not negative; the static
+    activation scales positive): memory left as it was can hold anything."""
     E, H, N = shape.num_experts, shape.hidden, shape.n
     wdtype = torch.float8_e4m3fn if scheme.is_fp8 else dtype
     tensors = {"w13": torch.empty(E, 2 * N, H, dtype=wdtype, device=device),
                "w2": torch.empty(E, H, N, dtype=wdtype, device=device)}
     if scheme.is_fp8:
-        tensors["w13_scale"] = torch.empty(quant.weight_scale_shape(scheme.weight, E, 2 * N, H), device=device)
-        tensors["w2_scale"] = torch.empty(quant.weight_scale_shape(scheme.weight, E, H, N), device=device)
-        if scheme.static_activation:  # ones: MoEWeights checks these two values (positive, finite)
+        tensors["w13_scale"] = torch.ones(quant.weight_scale_shape(scheme.weight, E, 2 * N, H), device=device)
+        tensors["w2_scale"] = torch.ones(quant.weight_scale_shape(scheme.weight, E, H, N), device=device)
+        if scheme.static_activation:
             tensors["a13_scale"] = torch.ones(1, device=device)
             tensors["a2_scale"] = torch.ones(1, device=device)
     return MoEWeights(scheme, **tensors)
