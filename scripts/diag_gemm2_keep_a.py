@@ -20,6 +20,8 @@ import itertools
 import torch
 
 from moekit.backends.triton import _kernels, launch
+from moekit.select import device_name
+from moekit.tables import normalize_device_name
 from moekit.timing import time_graphs
 from moekit.tune.space import HOPPER_SHARED_MEMORY, config_key, kept_a_shared_memory_bytes
 
@@ -126,7 +128,8 @@ def main():
                 continue
             print(f"  {t.median_us:9.1f} us (p20 {t.p20_us:.1f} p80 {t.p80_us:.1f})  {name}")
             results.append({"model": p.model, "tp": p.tp, "M": p.M, "what": "layer", "config": name,
-                            "us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us})
+                            "us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us,
+                            "device_name": normalize_device_name(device_name(dev))})  # ship_keepa.py checks it
         del act, align, a, a_scale
         torch.cuda.empty_cache()
     write_json(args.json, results)

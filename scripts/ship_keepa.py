@@ -8,6 +8,7 @@ For each measured point (model, tp, M) the diag timed the whole layer with the t
 ("table") and with its fastest kept launches, in the same rounds. Where the fastest kept launch
 took at least --min-gain less time than the table's, the table's entry that M reads (the nearest
 size, as the backend looks it up) gets that launch. Checks before anything is written:
+- the GPU the diag ran on (its rows' device_name, where the diag wrote one) is the table's;
 - the kept launch's GEMM1 is that entry's GEMM1 (else the diag ran another table, or the table
   changed since: the point is refused);
 - two points that read the same entry must agree on the launch;
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 
 from moekit.backends.triton.config import KernelConfig, nearest
-from moekit.tables import write_json_atomically
+from moekit.tables import parse_table_name, write_json_atomically
 from moekit.tune.space import config_from_key, config_key
 
 
@@ -95,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     points = layer_times(rows)
     if not points:
         raise SystemExit(f"{args.diag_json} has no whole-layer rows (what: layer)")
+    measured_on = {row["device_name"] for row in rows if isinstance(row, dict) and "device_name" in row}
+    named = parse_table_name(args.table.name)
+    if measured_on and (named is None or measured_on != {named["device_name"]}):
+        raise SystemExit(f"the diag ran on {', '.join(sorted(measured_on))} but {args.table.name} is "
+                         f"{named['device_name'] if named else 'not a table name'}'s table: nothing shipped")
     changes, lines, refused = plan(points, doc["configs"], args.min_gain)
     print("\n".join(lines))
     if args.write and changes and not args.note:

@@ -92,3 +92,16 @@ def test_inconsistent_runs_are_refused_and_nothing_is_written(tmp_path, table, c
     before = table.read_bytes()
     assert _run(tmp_path, table, rows, "--write", *extra) == 1
     assert says in capsys.readouterr().err and table.read_bytes() == before
+
+
+def test_a_run_on_another_gpu_is_refused(tmp_path, table):
+    """diag_gemm2_keep_a.py writes the GPU's name in its rows: a run on an H100 is not shipped into
+    the H200's table, even where the two tables' entries share a GEMM1."""
+    e256 = json.loads(table.read_text())["configs"]["256"]
+    rows = layer_rows(256, 500.0, {config_key(kept(e256)): 400.0})
+    before = table.read_bytes()
+    with pytest.raises(SystemExit, match="ran on NVIDIA_H100_80GB_HBM3"):
+        _run(tmp_path, table, [{**r, "device_name": "NVIDIA_H100_80GB_HBM3"} for r in rows], "--write", "--note", "n")
+    assert table.read_bytes() == before
+    assert _run(tmp_path, table, [{**r, "device_name": "NVIDIA_H200"} for r in rows], "--write", "--note", "n") == 0
+    assert json.loads(table.read_text())["configs"]["256"]["us"] == 400.0
