@@ -26,7 +26,7 @@ from .handles import HandleOwner
 from .models import ModelSpec, get_model
 from .routing import RoutingConfig, route
 from .spec import QuantScheme, get_scheme
-from .weights import TENSOR_FIELDS, MoEWeights
+from .weights import TENSOR_FIELDS, MoEWeights, scale_values_checked_later
 
 BIAS = "e_score_correction_bias"  # the checkpoint's name for DeepSeek-V3 / GLM-4.5's router bias
 
@@ -234,7 +234,9 @@ class MoELayer(HandleOwner, torch.nn.Module):
         w = self._weights
         if w is None:
             buffers = self._buffers
-            w = self._weights = MoEWeights(self._scheme, **{n: buffers.get(n) for n in TENSOR_FIELDS}, shard=self._shard)
+            with scale_values_checked_later():  # buffers may not be loaded yet: checked at the first call
+                w = self._weights = MoEWeights(self._scheme, **{n: buffers.get(n) for n in TENSOR_FIELDS},
+                                               shard=self._shard)
             older = self.__dict__.pop("_older_weights", None)
             if older is not None:  # derived state over unchanged storage is refreshed in place, not freed
                 w.carry_prepared_from(older)
@@ -330,9 +332,12 @@ class MoELayer(HandleOwner, torch.nn.Module):
                 f"MoELayer takes (x, router_logits) or (x, topk_weights, topk_ids), got {1 + len(routing)} tensors"
             )
         on_input = self.routing is not None and self.routing.apply_on_input
+        weights = self.weights
+        if weights.scale_values_pending:  # once after each (re)build: one host read (MoEWeights.check_scale_values)
+            weights.check_scale_values()
         if self.parallel is None:
             out = fused_moe(
-                x2, self.weights, topk_weights, topk_ids, self.backend,
+                x2, weights, topk_weights, topk_ids, self.backend,
                 apply_router_weight_on_input=on_input, allow_weight_copies=False,
             )
         else:
@@ -340,12 +345,12 @@ class MoELayer(HandleOwner, torch.nn.Module):
 
             if self.parallel == "tp":
                 out = md.tp_fused_moe(
-                    x2, self.weights, topk_weights, topk_ids, self.process_group, self.backend,
+                    x2, weights, topk_weights, topk_ids, self.process_group, self.backend,
                     apply_router_weight_on_input=on_input, allow_weight_copies=False,
                 )
             else:
                 out = md.ep_fused_moe(
-                    x2, self.weights, topk_weights, topk_ids, self.num_experts, self.process_group,
+                    x2, weights, topk_weights, topk_ids, self.num_experts, self.process_group,
                     self.backend, apply_router_weight_on_input=on_input, allow_weight_copies=False,
                 )
         return out if x.dim() == 2 else out.reshape(*lead, out.shape[-1])

@@ -11,8 +11,9 @@ Static activation scales (fp8-tensor-static): a13_scale and a2_scale, float32 [1
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -151,6 +152,19 @@ class MoEWeights:
             self._stamps[backend] = stamp
         return state
 
+    def check_scale_values(self) -> None:
+        """The check of the scales' values (finite, weight scales not negative, static activation
+        scales positive) that construction left pending: made inside scale_values_checked_later()
+        (a MoELayer's weights) or where values could not be read (under graph capture). ValueError
+        naming the scale; a no-op once it has read them."""
+        if self.__dict__.get("_values_pending") and _check_scale_values(self):
+            del self.__dict__["_values_pending"]
+
+    @property
+    def scale_values_pending(self) -> bool:
+        """Whether the scales' values are still to be checked (check_scale_values)."""
+        return bool(self.__dict__.get("_values_pending"))
+
     def invalidate(self) -> None:
         """Every backend's derived state is refreshed (in place, in its own memory) at its next
         use: for weights written in place that torch cannot see written, those made under
@@ -240,42 +254,53 @@ def _unreadable(t: torch.Tensor) -> bool:
     return t.is_meta or torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def _host_value(t: torch.Tensor) -> float | None:
-    """A one-element tensor's value read on the host, or None where it cannot be read now
-    (_unreadable)."""
-    if _unreadable(t):
-        return None
-    try:
-        return float(t)
-    except RuntimeError:  # a traced or fake tensor: no value to read
-        return None
-
-
 def _not_a_scale(t: torch.Tensor) -> torch.Tensor:
     return ~((t >= 0) & (t < float("inf")))  # NaN fails both compares
 
 
-def _check_weight_scale_values(w: MoEWeights) -> None:
-    """ValueError where a weight scale is NaN, infinite or negative: every output channel it
-    scales would be NaN or garbage, with no error anywhere else (no FP8 quantizer writes such a
-    scale; a checkpoint read with the wrong dtype or offset does). Zero is allowed: a channel of
-    zero weights. One host read for both tensors, once per construction (a layer's weights are
-    made at load, or rebuilt at the first call after one); skipped where nothing can be read
-    (_unreadable)."""
-    scales = {name: getattr(w, name) for name in ("w13_scale", "w2_scale")}
-    if any(_unreadable(t) for t in scales.values()):
-        return
+def _check_scale_values(w: MoEWeights) -> bool:
+    """ValueError where a weight scale is NaN, infinite or negative, or a static activation scale
+    is not positive and finite: every output channel it scales would be NaN, zero or garbage, with
+    no error anywhere else (no FP8 quantizer writes such a scale; a checkpoint read with the wrong
+    dtype or offset does). A weight scale of zero is allowed: a channel of zero weights. One host
+    read for all of them. Returns whether it read them: False where nothing can be read now
+    (_unreadable: graph capture, torch.compile's fakes, meta tensors)."""
+    weight = {name: getattr(w, name) for name in ("w13_scale", "w2_scale")}
+    static = {name: getattr(w, name) for name in ("a13_scale", "a2_scale") if w.scheme.static_activation}
+    if any(_unreadable(t) for t in (*weight.values(), *static.values())):
+        return False
     try:
-        bad = torch.stack([_not_a_scale(t).sum() for t in scales.values()]).tolist()
+        counts = torch.stack([_not_a_scale(t).sum() for t in weight.values()]
+                             + [(~(t > 0) | (t == float("inf"))).sum() for t in static.values()]).tolist()
     except RuntimeError:  # a traced or fake tensor: no value to read
-        return
-    for (name, t), count in zip(scales.items(), bad):
+        return False
+    for (name, t), count in zip(weight.items(), counts):
         if count:
             index = tuple(torch.nonzero(_not_a_scale(t))[0].tolist())
             raise ValueError(
                 f"MoEWeights.{name} has {count} value(s) that are NaN, infinite or negative, e.g. "
                 f"{float(t[index])} at {index}; weight scales must be finite and at least 0"
             )
+    for (name, t), count in zip(static.items(), counts[len(weight):]):
+        if count:  # 0: every output zero
+            raise ValueError(f"MoEWeights.{name} must be positive and finite, got {float(t)}")
+    return True
+
+
+_VALUES_DEFERRED: contextvars.ContextVar[bool] = contextvars.ContextVar("moekit_scale_values_deferred", default=False)
+
+
+@contextlib.contextmanager
+def scale_values_checked_later():
+    """MoEWeights made inside have their scales' values checked by check_scale_values(), not at
+    construction: a MoELayer's weights over buffers allocated but not yet loaded (to_empty, then
+    load_state_dict) hold whatever memory held, and printing or warming the layer before the load
+    must not fail on them. The layer checks them at its first call."""
+    token = _VALUES_DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _VALUES_DEFERRED.reset(token)
 
 
 def _validate(w: MoEWeights) -> None:
@@ -315,7 +340,6 @@ def _validate_scales(w: MoEWeights, s, E: int, N: int, H: int, device) -> None:
         if t is None:
             raise ValueError(f"scheme {s.name} has FP8 weights, so MoEWeights.{name} is required")
         _check_tensor(name, t, (torch.float32,), quant.weight_scale_shape(s.weight, E, rows, cols), device)
-    _check_weight_scale_values(w)
     for name in ("a13_scale", "a2_scale"):
         t = getattr(w, name)
         if s.static_activation:
@@ -324,11 +348,12 @@ def _validate_scales(w: MoEWeights, s, E: int, N: int, H: int, device) -> None:
                     f"scheme {s.name} uses static activation scales, so MoEWeights.{name} is required"
                 )
             _check_tensor(name, t, (torch.float32,), (1,), device)
-            value = _host_value(t)  # one host read, at construction
-            if value is not None and not (math.isfinite(value) and value > 0):  # 0: every output zero
-                raise ValueError(f"MoEWeights.{name} must be positive and finite, got {value}")
         elif t is not None:
             raise ValueError(f"scheme {s.name} computes activation scales per call; {name} must be None")
+    if _VALUES_DEFERRED.get():
+        w.__dict__["_values_pending"] = True  # check_scale_values, at the layer's first call
+    elif not _check_scale_values(w):  # one host read, at construction or assignment
+        w.__dict__["_values_pending"] = True
 
 
 def quantize_weights(

@@ -20,6 +20,7 @@ import itertools
 import torch
 
 from moekit.backends.triton import _kernels, launch
+from moekit.backends.triton.config import tuned_configs
 from moekit.select import device_name
 from moekit.tables import normalize_device_name
 from moekit.timing import time_graphs
@@ -85,6 +86,10 @@ def main():
             print(f"\n{p.model} M={p.M}: an intermediate of {p.shape.n} columns, more than "
                   f"{cfg.KEEP_A2_STEPS} K steps: skipped")
             continue
+        # what ship_keepa.py checks before it edits a table: the GPU, the table file and its config here
+        found = tuned_configs(p.w.shape(p.shape.top_k), p.scheme, device_name(dev))
+        provenance = {"device_name": normalize_device_name(device_name(dev)), "table_config": config_key(cfg),
+                      "table_file": found[1].name if found else None}
         align, a, a_scale, act = tiled_intermediate(p, cfg)
         expected = launch.gemm2(act, p.w, align, p.tw, p.x.dtype, cfg)
         variants = keep_a_variants(cfg, p.scheme, p.shape.n, args.runs)
@@ -128,8 +133,7 @@ def main():
                 continue
             print(f"  {t.median_us:9.1f} us (p20 {t.p20_us:.1f} p80 {t.p80_us:.1f})  {name}")
             results.append({"model": p.model, "tp": p.tp, "M": p.M, "what": "layer", "config": name,
-                            "us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us,
-                            "device_name": normalize_device_name(device_name(dev))})  # ship_keepa.py checks it
+                            "us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us, **provenance})
         del act, align, a, a_scale
         torch.cuda.empty_cache()
     write_json(args.json, results)

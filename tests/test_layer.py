@@ -325,3 +325,29 @@ def test_moving_a_layer_keeps_nothing_of_its_old_weights():
     layer.to("meta")
     gc.collect()
     assert old() is None and "_older_weights" not in layer.__dict__
+
+
+@pytest.mark.parametrize("scheme", ["fp8-channel-token", "fp8-tensor-static"])
+def test_a_layer_allocated_but_not_loaded_prints_and_checks_its_scales_at_the_first_call(scheme):
+    """A layer made on the meta device and given memory with to_empty holds whatever memory held
+    until load_state_dict: printing it, or asking its memory, read `layer.weights`, and the scale
+    check made at construction failed there (a review found repr failing 19 times in 20). The
+    check now waits for the layer's first call, which refuses a NaN scale by name; after a load
+    the layer runs."""
+    loaded = moekit.MoELayer.random(spec(scheme), seed=1, backend="torch")
+    layer = moekit.MoELayer.random(spec(scheme), seed=2, backend="torch").to("meta").to_empty(device="cpu")
+    for name, t in layer.named_buffers():  # what unloaded memory may hold, made certain
+        if name.endswith("_scale"):
+            t.fill_({"w2_scale": float("nan"), "a13_scale": -1.0}.get(name, 1.0))
+    assert "E=8" in repr(layer) and layer.memory()
+    assert layer.weights.scale_values_pending
+    x, logits = inputs(3)
+    with pytest.raises(ValueError, match=r"MoEWeights.w2_scale has \d+ value\(s\) that are NaN, infinite or negative"):
+        layer(x, logits)
+    if scheme == "fp8-tensor-static":
+        layer.w2_scale.fill_(1.0)
+        with pytest.raises(ValueError, match="MoEWeights.a13_scale must be positive and finite, got -1.0"):
+            layer(x, logits)
+    layer.load_state_dict(loaded.state_dict())
+    torch.testing.assert_close(layer(x, logits), loaded(x, logits), rtol=0, atol=0)
+    assert not layer.weights.scale_values_pending
