@@ -73,6 +73,8 @@ def grads_would_be_dropped(x, weights, topk_weights) -> bool:
 def _fused_moe(x, weights, topk_weights, topk_ids, backend, apply_router_weight_on_input, allow_weight_copies):
     topk_weights, topk_ids = validate_inputs(x, weights, topk_weights, topk_ids, device_check=False,
                                              narrow=False)
+    if weights.scale_values_pending:  # a MoELayer's weights after a load, or made under capture: one host read
+        weights.check_scale_values()
     M, K = topk_ids.shape
     if apply_router_weight_on_input:
         x, topk_weights = weight_input(x, topk_weights)

@@ -234,7 +234,7 @@ class MoELayer(HandleOwner, torch.nn.Module):
         w = self._weights
         if w is None:
             buffers = self._buffers
-            with scale_values_checked_later():  # buffers may not be loaded yet: checked at the first call
+            with scale_values_checked_later():  # buffers may not be loaded yet: fused_moe checks them
                 w = self._weights = MoEWeights(self._scheme, **{n: buffers.get(n) for n in TENSOR_FIELDS},
                                                shard=self._shard)
             older = self.__dict__.pop("_older_weights", None)
@@ -332,9 +332,7 @@ class MoELayer(HandleOwner, torch.nn.Module):
                 f"MoELayer takes (x, router_logits) or (x, topk_weights, topk_ids), got {1 + len(routing)} tensors"
             )
         on_input = self.routing is not None and self.routing.apply_on_input
-        weights = self.weights
-        if weights.scale_values_pending:  # once after each (re)build: one host read (MoEWeights.check_scale_values)
-            weights.check_scale_values()
+        weights = self.weights  # its scales' values are checked by fused_moe (scale_values_checked_later)
         if self.parallel is None:
             out = fused_moe(
                 x2, weights, topk_weights, topk_ids, self.backend,

@@ -155,10 +155,11 @@ class MoEWeights:
     def check_scale_values(self) -> None:
         """The check of the scales' values (finite, weight scales not negative, static activation
         scales positive) that construction left pending: made inside scale_values_checked_later()
-        (a MoELayer's weights) or where values could not be read (under graph capture). ValueError
-        naming the scale; a no-op once it has read them."""
+        (a MoELayer's weights) or where values could not be read (under graph capture or
+        torch.compile). fused_moe runs it before any backend. ValueError naming the scale; a no-op
+        once it has read them."""
         if self.__dict__.get("_values_pending") and _check_scale_values(self):
-            del self.__dict__["_values_pending"]
+            self.__dict__.pop("_values_pending", None)
 
     @property
     def scale_values_pending(self) -> bool:
@@ -295,7 +296,10 @@ def scale_values_checked_later():
     """MoEWeights made inside have their scales' values checked by check_scale_values(), not at
     construction: a MoELayer's weights over buffers allocated but not yet loaded (to_empty, then
     load_state_dict) hold whatever memory held, and printing or warming the layer before the load
-    must not fail on them. The layer checks them at its first call."""
+    must not fail on them. fused_moe checks them at the first call that runs them."""
+    if torch.compiler.is_compiling():  # Dynamo traces no ContextVar; nothing is read while compiling anyway
+        yield
+        return
     token = _VALUES_DEFERRED.set(True)
     try:
         yield
@@ -350,10 +354,12 @@ def _validate_scales(w: MoEWeights, s, E: int, N: int, H: int, device) -> None:
             _check_tensor(name, t, (torch.float32,), (1,), device)
         elif t is not None:
             raise ValueError(f"scheme {s.name} computes activation scales per call; {name} must be None")
-    if _VALUES_DEFERRED.get():
-        w.__dict__["_values_pending"] = True  # check_scale_values, at the layer's first call
-    elif not _check_scale_values(w):  # one host read, at construction or assignment
+    # one host read, at construction or assignment; else left for check_scale_values, which
+    # fused_moe runs (torch.compile: is_compiling first, as Dynamo traces no ContextVar)
+    if torch.compiler.is_compiling() or _VALUES_DEFERRED.get() or not _check_scale_values(w):
         w.__dict__["_values_pending"] = True
+    else:
+        w.__dict__.pop("_values_pending", None)
 
 
 def quantize_weights(

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from moekit.backends.triton.config import KernelConfig, nearest
-from moekit.tables import parse_table_name, write_json_atomically
+from moekit.tables import normalize_device_name, parse_table_name, write_json_atomically
 from moekit.tune.space import config_from_key, config_key
 
 
@@ -39,6 +39,10 @@ def _load(path: Path, what: str):
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise SystemExit(f"cannot read {what} {path}: {exc}") from None
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def layer_rows(rows) -> list[dict]:
@@ -51,7 +55,7 @@ def layer_rows(rows) -> list[dict]:
         if not isinstance(row, dict) or row.get("what") != "layer":
             continue
         us, M = row.get("us"), row.get("M")
-        if not (isinstance(row.get("model"), str) and isinstance(row.get("tp"), int) and isinstance(M, int)
+        if not (isinstance(row.get("model"), str) and _integer(row.get("tp")) and _integer(M)
                 and isinstance(row.get("config"), str) and isinstance(us, (int, float)) and not isinstance(us, bool)
                 and math.isfinite(us) and us > 0):
             raise SystemExit(f"diag row {i} is not a whole-layer timing (model, tp, M, config, us > 0): {row}")
@@ -78,6 +82,9 @@ def provenance_problems(rows: list[dict], table: Path, measured_on: str | None) 
         return [f"{table.name} is not a triton table's name"]
     problems = []
     devices = {row["device_name"] for row in rows if row.get("device_name")}
+    if devices and any(not row.get("device_name") for row in rows):
+        problems.append("some rows name the GPU they ran on and others do not: rows of two diag runs?")
+    measured_on = normalize_device_name(measured_on) if measured_on else None
     if measured_on and devices and devices != {measured_on}:
         problems.append(f"--measured-on {measured_on} but the rows say {', '.join(sorted(devices))}")
     devices = devices or ({measured_on} if measured_on else set())
@@ -106,7 +113,10 @@ def plan(points: dict[tuple, dict[str, float]], table_configs: dict[tuple, str],
     lines, refused = [], []
     for (model, tp, M), times in sorted(points.items(), key=lambda kv: kv[0][2]):
         where = f"{model} tp{tp} M={M}"
-        size = nearest({s: s for s in table}, M)  # the entry the backend reads at M
+        # the entry the backend read at M: the diag runs only points where the backend ran the
+        # tiled path, whose entry is the nearest tiled one (TritonBackend's lookup: a GEMV entry
+        # nearer still would have run the GEMV path, and the diag would have skipped the point)
+        size = nearest({s: s for s, c in table.items() if not c.GEMV}, M)
         entry = table[size]
         ran = table_configs.get((model, tp, M))
         if ran is not None and ran != config_key(entry):
@@ -164,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-gain", type=float, default=0.02,
                     help="least fraction of the layer's time a kept launch must save to be shipped (default 0.02)")
     ap.add_argument("--measured-on", metavar="NAME",
-                    help="the GPU (a table file's device_name, e.g. NVIDIA_H200) of rows that do not name it")
+                    help="the GPU of rows that do not name it (as a table file's device_name, NVIDIA_H200, or as "
+                         "the GPU calls itself, 'NVIDIA H200')")
     ap.add_argument("--note", help="what the run was: appended to the table's meta.command")
     ap.add_argument("--write", action="store_true", help="edit the table (otherwise only print)")
     args = ap.parse_args(argv)

@@ -14,7 +14,7 @@ from moekit.models import ModelSpec
 from moekit.routing import RoutingConfig
 from moekit.spec import MoEShape, get_scheme
 
-from helpers import capture_graph, random_weights, random_x
+from helpers import capture_graph, random_routing, random_weights, random_x
 
 E, H, N = 8, 128, 128
 GLM_LIKE = RoutingConfig(top_k=2, scoring="sigmoid", renormalize=True, use_correction_bias=True, routed_scaling_factor=2.5)
@@ -344,6 +344,9 @@ def test_a_layer_allocated_but_not_loaded_prints_and_checks_its_scales_at_the_fi
     x, logits = inputs(3)
     with pytest.raises(ValueError, match=r"MoEWeights.w2_scale has \d+ value\(s\) that are NaN, infinite or negative"):
         layer(x, logits)
+    tw, ids = random_routing(3, E, 2)
+    with pytest.raises(ValueError, match="MoEWeights.w2_scale"):  # the layer's weights called directly: checked too
+        moekit.fused_moe(x, layer.weights, tw, ids, backend="torch")
     if scheme == "fp8-tensor-static":
         layer.w2_scale.fill_(1.0)
         with pytest.raises(ValueError, match="MoEWeights.a13_scale must be positive and finite, got -1.0"):

@@ -102,7 +102,7 @@ def test_the_tables_own_launch_is_no_change(tmp_path, table, capsys):
 
 
 CASES = ["other gemm1", "points disagree", "one point unchanged", "no note", "no table time", "other table config",
-         "other table file", "other gpu", "gpu unnamed", "bad row"]
+         "other table file", "other gpu", "gpu unnamed", "gpu unnamed in some rows", "bad row"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -135,6 +135,10 @@ def test_inconsistent_runs_are_refused_and_nothing_is_written(tmp_path, table, c
     elif case == "gpu unnamed":  # a diag of before the thirty-eighth session
         rows = [{k: v for k, v in r.items() if k != "device_name"} for r in rows]
         says = "pass --measured-on"
+    elif case == "gpu unnamed in some rows":
+        rows = layer_rows(250, 500.0, {good: 400.0}) + [{k: v for k, v in r.items() if k != "device_name"}
+                                                        for r in layer_rows(260, 500.0, {good: 400.0})]
+        says = "others do not"
     before = table.read_bytes()
     if case == "bad row":
         rows[1]["us"] = None
@@ -150,5 +154,20 @@ def test_measured_on_names_the_gpu_of_rows_that_do_not(tmp_path, table):
     rows = [{k: v for k, v in r.items() if k != "device_name"}
             for r in layer_rows(256, 500.0, {config_key(kept(entries(table)["256"])): 400.0})]
     assert _run(tmp_path, table, rows, "--measured-on", "NVIDIA_H100_80GB_HBM3", "--write", "--note", "n") == 1
-    assert _run(tmp_path, table, rows, "--measured-on", "NVIDIA_H200", "--write", "--note", "n") == 0
+    assert _run(tmp_path, table, rows, "--measured-on", "NVIDIA H200", "--write", "--note", "n") == 0  # as the GPU says it
     assert entries(table)["256"]["us"] == 400.0
+
+
+def test_a_point_reads_the_nearest_tiled_entry_as_the_backend_does(tmp_path, table):
+    """The diag runs only points where the backend ran the tiled path: at M = 9, with a GEMV
+    entry at 8 and a tiled one at 11, the backend ran entry 11's config (a GEMV entry is taken
+    only where the GEMV path may win), so the launch goes there, not to the GEMV entry."""
+    doc = json.loads(table.read_text())
+    gemv = next(e for e in doc["configs"].values() if e.get("GEMV"))
+    doc["configs"]["8"] = gemv
+    table.write_text(json.dumps(doc))
+    assert "9" not in doc["configs"] and not doc["configs"]["11"].get("GEMV")
+    e11 = doc["configs"]["11"]
+    rows = layer_rows(9, 500.0, {config_key(kept(e11)): 400.0}, table_config=config_key(KernelConfig.from_table_entry(e11)))
+    assert _run(tmp_path, table, rows, "--write", "--note", "n") == 0
+    assert KernelConfig.from_table_entry(entries(table)["11"]) == kept(e11) and entries(table)["8"] == gemv
