@@ -272,7 +272,7 @@ def _check_scale_values(w: MoEWeights) -> bool:
         return False
     try:
         counts = torch.stack([_not_a_scale(t).sum() for t in weight.values()]
-                             + [(~(t > 0) | (t == float("inf"))).sum() for t in static.values()]).tolist()
+                             + [(_not_a_scale(t) | (t == 0)).sum() for t in static.values()]).tolist()
     except RuntimeError:  # a traced or fake tensor: no value to read
         return False
     for (name, t), count in zip(weight.items(), counts):

@@ -6,8 +6,8 @@
 
 For each measured point (model, tp, M) the diag timed the whole layer with the table's config
 ("table") and with its fastest kept launches, in the same rounds. Where the fastest kept launch
-took at least --min-gain less time than the table's, the table's entry that M reads (the nearest
-size, as the backend looks it up) gets that launch. Checks before anything is written:
+took at least --min-gain less time than the table's, the table's entry that M read (the nearest
+tiled entry: the diag runs only points where the backend ran the tiled path) gets that launch. Checks before anything is written:
 - the GPU the diag ran on is the table's: its rows' device_name (diag runs before the thirty-eighth
   session wrote none: say it with --measured-on), and the table file the diag read, where its rows
   name one, is --table;
@@ -32,6 +32,9 @@ from pathlib import Path
 from moekit.backends.triton.config import KernelConfig, nearest
 from moekit.tables import normalize_device_name, parse_table_name, write_json_atomically
 from moekit.tune.space import config_from_key, config_key
+
+# scripts/ is on the path when a script runs (and in the tests)
+from ship_tables import load_problem
 
 
 def _load(path: Path, what: str):
@@ -103,12 +106,7 @@ def plan(points: dict[tuple, dict[str, float]], table_configs: dict[tuple, str],
          min_gain: float):
     """(changes {entry size: (new config, layer µs at the entry's size or None)}, lines to print,
     refusals). `table_configs`: (model, tp, M) -> the config key the diag ran as "table" there."""
-    table = {}
-    for M, entry in configs.items():
-        try:
-            table[int(M)] = KernelConfig.from_table_entry(entry)
-        except ValueError as exc:
-            raise SystemExit(f"the table's entry {M}: {exc}") from None
+    table = {int(M): KernelConfig.from_table_entry(entry) for M, entry in configs.items()}  # load_problem checked them
     choices: dict[int, list[tuple]] = {}  # entry size -> [(config, µs or None, where)]
     lines, refused = [], []
     for (model, tp, M), times in sorted(points.items(), key=lambda kv: kv[0][2]):
@@ -183,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--min-gain must lie in [0, 1), got {args.min_gain}")
     rows = layer_rows(_load(args.diag_json, "diag results"))
     doc = _load(args.table, "triton table")
-    if not isinstance(doc, dict) or not isinstance(doc.get("configs"), dict) or not doc["configs"]:
-        raise SystemExit(f"{args.table} is not a triton table (a 'configs' object of entries)")
+    problem = load_problem("triton", args.table, doc) if isinstance(doc, dict) else "not a JSON object"
+    if problem or not doc["configs"]:  # the rule ship_tables.py ships by: a table moekit would read
+        raise SystemExit(f"{args.table}: moekit would not read it as a triton table: {problem or 'no entries'}")
     if not rows:
         raise SystemExit(f"{args.diag_json} has no whole-layer rows (what: layer)")
     refused = provenance_problems(rows, args.table, args.measured_on)

@@ -171,3 +171,13 @@ def test_a_point_reads_the_nearest_tiled_entry_as_the_backend_does(tmp_path, tab
     rows = layer_rows(9, 500.0, {config_key(kept(e11)): 400.0}, table_config=config_key(KernelConfig.from_table_entry(e11)))
     assert _run(tmp_path, table, rows, "--write", "--note", "n") == 0
     assert KernelConfig.from_table_entry(entries(table)["11"]) == kept(e11) and entries(table)["8"] == gemv
+
+
+def test_a_table_moekit_would_not_read_is_refused(tmp_path, table):
+    """The table is checked as ship_tables.py checks what it ships (entries, name against meta)."""
+    doc = json.loads(table.read_text())
+    doc["configs"]["256"] = {**doc["configs"]["256"], "num_warps": 0}
+    table.write_text(json.dumps(doc))
+    rows = layer_rows(256, 500.0, {"M16-N128-K128-G16-w4-s3+N64-G16-w4-s2-r8-ka": 400.0})
+    with pytest.raises(SystemExit, match="moekit would not read it as a triton table: batch size 256"):
+        _run(tmp_path, table, rows, "--write", "--note", "n")
