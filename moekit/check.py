@@ -39,21 +39,18 @@ from .bench import (
     default_device,
     environment,
     json_safe,
-    make_weights,
-    make_x,
     parse_batch_sizes,
     parse_dtype,
     parse_names,
     plan_backends,
     check_run_settings,
-    input_seed,
     prepare_out_dir,
     remove_if_empty,
     remove_superseded,
     resolve_problems,
-    uniform_routing,
     write_atomically,
 )
+from .inputs import input_seed, make_weights, make_x, uniform_routing
 from .spec import BLOCK
 from .weights import MoEWeights
 

@@ -214,7 +214,7 @@ class MoELayer(HandleOwner, torch.nn.Module):
     ) -> "MoELayer":
         """A layer of the model's shape with random weights (scheme: the model's own by default)
         and, where the routing has one, a random correction bias: for tests and demos."""
-        from .bench import make_weights
+        from .inputs import make_weights
 
         spec = model if isinstance(model, ModelSpec) else get_model(model, tp=tp)
         scheme = get_scheme(scheme) if scheme is not None else spec.scheme

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import moekit
 import moekit.distributed as md
-from moekit import bench
+from moekit import bench, inputs
 from moekit.models import get_model
 from moekit.spec import BLOCK, MoEShape, get_scheme
 
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     reps = a.reps or (5 if scaled else 50)
     E, H, K = shape.num_experts, shape.hidden, shape.top_k
 
-    full = bench.make_weights(shape, scheme, device, seed=a.seed)  # the same on every rank (seeded)
+    full = inputs.make_weights(shape, scheme, device, seed=a.seed)  # the same on every rank (seeded)
     if a.mode == "tp":
         local = md.shard_weights_tp(full, rank, world)
     else:
@@ -183,8 +183,8 @@ def main(argv=None) -> int:
     rows = []
     for M in batch_sizes:
         seed = a.seed + M + (1000 * rank if a.mode == "ep" else 0)  # EP: every rank its own tokens
-        x = bench.make_x(M, H, device, seed=seed)
-        tw, ids = bench.make_routing(a.routing, M, shape, seed=seed)
+        x = inputs.make_x(M, H, device, seed=seed)
+        tw, ids = inputs.make_routing(a.routing, M, shape, seed=seed)
         tw, ids = tw.to(device), ids.to(device)
         if a.mode == "tp":
             def layer(x=x, tw=tw, ids=ids):

@@ -15,7 +15,7 @@ import torch
 
 import moekit
 from moekit.backends.glue.ops import narrow_ids
-from moekit.bench import make_weights, make_x, uniform_routing
+from moekit.inputs import make_weights, make_x, uniform_routing
 from moekit.timing import time_graphs
 
 from diag_points import parse_model, write_json  # scripts/ is on the path when a script runs

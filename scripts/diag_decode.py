@@ -23,7 +23,7 @@ import moekit
 from moekit.backends.triton import launch
 from moekit.backends.triton.config import default_config
 from moekit.backends.triton.launch import PDL_ENV
-from moekit.bench import make_weights, make_x, uniform_routing
+from moekit.inputs import make_weights, make_x, uniform_routing
 from moekit.timing import time_graphs
 from moekit.tune import space
 

@@ -18,7 +18,7 @@ import moekit
 from moekit.api import assert_ids_in_range
 from moekit.backends.reference import reference_moe
 from moekit.backends.triton import launch
-from moekit.bench import make_weights, make_x, uniform_routing
+from moekit.inputs import make_weights, make_x, uniform_routing
 from moekit.check import intermediate_granularity
 from moekit.spec import get_scheme
 from moekit.timing import time_graphs

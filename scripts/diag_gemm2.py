@@ -24,7 +24,7 @@ from diag_fast import in_mode  # scripts/ is on the path when a script runs
 from diag_points import parse_point, write_json
 from moekit.backends.triton import launch
 from moekit.backends.triton.config import get_config
-from moekit.bench import make_weights, make_x, uniform_routing
+from moekit.inputs import make_weights, make_x, uniform_routing
 from moekit.timing import time_graphs
 
 POINTS = ["mixtral-8x7b:1:1024:fp8-channel-token", "mixtral-8x7b:1:4096:fp8-channel-token", "glm-4.5v-fp8:2:4096", "glm-4.5v-fp8:2:8192",

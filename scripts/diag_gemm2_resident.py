@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from moekit.backends.triton import launch
 from moekit.backends.triton._gluon_kernels import _async_load, _expert_rows, _promote, _tile_rows
 from moekit.backends.triton.config import get_config
-from moekit.bench import make_weights, make_x, uniform_routing
+from moekit.inputs import make_weights, make_x, uniform_routing
 from moekit.timing import time_graphs
 
 from diag_points import parse_point  # scripts/ is on the path when a script runs

@@ -9,7 +9,7 @@ import triton.language as tl
 
 import moekit
 from moekit.backends.triton import launch
-from moekit.bench import make_weights, make_x, uniform_routing
+from moekit.inputs import make_weights, make_x, uniform_routing
 from moekit.models import get_model
 from moekit.timing import time_graphs
 

@@ -10,7 +10,7 @@ from typing import Iterator, NamedTuple, Sequence
 import torch
 
 import moekit
-from moekit.bench import make_weights, make_x, uniform_routing
+from moekit.inputs import make_weights, make_x, uniform_routing
 from moekit.models import ModelSpec, get_model
 from moekit.spec import MoEShape, QuantScheme, get_scheme
 from moekit.weights import MoEWeights

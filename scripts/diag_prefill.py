@@ -21,7 +21,7 @@ from diag_points import parse_model, write_json
 from moekit.backends.triton import _kernels as k
 from moekit.backends.triton import launch
 from moekit.backends.triton.config import KernelConfig
-from moekit.bench import make_weights, make_x, uniform_routing
+from moekit.inputs import make_weights, make_x, uniform_routing
 from moekit.spec import get_scheme
 from moekit.timing import time_graphs
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from moekit import bench, plots, timing
+from moekit import bench, inputs, plots, timing
 from moekit.backends.reference import ReferenceBackend
 from moekit.cli import main
 
@@ -162,8 +162,8 @@ def test_routing_rotation_gives_every_closure_the_same_sequence():
     from moekit.models import get_model
 
     shape = get_model("mixtral-8x7b").shape
-    rotation = bench.make_routings("uniform", 64, shape, 3, seed=5)
-    first = bench.make_routing("uniform", 64, shape, seed=5)  # routing 0 is the point's own
+    rotation = inputs.make_routings("uniform", 64, shape, 3, seed=5)
+    first = inputs.make_routing("uniform", 64, shape, seed=5)  # routing 0 is the point's own
     assert torch.equal(rotation.topk_ids, first[1]) and torch.equal(rotation.topk_weights, first[0])
     routings = [ids for _, ids in rotation.routings]
     assert not torch.equal(routings[0], routings[1]) and not torch.equal(routings[1], routings[2])
@@ -180,7 +180,7 @@ def test_routing_rotation_gives_every_closure_the_same_sequence():
     assert seen("a") == 0  # reset also restarts the sequences
     # a recorded routing is the file's rows whatever the seed: one routing
     recorded = torch.tensor([[0, 1], [2, 3]])
-    assert len(bench.make_routings("file", 4, shape, 4, recorded=recorded)) == 1
+    assert len(inputs.make_routings("file", 4, shape, 4, recorded=recorded)) == 1
 
 
 def test_bench_cycles_through_routings_in_layer_mode_only(tmp_path, tiny_config, monkeypatch, registry):
@@ -198,7 +198,7 @@ def test_bench_cycles_through_routings_in_layer_mode_only(tmp_path, tiny_config,
     doc = json.loads((out / "bench.json").read_text())
     assert doc["metadata"]["routings"] == 3
     assert CPU or "3 routings" in doc["metadata"]["timing"]  # the CPU timing text names no graphs
-    assert isinstance(calls[-1], bench.RoutingRotation) and len(calls[-1]) == 3
+    assert isinstance(calls[-1], inputs.RoutingRotation) and len(calls[-1]) == 3
     assert main(["bench", "--model", str(tiny_config), "--routings", "1", "--batch-sizes", "5",
                  "--backends", "reference", "--no-plots", "--out", str(tmp_path / "p"), *FAST]) == 0
     assert calls[-1] is None
@@ -657,7 +657,7 @@ def test_floor_and_bytes_are_counted_on_the_routings_the_timed_calls_ran(tmp_pat
     shape = MoEShape(4, 64, 128, 2)
     from moekit.spec import BF16
 
-    rotation = bench.make_routings("uniform", M, shape, 4, seed=bench.input_seed(0, M))
+    rotation = inputs.make_routings("uniform", M, shape, 4, seed=inputs.input_seed(0, M))
     counts = [roofline.count(shape, BF16, M, ids) for _, ids in rotation.routings]
     assert [c.experts_touched for c in counts] == [3, 4, 4, 2]  # the timed calls ran routings 0, 1, 2
     floors = [roofline.floor_us(counts[i % 4], ceilings, BF16) for i in range(reps)]
@@ -787,7 +787,7 @@ def test_routing_weights_follow_the_models_renormalization():
     """Llama-4's weights are sigmoid scores, not renormalized: a top-1 weight drawn as a share of
     a sum was always 1.0, which made the weight on the input and on the output the same layer, so
     no test could tell them apart. Unnormalized weights lie in (0.05, 0.95) each."""
-    for routing in (bench.uniform_routing, bench.skewed_routing):
+    for routing in (inputs.uniform_routing, inputs.skewed_routing):
         tw, _ = routing(64, 8, 1, seed=3)
         assert torch.equal(tw, torch.ones_like(tw))  # renormalized top-1: the share is all of it
         tw, _ = routing(64, 8, 1, seed=3, renormalize=False)

@@ -422,7 +422,7 @@ def test_gpu_compiled_layer_with_cuda_graphs(mode):
     """inductor on the GPU, and with mode="reduce-overhead" (torch's CUDA graphs replay the
     moekit op): the triton backend at DeepSeek-V3's TP8 shape, bitwise eager, with fresh routing
     on every call (the graph reads the new routing, not the captured one)."""
-    from moekit.bench import make_weights
+    from moekit.inputs import make_weights
     from moekit.models import get_model
 
     spec = get_model("deepseek-v3", tp=8)
@@ -443,7 +443,7 @@ def test_gpu_fused_moe_of_a_closure_weights_under_cuda_graphs():
     mode="reduce-overhead": bitwise eager with fresh routing each call, and the weights are
     static inputs, so torch's CUDA graphs keep no copy of them (the memory the compiled calls add
     stays far below the layer's weights)."""
-    from moekit.bench import make_weights
+    from moekit.inputs import make_weights
     from moekit.models import get_model
 
     spec = get_model("glm-4.5v-fp8", tp=2)
@@ -467,7 +467,7 @@ def test_gpu_regional_compilation_under_cuda_graphs():
     """Regional compilation with allow_unspec_int_on_nn_module on the GPU, mode="reduce-overhead":
     one graph for three Qwen3-30B-A3B-shaped triton layers, each replay bitwise eager with fresh
     routing (torch's CUDA graphs record one graph per handle value: each layer its own)."""
-    from moekit.bench import make_weights
+    from moekit.inputs import make_weights
     from moekit.models import get_model
 
     spec = get_model("qwen3-30b-a3b-fp8", tp=1)

@@ -28,7 +28,7 @@ from rich.console import Console
 from moekit.backends import backend_names
 from moekit.backends.triton import launch
 from moekit.backends.triton.config import KernelConfig, default_config, get_config
-from moekit.bench import make_weights
+from moekit.inputs import make_weights
 from moekit.cli import main
 from moekit.spec import BF16, FP8_BLOCK128, FP8_CHANNEL_TOKEN, MoEShape, get_scheme
 from moekit.tables import CONFIG_DIR_ENV, table_name
@@ -2291,11 +2291,12 @@ def test_tune_shares_bench_batch_sizes_and_input_seeds(tmp_path, tiny_model, mon
     """The default GPU batch sizes are bench's own list; every input tune makes (the separate
     timings' and the decision timing's routings) comes from the one seed helper."""
     import moekit.bench
+    import moekit.inputs
     import moekit.check
     import moekit.tune.plan
 
     assert moekit.tune.plan.GPU_BATCH_SIZES is moekit.bench.DEFAULT_BATCH_SIZES
-    assert runner.input_seed is moekit.bench.input_seed is moekit.check.input_seed
+    assert runner.input_seed is moekit.inputs.input_seed is moekit.bench.input_seed is moekit.check.input_seed
     decisions_on(monkeypatch)
     FakeTimer().install(monkeypatch)
     seeds = []

@@ -14,7 +14,6 @@ import torch
 from ..backends import get_backend
 from ..bench import (
     DEFAULT_BATCH_SIZES,
-    DEFAULT_ROUTINGS,
     ROUTINGS,
     BenchInputError,
     check_run_settings,
@@ -27,6 +26,7 @@ from ..bench import (
     remove_if_empty,
     resolve_problems,
 )
+from ..inputs import DEFAULT_ROUTINGS
 from ..spec import MoEShape, QuantScheme
 from .precompile import default_helpers
 from .space import NEIGHBOUR_MARGIN, SEARCH_SPACES, SpaceFn, default_space, gemm2_grid

@@ -72,7 +72,8 @@ from ..backends import get_backend
 from ..backends.triton import launch
 from ..backends.triton.config import KernelConfig, ProblemConfigs, default_config, gemv_may_win, problem_configs
 from ..backends.triton.launch import fp8_accumulation, pdl_wanted
-from ..bench import input_seed, make_routing, make_routings, make_weights, make_x, rel_l2
+from ..bench import rel_l2
+from ..inputs import input_seed, make_routing, make_routings, make_weights, make_x
 from ..spec import QuantScheme
 from ..tables import table_name
 from ..timing import FLUSH_METHOD, Timing, time_graph, time_graphs
