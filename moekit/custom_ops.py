@@ -41,6 +41,15 @@ from . import handles
 from .weights import MoEWeights
 
 
+WEIGHTS_MADE_WHILE_TRACING = (
+    "moekit.fused_moe under torch.compile needs its MoEWeights made outside the compiled "
+    "function (once, like a module's weights), not inside it. MoELayer.weights builds a new "
+    "MoEWeights when first read after .to(), load_state_dict() or a buffer assignment: call "
+    "the layer itself (layer(x, ...)) in the compiled function, or read layer.weights once "
+    "outside it"
+)
+
+
 def handle_of(obj) -> int:
     """obj's handle, registering obj under it. Inside a traced function the compiler makes id(obj)
     a constant (guarding on obj's identity) and calls _register with it once, at trace time."""
@@ -57,13 +66,7 @@ def _register(object_id: int) -> int:
         # id the compiler gives is that of an empty shell (torch 2.11) or of the compiler's own
         # record of the object (newer). Unsupported: without fullgraph the compiler breaks the
         # graph there and runs the call eagerly; with fullgraph it raises, with this message.
-        raise torch._dynamo.exc.Unsupported(
-            "moekit.fused_moe under torch.compile needs its MoEWeights made outside the compiled "
-            "function (once, like a module's weights), not inside it. MoELayer.weights builds a new "
-            "MoEWeights when first read after .to(), load_state_dict() or a buffer assignment: call "
-            "the layer itself (layer(x, ...)) in the compiled function, or read layer.weights once "
-            "outside it"
-        )
+        raise torch._dynamo.exc.Unsupported(WEIGHTS_MADE_WHILE_TRACING)
     if isinstance(obj, MoEWeights):
         # Long-lived, like a module's buffers (which the compiler treats so already): under
         # torch.compile's CUDA graphs (mode="reduce-overhead") a tensor not so marked would be
@@ -73,6 +76,15 @@ def _register(object_id: int) -> int:
         for t in obj.tensors().values():
             torch._dynamo.mark_static_address(t, guard=False)
     return handles.register(obj)
+
+
+@torch.compiler.assume_constant_result
+def refuse_layer_weights_built_while_tracing() -> int:
+    """Raises Unsupported with WEIGHTS_MADE_WHILE_TRACING: MoELayer.weights calls it where it would
+    build its MoEWeights inside a traced function. Run for real at trace time (as _register is),
+    so the message reaches the user; the rebuild itself does not trace on torch 2.11 (its Dynamo
+    cannot trace the layer's __dict__.pop), which broke the graph with a message naming only pop."""
+    raise torch._dynamo.exc.Unsupported(WEIGHTS_MADE_WHILE_TRACING)
 
 
 # ------------------------------------------------------------------------------ fused_moe

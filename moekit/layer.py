@@ -233,6 +233,10 @@ class MoELayer(HandleOwner, torch.nn.Module):
         state) until .to(), load_state_dict() or an assignment replaces or changes a buffer."""
         w = self._weights
         if w is None:
+            if torch.compiler.is_compiling():  # weights made while tracing cannot run: say so by name
+                from . import custom_ops
+
+                custom_ops.refuse_layer_weights_built_while_tracing()
             buffers = self._buffers
             with scale_values_checked_later():  # buffers may not be loaded yet: fused_moe checks them
                 w = self._weights = MoEWeights(self._scheme, **{n: buffers.get(n) for n in TENSOR_FIELDS},
