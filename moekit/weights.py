@@ -296,10 +296,9 @@ def scale_values_checked_later():
     """MoEWeights made inside have their scales' values checked by check_scale_values(), not at
     construction: a MoELayer's weights over buffers allocated but not yet loaded (to_empty, then
     load_state_dict) hold whatever memory held, and printing or warming the layer before the load
-    must not fail on them. fused_moe checks them at the first call that runs them."""
-    if torch.compiler.is_compiling():  # Dynamo traces no ContextVar; nothing is read while compiling anyway
-        yield
-        return
+    must not fail on them. fused_moe checks them at the first call that runs them. Never entered
+    while torch.compile traces (Dynamo traces no ContextVar): MoELayer.weights refuses to build
+    weights there before it gets here."""
     token = _VALUES_DEFERRED.set(True)
     try:
         yield
