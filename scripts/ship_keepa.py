@@ -24,7 +24,6 @@ not comparable with the new time. Without --write it only prints what it would c
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -34,14 +33,7 @@ from moekit.tables import normalize_device_name, parse_table_name, write_json_at
 from moekit.tune.space import config_from_key, config_key
 
 # scripts/ is on the path when a script runs (and in the tests)
-from ship_tables import load_problem
-
-
-def _load(path: Path, what: str):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"cannot read {what} {path}: {exc}") from None
+from ship_tables import load_json, load_problem
 
 
 def _integer(v) -> bool:
@@ -179,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 0 <= args.min_gain < 1:
         raise SystemExit(f"--min-gain must lie in [0, 1), got {args.min_gain}")
-    rows = layer_rows(_load(args.diag_json, "diag results"))
-    doc = _load(args.table, "triton table")
+    rows = layer_rows(load_json(args.diag_json, "diag results"))
+    doc = load_json(args.table, "triton table")
     problem = load_problem("triton", args.table, doc) if isinstance(doc, dict) else "not a JSON object"
     if problem or not doc["configs"]:  # the rule ship_tables.py ships by: a table moekit would read
         raise SystemExit(f"{args.table}: moekit would not read it as a triton table: {problem or 'no entries'}")

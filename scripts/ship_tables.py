@@ -44,11 +44,12 @@ class Planned:
     doc: dict | None  # what to write; None: nothing changed
 
 
-def _load(path: Path) -> dict:
+def load_json(path: Path, what: str = "table"):
+    """The JSON document at `path`; SystemExit naming `what` it is where it cannot be read."""
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"cannot read table {path}: {exc}") from None
+        raise SystemExit(f"cannot read {what} {path}: {exc}") from None
 
 
 def load_problem(kind: str, path: Path, doc: dict) -> str | None:
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     planned: list[Planned] = []
     refused: list[str] = []
     for kind, path in found:
-        new, target = _load(path), args.into / kind / path.name
+        new, target = load_json(path), args.into / kind / path.name
         problem = load_problem(kind, path, new)
         if problem:
             refused.append(f"{kind}/{path.name}: moekit would not read it: {problem}")
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{kind}/{path.name}: new table")
             planned.append(Planned(target, new))
             continue
-        old = _load(target)
+        old = load_json(target)
         if args.merge:
             new = with_run_sizes(kind, old, new)
         changes = size_changes(kind, old, new)
