@@ -1,7 +1,7 @@
 """How the triton backend sums FP8 products (MOEKIT_FP8_ACCUMULATION), and which tables that needs.
 
-"precise" (default): each BLOCK_K-long partial product is added into a float32 accumulator, as
-DeepGEMM does. "fast": the tensor cores' own narrower accumulator over the whole K, as vLLM's
+"precise" (default): each partial product of at most 128 of K (a tile's K step, or a part of a
+wider one) is added into a float32 accumulator, as DeepGEMM does. "fast": the tensor cores' own narrower accumulator over the whole K, as vLLM's
 Triton kernel and torch's CUTLASS grouped GEMM run. Measured on an H200 (BENCHMARKS.md,
 2026-12-03, fourth session): fast is 17% faster at Mixtral-8x7B M = 4096 (whole layer) and 8% at
 GLM-4.5V, the same at decode sizes, but its error against float64 rose from 2.5e-3 to 1.4e-2 on

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool.
 #
-#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemvstages|gemv2steps|gemv1reduce|gemv2input|parts|keepa|flush|quantchunks|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|timingmethods|host|all ...] [-- extra pytest args]
+#   bash scripts/gpu_check.sh [tests|tune|retime|bench|anchors|auto|check|full|hf|fast|decode|gemvstages|gemv2steps|gemv1reduce|gemv2input|parts|keepa|configs|flush|quantchunks|gemm2|unmarked|pending|ids|route|hfroute|halfheight|warmup|timingmethods|host|all ...] [-- extra pytest args]
 #
 # tests: the GPU-marked tests (real preset shapes, determinism, CUDA-graph replay, cutlass, auto).
 # bench: `moekit bench` at the anchor points (BENCHMARKS.md, Reference points): the expert GEMMs alone
@@ -60,6 +60,10 @@
 #        their row block's activations (KernelConfig.KEEP_A2) over widths, warps, stages and run
 #        lengths, then the whole layer with the fastest, GLM-4.5V TP2 at M = 1024, 4096 and 8192
 #        (KEEPA_ARGS adds arguments: "--points deepseek-v3:8:4096 --runs 8 16"); not part of `all`.
+# configs: scripts/diag_configs.py, the whole layer with the configs CONFIGS_ARGS names against the
+#        table's, in the same rounds, each checked against the reference and bitwise against the
+#        others (CONFIGS_ARGS="--points glm-4.5v-fp8:2:64 --configs KEY ... --scheme fp8-channel-token");
+#        not part of `all`.
 # flush: scripts/diag_flush.py, the triton layer, the GEMV path's GEMMs alone and bare reads of their
 #        weights' bytes, timed after the harness's L2 flush (zeroing 512 MiB, which leaves the L2
 #        dirty) and after a flush that reads it (clean), at the anchors' decode points
@@ -309,6 +313,11 @@ if [[ " ${steps[*]} " == *" parts "* ]]; then
 fi
 if [[ " ${steps[*]} " == *" keepa "* ]]; then
   python3 scripts/diag_gemm2_keep_a.py ${KEEPA_ARGS:-} --json "$WORK/diag_gemm2_keep_a.json" 2>&1 | tee "$WORK/diag_gemm2_keep_a.log"
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+if [[ " ${steps[*]} " == *" configs "* ]]; then
+  python3 scripts/diag_configs.py ${CONFIGS_ARGS:?CONFIGS_ARGS names the points and configs} --json "$WORK/diag_configs.json" \
+    2>&1 | tee "$WORK/diag_configs.log"
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ " ${steps[*]} " == *" flush "* ]]; then

@@ -88,7 +88,7 @@ def config_key(cfg: KernelConfig) -> str:
         key += "-join"
     if cfg.has_gemm2:  # GEMM2's own launch (gemm2_variants): its whole launch, after a "+"
         g2 = cfg.gemm2()
-        key += f"+N{g2.BLOCK_N}-G{g2.GROUP_M}-w{g2.num_warps}-s{g2.num_stages}"
+        key += f"+N{g2.BLOCK_N}" + (f"-K{g2.BLOCK_K}" if cfg.BLOCK_K2 else "") + f"-G{g2.GROUP_M}-w{g2.num_warps}-s{g2.num_stages}"
         if g2.N_TILES2:
             key += f"-r{g2.N_TILES2}"
         if g2.OVERLAP2:  # GEMM2 in Gluon with the promotion overlapped (KernelConfig.OVERLAP2)
@@ -99,9 +99,9 @@ def config_key(cfg: KernelConfig) -> str:
 
 
 _TILED_KEY = re.compile(r"M(?P<bm>\d+)-N(?P<bn>\d+)-K(?P<bk>\d+)-G(?P<g>\d+)-w(?P<w>\d+)-s(?P<s>\d+)(?P<ov>-ov)?(?P<join>-join)?"
-                        r"(?:\+N(?P<bn2>\d+)-G(?P<g2>\d+)-w(?P<w2>\d+)-s(?P<s2>\d+)(?:-r(?P<r2>\d+))?(?P<ov2>-ov)?(?P<ka2>-ka)?)?")
+                        r"(?:\+N(?P<bn2>\d+)(?:-K(?P<bk2>\d+))?-G(?P<g2>\d+)-w(?P<w2>\d+)-s(?P<s2>\d+)(?:-r(?P<r2>\d+))?(?P<ov2>-ov)?(?P<ka2>-ka)?)?")
 _GEMV_KEY = re.compile(r"gemv-N(?P<bn>\d+)-K(?P<bk>\d+)-w(?P<w>\d+)-s(?P<s>\d+)(?P<late>-late)?(?:\+N(?P<bn2>\d+)-w(?P<w2>\d+)(?:-s(?P<s2>\d+))?)?")
-_KEY_FORMS = ("M<rows>-N<cols>-K<k>-G<group>-w<warps>-s<stages>[-ov][-join] (optionally +N<cols>-G<group>-w<warps>-s<stages>"
+_KEY_FORMS = ("M<rows>-N<cols>-K<k>-G<group>-w<warps>-s<stages>[-ov][-join] (optionally +N<cols>[-K<k>]-G<group>-w<warps>-s<stages>"
               "[-r<runs>][-ov][-ka] for GEMM2's own launch, runs 2 or more) or gemv-N<cols>-K<k>-w<warps>-s<stages>[-late] "
               "(optionally +N<cols>-w<warps>[-s<stages>] for GEMM2's own), "
               "every number positive")
@@ -126,7 +126,7 @@ def config_from_key(key: str) -> KernelConfig:
     cfg = KernelConfig(BLOCK_M=n["bm"], BLOCK_N=n["bn"], BLOCK_K=n["bk"], GROUP_M=n["g"], num_warps=n["w"],
                        num_stages=n["s"], OVERLAP=int(m.group("ov") is not None), JOIN=int(m.group("join") is not None))
     if "bn2" in n:  # GEMM2's own launch
-        cfg = cfg.with_gemm2(BLOCK_N=n["bn2"], GROUP_M=n["g2"], num_warps=n["w2"], num_stages=n["s2"],
+        cfg = cfg.with_gemm2(BLOCK_N=n["bn2"], BLOCK_K=n.get("bk2", n["bk"]), GROUP_M=n["g2"], num_warps=n["w2"], num_stages=n["s2"],
                              N_TILES=n.get("r2", 0), OVERLAP=int(m.group("ov2") is not None),
                              KEEP_A=int(m.group("ka2") is not None))
     return cfg
@@ -396,7 +396,7 @@ def gemm2_variants(
     kept: list[KernelConfig] = []
     dropped: dict[str, str] = {}
     keep_a = (intermediate is not None and base.keep_a2_fits(intermediate)
-              and intermediate <= GEMM2_KEEP_A_SEARCH_STEPS * base.BLOCK_K)
+              and intermediate <= GEMM2_KEEP_A_SEARCH_STEPS * base.gemm2().BLOCK_K)
     launches = [base.with_gemm2(BLOCK_N=block_n, num_warps=warps, num_stages=stages, N_TILES=n_tiles, KEEP_A=keeps)
                 for block_n, warps, stages, n_tiles, keeps in grid if keep_a or not keeps]
     if overlap_k_steps and base.BLOCK_N == 128 and (base.BLOCK_M, 128) in KernelConfig.OVERLAP2_TILES:

@@ -90,7 +90,8 @@ def _to_dtype(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 def _dot(a, b, acc, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr):
     """acc + a @ b in float32. Hopper's tensor cores sum FP8 products in a narrower accumulator
     (about 1e-2 relative error over K = 4096, measured); max_num_imprecise_acc makes the compiler
-    add each BLOCK_K-long partial product into the float32 acc instead, as DeepGEMM does.
+    add each PROMOTE-long partial product into the float32 acc instead, as DeepGEMM does (a dot
+    longer than PROMOTE is several such products, added in K order: launch.fp8_promote).
     PROMOTE 0: no such request (the caller scales and adds each product into float32 itself)."""
     if INTERPRET and a.dtype == tl.bfloat16:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)  # exact: bf16 -> f32 loses nothing

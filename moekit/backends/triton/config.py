@@ -1,8 +1,8 @@
 """Launch configuration of the triton backend: `KernelConfig`, analytic defaults, tuned tables.
 
-One config serves both GEMMs (they share the row blocks of the alignment, so BLOCK_M and BLOCK_K
-are common), except that GEMM2 may have a tile width, warps, stages and grouping of its own
-(BLOCK_N2, num_warps2, num_stages2, GROUP_M2; 0 = GEMM1's): with its short inner dimension it
+One config serves both GEMMs (they share the row blocks of the alignment, so BLOCK_M is
+common), except that GEMM2 may have a tile width, warps, stages, grouping and K step of its own
+(BLOCK_N2, num_warps2, num_stages2, GROUP_M2, BLOCK_K2; 0 = GEMM1's): with its short inner dimension it
 wanted 3 stages where GEMM1 wanted 4 at GLM-4.5V M = 8192 (621 against 865 µs for GEMM2 alone in
 fast mode), and 256-wide tiles at Mixtral M = 4096 (754 against 863; BENCHMARKS.md, eighth
 session). GEMM2's programs may also run several of a row block's column tiles in turn (N_TILES2,
@@ -68,6 +68,10 @@ class KernelConfig:
     num_warps2: int = 0
     num_stages2: int = 0
     GROUP_M2: int = 0
+    # GEMM2's own K step: where GEMM1's activations have one scale per token (not per 1x128 group),
+    # GEMM1 may read K in wider steps than the 128 that GEMM2's 1x128-group intermediate ties it to
+    # (KernelConfig._k_step_problems)
+    BLOCK_K2: int = 0
     # GEMM2's column tiles per program (0 or 1: one): a program runs N_TILES2 column blocks of its
     # row block in turn (_kernels._gemm2_row_run); GEMM1 has no such parameter
     N_TILES2: int = 0
@@ -81,7 +85,7 @@ class KernelConfig:
 
     # class constants, not fields: GEMM2's own value of a GEMM1 parameter (its name + "2"), and
     # the parameters only GEMM2 has
-    GEMM2_FIELDS = ("BLOCK_N2", "num_warps2", "num_stages2", "GROUP_M2")
+    GEMM2_FIELDS = ("BLOCK_N2", "num_warps2", "num_stages2", "GROUP_M2", "BLOCK_K2")
     GEMM2_ONLY = ("N_TILES2", "OVERLAP2", "KEEP_A2")
     KEEP_A2_STEPS = 6  # the K steps of GEMM2's inner dimension KEEP_A2 holds at most (_kernels._gemm2_resident_run)
 
@@ -143,8 +147,12 @@ class KernelConfig:
     def has_gemm2(self) -> bool:
         return any(getattr(self, name) for name in self.GEMM2_FIELDS + self.GEMM2_ONLY)
 
-    def problems(self, scheme: QuantScheme) -> list[str]:
-        """Why this config cannot run `scheme` (empty when it can)."""
+    def problems(self, scheme: QuantScheme, gemm: str = "both") -> list[str]:
+        """Why this config cannot run `scheme` (empty when it can). `gemm`: which GEMM runs this
+        tile, "both" for a config without GEMM2's own launch ("gemm1" and "gemm2" are the checks
+        of a config with one)."""
+        if gemm not in ("both", "gemm1", "gemm2"):
+            raise ValueError(f"gemm={gemm!r}: expected 'both', 'gemm1' or 'gemm2'")
         if self.has_gemm2:
             if self.GEMV:
                 return self._gemv_gemm2_problems(scheme)
@@ -156,9 +164,9 @@ class KernelConfig:
                 return negative
             # GEMM2's tile (its runs checked above, its Gluon kernel and kept activations below)
             tile2 = dataclasses.replace(self.gemm2(), N_TILES2=0, OVERLAP2=0, KEEP_A2=0)
-            own = tile2.problems(scheme) + (self._overlap2_problems(scheme) if self.OVERLAP2 else [])
+            own = tile2.problems(scheme, "gemm2") + (self._overlap2_problems(scheme) if self.OVERLAP2 else [])
             own += self._keep_a2_problems() if self.KEEP_A2 else []
-            return self.gemm1().problems(scheme) + [f"GEMM2: {p}" for p in own]
+            return self.gemm1().problems(scheme, "gemm1") + [f"GEMM2: {p}" for p in own]
         out = []
         if self.GEMV:  # K steps of whole 128-groups, columns without a tensor-core tile, no row tiles
             smallest = {"BLOCK_N": 4, "BLOCK_K": 128}
@@ -173,9 +181,8 @@ class KernelConfig:
         if scheme.is_fp8 and not self.GEMV and self.BLOCK_K < 32:
             # Triton's NVIDIA backend compiles 8-bit tensor-core dots with K >= 32 only
             out.append(f"BLOCK_K={self.BLOCK_K} must be at least 32 for FP8 tensor-core dots")
-        if scheme.is_fp8 and scheme.activation in ("group", "token") and self.BLOCK_K != 128 and not self.GEMV:
-            # the intermediate (and block activations) are quantized per 1x128 group of K
-            out.append(f"BLOCK_K={self.BLOCK_K} must be 128 for {scheme.name}")
+        if self.BLOCK_K != 128 and not self.GEMV:
+            out += self._k_step_problems(scheme, gemm)
         if scheme.weight == "block" and (self.BLOCK_N > 128 or 128 % self.BLOCK_N):
             out.append(f"BLOCK_N={self.BLOCK_N} must divide 128 for 128x128 weight blocks")
         if self.num_warps not in (1, 2, 4, 8, 16):
@@ -198,6 +205,22 @@ class KernelConfig:
             # the joined tile sums the whole K in one accumulator: no room for per-K-step scales
             out.append(f"JOIN=1 cannot apply {scheme.name}'s per-128-of-K scales (use JOIN=0)")
         return out
+
+    def _k_step_problems(self, scheme: QuantScheme, gemm: str) -> list[str]:
+        """Why this tile's K step (not 128) cannot run `scheme` in `gemm`: each step of a tile
+        applies at most one 1x128 group's scale. GEMM1 reads 1x128-group activations
+        (`fp8-block128`) and 128x128 weight blocks; GEMM2 reads the intermediate that GEMM1 of
+        an FP8 scheme with per-token or group activations quantizes per 1x128 group. GEMM1 of a
+        per-token scheme applies its scales after the K loop, so any step suits it (BLOCK_K2=128
+        gives GEMM2 its own)."""
+        if not scheme.is_fp8:
+            return []
+        if scheme.activation == "group" or scheme.weight == "block":
+            return [f"BLOCK_K={self.BLOCK_K} must be 128 for {scheme.name} (its scales change every 128 of K)"]
+        if scheme.activation == "token" and gemm != "gemm1":
+            out = f"BLOCK_K={self.BLOCK_K} must be 128 for {scheme.name}'s GEMM2 (it reads an intermediate quantized per 1x128 group)"
+            return [out + ("; GEMM1 alone may take wider steps, with BLOCK_K2=128 for GEMM2" if gemm == "both" else "")]
+        return []
 
     # GEMM2's own launch parameters the GEMV path takes (gemv.gemv2: its column block, warps and
     # K-loop pipeline depth; its K step follows BLOCK_K, gemv.gemm2_groups)
@@ -269,7 +292,7 @@ class KernelConfig:
 
     def keep_a2_fits(self, n: int) -> bool:
         """Whether GEMM2's inner dimension n fits the K steps KEEP_A2 holds (KEEP_A2_STEPS)."""
-        return n <= self.KEEP_A2_STEPS * self.BLOCK_K  # BLOCK_K: both GEMMs'
+        return n <= self.KEEP_A2_STEPS * self.gemm2().BLOCK_K
 
     def to_dict(self) -> dict:
         """The fields, without GEMM2's own and OVERLAP where unset (tables of configs that have

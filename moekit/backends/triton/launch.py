@@ -62,9 +62,15 @@ SCAN_MAX_CHUNKS = 2048
 MAX_ALIGN_PAIRS = CHUNK * SCAN_MAX_CHUNKS
 
 
+# Precise mode's promotion interval: the tensor cores' FP8 sums of at most this many products
+# are added into float32 (_kernels._dot), whatever the K step, so a tile's K step does not change
+# the sums (a step of 256 is two promotions, in the order two steps of 128 make them)
+PROMOTE_EVERY = 128
+
+
 def fp8_promote(cfg: KernelConfig) -> int:
     """The kernels' PROMOTE argument (see _kernels._dot): K elements between promotions, 0 for none."""
-    return 0 if fp8_accumulation() == "fast" else cfg.BLOCK_K
+    return 0 if fp8_accumulation() == "fast" else min(cfg.BLOCK_K, PROMOTE_EVERY)
 
 
 def _row_intermediate(scheme: QuantScheme) -> bool:
