@@ -249,7 +249,8 @@ def resolve_problems(models: Sequence[str], tp: int, scheme: str | None, device:
         try:
             override = get_scheme(scheme)
         except ValueError as e:
-            raise BenchInputError(f"--scheme: {e}") from None
+            several = "; this command takes one scheme (`moekit tune` takes several)" if "," in scheme else ""
+            raise BenchInputError(f"--scheme: {e}{several}") from None
     problems = []
     for name in models:
         try:
@@ -693,6 +694,7 @@ def _validate(opts: BenchOptions, device: torch.device) -> _Plan:
     requested = parse_names(opts.backends)
     baseline = choose_baseline(opts.baseline, problems, device, dtype)
     plan = plan_backends(problems, requested, device, dtype, extra=(baseline,))
+    check_forced_backend(plan, problems, batch_sizes, device, dtype)
     if opts.mode == "gemm":
         check_gemm_only(plan, problems, batch_sizes, device, dtype)
     if opts.plots:
@@ -712,6 +714,20 @@ def _has_gemm_only(name: str) -> bool:
     return getattr(get_backend(name), GEMM_ONLY_HOOK, None) is not None
 
 
+def check_forced_backend(plan: BackendPlan, problems, batch_sizes, device, dtype) -> None:
+    """BenchInputError where MOEKIT_BACKEND sends auto's rows to a backend that cannot run one of
+    them here (each such row failed with the reason, after the whole run of the others)."""
+    for p in problems:
+        if "auto" not in plan.per_problem[p.name]:
+            continue
+        for M in batch_sizes:
+            try:
+                select_backend(p.shape, p.scheme, device, dtype, M, "auto")
+            except BackendUnavailableError as e:
+                raise BenchInputError(f"auto's rows of {p.name} at M = {M}: {e} (unset {ENV_VAR}, or name "
+                                      f"a backend that can run it)") from None
+
+
 def check_gemm_only(plan: BackendPlan, problems, batch_sizes, device, dtype) -> None:
     """BenchInputError where --mode gemm would time nothing: no backend to run (auto by what it
     chooses at each batch size) has a GEMM-only mode. Such a run wrote a table of "n/a" rows and
@@ -722,7 +738,7 @@ def check_gemm_only(plan: BackendPlan, problems, batch_sizes, device, dtype) -> 
                 try:
                     chosen = {select_backend(p.shape, p.scheme, device, dtype, M, "auto").backend for M in batch_sizes}
                 except (BackendUnavailableError, ValueError):
-                    return  # auto cannot choose here (MOEKIT_BACKEND naming one that cannot run): its rows say why
+                    return  # auto cannot choose here: its rows say why (check_forced_backend refused MOEKIT_BACKEND's)
             else:
                 chosen = {name}
             if any(map(_has_gemm_only, chosen)):
@@ -872,6 +888,11 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
             console.print(f"  skipped {name}: {'; '.join(reasons)}", highlight=False)
     if plan.routing_kind == "file" and any(p.scaled for p in plan.problems):
         console.print("  recorded routing folded onto the scaled-down shape (id mod experts)", highlight=False)
+    for name, ids in plan.recorded.items():
+        longer = [M for M in plan.batch_sizes if M > ids.shape[0]]
+        if longer:  # inputs.recorded_routing tiles the file's rows: its tokens, repeated
+            console.print(f"  {name}: the routing file has {ids.shape[0]} tokens; at M = {', '.join(map(str, longer))} "
+                          "its rows are repeated to fill the batch", highlight=False)
 
     rows: list[dict] = []
     total = sum(len(plan.backends.per_problem[p.name]) for p in plan.problems) * len(plan.batch_sizes)

@@ -25,7 +25,7 @@ def cmd_info(args) -> int:
 
     import moekit
     from moekit.backends import backend_names, get_backend
-    from moekit.spec import FP8_CHANNEL_TOKEN, MoEShape
+    from moekit.spec import SCHEMES, MoEShape
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -56,20 +56,32 @@ def cmd_info(args) -> int:
     on_kernel = _use_kernel(torch.empty(1, 1, device=device))  # route()'s own rule, for logits here
     console.print("moekit.route here: " + ("one Triton kernel (docs/routing.md)" if on_kernel else
                                            "torch ops (the routing kernel runs on a GPU)"))
-    # A representative problem: FP8 per-channel weights, dimensions every kernel accepts.
-    shape, scheme = MoEShape(8, 4096, 1024, 2), FP8_CHANNEL_TOKEN
-    table = Table(title=f"backends on {device.type} ({scheme.name}, {shape.describe()})")
+    # A representative problem per scheme: dimensions every kernel accepts (multiples of 128), so
+    # that what a backend refuses is the scheme or this machine, not the shape.
+    shape = MoEShape(8, 4096, 1024, 2)
+    schemes = [s for name, s in SCHEMES.items() if name != "fp16"]  # fp16 is bf16's scheme
+    table = Table(title=f"backends on {device.type} by scheme ({shape.describe()}; a real model's shape may add "
+                        "conditions: `moekit select` answers for one)")
     table.add_column("backend")
-    table.add_column("status")
+    for s in schemes:
+        table.add_column(s.name, justify="center")
     table.add_column("description")
+    why: dict[str, dict[str, list[str]]] = {}
     for name in backend_names():
         backend = get_backend(name)
-        reasons = backend.supports(shape, scheme, device)
-        status = "[green]available[/]" if not reasons else "[red]unavailable[/]: " + "; ".join(reasons)
-        table.add_row(name, status, backend.description)
+        refused = {s.name: backend.supports(shape, s, device) for s in schemes}
+        why[name] = {k: v for k, v in refused.items() if v}
+        table.add_row(name, *("[red]no[/]" if refused[s.name] else "[green]yes[/]" for s in schemes), backend.description)
     from moekit.bench import print_wide
 
     print_wide(console, table)  # in a pipe rich assumes 80 columns and would cut the names
+    for name, by_scheme in why.items():
+        reasons = {"; ".join(r) for r in by_scheme.values()}
+        if len(by_scheme) == len(schemes) and len(reasons) == 1:  # one reason for every scheme: said once
+            console.print(f"{name}: {reasons.pop()}", highlight=False, soft_wrap=True)
+        else:
+            for scheme_name, r in by_scheme.items():
+                console.print(f"{name}, {scheme_name}: {'; '.join(r)}", highlight=False, soft_wrap=True)
     return 0
 
 
@@ -94,6 +106,22 @@ def cmd_models(args) -> int:
     return 0
 
 
+# Activation dtypes by every spelling people bring: moekit's, torch's, and vLLM's --dtype values.
+DTYPE_SPELLINGS = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16"}
+DTYPE_HELP = "activation dtype: bf16 (bfloat16) or fp16 (float16) (default: bf16)"
+
+
+def activation_dtype(value: str) -> str:
+    """--dtype's type: moekit's name of the activation dtype. vLLM's tuning scripts use --dtype for
+    the weights' quantization (fp8_w8a8, ...), which moekit calls the scheme: say so."""
+    name = DTYPE_SPELLINGS.get(value.lower())
+    if name is not None:
+        return name
+    hint = ("; the quantization is --scheme here (e.g. --scheme fp8-channel-token, see `moekit models`)"
+            if "fp8" in value.lower() or "int8" in value.lower() or "w8a8" in value.lower() else "")
+    raise argparse.ArgumentTypeError(f"{value!r} is not an activation dtype: expected bf16 or fp16{hint}")
+
+
 # vLLM's spellings too (--tensor-parallel-size in vllm serve; --tp-size and -tp in its
 # benchmark_moe.py and tuning scripts), so that their command lines carry over unchanged.
 TP_FLAGS = ("--tp", "--tp-size", "-tp", "--tensor-parallel-size")
@@ -115,8 +143,8 @@ def _add_model_args(
                    help=batch_help)
     p.add_argument("--backends", nargs="+", action="extend", metavar="NAME", default=None, help=backends_help)
     p.add_argument("--out", default=None, help=out_help)
-    p.add_argument("--seed", type=int, default=0, help="random seed of weights, inputs and routing")
-    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="activation dtype")
+    p.add_argument("--seed", type=int, default=0, help="random seed of weights, inputs and routing (default: 0)")
+    p.add_argument("--dtype", type=activation_dtype, default="bf16", help=DTYPE_HELP)
 
 
 def cmd_bench(args) -> int:
@@ -177,6 +205,7 @@ def cmd_tune(args) -> int:
 def cmd_select(args) -> int:
     import torch
 
+    from moekit.bench import MAX_BATCH_SIZE
     from moekit.models import get_model
     from moekit.select import BackendUnavailableError, DeviceSpec, explain
     from moekit.spec import get_scheme
@@ -188,10 +217,13 @@ def cmd_select(args) -> int:
 
     if not args.model:
         raise UsageError("give --model (a preset name, see `moekit models`, or a config.json / model folder)")
+    if args.batch_size is None:
+        raise UsageError("give --batch-size (the tokens in the batch, M)")
     batch, tp = positive("--batch-size", args.batch_size), positive("--tp", args.tp)
+    if batch > MAX_BATCH_SIZE:
+        raise UsageError(f"--batch-size: {batch} is above {MAX_BATCH_SIZE}, the largest batch size moekit takes "
+                         "(moekit.bench.MAX_BATCH_SIZE)")
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-    if args.dtype not in dtypes:
-        raise UsageError(f"--dtype must be bf16 or fp16, got {args.dtype!r}")
     try:
         spec = get_model(args.model, tp=tp)
         scheme = get_scheme(args.scheme) if args.scheme else spec.scheme
@@ -321,11 +353,15 @@ def cmd_eval(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: a prefix of a flag is an error, not the flag. With prefixes accepted, a
     # new flag sharing one (--batch-size beside --batch-sizes) changes or breaks old command lines.
-    parser = argparse.ArgumentParser(prog="moekit", description=__import__("moekit").__doc__, allow_abbrev=False)
+    moekit = __import__("moekit")
+    parser = argparse.ArgumentParser(prog="moekit", description=moekit.__doc__, allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"moekit {moekit.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, summary: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=summary, allow_abbrev=False)
+        p = sub.add_parser(name, help=summary, allow_abbrev=False)
+        p.set_defaults(subparser=p)  # main: an unknown flag is reported with this command's usage
+        return p
 
     command("info", "device, versions, and which backends can run here").set_defaults(func=cmd_info)
     command("models", "list the model presets").set_defaults(func=cmd_models)
@@ -345,8 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-check", action="store_true", help="skip the relative error against reference")
     bench.add_argument("--model-estimate", action="store_true",
                        help="add the MoE time per decode step of the whole model (MoE layers x layer time)")
-    bench.add_argument("--reps", type=int, default=30, help="timed replays per point")
-    bench.add_argument("--warmup", type=int, default=5, help="warm-up calls per point")
+    bench.add_argument("--reps", type=int, default=30, help="timed replays per point (default: 30)")
+    bench.add_argument("--warmup", type=int, default=5, help="warm-up calls per point (default: 5)")
     bench.add_argument("--routings", type=int, default=4, metavar="N",
                        help="layer mode: the replays of each point cycle through N routings of its batch size "
                             "(default: 4)")
@@ -369,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
         "batch sizes in tokens (default: 1 7 64); a case with idle experts (M=8, half the experts) is added",
         "backends to check (default: every one that can run the model's scheme here)",
     )
-    check.add_argument("--seeds", type=int, default=3, help="number of seeds per batch size")
+    check.add_argument("--seeds", type=int, default=3, help="number of seeds per batch size (default: 3)")
     check.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     check.set_defaults(func=cmd_check)
 
@@ -397,8 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="after each size's search, time the best config again with GEMM2 launched "
                            "with its own tile width, warps and stages (under --search-space none: the best "
                            "config found before) (default: on)")
-    tune.add_argument("--reps", type=int, default=20, help="timed replays per config")
-    tune.add_argument("--warmup", type=int, default=3, help="warm-up calls per config (the first compiles)")
+    tune.add_argument("--reps", type=int, default=20, help="timed replays per config (default: 20)")
+    tune.add_argument("--warmup", type=int, default=3, help="warm-up calls per config, the first compiles (default: 3)")
     tune.add_argument("--routings", type=int, default=4, metavar="N",
                       help="the decision timing (every backend and triton's best config, interleaved) "
                            "cycles through N routings of each batch size (default: 4)")
@@ -410,14 +446,14 @@ def build_parser() -> argparse.ArgumentParser:
     tune.set_defaults(func=cmd_tune)
 
     select = command("select", "which backend auto runs for a model and batch size, and why")
-    select.add_argument("--model", default=None, metavar="NAME|PATH", help="a preset name or a config.json / model folder")
-    select.add_argument(*TP_FLAGS, dest="tp", default="1", help="tensor parallelism")
+    select.add_argument("--model", default=None, metavar="NAME|PATH", help="a preset name or a config.json / model folder (required)")
+    select.add_argument(*TP_FLAGS, dest="tp", default="1", help="tensor parallelism (default: 1)")
     select.add_argument("--scheme", default=None, help="quantization scheme (default: the model's own)")
-    select.add_argument("--batch-size", default=None, metavar="M", help="tokens in the batch")
+    select.add_argument("--batch-size", default=None, metavar="M", help="tokens in the batch (required)")
     select.add_argument("--device-name", default=None, metavar="NAME",
                         help="answer for this GPU instead of the local device, e.g. 'NVIDIA H100 80GB HBM3'")
     select.add_argument("--backend", default=None, help="a backend name, as the backend argument would give it")
-    select.add_argument("--dtype", default="bf16", help="activation dtype: bf16 or fp16")
+    select.add_argument("--dtype", type=activation_dtype, default="bf16", help=DTYPE_HELP)
     select.set_defaults(func=cmd_select)
     warm = command("warmup", "compile the triton kernels a model's MoE layers launch up to a batch size, before serving")
     warm.add_argument("--model", action="append", required=True, metavar="NAME|PATH",
@@ -431,16 +467,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="only these batch sizes (instead of 1 ... --max-batch-size)")
     warm.add_argument("--backend", default="auto",
                       help="as fused_moe's backend argument (default auto: the sizes it gives triton)")
-    warm.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="activation dtype")
+    warm.add_argument("--dtype", type=activation_dtype, default="bf16", help=DTYPE_HELP)
     warm.set_defaults(func=cmd_warmup)
     ev = command("eval", "a local transformers MoE model on each backend: perplexity, KL and top-1 vs reference, tokens/s")
     ev.add_argument("--model", required=True, metavar="PATH", help="a local model folder (config.json, safetensors, tokenizer)")
     ev.add_argument("--backends", nargs="+", action="extend", metavar="NAME", default=None,
                     help="backends to evaluate (default: every one that can run here); reference is always added")
     ev.add_argument("--text", default=None, metavar="FILE", help="text to score (default: moekit/data/eval.txt)")
-    ev.add_argument("--max-tokens", type=int, default=512, help="tokens of the text scored")
-    ev.add_argument("--seq-len", type=int, default=256, help="tokens per scoring window")
-    ev.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens generated for tokens/s (0: skip)")
+    ev.add_argument("--max-tokens", type=int, default=512, help="tokens of the text scored (default: 512)")
+    ev.add_argument("--seq-len", type=int, default=256, help="tokens per scoring window (default: 256)")
+    ev.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens generated for tokens/s, 0 to skip (default: 32)")
     ev.add_argument("--scheme", default=None, help="quantize a bf16 checkpoint's experts on load to this scheme")
     ev.add_argument("--out", default=None, metavar="FILE", help="write the JSON report here (a new file)")
     ev.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
@@ -452,7 +488,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # argparse would print the top-level usage; the command's own is the useful one
+        args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line, for reproducibility
     try:
         return args.func(args)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -42,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import moekit
 import moekit.distributed as md
 from moekit import bench, inputs
+from moekit.backends import get_backend
+from moekit.cli import TP_FLAGS
 from moekit.models import get_model
 from moekit.spec import BLOCK, MoEShape, get_scheme
 
@@ -60,16 +63,29 @@ def _positive(text: str) -> int:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """Every rank parses the same command line: only rank 0 prints the usage error (torchrun's
+    own report of the failed ranks follows), every rank exits with status 2."""
+
+    def error(self, message):
+        if os.environ.get("RANK", "0") == "0":
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """The command line, checked before any process group is joined: a bad model, scheme or
+    backend name is one line from rank 0 and exit status 2 (not a traceback from every rank)."""
+    p = _Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--tp", type=_positive, help="tensor parallel over this many ranks (= WORLD_SIZE)")
+    mode.add_argument(*TP_FLAGS, dest="tp", type=_positive, help="tensor parallel over this many ranks (= WORLD_SIZE)")
     mode.add_argument("--ep", type=_positive, help="expert parallel over this many ranks (= WORLD_SIZE)")
     p.add_argument("--model", default="glm-4.5v-fp8", help="a preset name or a config.json path")
     p.add_argument("--scheme", help="override the model's quantization scheme")
-    p.add_argument("--backend", default="auto", help="single-device backend of the local experts")
-    p.add_argument("--batch-sizes", action="append", metavar="M[,M...]",
-                   help="tokens (TP: the batch; EP: each rank's tokens); repeatable")
+    p.add_argument("--backend", default="auto", help="single-device backend of the local experts (default: auto)")
+    p.add_argument("--batch-sizes", "--batch-size", dest="batch_sizes", nargs="+", action="extend", metavar="M",
+                   help="tokens (TP: the batch; EP: each rank's tokens), space- or comma-separated; repeatable")
     p.add_argument("--routing", choices=bench.ROUTINGS, default="uniform")
     p.add_argument("--reps", type=_positive, help="timed calls (default 50 on GPUs, 5 on CPUs)")
     p.add_argument("--warmup", type=_positive, default=3)
@@ -78,21 +94,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", help="write the rows as JSON here (rank 0)")
     a = p.parse_args(argv)
     a.mode, a.size = ("tp", a.tp) if a.tp is not None else ("ep", a.ep)
-    sizes: list[int] = []
-    for chunk in a.batch_sizes or []:
-        for item in chunk.split(","):
-            try:
-                value = _positive(item.strip())
-            except argparse.ArgumentTypeError as e:
-                p.error(f"--batch-sizes: {e}")
-            if value not in sizes:
-                sizes.append(value)
-    a.batch_sizes = sizes or None
-    if a.scheme is not None:
+    try:
+        a.batch_sizes = bench.parse_batch_sizes(a.batch_sizes, ()) if a.batch_sizes else None
+    except bench.BenchInputError as e:
+        p.error(str(e))
+    for flag, check in (("--model", lambda: get_model(a.model)), ("--scheme", lambda: a.scheme and get_scheme(a.scheme)),
+                        ("--backend", lambda: a.backend == "auto" or get_backend(a.backend))):
         try:
-            get_scheme(a.scheme)
+            check()
         except ValueError as e:
-            p.error(f"--scheme: {e}")
+            p.error(f"{flag}: {e}")
     return a
 
 

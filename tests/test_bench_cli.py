@@ -140,6 +140,15 @@ def test_bench_default_out_folder_is_timestamped(tmp_path, tiny_config, monkeypa
     assert (folder / "bench.csv").is_file() and (folder / "bench.json").is_file()
 
 
+def test_a_routing_file_shorter_than_the_batch_is_said_to_repeat(tmp_path, tiny_config, capsys):
+    path = tmp_path / "ids.pt"
+    torch.save(torch.tensor([[0, 1], [2, 3], [3, 0]]), path)
+    assert main(["bench", "--model", str(tiny_config), "--routing", str(path), "--batch-sizes", "2", "5", "9",
+                 "--backends", "reference", "--no-plots", "--out", str(tmp_path / "o"), *FAST]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the routing file has 3 tokens; at M = 5, 9 its rows are repeated to fill the batch" in out
+
+
 @pytest.mark.parametrize("routing", ["skewed", "file.pt", "file.npy"])
 def test_bench_routings(tmp_path, tiny_config, routing):
     if routing.startswith("file"):
@@ -336,6 +345,7 @@ def _bad_cases(tmp_path, tiny_config):
         "unwritable out": (m + ["--out", str(not_a_folder / "sub")], "cannot create the folder"),
         "out is a file": (m + ["--out", str(not_a_folder)], "not a folder"),
         "bad scheme": (m + ["--scheme", "int4"], "unknown quantization scheme"),
+        "several schemes": (m + ["--scheme", "fp8-block128,bf16"], "this command takes one scheme (`moekit tune` takes several)"),
         "bad tp": (m + ["--tp", "0"], "--tp"),
         "tp not dividing": (m + ["--tp", "3"], "not divisible"),
         "routing file missing": (m + ["--routing", str(tmp_path / "nope.pt")], "not 'uniform', 'skewed'"),
@@ -356,7 +366,7 @@ def _bad_cases(tmp_path, tiny_config):
 CASES = [
     "unknown model", "config without MoE fields", "unknown backend", "backend that cannot run",
     "baseline that cannot run", "zero batch size", "negative batch size", "text batch size",
-    "fractional batch size", "unwritable out", "out is a file", "bad scheme", "bad tp", "tp not dividing",
+    "fractional batch size", "unwritable out", "out is a file", "bad scheme", "several schemes", "bad tp", "tp not dividing",
     "routing file missing", "routing top-k mismatch", "routing ids out of range", "routing of floats",
     "no routings", "seed too large", "negative seed", "huge batch size", "gemm mode, no gemm-only backend",
 ]
@@ -418,17 +428,28 @@ def test_a_bad_triton_setting_is_refused_before_anything_runs(name, value, expec
     assert not out.exists()
 
 
-def test_gemm_mode_with_auto_forced_to_a_backend_that_cannot_run_reports_the_row(tmp_path, tiny_config, monkeypatch):
-    """--mode gemm's check of what can be timed asked auto for its choice, and the refusal of
-    MOEKIT_BACKEND=cutlass (it cannot run block FP8, nor anything on the CPU) ended the run in a
-    traceback; the auto row says it, as before the check."""
+@pytest.mark.parametrize("mode", ["layer", "gemm"])
+def test_auto_forced_to_a_backend_that_cannot_run_is_refused_before_anything_runs(mode, tmp_path, monkeypatch, capsys):
+    """MOEKIT_BACKEND=cutlass (it cannot run anything on the CPU) sent auto's rows to it: each
+    failed with the reason after the whole run of the others (labelled auto>auto), exit status 1.
+    Now refused before any timing, exit 2, with the reasons and the backends that can."""
     monkeypatch.setenv("MOEKIT_BACKEND", "cutlass")
     out = tmp_path / "o"
-    main(["bench", "--model", PRESET, "--mode", "gemm", "--backends", "auto", "--batch-sizes", "1", "--no-plots",
-          "--out", str(out), *FAST])
+    assert main(["bench", "--model", PRESET, "--mode", mode, "--backends", "auto", "torch", "--batch-sizes", "1",
+                 "--no-plots", "--out", str(out), *FAST]) == 2
+    err = " ".join("".join(capsys.readouterr()).split())  # the reasons are listed one per line
+    assert err.startswith("error: auto's rows of") and "at M = 1: backend 'cutlass' (from MOEKIT_BACKEND=cutlass) cannot run" in err
+    assert "backends that can:" in err and "unset MOEKIT_BACKEND, or name a backend that can run it" in err
+    assert not out.exists()
+
+
+def test_auto_forced_to_a_backend_that_can_run_runs_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEKIT_BACKEND", "torch")
+    out = tmp_path / "o"
+    assert main(["bench", "--model", PRESET, "--backends", "auto", "--batch-sizes", "1", "--no-plots",
+                 "--out", str(out), *FAST]) == 0
     _, rows = read_csv(out / "bench.csv")
-    auto = [r for r in rows if r["backend"] == "auto"]
-    assert len(auto) == 1 and "BackendUnavailableError: backend 'cutlass' (from MOEKIT_BACKEND=cutlass)" in auto[0]["note"]
+    assert [r["chosen"] for r in rows if r["backend"] == "auto"] == ["torch"]
 
 
 def test_repeated_list_flags_add_up():

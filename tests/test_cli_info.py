@@ -115,3 +115,71 @@ def test_models_and_info_are_readable_in_a_pipe(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in backend_names()) and "…" not in out
+
+
+@pytest.mark.parametrize("command", ["bench", "check", "tune", "warmup", "select"])
+@pytest.mark.parametrize("spelling,expected", [("bf16", "bf16"), ("bfloat16", "bf16"), ("BF16", "bf16"),
+                                               ("fp16", "fp16"), ("float16", "fp16"), ("half", "fp16")])
+def test_dtype_takes_torch_and_vllm_spellings(command, spelling, expected):
+    assert parse(command, "--model", "mixtral-8x7b", "--dtype", spelling).dtype == expected
+
+
+@pytest.mark.parametrize("value,hint", [("fp8_w8a8", True), ("int8_w8a16", True), ("float32", False)])
+def test_a_quantization_given_as_dtype_points_to_scheme(value, hint, capsys):
+    """vLLM's tuning scripts take the quantization as --dtype (fp8_w8a8); moekit's --dtype is the
+    activations', and the quantization its --scheme: the error says so, with this command's usage."""
+    with pytest.raises(SystemExit) as e:
+        main(["tune", "--model", "mixtral-8x7b", "--dtype", value])
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 2 and f"'{value}' is not an activation dtype: expected bf16 or fp16" in err
+    assert ("the quantization is --scheme here" in err) == hint
+    assert "usage: moekit tune" in err
+
+
+def test_an_unknown_flag_shows_the_commands_usage_not_the_top_level_one(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--model", "mixtral-8x7b", "--batchsize", "8"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage: moekit bench" in err and "unrecognized arguments: --batchsize 8" in err
+
+
+def test_version_and_python_dash_m(capsys):
+    import subprocess
+    import sys
+
+    import moekit
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"moekit {moekit.__version__}"
+    done = subprocess.run([sys.executable, "-m", "moekit", "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == f"moekit {moekit.__version__}", done.stderr
+
+
+@pytest.mark.parametrize("argv,expected", [
+    ([], "give --batch-size (the tokens in the batch, M)"),
+    (["--batch-size", "65537"], "--batch-size: 65537 is above 65536, the largest batch size moekit takes"),
+    (["--batch-size", "0"], "--batch-size must be a positive integer, got '0'"),
+])
+def test_select_refuses_a_missing_or_out_of_range_batch_size(argv, expected, capsys):
+    assert main(["select", "--model", "mixtral-8x7b", *argv]) == 2
+    assert expected in " ".join(capsys.readouterr().out.split())
+
+
+def test_info_says_per_scheme_which_backends_can_run_and_why_not(capsys):
+    """One table row per backend and one column per scheme (it answered for fp8-channel-token
+    alone, so cutlass looked available for block FP8, which it refuses), then the reasons."""
+    from moekit.backends import backend_names, get_backend
+    from moekit.spec import SCHEMES, MoEShape
+
+    code, out = info(capsys)
+    assert code == 0
+    for name in ("bf16", "fp8-tensor-static", "fp8-tensor-dynamic", "fp8-channel-token", "fp8-block128"):
+        assert name in out
+    shape, device = MoEShape(8, 4096, 1024, 2), torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for backend in backend_names():
+        refused = {s: get_backend(backend).supports(shape, SCHEMES[s], device) for s in SCHEMES if s != "fp16"}
+        for scheme, reasons in refused.items():
+            for reason in reasons:  # every reason is printed, once per backend or per scheme
+                assert " ".join(reason.split()) in out, (backend, scheme, reason)
+    assert "reference" in out and "yes" in out

@@ -662,6 +662,32 @@ def test_bench_script_arguments():
             b.parse_args(bad)
 
 
+def test_bench_script_takes_the_clis_spellings():
+    """Batch sizes space- or comma-separated, as `moekit bench` takes them; vLLM's --tp spellings."""
+    b = _bench_module()
+    assert b.parse_args(["--tp", "2", "--batch-sizes", "1", "8", "--batch-size", "64,8"]).batch_sizes == [1, 8, 64]
+    for flag in ("--tp-size", "-tp", "--tensor-parallel-size"):
+        assert b.parse_args([flag, "4"]).tp == 4
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--model", "nonsense"], "--model: unknown model 'nonsense'"),
+    (["--backend", "nonsense"], "--backend: unknown backend 'nonsense'"),
+    (["--scheme", "nonsense"], "--scheme: unknown"),
+    (["--batch-sizes", "1", "x"], "--batch-sizes: 'x' is not an integer"),
+])
+def test_bench_script_refuses_bad_names_before_joining_the_group(argv, expected, monkeypatch, capsys):
+    """Under torchrun a bad --model or --backend was a traceback from every rank after the process
+    group formed; now rank 0 prints one usage error and every rank exits 2 before any collective."""
+    b = _bench_module()
+    for rank, prints in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as e:
+            b.parse_args(["--tp", "2", *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and (expected in err) == prints and bool(err) == prints
+
+
 @pytest.mark.parametrize("mode", ["tp", "ep"])
 def test_bench_script_under_torchrun(mode, tmp_path):
     """The script end to end with 2 gloo processes at the scaled-down CPU shape, with --check."""

@@ -172,3 +172,22 @@ def test_eval_quantizes_a_bf16_checkpoint_on_load(checkpoints, tmp_path):
     report = json.loads(out.read_text())
     assert report["scheme"] == "fp8-channel-token" and list(report["backends"]) == ["reference", "torch"]
     assert [p.name for p in out.parent.iterdir()] == ["report.json"]  # no temporary left beside it
+
+
+def test_default_backends_leave_out_the_interpreted_ones_on_the_cpu(model_dir):
+    """bench's default rule: triton runs on the CPU only in the Triton interpreter (2 tokens/s on
+    this tiny model), so a default eval there leaves it out; named, it runs (test above)."""
+    import torch
+
+    import moekit.hf as mh
+    from moekit.backends import get_backend
+    from moekit.hf.eval import _plan_backends
+
+    model = mh.from_pretrained(str(model_dir), backend="reference")
+    weights = next(iter(mh.experts_modules(model).values())).moe_weights()
+    cpu = torch.device("cpu")
+    planned = _plan_backends(None, weights, cpu, torch.bfloat16)
+    runnable = [b for b in ("torch", "cutlass") if not get_backend(b).supports(weights.shape(1), weights.scheme, cpu,
+                                                                               torch.bfloat16)]
+    assert planned == ["reference", *runnable] and "triton" not in planned
+    assert _plan_backends(["triton"], weights, cpu, torch.bfloat16) == ["reference", "triton"]

@@ -123,8 +123,11 @@ def _check_out(out: str | None, overwrite: bool = False) -> Path | None:
 
 
 def _plan_backends(requested, weights, device, dtype) -> list[str]:
-    """reference first, then the requested backends (default: every one that can run here)."""
+    """reference first, then the requested backends (default: every one that can run here, but
+    on the CPU not those that run there only in the Triton interpreter: bench's rule, far too
+    slow for a default run; named, they run)."""
     from ..backends import backend_names, get_backend
+    from ..bench import INTERPRETED_ON_CPU
 
     shape = weights.shape(1)
     names = backend_names()
@@ -135,7 +138,8 @@ def _plan_backends(requested, weights, device, dtype) -> list[str]:
                 raise EvalInputError(f"backend {b!r} cannot run this model here: {'; '.join(reasons)}")
         chosen = list(dict.fromkeys(requested))
     else:
-        chosen = [b for b in names if not get_backend(b).supports(shape, weights.scheme, device, dtype)]
+        chosen = [b for b in names if not get_backend(b).supports(shape, weights.scheme, device, dtype)
+                  and not (device.type == "cpu" and b in INTERPRETED_ON_CPU)]
     return ["reference"] + [b for b in chosen if b != "reference"]
 
 
