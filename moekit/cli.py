@@ -76,12 +76,15 @@ def cmd_info(args) -> int:
 
     print_wide(console, table)  # in a pipe rich assumes 80 columns and would cut the names
     for name, by_scheme in why.items():
-        reasons = {"; ".join(r) for r in by_scheme.values()}
-        if len(by_scheme) == len(schemes) and len(reasons) == 1:  # one reason for every scheme: said once
-            console.print(f"{name}: {reasons.pop()}", highlight=False, soft_wrap=True)
-        else:
-            for scheme_name, r in by_scheme.items():
-                console.print(f"{name}, {scheme_name}: {'; '.join(r)}", highlight=False, soft_wrap=True)
+        # a reason every scheme gets (no CUDA device, say) is said once, then each scheme's own
+        common = [r for r in next(iter(by_scheme.values()), []) if len(by_scheme) == len(schemes)
+                  and all(r in rs for rs in by_scheme.values())]
+        if common:
+            console.print(f"{name}: {'; '.join(common)}", highlight=False, soft_wrap=True)
+        for scheme_name, rs in by_scheme.items():
+            own = [r for r in rs if r not in common]
+            if own:
+                console.print(f"{name}, {scheme_name}: {'; '.join(own)}", highlight=False, soft_wrap=True)
     return 0
 
 

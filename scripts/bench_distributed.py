@@ -104,11 +104,19 @@ def parse_args(argv=None) -> argparse.Namespace:
             check()
         except ValueError as e:
             p.error(f"{flag}: {e}")
+    world = os.environ.get("WORLD_SIZE")  # torchrun's; checked again after joining the group
+    if world is not None and world.isdigit() and int(world) != a.size:
+        p.error(f"--{a.mode} {a.size} must equal the number of processes (WORLD_SIZE={world})")
+    try:  # the shape's conditions on --tp / --ep, on the device the run will take
+        layer_shape(a, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    except ValueError as e:
+        p.error(str(e))
     return a
 
 
 def layer_shape(a: argparse.Namespace, device: torch.device) -> tuple[MoEShape, object, bool]:
-    """(the FULL layer's shape (tp=1), scheme, scaled_down) for this run."""
+    """(the FULL layer's shape (tp=1), scheme, scaled_down) for this run; ValueError where --tp
+    or --ep does not suit the model (parse_args refuses it before the group forms)."""
     spec = get_model(a.model)
     scheme = get_scheme(a.scheme) if a.scheme else spec.scheme
     s = spec.shape
@@ -121,11 +129,11 @@ def layer_shape(a: argparse.Namespace, device: torch.device) -> tuple[MoEShape, 
         K = min(K, E)
     if a.mode == "tp":
         if inter % a.size:
-            raise SystemExit(f"--tp {a.size}: the intermediate size {inter} is not divisible by {a.size}")
+            raise ValueError(f"--tp {a.size}: the intermediate size {inter} is not divisible by {a.size}")
         if scheme.weight == "block" and (inter // a.size) % BLOCK:
-            raise SystemExit(f"--tp {a.size}: {scheme.name} needs intermediate/tp = {inter // a.size} to be a multiple of {BLOCK}")
+            raise ValueError(f"--tp {a.size}: {scheme.name} needs intermediate/tp = {inter // a.size} to be a multiple of {BLOCK}")
     elif E < a.size:
-        raise SystemExit(f"--ep {a.size}: the model has only {E} experts")
+        raise ValueError(f"--ep {a.size}: the model has only {E} experts")
     return MoEShape(E, H, inter, K), scheme, scaled
 
 

@@ -35,7 +35,7 @@ def variants(cfg, scheme):
     """GEMM2 launches of cfg's GEMM1 launch (KernelConfig.with_gemm2), the table's own included."""
     widths = (64, 128) if scheme.weight == "block" else (128, 256)  # block scales: BLOCK_N divides 128
     for bn, warps, stages, group in itertools.product(widths, (4, 8), (3, 4), (1, 8)):
-        v = cfg.gemm1().with_gemm2(BLOCK_N=bn, num_warps=warps, num_stages=stages, GROUP_M=group)
+        v = cfg.gemm1().with_gemm2(BLOCK_N=bn, num_warps=warps, num_stages=stages, GROUP_M=group, BLOCK_K=cfg.gemm2().BLOCK_K)
         if not v.problems(scheme):
             yield v
 
@@ -86,7 +86,7 @@ def main():
             # the intermediate as the backend hands it over in this mode (fast: one scale per row)
             act = in_mode(mode, lambda: launch.gemm1(a, a_scale, w, align, K, x.dtype, cfg))()
             if args.runs:  # runs of column tiles per program (KernelConfig.N_TILES2)
-                alt = cfg.gemm1().with_gemm2(BLOCK_N=128, num_warps=8, num_stages=3)
+                alt = cfg.gemm1().with_gemm2(BLOCK_N=128, num_warps=8, num_stages=3, BLOCK_K=cfg.gemm2().BLOCK_K)
                 for launch_cfg in [cfg] + ([alt] if alt != cfg and not alt.problems(scheme) else []):
                     n_blocks = -(-H // launch_cfg.gemm2().BLOCK_N)
                     runs = [1] + [r or n_blocks for r in args.runs]

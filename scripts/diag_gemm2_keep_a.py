@@ -39,12 +39,12 @@ def keep_a_variants(cfg, scheme, n, runs):
     steps, where every pipeline stage holds each step's weights, narrower widths. Those whose kept
     A, weight stages and output tile exceed the shared memory (kept_a_shared_memory_bytes) are left out."""
     g2 = cfg.gemm2()
-    deep = n > 2 * cfg.BLOCK_K
+    deep = n > 2 * g2.BLOCK_K
     widths = (32, 64, 128) if deep else (64, 128) if scheme.weight == "block" else (128, 256)
     seen = []
     first = cfg.with_gemm2(N_TILES=g2.gemm2_tiles if g2.gemm2_tiles > 1 else runs[0], KEEP_A=1)
     for v in [first] + [cfg.gemm1().with_gemm2(BLOCK_N=bn, num_warps=w, num_stages=s, GROUP_M=g2.GROUP_M,
-                                               N_TILES=r, KEEP_A=1)
+                                               BLOCK_K=g2.BLOCK_K, N_TILES=r, KEEP_A=1)
                         for bn, w, s, r in itertools.product(widths, (4, 8), (2, 3, 4), runs)]:
         if v in seen or v.problems(scheme):
             continue

@@ -791,3 +791,35 @@ def test_init_from_env_returns_the_group_made_before(one_rank_group, monkeypatch
     assert md.init_from_env().local_rank == 3
     with pytest.raises(ValueError, match="init_from_env\\(backend='nccl'\\) but the process group already initialised uses 'gloo'"):
         md.init_from_env(backend="nccl")
+
+
+@pytest.mark.parametrize("argv,world,expected", [
+    (["--model", "mixtral-8x7b", "--ep", "16"], None, "--ep 16: the model has only 8 experts"),
+    (["--tp", "2"], "4", "--tp 2 must equal the number of processes (WORLD_SIZE=4)"),
+])
+def test_bench_script_refuses_sizes_that_do_not_suit_before_joining(argv, world, expected, monkeypatch, capsys):
+    b = _bench_module()
+    monkeypatch.setenv("RANK", "0")
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(SystemExit) as e:
+        b.parse_args(argv)
+    assert e.value.code == 2 and expected in capsys.readouterr().err
+
+
+def test_bench_script_shape_conditions_on_a_gpu_are_value_errors():
+    """At the real (GPU) shape: GLM-4.5V's intermediate over 3 ranks, DeepSeek-V3's 2048 over 32
+    (64 per rank, not a whole 128-block). parse_args turns them into usage errors before the group
+    forms; checked here without a GPU (the device only says which shape)."""
+    import argparse
+
+    b = _bench_module()
+    cuda = torch.device("cuda")
+    glm = argparse.Namespace(model="glm-4.5v-fp8", scheme=None, mode="tp", size=3)
+    with pytest.raises(ValueError, match="--tp 3: the intermediate size 1408 is not divisible by 3"):
+        b.layer_shape(glm, cuda)
+    deepseek = argparse.Namespace(model="deepseek-v3", scheme=None, mode="tp", size=32)
+    with pytest.raises(ValueError, match="needs intermediate/tp = 64 to be a multiple of 128"):
+        b.layer_shape(deepseek, cuda)

@@ -424,7 +424,8 @@ def test_select_cli_heuristic_refusals_environment(tmp_path, monkeypatch, capsys
         (["--model", "glm-4.5v-fp8", "--batch-size", "0"], "--batch-size must be a positive integer, got '0'"),
         (["--model", "glm-4.5v-fp8", "--batch-size", "many"], "--batch-size must be a positive integer"),
         (["--model", "glm-4.5v-fp8", "--batch-size", "²"], "--batch-size must be a positive integer"),  # isdigit, not int()
-        (["--model", "glm-4.5v-fp8"], "--batch-size must be a positive integer, got None"),
+        (["--model", "glm-4.5v-fp8"], "give --batch-size (the tokens in the batch, M)"),
+        (["--model", "glm-4.5v-fp8", "--batch-size", "70000"], "--batch-size: 70000 is above 65536"),
         (["--batch-size", "4"], "give --model"),
         (["--model", "gpt-5", "--batch-size", "4"], "unknown model 'gpt-5'"),
         (["--model", "glm-4.5v-fp8", "--tp", "3", "--batch-size", "4"], "not divisible by tp (3)"),
@@ -432,7 +433,6 @@ def test_select_cli_heuristic_refusals_environment(tmp_path, monkeypatch, capsys
         (["--model", "glm-4.5v-fp8", "--batch-size", "4", "--backend", "fast"], "unknown backend 'fast'"),
         (["--model", "deepseek-v3", "--batch-size", "4", "--device-name", H100, "--backend", "cutlass"],
          "backend 'cutlass' cannot run this problem: 128x128 block weights"),
-        (["--model", "glm-4.5v-fp8", "--batch-size", "4", "--dtype", "fp64"], "--dtype must be bf16 or fp16"),
     ],
 )
 def test_select_cli_bad_input_is_one_line_and_exit_2(args, expected, capsys):
@@ -440,6 +440,18 @@ def test_select_cli_bad_input_is_one_line_and_exit_2(args, expected, capsys):
     lines = [line for line in out.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), out
     assert expected in lines[0], lines[0]
+
+
+def test_select_cli_refuses_a_bad_dtype_as_every_command_does(capsys):
+    """--dtype is parsed as bench's, check's and tune's are (moekit.cli.activation_dtype): argparse's
+    usage and one error line, exit status 2."""
+    from moekit.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["select", "--model", "glm-4.5v-fp8", "--batch-size", "4", "--dtype", "fp64"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage: moekit select" in err
+    assert "'fp64' is not an activation dtype: expected bf16 or fp16" in err
 
 
 def test_shipped_heuristic_puts_cutlass_first_only_for_wide_experts_with_many_rows():

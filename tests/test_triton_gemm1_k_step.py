@@ -151,7 +151,10 @@ def test_gpu_preset_shapes_with_wide_gemm1_steps(name, accumulation, monkeypatch
     monkeypatch.setenv(FP8_ACCUMULATION_ENV, accumulation)
     E, H, N, K, scheme = PRESET_SHAPES[name]
     w = random_weights(E, H, N, scheme, device="cuda")
-    for M, base in ((8, KernelConfig(16, 64, 128, 1, 4, 4)), (64, KernelConfig(16, 128, 128, 1, 8, 3))):
+    # 256-long steps of 16 rows x (64 gate + 64 up) columns: 36 KiB a stage, 4 stages; of 16 x (128 +
+    # 128): 68 KiB, 2 stages (128 wide: precise mode's intermediate quantized per 1x128 group inside
+    # GEMM1's epilogue, OUT_MODE 3; 64 wide: in a pass of its own)
+    for M, base in ((8, KernelConfig(16, 64, 128, 1, 4, 4)), (64, KernelConfig(16, 128, 128, 1, 8, 2))):
         cfg = dataclasses.replace(base, BLOCK_K=256).with_gemm2(BLOCK_K=128)
         tw, ids = random_routing(M, E, K, device="cuda")
         x = random_x(M, H, device="cuda")
@@ -163,3 +166,14 @@ def test_gpu_preset_shapes_with_wide_gemm1_steps(name, accumulation, monkeypatch
             assert torch.equal(out, run(x, w, tw, ids, base)), (name, M)
         assert torch.equal(out, run(x, w, tw, ids, cfg))
         assert_graph_replays_fresh_routing(lambda x, tw, ids: run(x, w, tw, ids, cfg), x, tw, ids, E)
+
+
+def test_keep_a2_is_checked_against_gemm2s_k_step(device):
+    """KEEP_A2 holds GEMM2's inner dimension in at most six of GEMM2's K steps: with GEMM1 in
+    steps of 256 and GEMM2 in 64, an intermediate of 512 (8 steps of 64) is refused naming 64."""
+    w = random_weights(3, 128, 512, "bf16", device=device)
+    tw, ids = random_routing(4, 3, 2, device=device)
+    cfg = KernelConfig(16, 64, 256, 8, 4, 2).with_gemm2(BLOCK_K=64, N_TILES=2, KEEP_A=1)
+    assert cfg.keep_a2_fits(384) and not cfg.keep_a2_fits(385)
+    with pytest.raises(ValueError, match="at most 6 K steps of 64; this layer's intermediate has 512 columns"):
+        run(random_x(4, 128, device=device), w, tw, ids, cfg)

@@ -110,7 +110,8 @@ def _config_text(cfg: dict) -> str:
         text += " Gluon"
     if gemm2.has_gemm2:  # GEMM2's own launch (tuner's GEMM2 step), after a "+"
         g2 = gemm2.gemm2()
-        text += f" + GEMM2 N{g2.BLOCK_N} G{g2.GROUP_M} w{g2.num_warps} s{g2.num_stages}"
+        text += f" + GEMM2 N{g2.BLOCK_N}" + (f" K{g2.BLOCK_K}" if gemm2.BLOCK_K2 else "") + \
+            f" G{g2.GROUP_M} w{g2.num_warps} s{g2.num_stages}"
         if g2.N_TILES2:
             text += f" x{g2.N_TILES2} tiles per program"
         if g2.OVERLAP2:

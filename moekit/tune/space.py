@@ -4,7 +4,7 @@ search short without discarding anything that could win.
 Two kinds of pruning:
 
 * Static, per batch size (`static_prune`), from the config alone:
-    - cannot run: `KernelConfig.problems` (scheme rules: FP8 token/group tiles need BLOCK_K 128,
+    - cannot run: `KernelConfig.problems` (scheme rules: FP8 group tiles, and GEMM2's of token schemes, need BLOCK_K 128,
       128x128 weight blocks need BLOCK_N dividing 128), or the operand tiles that Triton's software
       pipeline keeps in shared memory exceed the device's limit;
     - never run: the GEMV path (KernelConfig.GEMV) beyond one token where the pairs outnumber half
@@ -163,8 +163,10 @@ OVERLAP_TALL_SEARCH_STAGES = (4,)
 def hopper_space(scheme: QuantScheme, full: bool = False, overlap: bool = True) -> list[KernelConfig]:
     """The GPU search space, restricted to configs that can run `scheme` (KernelConfig.problems).
 
-    Tiled configs: BLOCK_K 256 only for unquantized weights (FP8 token/group tiles are tied to
-    128-wide groups; the GEMV path's K steps of 256, 512 and 1024 hold whole groups);
+    Tiled configs: BLOCK_K 256 only for unquantized weights (FP8 group tiles and GEMM2's of token
+    schemes are tied to 128-wide groups; GEMM1 of token schemes in wider steps, with BLOCK_K2 128,
+    is not searched: not yet measured on a GPU; the GEMV path's K steps of 256, 512 and 1024 hold
+    whole groups);
     GROUP_M 32 only in the full search (beyond 16 the L2 reuse it buys is rarely measurable);
     16 warps only on 128x128 tiles (WIDE_TILE_WARPS); the overlapped GEMM1 (OVERLAP_SEARCH_STAGES,
     OVERLAP_TALL_SEARCH_STAGES) on
@@ -460,7 +462,8 @@ def shared_memory_bytes(cfg: KernelConfig, scheme: QuantScheme, b_tiles: int = 2
     and `b_tiles` weight tiles: GEMM1's gate and up, GEMM2's one) of num_stages - 1 pipeline
     stages (Triton's pipeliner keeps at least that many in flight). A config over the device's
     limit by this bound cannot compile. GEMM1's bound covers GEMM2 launched as GEMM1 (the same
-    tiles less one); GEMM2's own launch is checked by gemm2_variants. GEMV-path configs:
+    tiles less one, and a K step no longer than GEMM1's: the search gives GEMM2 its own only in
+    gemm2_variants, which checks it). GEMV-path configs:
     gemv_shared_memory_bytes."""
     per_stage = cfg.BLOCK_M * cfg.BLOCK_K + b_tiles * cfg.BLOCK_K * cfg.BLOCK_N
     return per_stage * _operand_bytes(scheme) * max(cfg.num_stages - 1, 1)

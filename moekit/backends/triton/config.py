@@ -79,8 +79,8 @@ class KernelConfig:
     # promoted while the next runs (OVERLAP2_TILES; launch.gemm2 says where); 0: the Triton kernel
     OVERLAP2: int = 0
     # 1: GEMM2's programs, running N_TILES2 > 1 column tiles each, load their row block's
-    # activations once for the run (GEMM2's inner dimension N in at most six K steps: N <= 6 *
-    # BLOCK_K, KEEP_A2_STEPS) and pipeline one column tile into the next (_kernels._gemm2_resident_run)
+    # activations once for the run (GEMM2's inner dimension N in at most six of its K steps: N <= 6 *
+    # GEMM2's BLOCK_K, KEEP_A2_STEPS) and pipeline one column tile into the next (_kernels._gemm2_resident_run)
     KEEP_A2: int = 0
 
     # class constants, not fields: GEMM2's own value of a GEMM1 parameter (its name + "2"), and
@@ -131,7 +131,7 @@ class KernelConfig:
 
     def with_gemm2(self, **params: int) -> "KernelConfig":
         """This config with GEMM2's parameters set (BLOCK_N=, num_warps=, num_stages=, GROUP_M=,
-        N_TILES=, OVERLAP=, KEEP_A=)."""
+        BLOCK_K=, N_TILES=, OVERLAP=, KEEP_A=)."""
         names = [f[:-1] for f in self.GEMM2_FIELDS + self.GEMM2_ONLY]
         for name in params:
             if name not in names:

@@ -282,7 +282,7 @@ def _check_config(cfg: KernelConfig, weights: MoEWeights) -> None:
     problems = _config_problems(cfg, weights.scheme)
     if problems:
         raise ValueError(f"kernel config {cfg} cannot run {weights.scheme.name}: {'; '.join(problems)}")
-    _keep_a_steps(cfg, weights.n)
+    _keep_a_steps(_gemm2_launch(cfg), weights.n)  # GEMM2's K step
 
 
 @functools.lru_cache(maxsize=1024)
@@ -657,7 +657,8 @@ def gemm2(act: Intermediate, weights: MoEWeights, align: Alignment, topk_weights
 
 def _keep_a_steps(cfg: KernelConfig, n: int) -> int:
     """gemm2_kernel's KEEP_A_STEPS: the K steps of the intermediate's n columns a KEEP_A2 run
-    holds, 0 without KEEP_A2; ValueError where n does not fit (KernelConfig.keep_a2_fits)."""
+    holds, 0 without KEEP_A2; ValueError where n does not fit (KernelConfig.keep_a2_fits).
+    `cfg`: GEMM2's launch (cfg.gemm2(), whose BLOCK_K is GEMM2's step)."""
     if not cfg.KEEP_A2:
         return 0
     if not cfg.keep_a2_fits(n):
