@@ -902,6 +902,9 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
     )
     # gemm mode aligns its routing before timing, and a recorded routing is the file's: one routing
     routings = opts.routings if opts.mode == "layer" and plan.routing_kind != "file" else 1
+    if routings == 1 and opts.routings != DEFAULT_ROUTINGS:  # asked for, but nothing to cycle through
+        why = "--mode gemm times one aligned routing" if opts.mode == "gemm" else "a routing file is its own rows"
+        console.print(f"  --routings {opts.routings} has no effect here: {why}", highlight=False)
     interrupted, crash = False, None
     try:
         with progress:

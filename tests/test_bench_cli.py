@@ -862,3 +862,21 @@ def test_auto_summary_says_when_the_environment_chose_for_auto(monkeypatch):
     assert "MOEKIT_BACKEND" not in bench.auto_summary(rows)[0]
     monkeypatch.setenv("MOEKIT_BACKEND", "reference")
     assert bench.auto_summary(rows)[0].endswith("(but MOEKIT_BACKEND=reference chose for auto, not its tables)")
+
+
+@pytest.mark.parametrize("mode", ["gemm", "file"])
+def test_routings_asked_for_where_they_cannot_apply_are_said_to_have_no_effect(mode, tmp_path, tiny_config, registry,
+                                                                              monkeypatch, capsys):
+    if mode == "gemm":  # a backend with a GEMM-only mode that runs here (test_bench_routings_reach...)
+        monkeypatch.setattr(GemmOnlyBackend, "prepared", 0)
+        registry(GemmOnlyBackend())
+        args = ["--mode", "gemm", "--backends", "gemmonly", "--baseline", "gemmonly"]
+    else:
+        path = tmp_path / "ids.pt"
+        torch.save(torch.tensor([[0, 1], [2, 3]]), path)
+        args = ["--routing", str(path), "--backends", "reference"]
+    assert main(["bench", "--model", str(tiny_config), "--batch-sizes", "2", "--routings", "3", "--no-plots",
+                 "--out", str(tmp_path / "o"), *args, *FAST]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    why = "--mode gemm times one aligned routing" if mode == "gemm" else "a routing file is its own rows"
+    assert f"--routings 3 has no effect here: {why}" in out
