@@ -140,7 +140,7 @@ def _add_model_args(
     p.add_argument("--model", action="append", required=True, metavar="NAME|PATH",
                    help="a preset name (see `moekit models`) or a config.json / model folder; repeatable")
     p.add_argument(*TP_FLAGS, dest="tp", type=int, default=1,
-                   help="tensor parallelism: the experts' intermediate size is split over this many GPUs")
+                   help="tensor parallelism: the experts' intermediate size is split over this many GPUs (default: 1)")
     p.add_argument("--scheme", default=None, help=scheme_help)
     p.add_argument("--batch-sizes", "--batch-size", dest="batch_sizes", nargs="+", action="extend", metavar="M", default=None,
                    help=batch_help)
@@ -378,9 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--baseline", default=None,
                        help="backend the speedups are measured against (default: cutlass where available)")
     bench.add_argument("--mode", choices=("layer", "gemm"), default="layer",
-                       help="layer: the whole layer, routing excluded; gemm: the two expert GEMMs alone")
+                       help="layer: the whole layer, routing excluded; gemm: the two expert GEMMs alone (default: layer)")
     bench.add_argument("--routing", default="uniform", metavar="uniform|skewed|FILE",
-                       help="random top-k, a skewed (Zipf-like) expert popularity, or recorded topk_ids (.pt/.npy)")
+                       help="random top-k, a skewed (Zipf-like) expert popularity, or recorded topk_ids (.pt/.npy) "
+                            "(default: uniform)")
     bench.add_argument("--no-check", action="store_true", help="skip the relative error against reference")
     bench.add_argument("--model-estimate", action="store_true",
                        help="add the MoE time per decode step of the whole model (MoE layers x layer time)")
@@ -424,11 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--budget", default=None, metavar="TIME",
                       help="stop cleanly after this long (90s, 10m, 1h), keeping the best found so far")
     tune.add_argument("--routing", default="uniform", metavar="uniform|skewed|FILE",
-                      help="routing of the tuning inputs: random top-k, Zipf-like skew, or recorded topk_ids (.pt/.npy)")
+                      help="routing of the tuning inputs: random top-k, Zipf-like skew, or recorded topk_ids (.pt/.npy) "
+                           "(default: uniform)")
     tune.add_argument("--search-space", choices=("pruned", "full", "none"), default="pruned",
                       help="pruned: skip dominated configs and those >1.5x slower at the next smaller batch size; "
                            "full: every config that can run (exhaustive); none: search nothing, time the "
-                           "backends only (with the configs already found in --out)")
+                           "backends only (with the configs already found in --out) (default: pruned)")
     tune.add_argument("--between", action=argparse.BooleanOptionalAction, default=True,
                       help="also time every backend at a size between each two tuned sizes, for the "
                            "decision table (default: on)")
@@ -461,7 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     warm = command("warmup", "compile the triton kernels a model's MoE layers launch up to a batch size, before serving")
     warm.add_argument("--model", action="append", required=True, metavar="NAME|PATH",
                       help="a preset name (see `moekit models`) or a config.json / model folder; repeatable")
-    warm.add_argument(*TP_FLAGS, dest="tp", type=int, default=1, help="tensor parallelism")
+    warm.add_argument(*TP_FLAGS, dest="tp", type=int, default=1, help="tensor parallelism (default: 1)")
     warm.add_argument("--scheme", default=None, help="quantization scheme (default: the model's own)")
     warm.add_argument("--max-batch-size", "--max-num-batched-tokens", dest="max_batch_size", type=int, default=None,
                       metavar="M", help="compile for every batch size (tokens) from 1 to M (default 8192; vLLM's "

@@ -1,6 +1,8 @@
 """`moekit info`: device, versions, the triton backend's settings from the environment, and which
 backends can run here."""
 
+import argparse
+
 import pytest
 import torch
 
@@ -183,3 +185,15 @@ def test_info_says_per_scheme_which_backends_can_run_and_why_not(capsys):
             for reason in reasons:  # every reason is printed, once per backend or per scheme
                 assert " ".join(reason.split()) in out, (backend, scheme, reason)
     assert "reference" in out and "yes" in out
+
+
+def test_every_flag_with_a_default_says_it_in_its_help():
+    """A flag whose value is not given runs with its default: --help says which (the review found
+    --reps, --warmup, --seeds ... silent)."""
+    from moekit.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    silent = [(name, a.option_strings[0]) for name, parser in sub.choices.items() for a in parser._actions
+              if a.default not in (None, False, argparse.SUPPRESS) and not isinstance(a.default, bool)
+              and a.help not in (None, argparse.SUPPRESS) and "default" not in a.help]
+    assert silent == []
