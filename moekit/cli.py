@@ -77,8 +77,10 @@ def cmd_info(args) -> int:
     print_wide(console, table)  # in a pipe rich assumes 80 columns and would cut the names
     for name, by_scheme in why.items():
         # a reason every scheme gets (no CUDA device, say) is said once, then each scheme's own
-        common = [r for r in next(iter(by_scheme.values()), []) if len(by_scheme) == len(schemes)
-                  and all(r in rs for rs in by_scheme.values())]
+        common = []
+        if len(by_scheme) == len(schemes):
+            first, *others = by_scheme.values()
+            common = [r for r in first if all(r in rs for rs in others)]
         if common:
             console.print(f"{name}: {'; '.join(common)}", highlight=False, soft_wrap=True)
         for scheme_name, rs in by_scheme.items():
@@ -109,7 +111,8 @@ def cmd_models(args) -> int:
     return 0
 
 
-# Activation dtypes by every spelling people bring: moekit's, torch's, and vLLM's --dtype values.
+# Activation dtypes by every spelling people bring (moekit's, torch's, and vLLM's --dtype values),
+# to moekit's names, the keys of moekit.bench.DTYPES.
 DTYPE_SPELLINGS = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16"}
 DTYPE_HELP = "activation dtype: bf16 (bfloat16) or fp16 (float16) (default: bf16)"
 
@@ -208,7 +211,7 @@ def cmd_tune(args) -> int:
 def cmd_select(args) -> int:
     import torch
 
-    from moekit.bench import MAX_BATCH_SIZE
+    from moekit.bench import DTYPES, MAX_BATCH_SIZE
     from moekit.models import get_model
     from moekit.select import BackendUnavailableError, DeviceSpec, explain
     from moekit.spec import get_scheme
@@ -226,7 +229,6 @@ def cmd_select(args) -> int:
     if batch > MAX_BATCH_SIZE:
         raise UsageError(f"--batch-size: {batch} is above {MAX_BATCH_SIZE}, the largest batch size moekit takes "
                          "(moekit.bench.MAX_BATCH_SIZE)")
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     try:
         spec = get_model(args.model, tp=tp)
         scheme = get_scheme(args.scheme) if args.scheme else spec.scheme
@@ -236,7 +238,7 @@ def cmd_select(args) -> int:
             device = DeviceSpec.from_name(args.device_name)
         else:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        lines = explain(spec.shape, scheme, device, dtypes[args.dtype], batch, args.backend or "auto")
+        lines = explain(spec.shape, scheme, device, DTYPES[args.dtype], batch, args.backend or "auto")
     except BackendUnavailableError as e:
         raise UsageError(
             f"backend {e.name!r} cannot run this problem: {'; '.join(e.reasons)} (backends that can: {', '.join(e.runnable)})"
@@ -263,13 +265,14 @@ def cmd_warmup(args) -> int:
     from moekit.bench import parse_batch_sizes
     from moekit.compile_ahead import batch_sizes_to_warm, warmup
     from moekit.models import get_model
+    from moekit.bench import DTYPES
     from moekit.select import BackendUnavailableError
     from moekit.spec import get_scheme
     from moekit.weights import check_intermediate, empty_weights
 
     if args.tp < 1:
         raise UsageError(f"--tp must be a positive integer, got {args.tp}")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     if args.batch_sizes and args.max_batch_size is not None:
         raise UsageError("give --max-batch-size (every size from 1 to it) or --batch-sizes, not both")
     if args.max_batch_size is not None and args.max_batch_size < 1:
