@@ -1863,7 +1863,11 @@ def test_hopper_space_holds_only_runnable_configs():
         assert {c.GROUP_M for c in configs} == ({1, 8, 16, 32} if full else {1, 8, 16})
     assert max(c.BLOCK_N for c in space.hopper_space(FP8_BLOCK128)) == 128
     tiled = [c for c in space.hopper_space(FP8_CHANNEL_TOKEN) if not c.GEMV]
-    assert {c.BLOCK_K for c in tiled} == {128}
+    assert {c.BLOCK_K for c in tiled} == {128, space.GEMM1_WIDE_K_STEP}
+    # GEMM1's wider steps: on decode tiles only, with GEMM2 in 128-long steps; none for 1x128-group schemes
+    wide = [c for c in tiled if c.BLOCK_K > 128]
+    assert wide and all(c.BLOCK_K2 == 128 and c.BLOCK_M in space.GEMM1_WIDE_K_ROWS for c in wide)
+    assert {c.BLOCK_K for c in space.hopper_space(FP8_BLOCK128) if not c.GEMV} == {128}
     assert {c.BLOCK_K for c in space.hopper_space(BF16) if not c.GEMV} == {64, 128, 256}
     # the GEMV path's configs, in every scheme's space, keys that say so
     for scheme in (FP8_CHANNEL_TOKEN, FP8_BLOCK128, BF16):

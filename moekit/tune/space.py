@@ -160,13 +160,28 @@ OVERLAP_SEARCH_STAGES = (3, 4, 5)
 OVERLAP_TALL_SEARCH_STAGES = (4,)
 
 
+# GEMM1 of FP8 per-token / per-tensor schemes in K steps of 256, GEMM2 in 128 (KernelConfig.BLOCK_K2),
+# as vLLM's H100 tables do at decode sizes. The whole layer, precise mode, H100 (BENCHMARKS.md,
+# forty-first session), against the tables' 128-long steps in the same rounds: 128-wide tiles on
+# 3 stages took 1.1% less time at GLM-4.5V TP2 M = 64 and Mixtral-8x7B M = 8 (0.4% at GLM M = 8),
+# bitwise the same output; 64- and 32-wide tiles on 4-5 stages were 1-7% slower, steps of 512
+# 2-5% slower, and 64-row tiles far slower (the tables' 16 rows at those sizes). So only these.
+# Retimed with them (same session), the tuner chose them at GLM-4.5V TP2 M = 6-192 and Mixtral
+# M = 6-64, and issue 3's anchors moved 4-6% at those decode sizes (GLM M = 64 GEMMs 407.6 ->
+# 385.8 µs, Mixtral M = 8 506.3 -> 473.5: the tables' GEMM2 launches changed with them).
+GEMM1_WIDE_K_STEP = 256
+GEMM1_WIDE_K_TILE_N = 128
+GEMM1_WIDE_K_STAGES = 3
+GEMM1_WIDE_K_ROWS = (16, 32)
+
+
 def hopper_space(scheme: QuantScheme, full: bool = False, overlap: bool = True) -> list[KernelConfig]:
     """The GPU search space, restricted to configs that can run `scheme` (KernelConfig.problems).
 
-    Tiled configs: BLOCK_K 256 only for unquantized weights (FP8 group tiles and GEMM2's of token
-    schemes are tied to 128-wide groups; GEMM1 of token schemes in wider steps, with BLOCK_K2 128,
-    is not searched: not yet measured on a GPU; the GEMV path's K steps of 256, 512 and 1024 hold
-    whole groups);
+    Tiled configs: BLOCK_K 256 for unquantized weights, and for FP8 GEMM1 of per-token or
+    per-tensor schemes on decode tiles alone (GEMM1_WIDE_K_*, with BLOCK_K2 128: FP8 group tiles
+    and GEMM2's of token schemes are tied to 128-wide groups; the GEMV path's K steps of 256, 512
+    and 1024 hold whole groups);
     GROUP_M 32 only in the full search (beyond 16 the L2 reuse it buys is rarely measurable);
     16 warps only on 128x128 tiles (WIDE_TILE_WARPS); the overlapped GEMM1 (OVERLAP_SEARCH_STAGES,
     OVERLAP_TALL_SEARCH_STAGES) on
@@ -184,6 +199,11 @@ def hopper_space(scheme: QuantScheme, full: bool = False, overlap: bool = True) 
         KernelConfig(128, 128, bk, g, WIDE_TILE_WARPS, s)
         for bk, g, s in itertools.product(block_k, group_m, (2, 3, 4, 5))
     ]
+    if scheme.is_fp8:  # GEMM1 in wider K steps (refused by problems() where the scales change every 128)
+        configs += [
+            KernelConfig(bm, GEMM1_WIDE_K_TILE_N, GEMM1_WIDE_K_STEP, g, w, GEMM1_WIDE_K_STAGES).with_gemm2(BLOCK_K=128)
+            for bm, g, w in itertools.product(GEMM1_WIDE_K_ROWS, group_m, (4, 8))
+        ]
     if overlap:
         for rows, stages in ((64, OVERLAP_SEARCH_STAGES), (128, OVERLAP_TALL_SEARCH_STAGES)):
             tile = KernelConfig(BLOCK_M=rows, OVERLAP=1, **KernelConfig.OVERLAP_TILE)
