@@ -102,8 +102,9 @@ def warmup(
     from .api import check_weight_dtype, ids_for_backend
     from .backends import get_backend
     from .backends.compile_only import compile_only
-    from .select import select_backend
+    from .select import as_torch_dtype, select_backend
 
+    dtype = as_torch_dtype(dtype)  # "bf16" as select_backend and MoELayer.warmup take it
     if not isinstance(weights, MoEWeights):
         raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= weights.num_experts:

@@ -47,20 +47,38 @@ def interpreting() -> bool:
     installed Triton takes), so that moekit never launches interpreted kernels believing they are
     compiled ("true" once did: the kernels' interpreter fixes stayed off and the output was
     garbage). One rule for every module (the glue, the launch steps, supports()). Asked about 9
-    times per layer call: Triton's answer is remembered per value of the variable."""
-    raw_value = raw(INTERPRET_ENV)
+    times per layer call: Triton's answer is remembered per value of the variable. Raises
+    RuntimeError (`interpreter_set_late`'s reason) where the kernels cannot run as it asks."""
+    answer = _triton_interprets(raw(INTERPRET_ENV))
+    if answer and _KERNELS_INTERPRETED is False:
+        raise RuntimeError(INTERPRETER_SET_LATE)
+    return answer
+
+
+def interpreter_set_late() -> str | None:
+    """Why moekit's Triton kernels cannot run now, or None: TRITON_INTERPRET turned on after
+    moekit defined them for the GPU. For the triton backend's supports(), which refuses with it
+    (`interpreting` would raise it), so that the backends that run no Triton kernel still run."""
+    if _KERNELS_INTERPRETED is False and _triton_interprets(raw(INTERPRET_ENV)):
+        return INTERPRETER_SET_LATE
+    return None
+
+
+def _triton_interprets(raw_value) -> bool:
+    """Triton's reading of a TRITON_INTERPRET value (its env.raw), remembered per value."""
     answer = _INTERPRETING.get(raw_value)
     if answer is None:
         from triton import knobs  # imported here: env is read by modules that load before triton
 
         answer = _INTERPRETING[raw_value] = bool(knobs.runtime.interpret)
-    if answer and _KERNELS_INTERPRETED is False:
-        raise RuntimeError(
-            f"{INTERPRET_ENV} was set after moekit was imported: Triton decides when a kernel is defined "
-            f"(at import) whether the interpreter runs it, and moekit's kernels were defined for the GPU. "
-            f"Set {INTERPRET_ENV}=1 before importing moekit (or torch/triton code that imports it)"
-        )
     return answer
+
+
+INTERPRETER_SET_LATE = (
+    f"{INTERPRET_ENV} was set after moekit was imported: Triton decides when a kernel is defined "
+    f"(at import) whether the interpreter runs it, and moekit's kernels were defined for the GPU. "
+    f"Set {INTERPRET_ENV}=1 before importing moekit (or torch/triton code that imports it)"
+)
 
 
 _KERNELS_INTERPRETED: bool | None = None  # None until moekit's package import records it

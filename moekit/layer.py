@@ -24,7 +24,8 @@ from .api import fused_moe
 from .backends.base import check_backend_name
 from .handles import HandleOwner
 from .models import ModelSpec, get_model
-from .routing import RoutingConfig, route
+from .routing import RoutingConfig, check_fits, route
+from .select import as_torch_dtype
 from .spec import QuantScheme, get_scheme
 from .weights import TENSOR_FIELDS, MoEWeights, scale_values_checked_later
 
@@ -145,6 +146,11 @@ class MoELayer(HandleOwner, torch.nn.Module):
         self.num_experts = num_experts if parallel == "ep" else weights.num_experts
         if routing is not None and not 1 <= routing.top_k <= self.num_experts:
             raise ValueError(f"routing top_k {routing.top_k} does not fit {self.num_experts} experts")
+        if routing is not None:
+            try:  # route()'s own check against E, now rather than at the first forward
+                check_fits(routing, self.num_experts)
+            except ValueError as e:
+                raise ValueError(f"routing does not fit this layer's {self.num_experts} experts: {e}") from None
         self.routing = routing
         self.backend = backend  # checked by __setattr__
         for name, t in weights.tensors().items():
@@ -393,6 +399,7 @@ class MoELayer(HandleOwner, torch.nn.Module):
         `moekit.warmup(layer.weights, top_k, batch_sizes=...)` at the sizes they get."""
         from .compile_ahead import warmup
 
+        dtype = as_torch_dtype(dtype)  # "bf16" as select_backend takes it
         if self.parallel == "ep":
             raise ValueError(
                 "MoELayer.warmup does not take an expert-parallel layer (the rows its experts receive depend on the "

@@ -423,15 +423,21 @@ def _positive_or_absent(text: dict, key: str) -> int:
 
 
 def _check_groups(routing: RoutingConfig, num_experts: int) -> None:
-    """n_group must divide the experts and topk_group fit n_group: route() would refuse them at
-    the first forward, far from the config that said so."""
-    groups, kept = routing.num_groups, routing.topk_groups
+    """n_group must divide the experts (topk_group is checked against n_group before, _kept_groups):
+    route() would refuse it at the first forward, far from the config that said so."""
+    groups = routing.num_groups
     if groups is None:
         return
     if groups < 1 or num_experts % groups:
         raise _unsupported("n_group", groups, f"n_group a divisor of the number of experts ({num_experts})")
-    if not 1 <= kept <= groups:
+
+
+def _kept_groups(groups: int | None, kept: int | None) -> int | None:
+    """topk_group, checked against n_group before the RoutingConfig is made (which would refuse
+    it too, but naming its own field, not the config.json key)."""
+    if groups is not None and kept is not None and not 1 <= kept <= groups:
         raise _unsupported("topk_group", kept, f"topk_group between 1 and n_group ({groups})")
+    return kept
 
 
 def _shared_experts(text: dict, family: str) -> int:
@@ -461,7 +467,7 @@ def _routing(text: dict, model_type: str, top_k: int) -> RoutingConfig:
             scoring="sigmoid",
             renormalize=_flag(text, "norm_topk_prob", True),
             num_groups=_get_int(text, ("n_group",)) or 1,
-            topk_groups=_get_int(text, ("topk_group",)) or 1,
+            topk_groups=_kept_groups(_get_int(text, ("n_group",)) or 1, _get_int(text, ("topk_group",)) or 1),
             use_correction_bias=True,
             routed_scaling_factor=_scale(text, 1.8 if model_type == "glm4_moe_lite" else 1.0),
         )
@@ -487,7 +493,7 @@ def _routing(text: dict, model_type: str, top_k: int) -> RoutingConfig:
             scoring=scoring,
             renormalize=_flag(text, "norm_topk_prob", not v2),
             num_groups=groups,
-            topk_groups=kept,
+            topk_groups=_kept_groups(groups, kept),
             use_correction_bias=method == "noaux_tc",
             routed_scaling_factor=_scale(text, 2.5 if model_type == "deepseek_v3" else 1.0),
         )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import numbers
 import re
 from pathlib import Path
 from typing import Literal
@@ -149,8 +150,10 @@ def refusals(
     shape: MoEShape, scheme: QuantScheme, device: torch.device | DeviceSpec | str, dtype: torch.dtype
 ) -> dict[str, list[str]]:
     """Every registered backend's reasons not to run (empty list: it can). Cached: it is static.
-    A `DeviceSpec` is answered as a CUDA device of its capability, present or not."""
+    A `DeviceSpec` is answered as a CUDA device of its capability, present or not; `dtype` may
+    be its name (as_torch_dtype)."""
     device = _device_key(device)
+    dtype = as_torch_dtype(dtype)
     key = (shape, scheme, device, dtype, env.raw("TRITON_INTERPRET"))
     result = {}
     for name in backend_names():
@@ -181,6 +184,31 @@ def device_name(device: torch.device | DeviceSpec) -> str | None:
     return None
 
 
+def as_torch_dtype(dtype) -> torch.dtype:
+    """An activation dtype as a torch.dtype: a torch.dtype as it is, or a name as the commands'
+    --dtype takes it (moekit.cli.DTYPE_SPELLINGS: bf16, bfloat16, fp16, float16, half). A name
+    reached every backend's supports() as a str, and each refused "bfloat16" as not bfloat16."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        from .bench import DTYPES  # imported here: bench imports this module
+        from .cli import DTYPE_SPELLINGS
+
+        name = DTYPE_SPELLINGS.get(dtype.strip().lower())
+        if name is not None:
+            return DTYPES[name]
+        raise ValueError(f"dtype {dtype!r} is not an activation dtype name: expected one of "
+                         f"{', '.join(DTYPE_SPELLINGS)}, or a torch.dtype (e.g. torch.bfloat16)")
+    raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or its name ('bf16'), "
+                    f"got {type(dtype).__name__} {dtype!r}")
+
+
+def _check_num_tokens(num_tokens) -> None:
+    """num_tokens (M) is a count: a negative one was answered as if it were 1."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be an integer >= 0 (the batch size M), got {num_tokens!r}")
+
+
 def _environment() -> tuple:
     """(MOEKIT_BACKEND, MOEKIT_CONFIG_DIR, TRITON_INTERPRET, MOEKIT_FP8_ACCUMULATION) as
     cheap-to-compare values (moekit.env.raw; the last picks the decision tables, moekit.tables)."""
@@ -203,9 +231,14 @@ def select_backend(
     `device` may be a `DeviceSpec` (a GPU described by name and capability, not present).
     `allow_weight_copies=False`: auto passes over backends that would keep a converted copy of
     the weights (a backend named by argument or MOEKIT_BACKEND is still used). `scheme` may be
-    a scheme's name, as everywhere else."""
+    a scheme's name, and `dtype` a torch.dtype or its name ("bf16", "bfloat16", as the commands
+    take it), as everywhere else. ValueError for a num_tokens that is no integer >= 0."""
     if not isinstance(scheme, QuantScheme):
         scheme = get_scheme(scheme)
+    if not isinstance(dtype, torch.dtype):
+        dtype = as_torch_dtype(dtype)
+    if type(num_tokens) is not int or num_tokens < 0:  # a bool, a NumPy integer: checked by name
+        _check_num_tokens(num_tokens)
     env_backend, config_dir, interpret, accumulation = _environment()
     if not isinstance(device, (torch.device, DeviceSpec)):
         device = torch.device(device)
@@ -280,6 +313,7 @@ def explain(
     where it came from, the decision table's times at the measured sizes used, every refusal.
     Raises ValueError (unknown backend) or BackendUnavailableError like select_backend."""
     device = _device_key(device)
+    dtype = as_torch_dtype(dtype)
     choice = select_backend(shape, scheme, device, dtype, num_tokens, backend)
     r = _resolver(shape, scheme, device, dtype, True)
     lines = [f"backend: {choice.backend}"]

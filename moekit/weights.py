@@ -40,7 +40,7 @@ class Shard:
     whole: int  # the whole layer's intermediate size N (tp) or number of experts E (ep)
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, repr=False)  # __repr__: a summary, not every tensor's values
 class MoEWeights:
     scheme: QuantScheme
     w13: torch.Tensor
@@ -81,6 +81,17 @@ class MoEWeights:
             super().__setattr__(name, old)
             raise
 
+    def __repr__(self) -> str:
+        """Scheme, sizes, dtype and device, as MoELayer's repr says them: the dataclass repr
+        printed every tensor, hundreds of lines for one layer."""
+        try:
+            what = (f"E={self.num_experts}, H={self.hidden}, N={self.n}, dtype={self.w13.dtype}, "
+                    f"device={self.device}")
+        except (AttributeError, IndexError, TypeError):  # tensors not of the layout (a failed construction)
+            what = f"w13={type(self.w13).__name__}, w2={type(self.w2).__name__}"
+        shard = "" if self.shard is None else f", shard={self.shard}"
+        return f"MoEWeights(scheme={getattr(self.scheme, 'name', self.scheme)}, {what}{shard})"
+
     # ------------------------------------------------------------------ constructors
     @classmethod
     def from_fp8(
@@ -93,10 +104,13 @@ class MoEWeights:
         a13_scale: torch.Tensor | None = None,
         a2_scale: torch.Tensor | None = None,
     ) -> "MoEWeights":
-        """Wrap FP8 tensors and scales that already exist (a checkpoint), validating every one."""
+        """Wrap FP8 tensors and scales that already exist (a checkpoint), validating every one.
+        A static activation scale may be 0-d, as older checkpoints store input_scale (and as
+        quantize_weights' input_scales takes it): it is used as the [1] tensor it views."""
         scheme = get_scheme(scheme)
         if not scheme.is_fp8:
             raise ValueError(f"from_fp8 needs an FP8 scheme, got {scheme.name!r}")
+        a13_scale, a2_scale = _as_one_element(a13_scale), _as_one_element(a2_scale)
         return cls(scheme, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale)
 
     # ------------------------------------------------------------------ properties
@@ -207,6 +221,12 @@ class MoEWeights:
             quant.dequantize_weight(self.w13[experts], self.w13_scale[experts], g),
             quant.dequantize_weight(self.w2[experts], self.w2_scale[experts], g),
         )
+
+
+def _as_one_element(scale):
+    """A 0-d static activation scale as a [1] view (the shape every backend reads); anything
+    else as it is, for validation to judge."""
+    return scale.reshape(1) if isinstance(scale, torch.Tensor) and scale.dim() == 0 else scale
 
 
 def _check_tensor(name: str, t, dtypes, shape, device, why: str = "") -> None:
@@ -321,7 +341,10 @@ def _validate(w: MoEWeights) -> None:
     N = two_n // 2
     device = w.w13.device
     wdtypes = (quant.FP8_DTYPE,) if s.is_fp8 else UNQUANTIZED_DTYPES
-    _check_tensor("w13", w.w13, wdtypes, None, device)
+    # unquantized: how to get there from float32 (FP8 weights of another dtype need quantizing, said elsewhere)
+    why = "" if s.is_fp8 else (" (the unquantized scheme's dtypes): pass w13.bfloat16() / w13.half() and w2 "
+                               "likewise, or quantize_weights(w13, w2, 'bf16'), which casts float32 weights")
+    _check_tensor("w13", w.w13, wdtypes, None, device, why)
     _check_tensor("w2", w.w2, (w.w13.dtype,), (E, H, N), device, " (w13's dtype)")
     if s.is_fp8:
         _validate_scales(w, s, E, N, H, device)
@@ -374,7 +397,11 @@ def quantize_weights(
     fp8-tensor-static also needs the static activation scales of both GEMM inputs: pass them as
     `input_scales=(a13_scale, a2_scale)`, or pass activations `calibration=x [T, H]` to measure
     them (x is sent through every expert, a conservative bound on what routing will send).
+    The unquantized scheme keeps bf16 / fp16 weights as they are and casts float32 / float64
+    ones to the dtype its name says ("bf16": bfloat16, "fp16": float16), as the FP8 schemes
+    quantize weights of any float dtype.
     """
+    name = scheme if isinstance(scheme, str) else getattr(scheme, "name", None)
     scheme = get_scheme(scheme)
     if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
         raise TypeError("quantize_weights takes torch tensors w13 [E, 2N, H] and w2 [E, H, N]")
@@ -385,7 +412,8 @@ def quantize_weights(
     if not w13.is_floating_point() or w13.dtype == quant.FP8_DTYPE:
         raise ValueError(f"quantize_weights needs float weights, got w13 of dtype {w13.dtype}")
     if not scheme.is_fp8:
-        return MoEWeights(scheme, w13, w2)
+        target = torch.float16 if name == "fp16" else torch.bfloat16
+        return MoEWeights(scheme, _cast_wide(w13, target), _cast_wide(w2, target))
     if w13.dim() != 3 or w13.shape[1] % 2 or tuple(w2.shape) != (w13.shape[0], w13.shape[2], w13.shape[1] // 2):
         raise ValueError(
             f"quantize_weights takes w13 [E, 2N, H] and w2 [E, H, N], got {tuple(w13.shape)} and {tuple(w2.shape)}"
@@ -418,6 +446,15 @@ def quantize_weights(
     # one expert at a time: a whole layer in float32 is several GB (128 experts)
     return quantize_per_expert(lambda e: (w13[e], w2[e]), E, H, N, scheme, w13.device,
                                input_scales=None if a13 is None else (a13, a2))
+
+
+def _cast_wide(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 / float64 weight as `dtype`, contiguous (a new tensor, as quantizing makes);
+    any other as it is: bf16 or fp16 ones are the unquantized scheme's own (a half is never
+    converted into the other), the rest refused by MoEWeights by name."""
+    if t.dtype not in (torch.float32, torch.float64):
+        return t
+    return t.detach().to(dtype=dtype, memory_format=torch.contiguous_format)
 
 
 @torch.no_grad()  # weights given as Parameters: no autograd graph holding float32 copies

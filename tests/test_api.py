@@ -81,6 +81,34 @@ def test_interpreter_switched_on_after_import_is_refused_by_name():
     assert "before importing moekit" in done.stdout
 
 
+def test_interpreter_switched_on_after_import_refuses_only_triton(problem, monkeypatch):
+    """TRITON_INTERPRET=1 set after `import moekit` broke every backend, not only triton: the
+    triton backend's supports() asked env.interpreting(), which raised inside select's refusals()
+    for torch, reference and auto alike. Now it is triton's refusal reason. Simulated in process:
+    the record of how the kernels were defined says "for the GPU" (restored after, as is select's
+    cache, whose refusals are keyed by TRITON_INTERPRET's value)."""
+    from moekit import env
+
+    x, w, tw, ids = problem
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setattr(moekit.select, "_supports_cache", {})
+    monkeypatch.setattr(env, "_KERNELS_INTERPRETED", False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    want = moekit.fused_moe(x, w, tw, ids, backend="reference")
+    for backend in ("torch", "auto", None):
+        out = moekit.fused_moe(x, w, tw, ids, backend=backend)
+        assert out.shape == want.shape and (out.float() - want.float()).norm() <= 0.05 * want.float().norm()
+    assert moekit.select_backend(w.shape(2), w.scheme, "cpu").backend != "triton"
+    reasons = moekit.select.refusals(w.shape(2), w.scheme, "cpu", torch.bfloat16)["triton"]
+    assert reasons[0].startswith("TRITON_INTERPRET was set after moekit was imported")
+    assert not any("only under TRITON_INTERPRET=1" in r for r in reasons)  # it is set: not the reason
+    with pytest.raises(moekit.BackendUnavailableError, match=r"(?s)'triton'.*set after moekit was imported.*"
+                                                             r"before importing moekit.*backends that can: .*torch"):
+        moekit.fused_moe(x, w, tw, ids, backend="triton")
+    with pytest.raises(RuntimeError, match="set after moekit was imported"):  # what a launch step would say
+        moekit.env.interpreting()
+
+
 def test_choice_is_logged_at_debug(problem, caplog):
     x, w, tw, ids = problem
     with caplog.at_level(logging.DEBUG, logger="moekit.select"):

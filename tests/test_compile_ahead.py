@@ -249,9 +249,9 @@ def test_every_size_runs_the_launch_code_compiling_only(weights, launches):
     assert not compiling_only()  # left as it was
     if not CUDA:
         assert report.new_variants == 0  # the interpreter compiles nothing
-    # max_batch_size: every size from 1
+    # max_batch_size: every size from 1; the dtype by name, as select_backend takes it
     launches.clear()
-    assert warmup(weights, K, 5, backend="triton").triton_sizes == (1, 2, 3, 4, 5)
+    assert warmup(weights, K, 5, backend="triton", dtype="bf16").triton_sizes == (1, 2, 3, 4, 5)
 
 
 def test_auto_warms_each_size_on_the_backend_it_gives_it(weights, launches, glue_launches, monkeypatch):
@@ -318,6 +318,8 @@ def test_bad_input_is_refused(weights):
     bf16 = random_weights(E, H, N, "bf16", device=weights.device)
     with pytest.raises(ValueError, match="dtype"):
         warmup(bf16, K, 2, dtype=torch.float16)  # unquantized weights must have x's dtype
+    with pytest.raises(ValueError, match="'fp8' is not an activation dtype name"):
+        warmup(weights, K, 2, dtype="fp8")
 
 
 @pytest.mark.skipif(CUDA, reason="cutlass runs on a GPU")

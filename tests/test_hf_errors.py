@@ -219,3 +219,125 @@ def test_experts_of_a_layer_the_model_skips_are_not_read(tmp_path_factory, tmp_p
     _edit_tensors(ckpt, lambda t: {k: v for k, v in t.items() if not k.startswith("model.layers.1.mlp.experts.")})
     with pytest.raises(UnsupportedModelError, match=r"has no expert tensors for model\.layers\.1\.mlp\.experts"):
         mh.from_pretrained(ckpt)
+
+
+# ---- a refused patch_model / from_pretrained: refused early, the model left as it was ----------
+
+
+def _state(model):
+    """What a refused patch_model must leave as it was: each module's class, each parameter and
+    buffer (the very tensor object), and the experts implementation."""
+    return ({name: type(m) for name, m in model.named_modules()}, dict(model.named_parameters()),
+            dict(model.named_buffers()), model.config._experts_implementation)
+
+
+def _assert_unchanged(model, before, logits, ids):
+    types, params, buffers, implementation = _state(model)
+    assert types == before[0]
+    assert params.keys() == before[1].keys() and all(params[k] is p for k, p in before[1].items())
+    assert buffers.keys() == before[2].keys() and all(buffers[k] is b for k, b in before[2].items())
+    assert implementation == before[3]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, logits)  # its own forward, as before
+
+
+def _refused_patch(model, error, match, **kwargs):
+    """patch_model(model, **kwargs) raises `error` matching `match`, and the model is as it was."""
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    before = _state(model)
+    with pytest.raises(error, match=match):
+        mh.patch_model(model, **kwargs)
+    _assert_unchanged(model, before, logits, ids)
+
+
+@pytest.mark.parametrize("scheme", [None, "fp8-block128"])
+def test_a_backend_that_cannot_run_leaves_the_model_as_it_was(scheme, monkeypatch):
+    """patch_model(backend="cutlass") on the CPU replaced every experts module (and with a scheme
+    quantized them, the bf16 originals released) before the backend check refused: the model then
+    failed at its first token. The check now comes before any quantization, and the model is
+    put back as it was."""
+    import moekit.hf.load as load
+
+    quantized = []
+    monkeypatch.setattr(load, "quantize_model", lambda *a, **k: quantized.append(a))
+    _refused_patch(tiny_model("mixtral"), moekit.BackendUnavailableError,
+                   r"(?s)backend 'cutlass' .*needs a CUDA device", scheme=scheme, backend="cutlass")
+    assert not quantized  # refused before quantizing in vain
+
+
+def test_a_checkpoint_of_another_model_leaves_the_model_as_it_was(fp8_dir):
+    """A Qwen3-MoE checkpoint given to a Mixtral: CheckpointError, which left the experts replaced."""
+    _refused_patch(tiny_model("mixtral"), UnsupportedModelError, "no expert tensors found", checkpoint=fp8_dir[0])
+    _refused_patch(tiny_model("mixtral"), UnsupportedModelError, "is not a model folder: it has no config.json",
+                   checkpoint=fp8_dir[0] / "nowhere")
+    _refused_patch(tiny_model("mixtral"), ValueError, "unknown backend 'nope'", backend="nope")
+    _refused_patch(tiny_model("mixtral"), ValueError, "fp8-chanel-token", scheme="fp8-chanel-token")
+
+
+def test_a_checkpoint_refused_at_its_last_layer_leaves_the_model_as_it_was(fp8_dir, tmp_path):
+    """A tensor missing at layer 1 is found once layer 0 was refilled from the checkpoint: layer
+    0's transformers experts (or moekit's own bf16 ones, buffers and scheme) are put back."""
+    ckpt = _copy(fp8_dir[0], tmp_path)
+    gone = "model.layers.1.mlp.experts.3.gate_proj.weight_scale"
+    _edit_tensors(ckpt, lambda t: {k: v for k, v in t.items() if k != gone})
+    match = r"model\.layers\.1\.mlp\.experts: checkpoint has no tensor 'model\.layers\.1\.mlp\.experts\.3\.gate_proj"
+    _refused_patch(tiny_model("qwen3_moe"), UnsupportedModelError, match, checkpoint=ckpt)
+    ours = mh.from_pretrained(fp8_dir[1], backend="reference")  # moekit's bf16 experts, refilled in place
+    _refused_patch(ours, UnsupportedModelError, match, checkpoint=ckpt)
+    assert {m.scheme.name for m in mh.experts_modules(ours).values()} == {"bf16"}
+
+
+def test_moekit_backend_is_checked_at_load(fp8_dir, monkeypatch):
+    """MOEKIT_BACKEND, which backend="auto" defers to, was never checked at load: a backend that
+    cannot run, or a misspelt one, loaded without complaint and failed at the first token."""
+    import moekit.hf.load as load
+
+    monkeypatch.setenv("MOEKIT_BACKEND", "cutlass")
+    with pytest.raises(moekit.BackendUnavailableError, match=r"from MOEKIT_BACKEND=cutlass\) cannot run"):
+        mh.from_pretrained(fp8_dir[0])
+    _refused_patch(tiny_model("mixtral"), moekit.BackendUnavailableError, "MOEKIT_BACKEND=cutlass")
+    monkeypatch.setenv("MOEKIT_BACKEND", "tritn")
+    monkeypatch.setattr(load, "_model_class", lambda config: pytest.fail("loaded before refusing"))
+    with pytest.raises(ValueError, match=r"MOEKIT_BACKEND='tritn': unknown backend 'tritn'"):
+        mh.from_pretrained(fp8_dir[0])
+    _refused_patch(tiny_model("mixtral"), ValueError, r"MOEKIT_BACKEND='tritn'")
+    monkeypatch.setenv("MOEKIT_BACKEND", "reference")
+    mh.patch_model(tiny_model("mixtral"))  # one that runs: as before
+
+
+@pytest.mark.parametrize("calibration, error, match", [
+    ("some text", ValueError, r"tokenizer of '.*' encoded the text into no token ids.*tokenizer\.json"),
+    (torch.zeros(1, 0, dtype=torch.long), ValueError, r"no token ids \(shape \(1, 0\)\)"),
+    (torch.tensor([[1, 2, 300]]), ValueError, r"must be in \[0, 256\) \(the config's vocab_size\); 1 are not, "
+                                              r"e\.g\. 300 at \(0, 2\)"),
+    (torch.tensor([[-1, 2]]), ValueError, r"must be in \[0, 256\).* e\.g\. -1 at \(0, 0\)"),
+    (torch.tensor([[1.5, 2.0]]), TypeError, r"token ids must be an int64 or int32 tensor, got torch\.float32"),
+    (torch.ones(1, 2, 3, dtype=torch.long), ValueError, r"\[tokens\] or \[batch, tokens\], got shape \(1, 2, 3\)"),
+])
+def test_calibration_ids_are_checked_before_the_weights_load(fp8_dir, monkeypatch, calibration, error, match):
+    """Calibration ids were never checked: after the whole model loaded, the calibration forward
+    failed inside it (a reshape of 0 elements, an embedding's IndexError or dtype error). A
+    folder without tokenizer files gives transformers' empty tokenizer, which encodes to nothing."""
+    import moekit.hf.load as load
+
+    with monkeypatch.context() as m:
+        m.setattr(load, "_model_class", lambda config: pytest.fail("loaded before refusing"))
+        with pytest.raises(error, match=match):
+            mh.from_pretrained(fp8_dir[1], scheme="fp8-tensor-static", calibration=calibration)
+    if not isinstance(calibration, str):  # patch_model takes no text
+        _refused_patch(tiny_model("qwen3_moe"), error, match, scheme="fp8-tensor-static", calibration=calibration)
+
+
+def test_a_nan_scale_names_the_module_and_the_checkpoint_tensor(fp8_dir, tmp_path):
+    """MoEWeights' refusal of a NaN scale named only its own field (w13_scale at (5, 128)); the
+    missing-tensor and wrong-shape errors name the module and the checkpoint tensor: so does it."""
+    ckpt = _copy(fp8_dir[0], tmp_path)
+    key = "model.layers.1.mlp.experts.5.up_proj.weight_scale"
+    _edit_tensors(ckpt, lambda t: {**t, key: torch.full_like(t[key], float("nan"))})
+    with pytest.raises(UnsupportedModelError, match=(
+            r"^model\.layers\.1\.mlp\.experts: read from checkpoint tensor "
+            r"'model\.layers\.1\.mlp\.experts\.5\.up_proj\.weight_scale': MoEWeights\.w13_scale has 128 value\(s\) "
+            r"that are NaN, infinite or negative, e\.g\. nan at \(5, 128\)")):
+        mh.from_pretrained(ckpt)

@@ -304,6 +304,27 @@ def test_experts_implementation_switch(bf16_dirs, monkeypatch):
             assert torch.equal(base(ids).logits, got) and len(calls) > n
 
 
+def test_set_backend_and_experts_nbytes_count_transformers_experts_on_moekit():
+    """On a model loaded with experts_implementation="moekit", set_backend changed every experts
+    module's backend but returned 0, and experts_nbytes said 0: both counted moekit's own
+    modules only. transformers' experts running otherwise (eager, or Llama-4's, which its block
+    calls directly) are not counted."""
+    model = tiny_model("qwen3_moe")
+    experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    assert len(experts) == 2
+    assert mh.set_backend(model, "reference") == 0 and mh.experts_nbytes(model) == 0  # not on moekit yet
+    model.set_experts_implementation("moekit")
+    assert mh.set_backend(model, "torch") == 2
+    assert {m.moekit_backend for m in experts} == {"torch"}
+    assert mh.experts_nbytes(model) == sum(_bytes(m.gate_up_proj) + _bytes(m.down_proj) for m in experts)
+    assert mh.experts_nbytes(model) == 2 * EXPERTS * 3 * HIDDEN * INTER * 2  # bf16
+    llama4 = tiny_model("llama4")
+    llama4.set_experts_implementation("moekit")
+    assert mh.set_backend(llama4, "torch") == 0 and mh.experts_nbytes(llama4) == 0
+    mh.patch_model(llama4)
+    assert mh.set_backend(llama4, "torch") == 2 and mh.experts_nbytes(llama4) == 2 * EXPERTS * 3 * HIDDEN * INTER * 2
+
+
 def test_dense_routing_weights_and_shapes():
     """top_k_weights given as a dense [T, E] score matrix are gathered at top_k_index."""
     from moekit.hf.experts import moekit_experts_forward

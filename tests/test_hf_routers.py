@@ -220,11 +220,18 @@ def test_check_excuses_another_right_pick_on_ties(monkeypatch):
 
 def test_fusing_beside_transformers_experts_is_refused():
     """transformers' own experts read int64 ids (its eager one_hot refuses int32) and its Llama-4
-    block dense scores: fuse_routers needs moekit's experts beside each router."""
-    for family in ("mixtral", "llama4"):
+    block dense scores: fuse_routers needs moekit's experts beside each router. The message said
+    both, then "pass fused_routing=True to it; leave fused_routing off": one instruction now."""
+    for family, reads in (("mixtral", "which read int64 ids"),
+                          ("llama4", "in transformers' MoE block, which reads the router's dense scores")):
         model = tiny_model(family)
-        with pytest.raises(UnsupportedModelError, match=r"the experts beside it are transformers' own.*patch_model"):
+        with pytest.raises(UnsupportedModelError) as refused:
             mh.fuse_routers(model)
+        said = str(refused.value)
+        assert f"the experts beside it are transformers' own, {reads}" in said
+        assert said.endswith("run moekit.hf.patch_model(model, fused_routing=True) instead: it puts moekit's "
+                             "experts in place, then fuses the routers")
+        assert "leave fused_routing off" not in said and "Llama-4" not in said
         assert not any(R.is_fused(r) for r in _routers(model))
 
 

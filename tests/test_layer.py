@@ -312,6 +312,23 @@ def test_the_correction_bias_is_checked_when_the_layer_is_made():
             moekit.MoELayer(w, rule, correction_bias=bad)
 
 
+def test_a_routing_that_cannot_run_on_the_layers_experts_is_refused_when_the_layer_is_made():
+    """3 groups of 8 experts, or top-4 of the 2 experts of one kept group, were accepted and failed
+    at the first forward: the layer runs route()'s own check against its E when it is made."""
+    w = moekit.MoELayer.random(spec(routing=SOFTMAX), seed=0).weights
+    for rule, match in (
+        (RoutingConfig(top_k=2, num_groups=3, topk_groups=1), r"num_groups must be a positive integer dividing E=8, got 3"),
+        (RoutingConfig(top_k=4, num_groups=4, topk_groups=1),
+         r"top_k=4 exceeds the experts in the kept groups: topk_groups=1 \* \(E/num_groups=2\) = 2"),
+    ):
+        with pytest.raises(ValueError, match=r"routing does not fit this layer's 8 experts: " + match):
+            moekit.MoELayer(w, rule)
+    layer = moekit.MoELayer(w, RoutingConfig(top_k=4, scoring="sigmoid", num_groups=4, topk_groups=2))
+    x, logits = inputs(3)
+    assert layer(x, logits).shape == (3, H)
+    assert sum(map(len, layer.warmup(batch_sizes=[1, 2], dtype="bf16").sizes.values())) == 2  # a dtype by name
+
+
 def test_moving_a_layer_keeps_nothing_of_its_old_weights():
     """Carrying derived state over load_state_dict kept the whole old MoEWeights alive after
     .to(another device) as well: moving a layer off a GPU freed nothing until it ran again."""

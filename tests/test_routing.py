@@ -500,6 +500,34 @@ def test_config_fields_are_validated_too():
             RoutingConfig(**bad)
 
 
+def test_a_grouping_that_cannot_run_on_any_experts_is_refused_when_the_config_is_made():
+    """topk_groups=3 of 2 groups, or 0, was accepted and failed at the first forward, although
+    no expert count is needed to see it (what needs E is MoELayer's check: test_layer)."""
+    np = pytest.importorskip("numpy")
+    for groups, kept, match in ((2, 3, r"topk_groups must be an integer in \[1, num_groups=2\], got 3"),
+                                (2, 0, r"topk_groups must be an integer in \[1, num_groups=2\], got 0"),
+                                (0, 1, r"num_groups must be a positive integer, got 0"),
+                                (True, 1, r"num_groups must be a positive integer, got True"),
+                                (4, 2.0, r"topk_groups must be an integer in \[1, num_groups=4\], got 2.0")):
+        with pytest.raises(ValueError, match="RoutingConfig." + match):
+            RoutingConfig(top_k=2, num_groups=groups, topk_groups=kept)
+    cfg = RoutingConfig(top_k=2, scoring="sigmoid", num_groups=np.int64(4), topk_groups=np.int64(2))
+    assert (cfg.num_groups, cfg.topk_groups) == (4, 2) and type(cfg.num_groups) is int
+    assert route(L, config=cfg)[1].shape == (4, 2)  # route's own check took the NumPy integers too
+
+
+def test_apply_on_input_with_renormalize_is_refused():
+    """Renormalized, a top-1 weight is its own score divided by itself: 1. Applied on the input it
+    scaled nothing, silently unlike Llama-4, whose input is scaled by sigmoid(chosen logit)."""
+    weights, _ = route(L, 1, scoring="sigmoid")  # renormalize's default: True
+    assert weights.tolist() == [[1.0]] * 4
+    with pytest.raises(ValueError, match=r"apply_on_input with renormalize=True: a renormalized top-1 weight is "
+                                         r"always 1.*pass renormalize=False, as Llama-4 does"):
+        RoutingConfig(top_k=1, scoring="sigmoid", apply_on_input=True)
+    llama4 = RoutingConfig(top_k=1, scoring="sigmoid", renormalize=False, apply_on_input=True)
+    assert llama4 == FAMILIES["llama4"][0] and bool((route(L, config=llama4)[0] < 1).all())
+
+
 def test_a_keyword_beside_config_is_refused_even_at_its_default():
     """The conflict check compared each keyword with its default: renormalize=True beside a
     config saying False was dropped without a word."""

@@ -454,6 +454,36 @@ def test_select_cli_refuses_a_bad_dtype_as_every_command_does(capsys):
     assert "'fp64' is not an activation dtype: expected bf16 or fp16" in err
 
 
+@pytest.mark.parametrize("name", ["bf16", "bfloat16", "BF16", "fp16", "float16", "half"])
+def test_a_dtype_may_be_named_as_the_commands_take_it(name):
+    """select_backend(..., "bfloat16", ...) reached every supports() as a str: auto picked
+    reference, each backend refusing "activations must be bfloat16 or float16, got bfloat16"."""
+    want = torch.float16 if name.lower() in ("fp16", "float16", "half") else torch.bfloat16
+    device = DeviceSpec.from_name(H100)
+    by_name = select_backend(SHAPE, FP8, device, name, 4)
+    assert by_name == select_backend(SHAPE, FP8, device, want, 4)
+    assert by_name.backend == "triton" and "triton" not in by_name.refused
+    assert select.refusals(SHAPE, FP8, device, name) == select.refusals(SHAPE, FP8, device, want)
+    assert select.explain(SHAPE, FP8, device, name, 4)[0] == "backend: triton"
+
+
+def test_a_dtype_that_names_no_activation_dtype_and_a_negative_batch_size_are_refused():
+    """A negative num_tokens was answered as if it were 1 (the table's smallest size)."""
+    np = pytest.importorskip("numpy")
+    device = DeviceSpec.from_name(H100)
+    with pytest.raises(ValueError, match=r"dtype 'float8' is not an activation dtype name: expected one of "
+                                         r"bf16, bfloat16, fp16, float16, half, or a torch.dtype"):
+        select_backend(SHAPE, FP8, device, "float8", 4)
+    with pytest.raises(TypeError, match=r"dtype must be a torch.dtype \(e.g. torch.bfloat16\) or its name "
+                                        r"\('bf16'\), got int 16"):
+        select_backend(SHAPE, FP8, device, 16, 4)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=rf"num_tokens must be an integer >= 0 \(the batch size M\), got {bad}"):
+            select_backend(SHAPE, FP8, device, torch.bfloat16, bad)
+    assert select_backend(SHAPE, FP8, device, torch.bfloat16, 0).backend == "triton"  # an empty batch
+    assert select_backend(SHAPE, FP8, device, torch.bfloat16, np.int64(4)) == h100(4)
+
+
 def test_shipped_heuristic_puts_cutlass_first_only_for_wide_experts_with_many_rows():
     """The measured rule (select.py's evidence): Mixtral-like experts (N = 14336) with 256+ rows
     each go to cutlass; fewer rows, or narrow experts (GLM's N = 704), stay on triton."""

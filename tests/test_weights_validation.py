@@ -338,6 +338,45 @@ def test_static_activation_scales_must_be_positive_and_finite():
                                        torch.tensor([bad]), w.a2_scale)
 
 
+def test_from_fp8_takes_0d_static_activation_scales():
+    """from_fp8 refused a 0-d input_scale ("a13_scale has shape (); expected (1,)"), which older
+    checkpoints store and quantize_weights(input_scales=...) takes."""
+    w = random_weights(E, H, N, "fp8-tensor-static", seed=9)
+    got = moekit.MoEWeights.from_fp8("fp8-tensor-static", w.w13, w.w2, w.w13_scale, w.w2_scale,
+                                     w.a13_scale[0].clone(), w.a2_scale[0].clone())
+    assert got.a13_scale.shape == (1,) and torch.equal(got.a13_scale, w.a13_scale)
+    assert torch.equal(got.a2_scale, w.a2_scale)
+    with pytest.raises(ValueError, match=r"MoEWeights.a13_scale has shape \(2,\); expected \(1,\)"):
+        moekit.MoEWeights.from_fp8("fp8-tensor-static", w.w13, w.w2, w.w13_scale, w.w2_scale,
+                                   w.a13_scale.repeat(2), w.a2_scale)
+    with pytest.raises(ValueError, match="MoEWeights.a2_scale must be positive and finite, got 0.0"):
+        moekit.MoEWeights.from_fp8("fp8-tensor-static", w.w13, w.w2, w.w13_scale, w.w2_scale,
+                                   w.a13_scale, torch.tensor(0.0))
+
+
+def test_quantize_weights_to_the_unquantized_scheme_casts_float32_as_fp8_schemes_quantize_it():
+    """quantize_weights(float32, float32, "bf16") failed ("w13 has dtype torch.float32") where
+    every FP8 scheme takes float32 weights. Float32 now becomes the dtype the name says; a half
+    is kept as it is (the scheme serves both), and MoEWeights says how to get there itself."""
+    w13, w2 = _bf16_experts()
+    got = moekit.quantize_weights(w13.float(), w2.float(), "bf16")
+    assert got.w13.dtype == torch.bfloat16 and torch.equal(got.w13, w13) and torch.equal(got.w2, w2)
+    half = moekit.quantize_weights(w13.float().transpose(1, 2).contiguous().transpose(1, 2), w2.float(), "fp16")
+    assert half.w13.dtype == half.w2.dtype == torch.float16 and half.w13.is_contiguous()
+    assert moekit.quantize_weights(w13.half(), w2.half(), "bf16").w13.dtype == torch.float16
+    with pytest.raises(ValueError, match=r"MoEWeights.w13 has dtype torch.float32; expected torch.bfloat16 or "
+                                         r"torch.float16 .*pass w13.bfloat16\(\) / w13.half\(\)"):
+        moekit.MoEWeights("bf16", w13.float(), w2.float())
+
+
+def test_repr_is_a_summary_not_the_tensors():
+    """repr printed every tensor: hundreds of lines for one small layer."""
+    w = random_weights(E, H, N, "fp8-channel-token", seed=3)
+    assert repr(w) == f"MoEWeights(scheme=fp8-channel-token, E={E}, H={H}, N={N}, dtype=torch.float8_e4m3fn, device=cpu)"
+    bf16 = moekit.MoEWeights("bf16", *_bf16_experts())
+    assert repr(bf16) == f"MoEWeights(scheme=bf16, E={E}, H={H}, N={N}, dtype=torch.bfloat16, device=cpu)"
+
+
 @pytest.mark.parametrize("scheme", [s for s in SCHEMES if SCHEMES[s].is_fp8])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])
 def test_weight_scales_that_are_nan_infinite_or_negative_are_refused(scheme, bad):

@@ -13,7 +13,8 @@ Importing this module imports transformers; `import moekit` alone never does.
 """
 
 from .compile_ahead import warmup
-from .experts import IMPLEMENTATION, MoekitExperts, experts_modules, moekit_experts_forward, register, set_backend
+from .experts import (IMPLEMENTATION, MoekitExperts, experts_modules, experts_nbytes, moekit_experts_forward, register,
+                      set_backend)
 from .families import FAMILIES, UnsupportedModelError
 from .load import from_pretrained, patch_model, quantize_model
 from .routers import fuse_routers, unfuse_routers
@@ -39,8 +40,3 @@ __all__ = [
     "experts_nbytes",
     "warmup",
 ]
-
-
-def experts_nbytes(model) -> int:
-    """Bytes held by the model's moekit experts modules (weights and scales)."""
-    return sum(m.nbytes for m in experts_modules(model).values())

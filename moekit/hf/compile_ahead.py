@@ -11,7 +11,7 @@ from torch import nn
 
 from ..compile_ahead import WarmupReport, batch_sizes_to_warm, warm_routing
 from ..compile_ahead import warmup as warm_weights
-from .experts import IMPLEMENTATION, MoekitExperts, _hf_weights
+from .experts import MoekitExperts, _hf_weights, on_moekit
 from .routers import RULES, is_fused, routing_config
 
 
@@ -75,8 +75,7 @@ def _experts(name: str, module: nn.Module):
     moekit's own, or transformers' with experts_implementation="moekit"; None for any other."""
     if isinstance(module, MoekitExperts):
         return (module.moe_weights(), module.backend, module.apply_on_input) if module.loaded else None
-    config = getattr(module, "config", None)
-    if getattr(config, "_experts_implementation", None) != IMPLEMENTATION or not hasattr(module, "gate_up_proj"):
+    if not on_moekit(module):
         return None
     label = getattr(module, "moekit_name", None) or name
     return _hf_weights(module, label), getattr(module, "moekit_backend", "auto"), False

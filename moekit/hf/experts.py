@@ -379,9 +379,21 @@ class MoekitExperts(HandleOwner, nn.Module):
                            backend=self.backend, apply_on_input=self.apply_on_input, label=self.label)
 
 
+def on_moekit(module: nn.Module) -> bool:
+    """Whether `module` is transformers' own experts module running through moekit: its config
+    says experts_implementation="moekit" and it holds the fused gate_up_proj tensor that the
+    switch dispatches on (moekit's own MoekitExperts are not these)."""
+    config = getattr(module, "config", None)
+    return (not isinstance(module, MoekitExperts)
+            and getattr(config, "_experts_implementation", None) == IMPLEMENTATION
+            and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor))
+
+
 def set_backend(model: nn.Module, backend: str | None) -> int:
-    """Use `backend` ("auto", a backend name, or None = auto) for every moekit experts module of
-    `model`; returns how many modules were set."""
+    """Use `backend` ("auto", a backend name, or None = auto) for every experts module of `model`
+    that runs through moekit: moekit's own, and transformers' own under experts_implementation=
+    "moekit". Returns how many modules were set. transformers' experts running otherwise get it
+    too (used once they are switched to "moekit") but are not counted."""
     if backend not in (None, "auto"):
         from ..backends import get_backend
 
@@ -394,8 +406,22 @@ def set_backend(model: nn.Module, backend: str | None) -> int:
             count += 1
         elif getattr(module, "_moekit_weights", None) is not None or hasattr(module, "gate_up_proj"):
             module.moekit_backend = backend
+            if on_moekit(module):
+                count += 1
     return count
 
 
 def experts_modules(model: nn.Module) -> dict[str, MoekitExperts]:
     return {name: m for name, m in model.named_modules() if isinstance(m, MoekitExperts)}
+
+
+def experts_nbytes(model: nn.Module) -> int:
+    """Bytes held by the model's experts modules that run through moekit (weights and scales):
+    moekit's own, and transformers' own under experts_implementation="moekit"."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, MoekitExperts):
+            total += module.nbytes
+        elif on_moekit(module):
+            total += sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+    return total

@@ -17,6 +17,7 @@ Then each experts module is filled from the safetensors files, one tensor at a t
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import re
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from ..models import parse_quantization_config
-from ..select import select_backend
+from ..select import environment_backend, select_backend
 from ..spec import BF16, QuantScheme, get_scheme
 from ..weights import MoEWeights
 from ..weights import _calibrate  # quantize_weights' own measurement of static activation scales
@@ -290,11 +291,39 @@ def fill_from_checkpoint(model: nn.Module, folder: str | Path, family: Family, c
                     weights = ckpt_mod.read_unquantized(ckpt, entry, prefix, family, E, H, N, dtype, device, read_as)
             except ckpt_mod.CheckpointError as e:
                 raise ckpt_mod.CheckpointError(f"{name}: {e}") from None
+            except UnsupportedModelError:
+                raise
+            except ValueError as e:  # MoEWeights' own refusal of what was read (a NaN scale, say)
+                where = _refused_tensors(ckpt, entry, prefix)
+                raise ckpt_mod.CheckpointError(f"{name}: read from {where}: {e}") from None
             module.moekit_name = name
             module.load(weights)
         return modules
     finally:
         ckpt.close()
+
+
+_SCALE_TENSORS = ("weight_scale", "weight_scale_inv", "input_scale", "gate_up_proj_scale", "down_proj_scale")
+
+
+def _valid_scale(t: torch.Tensor) -> bool:
+    t = t.float()
+    return bool(((t >= 0) & (t < float("inf"))).all())  # NaN fails both compares
+
+
+def _refused_tensors(ckpt: ckpt_mod.Checkpoint, entry: dict, prefix: str) -> str:
+    """The checkpoint scale tensors of one experts module holding a value MoEWeights refuses (NaN,
+    infinite or negative), read again once it has refused: its error names its own field and
+    index (w13_scale at (5, 128)), which the checkpoint does not have. Where no one tensor is at
+    fault (a static activation scale of 0: the largest of the experts'), the module's as a whole."""
+    per_expert = entry.get("experts", {})
+    keys = [key for e in sorted(per_expert) for role in ckpt_mod.ROLES
+            for name, key in per_expert[e].get(role, {}).items() if name in _SCALE_TENSORS]
+    keys += [key for name, key in sorted(entry.get("fused", {}).items()) if name in _SCALE_TENSORS]
+    bad = [key for key in keys if not _valid_scale(ckpt.get(key))]
+    if not bad:
+        return f"checkpoint tensors {prefix + '.*'!r}"
+    return f"checkpoint tensor {bad[0]!r}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
 
 
 # --------------------------------------------------------------------------- quantization
@@ -489,14 +518,30 @@ def _set_implementation(model: nn.Module) -> None:
             log.debug("set_experts_implementation('moekit') not applied: %s", e)
 
 
-def _check_backend(modules: dict[str, MoekitExperts], backend: str | None, dtype: torch.dtype) -> None:
+def _check_backend_name(backend: str | None) -> None:
+    """ValueError for a backend name that is no backend, before anything loads or changes: the
+    argument's, or for "auto" MOEKIT_BACKEND's (which the experts would read at their first
+    forward; select.environment_backend's error names the variable)."""
+    if backend in (None, "auto"):
+        environment_backend()
+    else:
+        from ..backends import get_backend
+
+        get_backend(backend)  # lists the valid names
+
+
+def _check_backend(modules: dict[str, MoekitExperts], backend: str | None, dtype: torch.dtype,
+                   scheme: QuantScheme | None = None) -> None:
     """Raise BackendUnavailableError now (not at the first forward) for a backend that cannot run
-    the experts with activations of `dtype`, the model's (what its layers hand the experts)."""
-    if backend in (None, "auto") or not modules:
+    the experts with activations of `dtype`, the model's (what its layers hand the experts): the
+    one named, or for "auto" the one MOEKIT_BACKEND names, resolved by select_backend as each
+    forward resolves it (its error names the variable). `scheme`: the experts' scheme to be
+    (patch_model asks before it quantizes them), else their own."""
+    if not modules or (backend in (None, "auto") and environment_backend() is None):
         return
     m = next(iter(modules.values()))
     w = m.moe_weights()
-    select_backend(w.shape(1), w.scheme, w.device, dtype, 1, backend)
+    select_backend(w.shape(1), scheme or w.scheme, w.device, dtype, 1, backend)
 
 
 def _model_dtype(model: nn.Module, modules: dict[str, MoekitExperts]) -> torch.dtype:
@@ -523,7 +568,8 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
       as stored (e.g. a model that transformers loaded with dequantized experts).
     - fused_routing=True: the routers run through moekit.route too (routers.py), each checked
       against transformers' own first.
-    Returns the model.
+    Anything refused (a backend that cannot run, the argument's or MOEKIT_BACKEND's, a checkpoint
+    that does not fit, calibration ids) leaves the model as it was. Returns the model.
     """
     register()
     # refused before anything changes; the experts are checked to be moekit's once they are
@@ -533,36 +579,71 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
         if weightless:
             raise UnsupportedModelError(f"{weightless}: these experts hold no weights moekit can use (per-expert "
                                         "layers of transformers' quantized Llama-4); pass checkpoint=")
-    calibration = _calibration_ids(calibration)
-    _refuse_before_change(model)
-    family, modules, _ = _to_moekit_modules(model)
-    if not modules:
-        from .families import FAMILIES
-
-        raise UnsupportedModelError(
-            f"{type(model).__name__} has no experts module of a family moekit runs "
-            f"({', '.join(f.name for f in FAMILIES)})"
-        )
-    _set_implementation(model)  # before a calibration forward, which runs the experts
-    if checkpoint is not None:
-        raw = _raw_config(Path(checkpoint))
-        ckpt_scheme = _checkpoint_scheme(raw, checkpoint)
-        dtype = next((m.moe_weights().w13.dtype for m in modules.values()
-                      if m.loaded and not m.scheme.is_fp8), torch.bfloat16)
-        want = get_scheme(scheme) if scheme is not None else None
-        fill_from_checkpoint(model, checkpoint, family, ckpt_scheme, want, dtype)
-        if want is not None and want != ckpt_scheme:
-            quantize_model(model, want, calibration)
     else:
-        empty = [name for name, m in modules.items() if not m.loaded]
-        if empty:
-            raise UnsupportedModelError(f"{empty[0]}: these experts hold no weights moekit can use; pass checkpoint=")
-        if scheme is not None:
-            quantize_model(model, scheme, calibration)
-    set_backend(model, backend)
-    _check_backend(modules, backend, _model_dtype(model, modules))
-    swap_routers(routers, model)
+        ckpt_scheme = _checkpoint_scheme(_raw_config(Path(checkpoint)), checkpoint)
+    want = get_scheme(scheme) if scheme is not None else None
+    calibration = _calibration_ids(calibration, vocab_size=_vocab_size(getattr(model, "config", None)))
+    _check_backend_name(backend)
+    _refuse_before_change(model)
+    # what needs the experts in moekit's form (a backend that cannot run them, a checkpoint tensor
+    # missing at the last layer) is refused once they are: the model is then put back as it was
+    with _restored_on_error(model):
+        family, modules, _ = _to_moekit_modules(model)
+        if not modules:
+            from .families import FAMILIES
+
+            raise UnsupportedModelError(
+                f"{type(model).__name__} has no experts module of a family moekit runs "
+                f"({', '.join(f.name for f in FAMILIES)})"
+            )
+        _set_implementation(model)  # before a calibration forward, which runs the experts
+        if checkpoint is not None:
+            dtype = next((m.moe_weights().w13.dtype for m in modules.values()
+                          if m.loaded and not m.scheme.is_fp8), torch.bfloat16)
+            fill_from_checkpoint(model, checkpoint, family, ckpt_scheme, want, dtype)
+            if want is not None and want != ckpt_scheme:
+                quantize_model(model, want, calibration)
+        else:
+            empty = [name for name, m in modules.items() if not m.loaded]
+            if empty:
+                raise UnsupportedModelError(f"{empty[0]}: these experts hold no weights moekit can use; "
+                                            "pass checkpoint=")
+            _check_backend(modules, backend, _model_dtype(model, modules), want)  # before quantizing in vain
+            if want is not None:
+                quantize_model(model, want, calibration)
+        set_backend(model, backend)
+        _check_backend(modules, backend, _model_dtype(model, modules))
+        swap_routers(routers, model)
     return model
+
+
+def _shallow_state(obj) -> dict:
+    """An object's attributes, each container among them (a module's _modules, _buffers,
+    _non_persistent_buffers_set, ...) copied: what patch_model changes is which tensor or module
+    sits where, never a tensor's values."""
+    return {k: copy.copy(v) if isinstance(v, (dict, set, list)) else v for k, v in vars(obj).items()}
+
+
+@contextlib.contextmanager
+def _restored_on_error(model: nn.Module):
+    """`model` as it was if the block raises: every module's class and attributes (its submodules,
+    parameters and buffers among them) and its configs' (experts_implementation) put back. So
+    what the block replaces stays in memory until it ends: transformers' experts modules (held
+    until patch_model returned before, too), Llama-4's original experts, the former buffers of
+    moekit's experts that it refills or quantizes."""
+    saved = {}
+    for m in model.modules():
+        for obj in (m, getattr(m, "config", None)):
+            if hasattr(obj, "__dict__") and id(obj) not in saved:
+                saved[id(obj)] = (obj, type(obj), _shallow_state(obj))
+    try:
+        yield
+    except BaseException:
+        for obj, cls, state in saved.values():
+            obj.__class__ = cls
+            vars(obj).clear()
+            vars(obj).update(state)
+        raise
 
 
 def _experts_without_weights(model: nn.Module) -> str | None:
@@ -609,13 +690,16 @@ def _model_class(config):
     return AutoModelForCausalLM
 
 
-def _calibration_ids(calibration, folder: Path | None = None) -> torch.Tensor | None:
+def _calibration_ids(calibration, folder: Path | None = None, vocab_size: int | None = None) -> torch.Tensor | None:
     """Calibration token ids as a tensor: a tensor as it is, a list (or tuple) of ids, or of lists
     of ids (what a tokenizer's input_ids are), as one; a text through the model folder's tokenizer.
-    Anything else (a list turned into its text) would calibrate on the wrong tokens: TypeError."""
-    if calibration is None or isinstance(calibration, torch.Tensor):
-        return calibration
-    if isinstance(calibration, (list, tuple)):
+    Anything else (a list turned into its text) would calibrate on the wrong tokens: TypeError.
+    The ids are checked (_check_ids) here, not by the calibration forward after the model loaded."""
+    if calibration is None:
+        return None
+    if isinstance(calibration, torch.Tensor):
+        ids = calibration
+    elif isinstance(calibration, (list, tuple)):
         try:
             ids = torch.tensor(calibration)
         except (TypeError, ValueError) as e:
@@ -623,16 +707,55 @@ def _calibration_ids(calibration, folder: Path | None = None) -> torch.Tensor | 
         if ids.dtype not in (torch.int64, torch.int32) or ids.dim() not in (1, 2) or not ids.numel():
             raise TypeError(f"calibration: a list must hold token ids (ints, or equal-length lists of ints), got "
                             f"{ids.dtype} of shape {tuple(ids.shape)}")
-        return ids
-    if isinstance(calibration, str):
-        if folder is None:
-            raise TypeError("calibration: pass token ids (a tensor or a list of ints); a text needs the model "
-                            "folder's tokenizer, which patch_model does not have (from_pretrained does)")
-        from transformers import AutoTokenizer
+    elif isinstance(calibration, str):
+        ids = _tokenize(calibration, folder)
+    else:
+        raise TypeError(f"calibration must be token ids (a tensor or a list of ints) or a text, got "
+                        f"{type(calibration).__name__}")
+    _check_ids(ids, vocab_size)
+    return ids
 
-        return AutoTokenizer.from_pretrained(folder)(calibration, return_tensors="pt").input_ids
-    raise TypeError(f"calibration must be token ids (a tensor or a list of ints) or a text, got "
-                    f"{type(calibration).__name__}")
+
+def _tokenize(text: str, folder: Path | None) -> torch.Tensor:
+    if folder is None:
+        raise TypeError("calibration: pass token ids (a tensor or a list of ints); a text needs the model "
+                        "folder's tokenizer, which patch_model does not have (from_pretrained does)")
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(folder)(text, return_tensors="pt").input_ids
+    if not ids.numel():  # transformers builds a tokenizer with an empty vocabulary where the files are missing
+        raise ValueError(f"calibration: the tokenizer of {str(folder)!r} encoded the text into no token ids (a "
+                         "folder without its tokenizer files, such as tokenizer.json, gives an empty one): pass "
+                         "token ids, or add the tokenizer's files to the folder")
+    return ids
+
+
+def _check_ids(ids: torch.Tensor, vocab_size: int | None) -> None:
+    """What the calibration forward would otherwise refuse deep inside the model (an embedding
+    lookup's dtype or index error, a reshape of 0 elements), named: int32/int64 ids, [T] or
+    [batch, T], at least one, each in [0, vocab_size) (None: unknown, not checked)."""
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"calibration: token ids must be an int64 or int32 tensor, got {ids.dtype}")
+    if ids.dim() not in (1, 2):
+        raise ValueError(f"calibration: token ids must be [tokens] or [batch, tokens], got shape {tuple(ids.shape)}")
+    if not ids.numel():
+        raise ValueError(f"calibration: no token ids (shape {tuple(ids.shape)}); the activation scales are "
+                         "measured on at least one token")
+    if vocab_size is None:
+        return
+    outside = (ids < 0) | (ids >= vocab_size)
+    if bool(outside.any()):
+        index = tuple(torch.nonzero(outside)[0].tolist())
+        raise ValueError(f"calibration: token ids must be in [0, {vocab_size}) (the config's vocab_size); "
+                         f"{int(outside.sum())} are not, e.g. {int(ids[index])} at {index}")
+
+
+def _vocab_size(config) -> int | None:
+    """The config's vocab_size (a multimodal config's text config's), which token ids index."""
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if callable(get_text) else config
+    size = getattr(text, "vocab_size", None)
+    return size if isinstance(size, int) else None
 
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -662,10 +785,12 @@ def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str 
     tensor by tensor from the safetensors files: no bf16 copy of the experts is ever made.
     Unquantized checkpoints keep bf16 experts (scheme=None) or are quantized on load to `scheme`
     one expert at a time; fp8-tensor-static also needs `calibration` (token ids, or a text that
-    the model folder's tokenizer encodes). `backend`: a moekit backend name or "auto" (then
-    MOEKIT_BACKEND, then moekit's choice). `fused_routing=True`: the routers run through
-    moekit.route too (routers.py), each checked against transformers' own first. Other keyword arguments go to transformers'
-    from_pretrained (device_map, attn_implementation, ...); `model_class` overrides the Auto class.
+    the model folder's tokenizer encodes; checked before the weights load). `backend`: a moekit
+    backend name or "auto" (then MOEKIT_BACKEND, then moekit's choice); one that cannot run the
+    experts, named here or by MOEKIT_BACKEND, is refused at load. `fused_routing=True`: the
+    routers run through moekit.route too (routers.py), each checked against transformers' own
+    first. Other keyword arguments go to transformers' from_pretrained (device_map,
+    attn_implementation, ...); `model_class` overrides the Auto class.
     """
     from transformers import AutoConfig
 
@@ -687,10 +812,10 @@ def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str 
             f"scheme {want.name} needs static activation scales: pass calibration= (token ids, or a text "
             "that the model's tokenizer encodes), or use fp8-tensor-dynamic"
         )
-    if backend not in (None, "auto"):
-        from ..backends import get_backend
-
-        get_backend(backend)
+    ids = None
+    if want is not None and want.static_activation and not ckpt_scheme.is_fp8:
+        ids = _calibration_ids(calibration, folder, _vocab_size(config))  # refused before the weights load
+    _check_backend_name(backend)
     quant = getattr(config, "quantization_config", None)
     if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
         # transformers' FP8 quantizer swaps every module named "*.experts" for its own FP8Experts:
@@ -717,7 +842,8 @@ def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str 
     if want is not None and want.static_activation and any(not m.scheme.is_fp8 for m in modules.values()):
         # read as bf16 to be calibrated (also under an FP8 config whose experts are stored unquantized)
         _set_implementation(model)  # the calibration forward runs moekit's experts without a warning
-        quantize_model(model, want, _calibration_ids(calibration, folder))
+        quantize_model(model, want, ids if ids is not None else _calibration_ids(calibration, folder,
+                                                                                  _vocab_size(config)))
     set_backend(model, backend)
     _check_backend(modules, backend, _model_dtype(model, modules))
     if fused_routing:

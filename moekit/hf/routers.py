@@ -319,8 +319,7 @@ def routers_to_fuse(model: nn.Module, *, check: bool = True, dtype: torch.dtype 
         routing_config(router, RULES[family.name])  # the attributes it reads exist
         problem = _refusal(router)
         if problem is None and experts_patched and not _reads_fused_output(_parent(model, name)):
-            problem = ("the experts beside it are transformers' own, which read int64 ids (Llama-4: its block, "
-                       "dense scores); run moekit.hf.patch_model first, or pass fused_routing=True to it")
+            raise UnsupportedModelError(f"{label}: {_beside_transformers_experts(family)}")
         if problem is None and check:
             try:
                 problem = check_router(router, family, dtype)
@@ -329,6 +328,15 @@ def routers_to_fuse(model: nn.Module, *, check: bool = True, dtype: torch.dtype 
         if problem is not None:
             raise UnsupportedModelError(f"{label}: {problem}; leave fused_routing off")
     return routers
+
+
+def _beside_transformers_experts(family: Family) -> str:
+    """Why a router beside transformers' own experts is not fused, and the one way to fuse it
+    (its own sentence: "leave fused_routing off", the other refusals' advice, would contradict it)."""
+    reads = ("in transformers' MoE block, which reads the router's dense scores" if family.block_class
+             else "which read int64 ids (a fused router gives int32)")
+    return (f"the experts beside it are transformers' own, {reads}; run moekit.hf.patch_model(model, "
+            "fused_routing=True) instead: it puts moekit's experts in place, then fuses the routers")
 
 
 def swap_routers(routers: list, model: nn.Module) -> int:

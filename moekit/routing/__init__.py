@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import env
+
 
 @dataclasses.dataclass(frozen=True)
 class RoutingConfig:
@@ -57,9 +59,19 @@ class RoutingConfig:
         if (self.num_groups is None) != (self.topk_groups is None):
             raise ValueError(f"RoutingConfig.num_groups and topk_groups go together, got {self.num_groups!r} "
                              f"and {self.topk_groups!r}")
+        for name in ("num_groups", "topk_groups"):  # NumPy integers as Python ones, as top_k
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+                object.__setattr__(self, name, int(value))
+        _check_groups(self.num_groups, self.topk_groups, "RoutingConfig.")  # the rest needs E: check_fits
         if self.apply_on_input and self.top_k != 1:
             raise ValueError(f"RoutingConfig.apply_on_input (the weight scales the expert's input, Llama-4) "
                              f"needs top_k=1, got top_k={self.top_k}")
+        if self.apply_on_input and self.renormalize:
+            # one weight divided by itself is 1: x would be scaled by 1, unlike the model, silently
+            raise ValueError("RoutingConfig.apply_on_input with renormalize=True: a renormalized top-1 weight is "
+                             "always 1, so the input would not be scaled at all; pass renormalize=False, as "
+                             "Llama-4 does (its input is scaled by sigmoid of the chosen logit)")
 
 
 def _is_scale(value) -> bool:
@@ -248,9 +260,11 @@ def _use_kernel(logits: torch.Tensor) -> bool:
     """Whether route() runs as one Triton kernel (fused.py) rather than torch ops: on a GPU,
     outside torch.compile (which traces the torch ops below and fuses them itself), and where no
     gradient is asked of the weights (the kernel has no backward: a router trained through its
-    weights, an auxiliary loss, keeps the torch ops' autograd)."""
+    weights, an auxiliary loss, keeps the torch ops' autograd), and unless TRITON_INTERPRET was
+    turned on after import (env.interpreter_set_late: the kernel could not run, the torch ops can)."""
     return (logits.device.type == "cuda" and not torch.compiler.is_compiling()
-            and not (logits.requires_grad and torch.is_grad_enabled()))
+            and not (logits.requires_grad and torch.is_grad_enabled())
+            and env.interpreter_set_late() is None)
 
 
 def _check_logits_form(router_logits) -> None:
@@ -304,15 +318,12 @@ def _check_rule(top_k, num_experts, scoring, num_groups, topk_groups, routed_sca
             f"num_groups and topk_groups go together, got num_groups={num_groups!r}, "
             f"topk_groups={topk_groups!r}"
         )
+    _check_groups(num_groups, topk_groups)
     if num_groups is None:
         return
-    if not isinstance(num_groups, int) or num_groups < 1 or num_experts % num_groups:
+    if num_experts % num_groups:
         raise ValueError(
             f"num_groups must be a positive integer dividing E={num_experts}, got {num_groups!r}"
-        )
-    if not isinstance(topk_groups, int) or not 1 <= topk_groups <= num_groups:
-        raise ValueError(
-            f"topk_groups must be an integer in [1, num_groups={num_groups}], got {topk_groups!r}"
         )
     group_size = num_experts // num_groups
     if top_k > topk_groups * group_size:
@@ -325,6 +336,27 @@ def _check_rule(top_k, num_experts, scoring, num_groups, topk_groups, routed_sca
             f"grouped routing scores a group by its 2 best experts, so E/num_groups must be >= 2, "
             f"got E={num_experts}, num_groups={num_groups}"
         )
+
+
+def _check_groups(num_groups, topk_groups, prefix: str = "") -> None:
+    """The grouping's own form, which needs no E (RoutingConfig checks it when made; `prefix`
+    names it there): both or neither, positive integers, topk_groups at most num_groups."""
+    if num_groups is None and topk_groups is None:
+        return
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+        raise ValueError(f"{prefix}num_groups must be a positive integer, got {num_groups!r}")
+    if isinstance(topk_groups, bool) or not isinstance(topk_groups, int) or not 1 <= topk_groups <= num_groups:
+        raise ValueError(
+            f"{prefix}topk_groups must be an integer in [1, num_groups={num_groups}], got {topk_groups!r}"
+        )
+
+
+def check_fits(config: RoutingConfig, num_experts: int) -> None:
+    """route()'s check of `config`'s rule against E experts (top_k <= E, num_groups dividing E,
+    top_k within the kept groups): what a RoutingConfig cannot check without E, for MoELayer,
+    which knows E when it is made rather than at its first forward. ValueError as route's."""
+    _check_rule(config.top_k, num_experts, config.scoring, config.num_groups, config.topk_groups,
+                config.routed_scaling_factor)
 
 
 def _check_bias(correction_bias, num_experts, device) -> torch.Tensor | None:

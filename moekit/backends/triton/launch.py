@@ -158,7 +158,10 @@ class TritonBackend(Backend):
     reads_int64_ids = True
 
     def supports(self, shape: MoEShape, scheme: QuantScheme, device: torch.device, dtype=torch.bfloat16):
-        reasons = []
+        # TRITON_INTERPRET set after import: every launch step would raise it (env.interpreting);
+        # refused here, by name, so that auto and the backends that launch no Triton kernel still run
+        late = env.interpreter_set_late()
+        reasons = [late] if late is not None else []
         if device.type == "cuda":
             cap = device_capability(device)
             need = (8, 9) if scheme.is_fp8 else (8, 0)
@@ -168,7 +171,7 @@ class TritonBackend(Backend):
                     f"{' (FP8 tensor cores)' if scheme.is_fp8 else ''}, found {cap[0]}.{cap[1]}"
                 )
         elif device.type == "cpu":
-            if not _interpreting():
+            if late is None and not _interpreting():
                 reasons.append("on the CPU the Triton kernels run only under TRITON_INTERPRET=1")
         else:
             reasons.append(f"needs a CUDA GPU (or the CPU interpreter), got device {device.type}")
