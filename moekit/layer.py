@@ -334,6 +334,14 @@ class MoELayer(HandleOwner, torch.nn.Module):
             topk_weights, topk_ids = route(logits, config=self.routing, correction_bias=bias)
         elif len(routing) == 2:
             topk_weights, topk_ids = routing
+            k = topk_ids.shape[-1] if isinstance(topk_ids, torch.Tensor) and topk_ids.dim() else None
+            if self.routing is not None and k is not None and k != self.routing.top_k:
+                # routed by another rule than the layer's own (apply_on_input among it): a mistake
+                raise ValueError(
+                    f"topk_ids has {k} experts per token, but this MoELayer's RoutingConfig has top_k="
+                    f"{self.routing.top_k}: route with the layer's rule (moekit.route(logits, config=layer.routing)) "
+                    f"or call the layer with the router logits"
+                )
             if topk_weights.dim() != 2:
                 topk_weights = topk_weights.reshape(-1, topk_weights.shape[-1])
                 topk_ids = topk_ids.reshape(-1, topk_ids.shape[-1])

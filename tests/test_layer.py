@@ -371,3 +371,18 @@ def test_a_layer_allocated_but_not_loaded_prints_and_checks_its_scales_at_the_fi
     layer.load_state_dict(loaded.state_dict())
     torch.testing.assert_close(layer(x, logits), loaded(x, logits), rtol=0, atol=0)
     assert not layer.weights.scale_values_pending
+
+
+def test_routing_results_of_another_top_k_than_the_layers_are_refused():
+    """A layer routing top-2 given top-3 ids (routed by another rule) ran them silently."""
+    layer = moekit.MoELayer.random(spec(routing=SOFTMAX), seed=0)
+    x, logits = inputs(5)
+    k = layer.routing.top_k
+    with pytest.raises(ValueError, match=rf"topk_ids has {k + 1} experts per token, but this MoELayer's "
+                                         rf"RoutingConfig has top_k={k}"):
+        layer(x, *moekit.route(logits, k + 1))
+    # the layer's own rule, given as routing results, is the same call as with the logits
+    assert torch.equal(layer(x, *moekit.route(logits, config=layer.routing)), layer(x, logits))
+    # without a RoutingConfig the layer takes any top-k
+    bare = moekit.MoELayer(layer.weights)
+    assert bare(x, *moekit.route(logits, k + 1)).shape == x.shape
