@@ -47,6 +47,7 @@ from . import env, roofline
 from .api import fused_moe, validate_inputs, weight_input
 from .backends.reference import reference_moe
 from .backends import backend_names, get_backend
+from .dtypes import ACTIVATION_DTYPES
 from .inputs import DEFAULT_ROUTINGS, input_seed, make_routings, make_weights, make_x
 from .models import ModelSpec, get_model
 from .select import ENV_VAR, BackendUnavailableError, select_backend
@@ -78,7 +79,7 @@ CPU_HIDDEN, CPU_N, CPU_MAX_EXPERTS = 256, 128, 16
 # a default run (they stay available when named in --backends).
 INTERPRETED_ON_CPU = ("triton",)
 DEFAULT_BASELINES = ("cutlass", "torch", "reference")  # first runnable one, unless --baseline
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = ACTIVATION_DTYPES  # by moekit's names (moekit.dtypes)
 ROUTINGS = ("uniform", "skewed")
 
 BASE_COLUMNS = (

@@ -111,15 +111,14 @@ def cmd_models(args) -> int:
     return 0
 
 
-# Activation dtypes by every spelling people bring (moekit's, torch's, and vLLM's --dtype values),
-# to moekit's names, the keys of moekit.bench.DTYPES.
-DTYPE_SPELLINGS = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16"}
 DTYPE_HELP = "activation dtype: bf16 (bfloat16) or fp16 (float16) (default: bf16)"
 
 
 def activation_dtype(value: str) -> str:
     """--dtype's type: moekit's name of the activation dtype. vLLM's tuning scripts use --dtype for
     the weights' quantization (fp8_w8a8, ...), which moekit calls the scheme: say so."""
+    from moekit.dtypes import DTYPE_SPELLINGS  # imported here: it imports torch, which --help does not need
+
     name = DTYPE_SPELLINGS.get(value.lower())
     if name is not None:
         return name

@@ -102,7 +102,8 @@ def warmup(
     from .api import check_weight_dtype, ids_for_backend
     from .backends import get_backend
     from .backends.compile_only import compile_only
-    from .select import as_torch_dtype, select_backend
+    from .dtypes import as_torch_dtype
+    from .select import select_backend
 
     dtype = as_torch_dtype(dtype)  # "bf16" as select_backend and MoELayer.warmup take it
     if not isinstance(weights, MoEWeights):

@@ -25,7 +25,7 @@ from .backends.base import check_backend_name
 from .handles import HandleOwner
 from .models import ModelSpec, get_model
 from .routing import RoutingConfig, check_fits, route
-from .select import as_torch_dtype
+from .dtypes import as_torch_dtype
 from .spec import QuantScheme, get_scheme
 from .weights import TENSOR_FIELDS, MoEWeights, scale_values_checked_later
 

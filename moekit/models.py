@@ -428,14 +428,18 @@ def _check_groups(routing: RoutingConfig, num_experts: int) -> None:
     groups = routing.num_groups
     if groups is None:
         return
-    if groups < 1 or num_experts % groups:
+    if num_experts % groups:  # (a positive integer: _kept_groups, RoutingConfig)
         raise _unsupported("n_group", groups, f"n_group a divisor of the number of experts ({num_experts})")
 
 
 def _kept_groups(groups: int | None, kept: int | None) -> int | None:
-    """topk_group, checked against n_group before the RoutingConfig is made (which would refuse
-    it too, but naming its own field, not the config.json key)."""
-    if groups is not None and kept is not None and not 1 <= kept <= groups:
+    """topk_group, checked with n_group before the RoutingConfig is made (which would refuse them
+    too, but naming its own fields, not the config.json keys)."""
+    if groups is None or kept is None:
+        return kept
+    if groups < 1:
+        raise _unsupported("n_group", groups, "n_group a positive integer")
+    if not 1 <= kept <= groups:
         raise _unsupported("topk_group", kept, f"topk_group between 1 and n_group ({groups})")
     return kept
 
@@ -514,7 +518,7 @@ def _routing(text: dict, model_type: str, top_k: int) -> RoutingConfig:
         scoring=scoring,
         renormalize=_flag(text, "norm_topk_prob", True),
         num_groups=groups,
-        topk_groups=kept,
+        topk_groups=_kept_groups(groups, kept),
         use_correction_bias=method == "noaux_tc",
         routed_scaling_factor=_scale(text),
     )

@@ -33,6 +33,7 @@ import torch
 from . import decisions, env, tables
 from .accumulation import FP8_ACCUMULATION_ENV, fp8_accumulation, table_accumulation
 from .backends.base import assume_capability, backend_names, get_backend
+from .dtypes import as_torch_dtype
 from .spec import MoEShape, QuantScheme, get_scheme
 
 ENV_VAR = "MOEKIT_BACKEND"
@@ -151,7 +152,7 @@ def refusals(
 ) -> dict[str, list[str]]:
     """Every registered backend's reasons not to run (empty list: it can). Cached: it is static.
     A `DeviceSpec` is answered as a CUDA device of its capability, present or not; `dtype` may
-    be its name (as_torch_dtype)."""
+    be its name (moekit.dtypes.as_torch_dtype)."""
     device = _device_key(device)
     dtype = as_torch_dtype(dtype)
     key = (shape, scheme, device, dtype, env.raw("TRITON_INTERPRET"))
@@ -182,25 +183,6 @@ def device_name(device: torch.device | DeviceSpec) -> str | None:
         except Exception:  # noqa: BLE001 - no CUDA here: no table
             return None
     return None
-
-
-def as_torch_dtype(dtype) -> torch.dtype:
-    """An activation dtype as a torch.dtype: a torch.dtype as it is, or a name as the commands'
-    --dtype takes it (moekit.cli.DTYPE_SPELLINGS: bf16, bfloat16, fp16, float16, half). A name
-    reached every backend's supports() as a str, and each refused "bfloat16" as not bfloat16."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str):
-        from .bench import DTYPES  # imported here: bench imports this module
-        from .cli import DTYPE_SPELLINGS
-
-        name = DTYPE_SPELLINGS.get(dtype.strip().lower())
-        if name is not None:
-            return DTYPES[name]
-        raise ValueError(f"dtype {dtype!r} is not an activation dtype name: expected one of "
-                         f"{', '.join(DTYPE_SPELLINGS)}, or a torch.dtype (e.g. torch.bfloat16)")
-    raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or its name ('bf16'), "
-                    f"got {type(dtype).__name__} {dtype!r}")
 
 
 def _check_num_tokens(num_tokens) -> None:

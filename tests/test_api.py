@@ -81,10 +81,11 @@ def test_interpreter_switched_on_after_import_is_refused_by_name():
     assert "before importing moekit" in done.stdout
 
 
-def test_interpreter_switched_on_after_import_refuses_only_triton(problem, monkeypatch):
+def test_interpreter_switched_on_after_import_refuses_what_launches_triton_kernels(problem, monkeypatch):
     """TRITON_INTERPRET=1 set after `import moekit` broke every backend, not only triton: the
     triton backend's supports() asked env.interpreting(), which raised inside select's refusals()
-    for torch, reference and auto alike. Now it is triton's refusal reason. Simulated in process:
+    for torch, reference and auto alike. Now it is triton's refusal reason, and on a GPU that of
+    cutlass and torch too (their glue is Triton there; on the CPU it is torch ops). Simulated in process:
     the record of how the kernels were defined says "for the GPU" (restored after, as is select's
     cache, whose refusals are keyed by TRITON_INTERPRET's value)."""
     from moekit import env
@@ -107,6 +108,12 @@ def test_interpreter_switched_on_after_import_refuses_only_triton(problem, monke
         moekit.fused_moe(x, w, tw, ids, backend="triton")
     with pytest.raises(RuntimeError, match="set after moekit was imported"):  # what a launch step would say
         moekit.env.interpreting()
+    # on a GPU the cutlass and torch backends launch the glue's Triton kernels: refused too there
+    gpu = moekit.select.refusals(w.shape(2), w.scheme, moekit.select.DeviceSpec.from_name("NVIDIA H100 80GB HBM3"),
+                                 torch.bfloat16)
+    for name in ("cutlass", "torch"):
+        assert any(r.startswith("its glue's Triton kernels cannot run: TRITON_INTERPRET was set after") for r in gpu[name])
+    assert gpu["reference"] == []
 
 
 def test_choice_is_logged_at_debug(problem, caplog):

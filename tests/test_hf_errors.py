@@ -246,10 +246,18 @@ def _refused_patch(model, error, match, **kwargs):
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(input_ids=ids).logits
+    calls = []
+    hook = model.model.layers[0].register_forward_hook(lambda *_: calls.append(1))
     before = _state(model)
     with pytest.raises(error, match=match):
         mh.patch_model(model, **kwargs)
     _assert_unchanged(model, before, logits, ids)
+    # a hook registered before can still be removed: its handle holds the module's very hook dict
+    assert calls == [1]
+    hook.remove()
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("scheme", [None, "fp8-block128"])
@@ -261,7 +269,7 @@ def test_a_backend_that_cannot_run_leaves_the_model_as_it_was(scheme, monkeypatc
     import moekit.hf.load as load
 
     quantized = []
-    monkeypatch.setattr(load, "quantize_model", lambda *a, **k: quantized.append(a))
+    monkeypatch.setattr(load, "_quantize_modules", lambda *a, **k: quantized.append(a))
     _refused_patch(tiny_model("mixtral"), moekit.BackendUnavailableError,
                    r"(?s)backend 'cutlass' .*needs a CUDA device", scheme=scheme, backend="cutlass")
     assert not quantized  # refused before quantizing in vain
@@ -341,3 +349,33 @@ def test_a_nan_scale_names_the_module_and_the_checkpoint_tensor(fp8_dir, tmp_pat
             r"'model\.layers\.1\.mlp\.experts\.5\.up_proj\.weight_scale': MoEWeights\.w13_scale has 128 value\(s\) "
             r"that are NaN, infinite or negative, e\.g\. nan at \(5, 128\)")):
         mh.from_pretrained(ckpt)
+
+
+def test_quantizing_in_place_releases_each_modules_originals_as_it_goes(monkeypatch):
+    """patch_model(scheme=...) on moekit's own bf16 experts (as from_pretrained gives them): each
+    module's bf16 tensors are released once it is quantized, not held to the end for a rollback
+    (quantizing comes after every check), so the experts are never in memory twice over."""
+    import gc
+    import weakref
+
+    import moekit.hf.load as load
+
+    model = tiny_model("qwen3_moe")
+    mh.patch_model(model)
+    modules = list(mh.experts_modules(model).values())
+    for m in modules:  # experts owning their bf16 tensors, not views of transformers' weights
+        w = m.moe_weights()
+        m.load(type(w)(w.scheme, w.w13.clone(), w.w2.clone()))
+    first = weakref.ref(modules[0]._buffers["w13"])
+    alive = []
+    quantize = load._quantize_module
+
+    def quantize_and_look(m, scheme, calibration):
+        quantize(m, scheme, calibration)
+        gc.collect()
+        alive.append(first() is not None)
+
+    monkeypatch.setattr(load, "_quantize_module", quantize_and_look)
+    mh.patch_model(model, scheme="fp8-channel-token")
+    assert len(alive) == len(modules) > 1 and not any(alive)
+    assert {m.scheme.name for m in modules} == {"fp8-channel-token"}

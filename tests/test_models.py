@@ -796,6 +796,7 @@ def test_routing_fields_are_checked_and_defaulted_as_transformers_does():
                        ({"routed_scaling_factor": 0}, "routed_scaling_factor: 0"),
                        ({"n_group": 7}, "n_group: 7 is not supported.*divisor of the number of experts"),
                        ({"topk_group": 9}, "topk_group: 9 is not supported"),
+                       ({"n_group": -2}, "n_group: -2 is not supported.*n_group a positive integer"),
                        ({"moe_layer_freq": "2"}, "moe_layer_freq: '2'")):
         with pytest.raises(ValueError, match=match):
             parse_config({**v3, **bad})

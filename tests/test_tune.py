@@ -1045,6 +1045,26 @@ def test_gemm2_narrow_base_is_the_fastest_narrower_tiled_config(tmp_path):
     assert bases({gemv: 40.0, n64: 41.0}) == [("gemm2", gemv)]  # a GEMV fastest: its GEMM2 alone
 
 
+def test_gemm1_in_wider_k_steps_is_a_search_config_not_a_gemm2_variant(tmp_path):
+    """A config whose only GEMM2 field is its K step (GEMM1 in steps of 256, GEMM2 in 128: the
+    search space's GEMM1_WIDE_K_*) is a base of the GEMM2 step like any plain config, and its
+    variants keep GEMM2's K step; a variant equal to the base is not timed again."""
+    from moekit.tune.journal import Journal
+    from moekit.tune.runner import gemm2_bases
+
+    wide_k = KernelConfig(16, 128, 256, 1, 8, 3).with_gemm2(BLOCK_K=128)
+    plain, variant = KernelConfig(16, 128, 128, 1, 4, 5), KernelConfig(16, 128, 128, 1, 4, 5).with_gemm2(BLOCK_N=64)
+    assert wide_k.has_gemm2 and not wide_k.is_gemm2_variant and variant.is_gemm2_variant
+    assert wide_k.with_gemm2(BLOCK_N=64).is_gemm2_variant
+    j = Journal(tmp_path / "j.json", {"configs": {config_key(c): {"config": c.to_dict(), "us": us}
+                                                  for c, us in ((wide_k, 170.0), (plain, 180.0), (variant, 160.0))}})
+    assert gemm2_bases(j) == [("gemm2", wide_k)]  # the variant (faster still) is no base
+    launches, _ = space.gemm2_variants(wide_k, FP8_CHANNEL_TOKEN, space.gemm2_grid(torch.device("cuda")),
+                                       space.HOPPER_SHARED_MEMORY, True, intermediate=1408)
+    assert launches and wide_k not in launches
+    assert all(c.is_gemm2_variant and c.gemm2().BLOCK_K == 128 and c.BLOCK_K == 256 for c in launches)
+
+
 def test_gemm2_bases_leave_out_a_timing_the_decision_timing_found_misread(tmp_path):
     """runner.MISREAD_FACTOR: an older harness's separate timing (127 µs) that the decision
     timing found at 195 (1.53x, where the others decided read 1.04x) is no base, so the honest

@@ -169,6 +169,9 @@ class CutlassBackend(Backend):
                 reasons.append(f"needs SM90 (Hopper), found sm_{cap[0]}{cap[1]}")
         if not gemm_candidates():
             reasons.append(f"this torch ({torch.__version__}) has no _scaled_grouped_mm")
+        glue_refusal = glue.unavailable_on(device)
+        if glue_refusal:
+            reasons.append(glue_refusal)
         if not scheme.is_fp8:
             reasons.append(
                 f"scheme {scheme.name} is unquantized and this backend runs FP8 GEMMs only: "

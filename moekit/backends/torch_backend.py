@@ -109,7 +109,8 @@ class TorchBackend(Backend):
             return [f"activations must be bfloat16, float16 or float32, got {dtype}"]
         # Any scheme (FP8 ones are dequantized once), any size, any device. bf16 on SM90 takes
         # grouped_mm; everything else the per-expert loop (float32 computes in float32).
-        return []
+        glue_refusal = glue.unavailable_on(device)
+        return [glue_refusal] if glue_refusal else []
 
     def copies_weights(self, scheme: QuantScheme, dtype: torch.dtype = torch.bfloat16) -> bool:
         # the dequantized copy in weights.prepared["torch"]; unquantized (bf16/fp16) weights are

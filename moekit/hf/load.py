@@ -291,7 +291,7 @@ def fill_from_checkpoint(model: nn.Module, folder: str | Path, family: Family, c
                     weights = ckpt_mod.read_unquantized(ckpt, entry, prefix, family, E, H, N, dtype, device, read_as)
             except ckpt_mod.CheckpointError as e:
                 raise ckpt_mod.CheckpointError(f"{name}: {e}") from None
-            except UnsupportedModelError:
+            except (UnsupportedModelError, ExpertsError):
                 raise
             except ValueError as e:  # MoEWeights' own refusal of what was read (a NaN scale, say)
                 where = _refused_tensors(ckpt, entry, prefix)
@@ -384,11 +384,21 @@ def _capture_inputs(model: nn.Module, modules: dict[str, MoekitExperts], input_i
 def quantize_model(model: nn.Module, scheme: str | QuantScheme, calibration: torch.Tensor | None = None) -> None:
     """Requantize every bf16 MoekitExperts of `model` to `scheme` (static: calibrated on token ids)."""
     scheme = get_scheme(scheme)
+    _quantize_modules(model, scheme, _calibration_inputs(model, scheme, calibration))
+
+
+def _calibration_inputs(model: nn.Module, scheme: QuantScheme, calibration: torch.Tensor | None) -> dict:
+    """{experts module name: its inputs} from a calibration forward, for a static scheme's scales
+    (empty for the others): quantize_model's first half, which runs the model."""
+    if not (scheme.static_activation and calibration is not None):
+        return {}
     modules = experts_modules(model)
-    inputs = {}
-    if scheme.static_activation and calibration is not None:
-        inputs = _capture_inputs(model, {n: m for n, m in modules.items() if m.scheme != scheme}, calibration)
-    for name, m in modules.items():
+    return _capture_inputs(model, {n: m for n, m in modules.items() if m.scheme != scheme}, calibration)
+
+
+def _quantize_modules(model: nn.Module, scheme: QuantScheme, inputs: dict) -> None:
+    """quantize_model's second half: each experts module in turn, its originals released as it goes."""
+    for name, m in experts_modules(model).items():
         _quantize_module(m, scheme, inputs.get(name) if scheme.static_activation else None)
 
 
@@ -562,14 +572,17 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
     Every experts module of a supported family (Llama-4: its MoE block) is replaced by a
     `MoekitExperts`; routers, shared experts and everything else are untouched.
     - checkpoint=None: the model's own expert weights, kept as they are (scheme None or "bf16",
-      no copy) or quantized to `scheme` one expert at a time (the bf16 originals are released).
+      no copy) or quantized to `scheme` one experts module at a time, each releasing its bf16
+      originals, after every check (below).
       fp8-tensor-static measures its activation scales on `calibration` (token ids [B, T]).
     - checkpoint=PATH: the experts are (re)loaded from that checkpoint's safetensors files, FP8
       as stored (e.g. a model that transformers loaded with dequantized experts).
     - fused_routing=True: the routers run through moekit.route too (routers.py), each checked
       against transformers' own first.
     Anything refused (a backend that cannot run, the argument's or MOEKIT_BACKEND's, a checkpoint
-    that does not fit, calibration ids) leaves the model as it was. Returns the model.
+    that does not fit, calibration ids or the calibration forward) leaves the model as it was;
+    refilling experts that are moekit's already from a checkpoint holds their former tensors until
+    every module is read, for that. Returns the model.
     """
     register()
     # refused before anything changes; the experts are checked to be moekit's once they are
@@ -601,36 +614,53 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
             dtype = next((m.moe_weights().w13.dtype for m in modules.values()
                           if m.loaded and not m.scheme.is_fp8), torch.bfloat16)
             fill_from_checkpoint(model, checkpoint, family, ckpt_scheme, want, dtype)
-            if want is not None and want != ckpt_scheme:
-                quantize_model(model, want, calibration)
+            target = want if want is not None and want != ckpt_scheme else None
         else:
             empty = [name for name, m in modules.items() if not m.loaded]
             if empty:
                 raise UnsupportedModelError(f"{empty[0]}: these experts hold no weights moekit can use; "
                                             "pass checkpoint=")
-            _check_backend(modules, backend, _model_dtype(model, modules), want)  # before quantizing in vain
-            if want is not None:
-                quantize_model(model, want, calibration)
-        set_backend(model, backend)
-        _check_backend(modules, backend, _model_dtype(model, modules))
+            target = want
+        _check_backend(modules, backend, _model_dtype(model, modules), target)  # before quantizing in vain
+        inputs = _calibration_inputs(model, target, calibration) if target is not None else {}
         swap_routers(routers, model)
+    # quantizing comes last, once everything that can be refused was: one module at a time, each
+    # releasing its originals as it goes (inside the block above they would be held for the
+    # rollback, the experts' memory twice over); an error here (out of memory) leaves the modules
+    # quantized so far quantized, each whole
+    if target is not None:
+        _quantize_modules(model, target, inputs)
+    set_backend(model, backend)
     return model
 
 
 def _shallow_state(obj) -> dict:
-    """An object's attributes, each container among them (a module's _modules, _buffers,
-    _non_persistent_buffers_set, ...) copied: what patch_model changes is which tensor or module
-    sits where, never a tensor's values."""
-    return {k: copy.copy(v) if isinstance(v, (dict, set, list)) else v for k, v in vars(obj).items()}
+    """An object's attributes as {name: (value, a copy of its contents where it is a container)}:
+    a module's _modules, _buffers, _forward_hooks, _non_persistent_buffers_set, ... What
+    patch_model changes is which tensor or module sits where, never a tensor's values."""
+    return {k: (v, copy.copy(v) if isinstance(v, (dict, set, list)) else None) for k, v in vars(obj).items()}
+
+
+def _restore_state(obj, cls: type, state: dict) -> None:
+    """_shallow_state's object as it was: its class, its attributes, and each container the same
+    object refilled with what it held (a hook's RemovableHandle holds its module's hook dict
+    weakly: a copy put in its place would leave the handle unable to remove the hook)."""
+    obj.__class__ = cls
+    vars(obj).clear()
+    for name, (value, contents) in state.items():
+        if contents is not None:
+            value.clear()
+            value.extend(contents) if isinstance(value, list) else value.update(contents)
+        vars(obj)[name] = value
 
 
 @contextlib.contextmanager
 def _restored_on_error(model: nn.Module):
     """`model` as it was if the block raises: every module's class and attributes (its submodules,
-    parameters and buffers among them) and its configs' (experts_implementation) put back. So
-    what the block replaces stays in memory until it ends: transformers' experts modules (held
-    until patch_model returned before, too), Llama-4's original experts, the former buffers of
-    moekit's experts that it refills or quantizes."""
+    parameters, buffers and hooks among them) and its configs' (experts_implementation) put back.
+    So what the block replaces stays in memory until it ends: transformers' experts modules,
+    Llama-4's original experts, the former buffers of moekit's experts that it refills from a
+    checkpoint (patch_model quantizes after the block, for that reason)."""
     saved = {}
     for m in model.modules():
         for obj in (m, getattr(m, "config", None)):
@@ -640,9 +670,7 @@ def _restored_on_error(model: nn.Module):
         yield
     except BaseException:
         for obj, cls, state in saved.values():
-            obj.__class__ = cls
-            vars(obj).clear()
-            vars(obj).update(state)
+            _restore_state(obj, cls, state)
         raise
 
 

@@ -178,7 +178,7 @@ def uncovered(journals_by_size: dict[int, dict], batch_sizes: list[int], backend
         if searched and search is None:
             missing.append("the search")
         elif searched and not search.get("complete"):
-            timed = sum(1 for v in j["configs"].values() if not KernelConfig.from_dict(v["config"]).has_gemm2)
+            timed = sum(1 for v in j["configs"].values() if not KernelConfig.from_dict(v["config"]).is_gemm2_variant)
             missing.append(f"part of the search ({timed} configs measured, {search['candidates']} candidates)")
         if best_config(j) is not None and not decision_is_current(j):
             missing.append(_decision_missing(j))

@@ -169,7 +169,7 @@ def gemm2_bases(j: Journal, tall: bool = False) -> list[tuple[str, KernelConfig]
     GEMM1 with a wide GEMM2, see above). A timing the decision timing found misread
     (MISREAD_FACTOR) is left out, unless nothing else is left."""
     misread = _misread(j.data)
-    timed = [(v["us"], k) for k, v in runnable_timings(j.data).items() if not _has_gemm2(v)]  # no GEMV base beyond its bound
+    timed = [(v["us"], k) for k, v in runnable_timings(j.data).items() if not _is_gemm2_variant(v)]  # no GEMV base beyond its bound
     plain = sorted([(us, k) for us, k in timed if k not in misread] or timed)
     configs = {k: KernelConfig.from_dict(j.config(k)["config"]) for _, k in plain}
     if not plain:
@@ -368,9 +368,9 @@ def problem_table_name(p: TuneProblem, device: str) -> str:
     return table_name(p.shape, p.scheme, device, table_accumulation(p.scheme))
 
 
-def _has_gemm2(entry: dict | None) -> bool:
-    """Whether a journal entry's config launches GEMM2 on its own (the GEMM2 step's variants)."""
-    return entry is not None and KernelConfig.from_dict(entry["config"]).has_gemm2
+def _is_gemm2_variant(entry: dict | None) -> bool:
+    """Whether a journal entry's config is one of the GEMM2 step's variants (KernelConfig.is_gemm2_variant)."""
+    return entry is not None and KernelConfig.from_dict(entry["config"]).is_gemm2_variant
 
 
 def _kinds(dropped: dict[str, str]) -> dict[str, int]:
@@ -618,7 +618,7 @@ class Worker:
             search = previous.data.get("search") or {}
             # the search space's own configs only: a GEMM2 launch variant's time is no candidate's,
             # nor that of a GEMV config beyond its bound (older journals: output.runnable_timings)
-            plain = {k: v["us"] for k, v in runnable_timings(previous.data).items() if not _has_gemm2(v)}
+            plain = {k: v["us"] for k, v in runnable_timings(previous.data).items() if not _is_gemm2_variant(v)}
             chosen = chosen_config(previous.data)
             neighbour = NeighbourResult(previous.batch_size, plain, previous.failed(), set(search.get("dropped", {})),
                                         chosen[1]["us"] if chosen else None)

@@ -425,7 +425,7 @@ def gemm2_variants(
         launches += [base.with_gemm2(BLOCK_N=128, num_warps=8, num_stages=stages, OVERLAP=1)
                      for stages in OVERLAP2_SEARCH_STAGES if overlap_k_steps >= stages - 1]
     for cfg in launches:
-        if not cfg.has_gemm2 or cfg in kept:
+        if not cfg.is_gemm2_variant or cfg in kept:  # (the base itself, where only its K step is own)
             continue
         key, g2 = config_key(cfg), cfg.gemm2()
         registers = accumulator_registers(g2, 2 if partial_accumulator else 1)

@@ -97,6 +97,17 @@ def interpreting() -> bool:
     return env.interpreting()
 
 
+def unavailable_on(device) -> str | None:
+    """Why the glue cannot run on `device` now (None: it can): on a GPU its Triton kernels, where
+    TRITON_INTERPRET was turned on after moekit defined them for the GPU (env.interpreter_set_late:
+    every launch would raise it). On the CPU the glue is torch ops, not affected. For the
+    supports() of the backends that launch it."""
+    late = env.interpreter_set_late()
+    if late is None or torch.device(device).type != "cuda":
+        return None
+    return f"its glue's Triton kernels cannot run: {late}"
+
+
 def _options() -> dict:
     """Compile options of a glue kernel's launch (moekit.backends.triton_options: FP fusion)."""
     return compile_options(interpreting())

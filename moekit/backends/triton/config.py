@@ -147,6 +147,13 @@ class KernelConfig:
     def has_gemm2(self) -> bool:
         return any(getattr(self, name) for name in self.GEMM2_FIELDS + self.GEMM2_ONLY)
 
+    @property
+    def is_gemm2_variant(self) -> bool:
+        """Whether GEMM2 has a launch of its own beyond its K step: a config of the tuner's GEMM2
+        step (its variants of a base config). BLOCK_K2 alone (GEMM1 in wider K steps than GEMM2's)
+        is a config of the search space itself, a base of that step like any other."""
+        return any(getattr(self, name) for name in self.GEMM2_FIELDS + self.GEMM2_ONLY if name != "BLOCK_K2")
+
     def problems(self, scheme: QuantScheme, gemm: str = "both") -> list[str]:
         """Why this config cannot run `scheme` (empty when it can). `gemm`: which GEMM runs this
         tile, "both" for a config without GEMM2's own launch ("gemm1" and "gemm2" are the checks
