@@ -425,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
         "with its own weights and scales (default: the model's own)",
     )
     tune.add_argument("--budget", default=None, metavar="TIME",
-                      help="stop cleanly after this long (90s, 10m, 1h), keeping the best found so far")
+                      help="stop cleanly after this long (90s, 10m, 1h), keeping the best found so far (default: no limit)")
     tune.add_argument("--routing", default="uniform", metavar="uniform|skewed|FILE",
                       help="routing of the tuning inputs: random top-k, Zipf-like skew, or recorded topk_ids (.pt/.npy) "
                            "(default: uniform)")
@@ -458,8 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
     select.add_argument("--scheme", default=None, help="quantization scheme (default: the model's own)")
     select.add_argument("--batch-size", default=None, metavar="M", help="tokens in the batch (required)")
     select.add_argument("--device-name", default=None, metavar="NAME",
-                        help="answer for this GPU instead of the local device, e.g. 'NVIDIA H100 80GB HBM3'")
-    select.add_argument("--backend", default=None, help="a backend name, as the backend argument would give it")
+                        help="answer for this GPU instead of the local device, e.g. 'NVIDIA H100 80GB HBM3' (default: the local device)")
+    select.add_argument("--backend", default=None,
+                        help="a backend name, as the backend argument would give it (default: none, so MOEKIT_BACKEND, "
+                             "then auto)")
     select.add_argument("--dtype", type=activation_dtype, default="bf16", help=DTYPE_HELP)
     select.set_defaults(func=cmd_select)
     warm = command("warmup", "compile the triton kernels a model's MoE layers launch up to a batch size, before serving")

@@ -412,8 +412,8 @@ def gemm2_variants(
     where the `intermediate` size per GPU fits GEMM2_KEEP_A_SEARCH_STEPS K steps (None: nowhere).
     `overlap_k_steps`: GEMM2's K steps where the
     overlapped GEMM2 runs on this problem (0 where it does not: overlap2_idle); then it is tried
-    too, on its tile, with the OVERLAP2_SEARCH_STAGES that leave at least one step beyond those
-    the pipeline preloads (launch._overlapped2; fewer run the Triton twin), after a base that
+    too, on its tile, with the OVERLAP2_SEARCH_STAGES whose preloaded steps (stages - 1) the K
+    steps fill (launch._overlapped2; fewer run the Triton twin), after a base that
     writes the intermediate it reads (128x128 GEMM1 tiles: whole 1x128 groups)."""
     kept: list[KernelConfig] = []
     dropped: dict[str, str] = {}
