@@ -79,7 +79,6 @@ CPU_HIDDEN, CPU_N, CPU_MAX_EXPERTS = 256, 128, 16
 # a default run (they stay available when named in --backends).
 INTERPRETED_ON_CPU = ("triton",)
 DEFAULT_BASELINES = ("cutlass", "torch", "reference")  # first runnable one, unless --baseline
-DTYPES = ACTIVATION_DTYPES  # by moekit's names (moekit.dtypes)
 ROUTINGS = ("uniform", "skewed")
 
 BASE_COLUMNS = (
@@ -159,9 +158,9 @@ def parse_names(values: Sequence[str] | None) -> list[str] | None:
 
 def parse_dtype(name: str) -> torch.dtype:
     try:
-        return DTYPES[name]
+        return ACTIVATION_DTYPES[name]
     except KeyError:
-        raise BenchInputError(f"--dtype: {name!r} is not one of {', '.join(DTYPES)}") from None
+        raise BenchInputError(f"--dtype: {name!r} is not one of {', '.join(ACTIVATION_DTYPES)}") from None
 
 
 def default_device() -> torch.device:

@@ -210,7 +210,8 @@ def cmd_tune(args) -> int:
 def cmd_select(args) -> int:
     import torch
 
-    from moekit.bench import DTYPES, MAX_BATCH_SIZE
+    from moekit.bench import MAX_BATCH_SIZE
+    from moekit.dtypes import ACTIVATION_DTYPES
     from moekit.models import get_model
     from moekit.select import BackendUnavailableError, DeviceSpec, explain
     from moekit.spec import get_scheme
@@ -237,7 +238,7 @@ def cmd_select(args) -> int:
             device = DeviceSpec.from_name(args.device_name)
         else:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        lines = explain(spec.shape, scheme, device, DTYPES[args.dtype], batch, args.backend or "auto")
+        lines = explain(spec.shape, scheme, device, ACTIVATION_DTYPES[args.dtype], batch, args.backend or "auto")
     except BackendUnavailableError as e:
         raise UsageError(
             f"backend {e.name!r} cannot run this problem: {'; '.join(e.reasons)} (backends that can: {', '.join(e.runnable)})"
@@ -264,14 +265,14 @@ def cmd_warmup(args) -> int:
     from moekit.bench import parse_batch_sizes
     from moekit.compile_ahead import batch_sizes_to_warm, warmup
     from moekit.models import get_model
-    from moekit.bench import DTYPES
+    from moekit.dtypes import ACTIVATION_DTYPES
     from moekit.select import BackendUnavailableError
     from moekit.spec import get_scheme
     from moekit.weights import check_intermediate, empty_weights
 
     if args.tp < 1:
         raise UsageError(f"--tp must be a positive integer, got {args.tp}")
-    dtype = DTYPES[args.dtype]
+    dtype = ACTIVATION_DTYPES[args.dtype]
     if args.batch_sizes and args.max_batch_size is not None:
         raise UsageError("give --max-batch-size (every size from 1 to it) or --batch-sizes, not both")
     if args.max_batch_size is not None and args.max_batch_size < 1:

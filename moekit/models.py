@@ -466,12 +466,13 @@ def _routing(text: dict, model_type: str, top_k: int) -> RoutingConfig:
         return RoutingConfig(top_k=top_k, scoring="softmax", renormalize=renormalize)
     if model_type in _GLM_FAMILIES:
         # Glm4MoE routes like DeepSeek-V3's noaux_tc: sigmoid, e_score_correction_bias, groups
+        groups = _get_int(text, ("n_group",)) or 1
         return RoutingConfig(
             top_k=top_k,
             scoring="sigmoid",
             renormalize=_flag(text, "norm_topk_prob", True),
-            num_groups=_get_int(text, ("n_group",)) or 1,
-            topk_groups=_kept_groups(_get_int(text, ("n_group",)) or 1, _get_int(text, ("topk_group",)) or 1),
+            num_groups=groups,
+            topk_groups=_kept_groups(groups, _get_int(text, ("topk_group",)) or 1),
             use_correction_bias=True,
             routed_scaling_factor=_scale(text, 1.8 if model_type == "glm4_moe_lite" else 1.0),
         )

@@ -340,7 +340,8 @@ def _check_rule(top_k, num_experts, scoring, num_groups, topk_groups, routed_sca
 
 def _check_groups(num_groups, topk_groups, prefix: str = "") -> None:
     """The grouping's own form, which needs no E (RoutingConfig checks it when made; `prefix`
-    names it there): both or neither, positive integers, topk_groups at most num_groups."""
+    names it there), for a grouping given (both, or neither: its callers check that first):
+    positive integers, topk_groups at most num_groups."""
     if num_groups is None and topk_groups is None:
         return
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
