@@ -56,9 +56,19 @@ def test_a_point_is_judged_by_efficiency_and_the_layer_by_time(tmp_path, capsys)
     assert one["aim"] == 0.8 and one["aim_met"] is False and one["auto_ran"] == "triton"
     assert not eight["gemms_hold"] and not eight["layer_hold"] and eight["aim_met"] is True
     md = (tmp_path / "r.md").read_text()
-    assert "| glm-4.5v-fp8 | 1 | 40.9 | 39.0 | 0.95 | 0.59 (0.56) ok | 40.9 | 1.00 ok | 0.56 (0.8) no | triton 41.0 |" in md
+    assert ("| glm-4.5v-fp8 | 1 | 40.9 | 39.0 | 0.95 | 0.59 (0.56) ok | 40.9 | 1.00 ok | 1.00 ok | 0.56 (0.8) no "
+            "| triton 41.0 |") in md
     assert "- GEMMs at least as efficient as vLLM's: 1 of 2 points" in md
     assert "- whole layer no longer than vLLM's two GEMMs: 1 of 2 points" in md
+    # for the same bytes: M = 1's layer at 0.565 against vLLM's 23.1 / 40.9 = 0.5648 (just shorter);
+    # M = 8's at 0.81 against vLLM's 0.871 (longer)
+    reference = report.reference_points()
+    assert one["layer_vs_vllm_same_bytes"] == pytest.approx(reference[("glm-4.5v-fp8", 1)]["vllm_eff"] / 0.565)
+    assert one["layer_hold_same_bytes"] is True
+    assert eight["layer_vs_vllm_same_bytes"] == pytest.approx(reference[("glm-4.5v-fp8", 8)]["vllm_eff"] / 0.81)
+    assert eight["layer_hold_same_bytes"] is False
+    assert "- whole layer no longer than vLLM's two GEMMs for the same bytes (vLLM's efficiency over the layer's): " \
+        "1 of 2 points" in md
     out = capsys.readouterr()
     assert "1 of 2 points" in out.out and "warning" not in out.err
 
