@@ -78,7 +78,7 @@ CPU_HIDDEN, CPU_N, CPU_MAX_EXPERTS = 256, 128, 16
 # Backends that run on the CPU only inside the Triton interpreter: correct, but far too slow for
 # a default run (they stay available when named in --backends).
 INTERPRETED_ON_CPU = ("triton",)
-DEFAULT_BASELINES = ("cutlass", "torch", "reference")  # first runnable one, unless --baseline
+DEFAULT_BASELINES = ("cutlass", "torch", "reference")  # first runnable (choose_baseline), unless --baseline
 ROUTINGS = ("uniform", "skewed")
 
 BASE_COLUMNS = (
@@ -90,7 +90,7 @@ BASE_COLUMNS = (
 PROVENANCE_COLUMNS = ("device", "capability", "torch", "triton", "moekit", "git_commit", "date", "command")
 UNITS = {
     "batch_size": "tokens (M)",
-    "median_us": "µs, median of the replays (L2 flushed, flush time subtracted)",
+    "median_us": "µs, median of the replays (L2 flushed, flush time subtracted)",  # a CPU run's: CPU_MEDIAN_UNIT
     "p20_us": "µs, 20th percentile",
     "p80_us": "µs, 80th percentile",
     "tflops": "TFLOP/s (1e12), 2*M*topk*3*N*H / median",
@@ -105,6 +105,7 @@ UNITS = {
     "auto_vs_fastest": "auto rows: median of the backend auto chose / the fastest backend's median - 1, "
     "both timed in the same interleaved rounds",
 }
+CPU_MEDIAN_UNIT = "µs, median of the timed calls (CPU wall clock; no L2 flush)"
 # What auto's choice costs against the fastest backend. It is read from the chosen backend's own
 # row, not from auto's: under a CUDA graph auto replays exactly the chosen backend's kernels (the
 # choice is made on the host at capture), so the two rows differ only by timing spread, which at
@@ -129,10 +130,11 @@ def parse_batch_sizes(values: Sequence[str] | None, default: Sequence[int]) -> l
     sizes: list[int] = []
     for value in values:
         for part in str(value).replace(",", " ").split():
-            try:
-                size = int(part)
-            except ValueError:
-                raise BenchInputError(f"--batch-sizes: {part!r} is not an integer") from None
+            # plain digits only: int() also reads "1_0" (10), "٣" (3) and "+5", which select refuses
+            digits = part.removeprefix("-")  # a negative size gets its own message below
+            if not (digits.isascii() and digits.isdigit()):
+                raise BenchInputError(f"--batch-sizes: {part!r} is not an integer (digits 0-9 only)")
+            size = int(part)
             if size < 1:
                 raise BenchInputError(f"--batch-sizes: {size} is not a positive integer")
             if size > MAX_BATCH_SIZE:
@@ -258,24 +260,26 @@ def resolve_problems(models: Sequence[str], tp: int, scheme: str | None, device:
         except (ValueError, OSError) as e:
             raise BenchInputError(f"--model {name}: {_one_line(e)}") from None
         s = override or spec.scheme
-        shape = spec.shape
-        scaled = device.type != "cuda"
-        if scaled:
-            shape = cpu_shape(shape)
-        if s.weight == "block" and shape.n % 128:
+        # the model's own N, not the CPU stand-in's (N <= 128 passes where the real N does not)
+        if s.weight == "block" and spec.shape.n % 128:
             raise BenchInputError(
                 f"--model {name}: scheme {s.name} needs the intermediate size per GPU to be a multiple "
-                f"of 128, got {shape.n} (intermediate {spec.shape.intermediate} / tp {tp})"
+                f"of 128, got {spec.shape.n} (intermediate {spec.shape.intermediate} / tp {tp})"
             )
-        problems.append(Problem(spec, shape, s, scaled))
-    return _distinct_names(models, problems)
+        scaled = device.type != "cuda"
+        problems.append(Problem(spec, cpu_shape(spec.shape) if scaled else spec.shape, s, scaled))
+    problems = _distinct_names(models, problems)
+    names = [p.name for p in problems]
+    if len(set(names)) != len(names):  # a typo, not a wish to run one model twice (bench, check and tune)
+        raise BenchInputError(f"--model: the same model is given twice ({', '.join(names)})")
+    return problems
 
 
 def _distinct_names(models: Sequence[str], problems: list[Problem]) -> list[Problem]:
     """A config file's model is named after its folder, so two config files of one folder (or two
     folders named alike) got one name, and were refused as the same model given twice: those
     keep the --model text as given, as their name. The same model given twice keeps its name
-    (and is refused by the caller)."""
+    (and is refused by resolve_problems)."""
     count: dict[str, int] = {}
     for p in problems:
         count[p.name] = count.get(p.name, 0) + 1
@@ -366,14 +370,34 @@ def plan_backends(
     return BackendPlan(per_problem, skipped)
 
 
-def choose_baseline(requested: str | None, problems, device, dtype) -> str:
+def choose_baseline(requested: str | None, problems, device, dtype, mode: str = "layer",
+                    backends: Sequence[str] | None = None) -> str:
+    """--baseline, else the first of DEFAULT_BASELINES that can run every problem here. In gemm
+    mode a baseline without a GEMM-only mode has only an "n/a" row, and every speedup would be
+    empty: there it must have one (the first such backend that can run, one interpreted on the
+    CPU only if --backends names it); where none can, the layer order (check_gemm_only refuses
+    a run with nothing to time)."""
     known = backend_names()
     if requested is not None:
         if requested not in known:
             raise BenchInputError(f"--baseline: unknown backend {requested!r}; expected one of: {', '.join(known)}")
+        if mode == "gemm" and not _has_gemm_only(requested):
+            with_mode = [n for n in known if _has_gemm_only(n)]
+            raise BenchInputError(f"--baseline {requested}: has no GEMM-only mode, so --mode gemm gives no speedups "
+                                  f"against it; name one that has (those that do: {', '.join(with_mode)}), or use "
+                                  "--mode layer")
         return requested
+
+    def runs(name: str) -> bool:
+        return all(not get_backend(name).supports(p.shape, p.scheme, device, dtype) for p in problems)
+
+    if mode == "gemm":
+        for name in dict.fromkeys([*DEFAULT_BASELINES, *known]):
+            interpreted = device.type == "cpu" and name in INTERPRETED_ON_CPU and name not in (backends or ())
+            if name in known and _has_gemm_only(name) and not interpreted and runs(name):
+                return name
     for name in DEFAULT_BASELINES:
-        if name in known and all(not get_backend(name).supports(p.shape, p.scheme, device, dtype) for p in problems):
+        if name in known and runs(name):
             return name
     return "reference"
 
@@ -414,6 +438,14 @@ def load_routing_file(path: str, spec: ModelSpec) -> torch.Tensor:
     lo, hi = int(data.min()), int(data.max())
     if lo < 0 or hi >= E:
         raise BenchInputError(f"{where}: expert ids must lie in [0, {E}) for {spec.name}, found ids from {lo} to {hi}")
+    # a token's top-k experts are distinct (a router picks each once): a repeated one would be
+    # weighted twice by every backend and the reference alike, a routing no model runs
+    ordered = data.sort(dim=1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]).nonzero()
+    if len(repeated):
+        row, col = repeated[0].tolist()
+        raise BenchInputError(f"{where}: row {row} (counting from 0) routes its token to expert "
+                              f"{int(ordered[row, col])} more than once; a token's top-k experts must be distinct")
     return data
 
 
@@ -682,9 +714,6 @@ def _validate(opts: BenchOptions, device: torch.device) -> _Plan:
     dtype = parse_dtype(opts.dtype)
     batch_sizes = parse_batch_sizes(opts.batch_sizes, DEFAULT_BATCH_SIZES if device.type == "cuda" else CPU_BATCH_SIZES)
     problems = resolve_problems(opts.models, opts.tp, opts.scheme, device)
-    names = [p.name for p in problems]
-    if len(set(names)) != len(names):
-        raise BenchInputError(f"--model: the same model is given twice ({', '.join(names)})")
     recorded: dict[str, torch.Tensor] = {}
     routing_kind = opts.routing
     if routing_kind not in ROUTINGS:
@@ -692,11 +721,14 @@ def _validate(opts: BenchOptions, device: torch.device) -> _Plan:
             recorded[p.name] = load_routing_file(routing_kind, p.spec)
         routing_kind = "file"
     requested = parse_names(opts.backends)
-    baseline = choose_baseline(opts.baseline, problems, device, dtype)
+    baseline = choose_baseline(opts.baseline, problems, device, dtype, opts.mode, requested)
     plan = plan_backends(problems, requested, device, dtype, extra=(baseline,))
     check_forced_backend(plan, problems, batch_sizes, device, dtype)
     if opts.mode == "gemm":
         check_gemm_only(plan, problems, batch_sizes, device, dtype)
+        if not _has_gemm_only(baseline):  # each model has a backend with one, but none runs them all
+            raise BenchInputError("--mode gemm: no backend with a GEMM-only mode can run every model here, to be "
+                                  "the baseline; bench the models in separate runs, or use --mode layer")
     if opts.plots:
         require_plotting()
     columns = [*BASE_COLUMNS, f"speedup_vs_{baseline}", "rel_err"]
@@ -887,7 +919,8 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
         for name, reasons in plan.backends.skipped[p.name].items():
             console.print(f"  skipped {name}: {'; '.join(reasons)}", highlight=False)
     if plan.routing_kind == "file" and any(p.scaled for p in plan.problems):
-        console.print("  recorded routing folded onto the scaled-down shape (id mod experts)", highlight=False)
+        console.print("  recorded routing folded onto the scaled-down shape (id mod experts, a token's repeat moved "
+                      "to the next expert it lacks)", highlight=False)
     for name, ids in plan.recorded.items():
         longer = [M for M in plan.batch_sizes if M > ids.shape[0]]
         if longer:  # inputs.recorded_routing tiles the file's rows: its tokens, repeated
@@ -905,6 +938,8 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
     if routings == 1 and opts.routings != DEFAULT_ROUTINGS:  # asked for, but nothing to cycle through
         why = "--mode gemm times one aligned routing" if opts.mode == "gemm" else "a routing file is its own rows"
         console.print(f"  --routings {opts.routings} has no effect here: {why}", highlight=False)
+    if device.type != "cuda" and opts.l2_flush != FLUSH_WITH[0]:  # the default is not asked for: said in the metadata
+        console.print(f"  --l2-flush {opts.l2_flush} has no effect on the CPU: nothing is flushed", highlight=False)
     interrupted, crash = False, None
     try:
         with progress:
@@ -995,7 +1030,8 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
             f"batch size interleaved in {min(DEFAULT_ROUNDS, opts.reps)} rounds"
             + (f"; the replays cycle through {routings} routings of each batch size" if routings > 1 else "")
             if device.type == "cuda"
-            else f"CPU wall clock (time.perf_counter) around each call; median of {opts.reps} after {opts.warmup} warm-up calls"
+            else f"CPU wall clock (time.perf_counter) around each call; median of {opts.reps} after {opts.warmup} warm-up "
+            "calls; no L2 flush (--l2-flush has no effect on the CPU)"
         ),
         ceilings=dataclasses.asdict(ceilings) if ceilings else None,
         models=[p.to_json() for p in plan.problems],
@@ -1003,7 +1039,7 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
         complete=not interrupted,
         points_planned=total,
     )
-    files = _write(plan, rows, meta, opts, partial=interrupted)
+    files, removed = _write(plan, rows, meta, opts, partial=interrupted)
     print_table(console, rows, plan.columns, opts.model_estimate)
     for line in auto_summary(rows):
         console.print(line, highlight=False)
@@ -1012,10 +1048,12 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
         console.print(f"{why}: {len(rows)} of {total} points measured; wrote them to "
                       f"{', '.join(str(f) for f in files)} (partial: no plots)", highlight=False, soft_wrap=True,
                       markup=False)  # paths and messages are the user's text, not rich markup
-        if crash is not None:
-            raise crash
     else:
         console.print(f"wrote {', '.join(str(f) for f in files)}", highlight=False, markup=False)
+    if removed:  # --overwrite: an earlier run's files this run did not write again
+        console.print(f"removed the earlier run's {', '.join(str(f) for f in removed)}", highlight=False, markup=False)
+    if crash is not None:
+        raise crash
     return BenchResult(plan.out_dir, files, plan.columns, rows, meta, errors, interrupted)
 
 
@@ -1063,12 +1101,16 @@ def auto_summary(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _write(plan: _Plan, rows: list[dict], meta: dict, opts: BenchOptions, partial: bool = False) -> list[Path]:
+def _write(plan: _Plan, rows: list[dict], meta: dict, opts: BenchOptions,
+           partial: bool = False) -> tuple[list[Path], list[Path]]:
+    """(the files written, an earlier run's files removed: remove_superseded)."""
     from . import plots
 
     columns = plan.columns
     units = {c: UNITS.get("speedup" if c.startswith("speedup_vs_") else c) for c in columns}
     units = {c: u for c, u in units.items() if u}
+    if meta["device_type"] != "cuda":  # UNITS describes the GPU's harness (metadata.timing: the CPU's)
+        units["median_us"] = CPU_MEDIAN_UNIT
 
     def write_csv(path: Path):
         with open(path, "w", newline="", encoding="utf-8") as f:
@@ -1098,18 +1140,21 @@ def _write(plan: _Plan, rows: list[dict], meta: dict, opts: BenchOptions, partia
             )
         writers["bench.json"] = write_json  # last: its presence says the run completed
     files = write_atomically(plan.out_dir, writers)
-    remove_superseded(plan.out_dir, RESULT_FILES + PARTIAL_FILES, writers)
-    return files
+    return files, remove_superseded(plan.out_dir, RESULT_FILES + PARTIAL_FILES, writers)
 
 
-def remove_superseded(out_dir: Path, names: Sequence[str], written) -> None:
+def remove_superseded(out_dir: Path, names: Sequence[str], written) -> list[Path]:
     """An earlier run's result files this run did not rewrite (it was given --overwrite): its
     plots beside a run with --no-plots, its complete bench.json beside this run's partial
     files, its partial files beside this complete run. Left there they would describe another
-    run than the files beside them."""
+    run than the files beside them. Returns those removed."""
+    removed = []
     for name in names:
-        if name not in written:
-            (out_dir / name).unlink(missing_ok=True)
+        path = out_dir / name
+        if name not in written and path.exists():
+            path.unlink()
+            removed.append(path)
+    return removed
 
 
 def _fmt(value, spec: str) -> str:

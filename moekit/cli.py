@@ -221,10 +221,6 @@ def cmd_select(args) -> int:
             raise UsageError(f"{flag} must be a positive integer, got {value!r}")
         return int(value)
 
-    if not args.model:
-        raise UsageError("give --model (a preset name, see `moekit models`, or a config.json / model folder)")
-    if args.batch_size is None:
-        raise UsageError("give --batch-size (the tokens in the batch, M)")
     batch, tp = positive("--batch-size", args.batch_size), positive("--tp", args.tp)
     if batch > MAX_BATCH_SIZE:
         raise UsageError(f"--batch-size: {batch} is above {MAX_BATCH_SIZE}, the largest batch size moekit takes "
@@ -240,9 +236,7 @@ def cmd_select(args) -> int:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         lines = explain(spec.shape, scheme, device, ACTIVATION_DTYPES[args.dtype], batch, args.backend or "auto")
     except BackendUnavailableError as e:
-        raise UsageError(
-            f"backend {e.name!r} cannot run this problem: {'; '.join(e.reasons)} (backends that can: {', '.join(e.runnable)})"
-        ) from None
+        raise UsageError(_unavailable(e, "this problem")) from None
     except (ValueError, OSError) as e:
         raise UsageError(" ".join(str(e).split())) from None
     if isinstance(device, DeviceSpec):
@@ -255,6 +249,14 @@ def cmd_select(args) -> int:
     for line in head + lines:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     return 0
+
+
+def _unavailable(e, what: str) -> str:
+    """A BackendUnavailableError in the command line's words, naming where the backend came from:
+    --backend, or MOEKIT_BACKEND when the command line named none (else the user is left to guess)."""
+    source = "--backend" if e.source == "argument" else e.source
+    return (f"backend {e.name!r} (from {source}) cannot run {what}: {'; '.join(e.reasons)} "
+            f"(backends that can: {', '.join(e.runnable) or 'none'})")
 
 
 def cmd_warmup(args) -> int:
@@ -307,7 +309,7 @@ def cmd_warmup(args) -> int:
                 report = warmup(weights, spec.shape.top_k, batch_sizes=sizes, dtype=dtype, backend=args.backend,
                                 on_size=lambda M: progress.advance(task))
             except BackendUnavailableError as e:
-                raise UsageError(f"backend {e.name!r} cannot run {spec.name}: {'; '.join(e.reasons)}") from None
+                raise UsageError(_unavailable(e, spec.name)) from None
             except ValueError as e:
                 raise UsageError(f"{spec.name}: {' '.join(str(e).split())}") from None
         def per_backend(names):
@@ -356,17 +358,49 @@ def cmd_eval(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse reports a missing required flag before an unrecognized one, so a mistyped flag
+    (`--mdoel x`) read as "--model is required" and was never named. parse_args first parses with
+    every requirement relaxed and reports what it did not recognize (with the command's own usage,
+    not the top-level one), then parses for real. Not with --help: it exits before any requirement
+    is checked, and its usage must show the required flags as required."""
+
+    def parse_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        if not {"-h", "--help"} & set(args):
+            relaxed = [a for a in _actions(self) if a.required]
+            for a in relaxed:
+                a.required = False
+            try:
+                known, unknown = self.parse_known_args(args, namespace)
+            finally:
+                for a in relaxed:
+                    a.required = True
+            if unknown:
+                getattr(known, "subparser", self).error(f"unrecognized arguments: {' '.join(unknown)}")
+        return super().parse_args(args, namespace)
+
+
+def _actions(parser: argparse.ArgumentParser):
+    """Every action of the parser and of its subcommands' parsers."""
+    for action in parser._actions:
+        yield action
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _actions(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: a prefix of a flag is an error, not the flag. With prefixes accepted, a
     # new flag sharing one (--batch-size beside --batch-sizes) changes or breaks old command lines.
     moekit = __import__("moekit")
-    parser = argparse.ArgumentParser(prog="moekit", description=moekit.__doc__, allow_abbrev=False)
+    parser = _Parser(prog="moekit", description=moekit.__doc__, allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"moekit {moekit.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, summary: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=summary, allow_abbrev=False)
-        p.set_defaults(subparser=p)  # main: an unknown flag is reported with this command's usage
+        p.set_defaults(subparser=p)  # _Parser: an unknown flag is reported with this command's usage
         return p
 
     command("info", "device, versions, and which backends can run here").set_defaults(func=cmd_info)
@@ -379,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
         "backends to time, 'auto' included (default: every one that can run here, plus auto)",
     )
     bench.add_argument("--baseline", default=None,
-                       help="backend the speedups are measured against (default: cutlass where available)")
+                       help="backend the speedups are measured against (default: the first of cutlass, torch, "
+                            "reference that runs every model here; --mode gemm: cutlass, then triton)")
     bench.add_argument("--mode", choices=("layer", "gemm"), default="layer",
                        help="layer: the whole layer, routing excluded; gemm: the two expert GEMMs alone (default: layer)")
     bench.add_argument("--routing", default="uniform", metavar="uniform|skewed|FILE",
@@ -420,13 +455,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(
         tune,
         "batch sizes in tokens (default: 1 2 4 ... 8192 on a GPU; 1 4 on the CPU)",
-        "backends to time besides triton (default: every one that can run here; reference only when named)",
+        "backends to time besides triton (default: every one that can run here; on a GPU reference only when "
+        "named, on the CPU reference too)",
         "output folder: tables, and the journal a rerun resumes from (default: moekit-results/tune)",
         "quantization scheme, or several comma-separated (e.g. fp8-channel-token,fp8-block128), each tuned "
         "with its own weights and scales (default: the model's own)",
     )
     tune.add_argument("--budget", default=None, metavar="TIME",
-                      help="stop cleanly after this long (90s, 10m, 1h), keeping the best found so far (default: no limit)")
+                      help="stop cleanly after this long (90s, 10m, 1h, 1h30m, or plain seconds: 600), keeping the "
+                           "best found so far (default: no limit)")
     tune.add_argument("--routing", default="uniform", metavar="uniform|skewed|FILE",
                       help="routing of the tuning inputs: random top-k, Zipf-like skew, or recorded topk_ids (.pt/.npy) "
                            "(default: uniform)")
@@ -454,10 +491,10 @@ def build_parser() -> argparse.ArgumentParser:
     tune.set_defaults(func=cmd_tune)
 
     select = command("select", "which backend auto runs for a model and batch size, and why")
-    select.add_argument("--model", default=None, metavar="NAME|PATH", help="a preset name or a config.json / model folder (required)")
+    select.add_argument("--model", required=True, metavar="NAME|PATH", help="a preset name or a config.json / model folder (required)")
     select.add_argument(*TP_FLAGS, dest="tp", default="1", help="tensor parallelism (default: 1)")
     select.add_argument("--scheme", default=None, help="quantization scheme (default: the model's own)")
-    select.add_argument("--batch-size", default=None, metavar="M", help="tokens in the batch (required)")
+    select.add_argument("--batch-size", required=True, metavar="M", help="tokens in the batch (required)")
     select.add_argument("--device-name", default=None, metavar="NAME",
                         help="answer for this GPU instead of the local device, e.g. 'NVIDIA H100 80GB HBM3' (default: the local device)")
     select.add_argument("--backend", default=None,
@@ -498,9 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, unknown = build_parser().parse_known_args(argv)
-    if unknown:  # argparse would print the top-level usage; the command's own is the useful one
-        args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line, for reproducibility
     try:
         return args.func(args)

@@ -113,7 +113,16 @@ def recorded_routing(ids: torch.Tensor, M: int, shape: MoEShape, *, seed: int = 
     experts (id mod E) and top-k (first columns) when the shape is smaller than the model's."""
     reps = -(-M // ids.shape[0])
     rows = ids.repeat(reps, 1)[:M]
-    rows = rows[:, : shape.top_k] % shape.num_experts
+    E = shape.num_experts
+    rows = rows[:, : shape.top_k] % E
+    # folding can send two of a token's experts onto one (ids 1 and 17 onto 16 experts), which
+    # every backend would weight twice: each repeat moves on to the next expert the token lacks
+    for j in range(1, rows.shape[1]):
+        for _ in range(E):  # top-k <= E: a free expert is at most E - 1 steps on
+            clash = (rows[:, j:j + 1] == rows[:, :j]).any(dim=1)
+            if not clash.any():
+                break
+            rows[clash, j] = (rows[clash, j] + 1) % E
     g = torch.Generator().manual_seed(seed)
     return _topk_weights(M, shape.top_k, g, renormalize), rows.to(torch.int32)
 

@@ -107,10 +107,11 @@ class BackendUnavailableError(RuntimeError):
     """A backend asked for by name cannot run this problem."""
 
     def __init__(self, name: str, source: str, reasons: list[str], runnable: list[str]):
-        self.name, self.reasons, self.runnable = name, reasons, runnable
-        lines = "\n".join(f"  - {r}" for r in reasons)
+        # source: "argument", or f"{ENV_VAR}={name}". One line: the commands print it as their
+        # one-line error (moekit bench's, for a MOEKIT_BACKEND that cannot run its auto rows).
+        self.name, self.source, self.reasons, self.runnable = name, source, reasons, runnable
         super().__init__(
-            f"backend {name!r} (from {source}) cannot run this problem:\n{lines}\n"
+            f"backend {name!r} (from {source}) cannot run this problem: {'; '.join(reasons)}; "
             f"backends that can: {', '.join(runnable) or 'none'}"
         )
 
@@ -318,6 +319,12 @@ def explain(
         rest = choice.detail.split(where, 1)[-1].lstrip("; ")
         if rest:
             lines.append(f"  {rest}")
+        # tables are filed without the activation dtype, so one measured with bf16 also answers
+        # for fp16: say so rather than pass its times off as this dtype's
+        measured = r.table.meta.get("dtype")
+        asked = str(dtype).removeprefix("torch.")
+        if measured and measured != asked:
+            lines.append(f"  measured with {measured} activations, not {asked}: a table answers for every activation dtype")
     else:
         lines.append(f"from: {choice.source} ({choice.detail})")
     for path, problem in r.skipped:

@@ -331,6 +331,8 @@ def _bad_cases(tmp_path, tiny_config):
     np.save(out_of_range, np.array([[0, 9]]))
     floats = tmp_path / "floats.pt"
     torch.save(torch.zeros(4, 2), floats)
+    repeated = tmp_path / "repeated.pt"  # token 1 sent to expert 3 twice: weighted twice everywhere, before
+    torch.save(torch.tensor([[0, 1], [3, 3]]), repeated)
     m = ["--model", str(tiny_config)]
     return {
         "unknown model": (["--model", "no-such-model"], "unknown model"),
@@ -342,6 +344,9 @@ def _bad_cases(tmp_path, tiny_config):
         "negative batch size": (m + ["--batch-sizes", "4", "-2"], "not a positive integer"),
         "text batch size": (m + ["--batch-sizes", "many"], "not an integer"),
         "fractional batch size": (m + ["--batch-sizes", "1.5"], "not an integer"),
+        # int() reads these (M = 10, M = 3); select's --batch-size refuses them
+        "batch size with an underscore": (m + ["--batch-sizes", "1_0"], "'1_0' is not an integer (digits 0-9 only)"),
+        "batch size in Arabic-Indic digits": (m + ["--batch-sizes", "\u0663"], "is not an integer (digits 0-9 only)"),
         "unwritable out": (m + ["--out", str(not_a_folder / "sub")], "cannot create the folder"),
         "out is a file": (m + ["--out", str(not_a_folder)], "not a folder"),
         "bad scheme": (m + ["--scheme", "int4"], "unknown quantization scheme"),
@@ -352,6 +357,12 @@ def _bad_cases(tmp_path, tiny_config):
         "routing top-k mismatch": (m + ["--routing", str(wrong_k)], "has top-k 3"),
         "routing ids out of range": (m + ["--routing", str(out_of_range)], "[0, 4)"),
         "routing of floats": (m + ["--routing", str(floats)], "must be integers"),
+        "routing with a repeated expert": (m + ["--routing", str(repeated)],
+                                           f"--routing {repeated}: row 1 (counting from 0) routes its token to "
+                                           "expert 3 more than once"),
+        # every speedup empty, and an unrequested "n/a" row, before
+        "gemm mode, baseline without a gemm-only mode": (m + ["--mode", "gemm", "--baseline", "reference"],
+                                                         "--baseline reference: has no GEMM-only mode"),
         "no routings": (m + ["--routings", "0"], "--routings must be a positive integer"),
         "seed too large": (m + ["--seed", str(2**44)], "--seed must be an integer in [0, 2147483648)"),
         "negative seed": (m + ["--seed", "-1"], "--seed must be an integer in [0, 2147483648)"),
@@ -366,14 +377,17 @@ def _bad_cases(tmp_path, tiny_config):
 CASES = [
     "unknown model", "config without MoE fields", "unknown backend", "backend that cannot run",
     "baseline that cannot run", "zero batch size", "negative batch size", "text batch size",
-    "fractional batch size", "unwritable out", "out is a file", "bad scheme", "several schemes", "bad tp", "tp not dividing",
+    "fractional batch size", "batch size with an underscore", "batch size in Arabic-Indic digits", "unwritable out", "out is a file", "bad scheme", "several schemes", "bad tp", "tp not dividing",
     "routing file missing", "routing top-k mismatch", "routing ids out of range", "routing of floats",
+    "routing with a repeated expert", "gemm mode, baseline without a gemm-only mode",
     "no routings", "seed too large", "negative seed", "huge batch size", "gemm mode, no gemm-only backend",
 ]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_bench_bad_input_is_one_line_and_exit_2(case, tmp_path, tiny_config, registry, capsys):
+    if case == "gemm mode, no gemm-only backend" and not CPU:
+        pytest.skip("on a GPU the gemm-mode baseline (triton or cutlass) has a GEMM-only mode and is timed")
     registry(RefusingBackend())
     args, expected = _bad_cases(tmp_path, tiny_config)[case]
     out_given = "--out" in args
@@ -880,3 +894,84 @@ def test_routings_asked_for_where_they_cannot_apply_are_said_to_have_no_effect(m
     out = " ".join(capsys.readouterr().out.split())
     why = "--mode gemm times one aligned routing" if mode == "gemm" else "a routing file is its own rows"
     assert f"--routings 3 has no effect here: {why}" in out
+
+
+@pytest.mark.parametrize("command", ["bench", "check", "tune"])
+def test_block_scales_are_checked_on_the_models_own_shape(command, tmp_path, capsys):
+    """GLM-4.5V TP2 has N = 704 per GPU, not a multiple of 128: on the CPU the check ran on the
+    scaled-down N = 128 and all three commands ran (select and warmup refused)."""
+    assert main([command, "--model", "glm-4.5v-fp8", "--tp", "2", "--scheme", "fp8-block128", "--batch-sizes", "1",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "multiple of 128, got 704 (intermediate 1408 / tp 2)" in one_line_error(capsys)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("text", ["1_0", "+5", "\u0663", "\uff11", "1 2_0"])
+def test_batch_sizes_are_plain_decimal_digits(text):
+    with pytest.raises(bench.BenchInputError, match="is not an integer \\(digits 0-9 only\\)"):
+        bench.parse_batch_sizes([text], ())
+    assert bench.parse_batch_sizes(["08,1", "64"], ()) == [8, 1, 64]
+
+
+def test_gemm_mode_defaults_to_a_baseline_with_a_gemm_only_mode(tmp_path, tiny_config, registry, monkeypatch):
+    """--mode gemm took the layer baseline (torch, on the CPU), which has no GEMM-only mode: an
+    unrequested "n/a" row and every speedup empty."""
+    monkeypatch.setattr(GemmOnlyBackend, "prepared", 0)
+    registry(GemmOnlyBackend())
+    out = tmp_path / "o"
+    assert main(["bench", "--model", str(tiny_config), "--mode", "gemm", "--batch-sizes", "2", "--backends",
+                 "gemmonly", "--no-plots", "--no-check", "--out", str(out), *FAST]) == 0
+    doc = json.loads((out / "bench.json").read_text())
+    baseline = doc["metadata"]["baseline"]
+    assert baseline != "torch" and getattr(bench.get_backend(baseline), bench.GEMM_ONLY_HOOK, None)
+    assert all(r["median_us"] and r[f"speedup_vs_{baseline}"] for r in doc["rows"])
+
+
+@pytest.mark.skipif(not CPU, reason="the CPU's backends")
+def test_gemm_mode_baseline_on_the_cpu():
+    """On the CPU only triton has a GEMM-only mode, interpreted: the baseline when --backends
+    names it; else the layer order's (and check_gemm_only refuses a run with nothing to time)."""
+    problems = bench.resolve_problems(["olmoe-1b-7b"], 1, None, torch.device("cpu"))
+    choose = bench.choose_baseline
+    assert choose(None, problems, torch.device("cpu"), torch.bfloat16, "gemm", ["triton"]) == "triton"
+    assert choose(None, problems, torch.device("cpu"), torch.bfloat16, "gemm", None) == "torch"
+    assert choose(None, problems, torch.device("cpu"), torch.bfloat16, "layer", ["triton"]) == "torch"
+
+
+def test_folded_recorded_routing_keeps_each_tokens_experts_distinct():
+    """A file's ids folded onto the CPU's 16 experts (id mod 16) sent 0, 16, 32 ... all to expert 0."""
+    shape = bench.cpu_shape(bench.get_model("glm-4.5v-fp8", tp=2).shape)
+    ids = torch.tensor([[0, 16, 32, 48, 64, 80, 96, 112], [1, 17, 2, 3, 33, 4, 5, 127]])
+    _, folded = inputs.recorded_routing(ids, 5, shape)
+    assert folded.shape == (5, 8) and int(folded.max()) < shape.num_experts
+    assert all(len(set(row.tolist())) == 8 for row in folded)
+    assert folded[0].tolist() == list(range(8))
+
+
+def test_units_and_metadata_say_how_this_run_timed(tmp_path, tiny_config, capsys):
+    """On the CPU bench.json's units said "L2 flushed, flush time subtracted" beside metadata
+    "CPU wall clock", and --l2-flush read was dropped without a word."""
+    out = tmp_path / "o"
+    assert main(["bench", "--model", str(tiny_config), "--batch-sizes", "2", "--backends", "reference",
+                 "--baseline", "reference", "--l2-flush", "read", "--no-plots", "--out", str(out), *FAST]) == 0
+    doc = json.loads((out / "bench.json").read_text())
+    text = " ".join(capsys.readouterr().out.split())
+    if CPU:
+        assert doc["units"]["median_us"] == bench.CPU_MEDIAN_UNIT and "flush time" not in bench.CPU_MEDIAN_UNIT
+        assert "--l2-flush has no effect on the CPU" in doc["metadata"]["timing"]
+        assert "--l2-flush read has no effect on the CPU: nothing is flushed" in text
+    else:
+        assert doc["units"]["median_us"] == bench.UNITS["median_us"] and "no effect" not in text
+
+
+def test_overwrite_says_which_earlier_files_it_removed(tmp_path, tiny_config, capsys):
+    out = tmp_path / "o"
+    base = ["bench", "--model", str(tiny_config), "--batch-sizes", "2", "--backends", "reference", "--baseline",
+            "reference", "--no-check", "--out", str(out), *FAST]
+    assert main(base) == 0
+    capsys.readouterr()
+    assert main([*base, "--no-plots", "--overwrite"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"removed the earlier run's {out / 'latency.png'}, {out / 'efficiency.png'}" in text
+    assert main([*base, "--no-plots", "--overwrite"]) == 0  # nothing left to remove: nothing said
+    assert "removed" not in capsys.readouterr().out

@@ -54,6 +54,8 @@ def test_a_bad_setting_is_an_error_naming_it(name, value, expected, capsys, monk
 def parse(*argv):
     from moekit.cli import build_parser
 
+    if argv[0] == "select" and "--batch-size" not in argv:  # required there; these tests are about others
+        argv = (*argv, "--batch-size", "1")
     return build_parser().parse_args(list(argv))
 
 
@@ -145,6 +147,32 @@ def test_an_unknown_flag_shows_the_commands_usage_not_the_top_level_one(capsys):
     assert e.value.code == 2 and "usage: moekit bench" in err and "unrecognized arguments: --batchsize 8" in err
 
 
+@pytest.mark.parametrize("command", ["bench", "check", "tune", "select", "warmup", "eval"])
+def test_a_mistyped_flag_is_named_before_a_missing_required_one(command, capsys):
+    """argparse checks the required flags first: `bench --mdoel X` said "--model is required" and
+    never named --mdoel."""
+    with pytest.raises(SystemExit) as e:
+        main([command, "--mdoel", "olmoe-1b-7b", "--batch-sizes", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"usage: moekit {command}" in err, err
+    assert "unrecognized arguments: --mdoel olmoe-1b-7b" in err and "required" not in err, err
+    with pytest.raises(SystemExit):  # nothing unrecognized: the missing flag is reported as before
+        main([command])
+    assert "the following arguments are required: --model" in capsys.readouterr().err
+
+
+def test_select_usage_shows_its_required_flags_as_required(capsys):
+    """select's usage line showed [--model] and [--batch-size], as if optional."""
+    with pytest.raises(SystemExit) as e:
+        main(["select", "--help"])
+    usage = " ".join(capsys.readouterr().out.split("options:")[0].split())
+    assert e.value.code == 0 and "--model NAME|PATH" in usage and "--batch-size M" in usage, usage
+    assert "[--model" not in usage and "[--batch-size" not in usage, usage
+    with pytest.raises(SystemExit) as e:
+        main(["select", "--model", "mixtral-8x7b"])
+    assert e.value.code == 2 and "the following arguments are required: --batch-size" in capsys.readouterr().err
+
+
 def test_version_and_python_dash_m(capsys):
     import subprocess
     import sys
@@ -159,7 +187,6 @@ def test_version_and_python_dash_m(capsys):
 
 
 @pytest.mark.parametrize("argv,expected", [
-    ([], "give --batch-size (the tokens in the batch, M)"),
     (["--batch-size", "65537"], "--batch-size: 65537 is above 65536, the largest batch size moekit takes"),
     (["--batch-size", "0"], "--batch-size must be a positive integer, got '0'"),
 ])
@@ -197,3 +224,16 @@ def test_every_flag_with_a_default_says_it_in_its_help():
               if a.default not in (None, False, argparse.SUPPRESS) and not isinstance(a.default, bool)
               and a.help not in (None, argparse.SUPPRESS) and "default" not in a.help]
     assert silent == []
+
+
+def test_bench_with_a_moekit_backend_that_cannot_run_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """bench printed the BackendUnavailableError as a bullet list over four lines; its errors are
+    one line. olmoe-1b-7b is bf16, which cutlass refuses on any machine."""
+    monkeypatch.setenv("MOEKIT_BACKEND", "cutlass")
+    out = tmp_path / "o"
+    assert main(["bench", "--model", "olmoe-1b-7b", "--batch-sizes", "1", "--out", str(out)]) == 2
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: auto's rows of olmoe-1b-7b at M = 1: backend 'cutlass' "
+                                                    "(from MOEKIT_BACKEND=cutlass) cannot run this problem: "), lines
+    assert "scheme bf16 is unquantized" in lines[0] and "backends that can: " in lines[0]
+    assert not out.exists()

@@ -45,6 +45,9 @@ def test_eval_writes_report(model_dir, tmp_path):
         assert 1 < r["perplexity"] < 10_000 and r["tokens_per_s"] > 0 and len(r["generated"]) == 4
     assert report["pairwise"]["reference|torch"]["top1_agreement"] == tor["top1_agreement_vs_reference"]
     assert report["experts_bytes"] > 0
+    # bench.json's and check.json's metadata: what ran, where and when (it had none of it)
+    assert {"device", "torch", "moekit", "git_commit", "date", "command"} <= set(report["metadata"])
+    assert report["metadata"]["command"].startswith("moekit eval --model ")
 
 
 def test_eval_fused_routing_rows(model_dir, tmp_path, monkeypatch):
@@ -130,6 +133,24 @@ def test_eval_options_are_refused_before_the_model_loads(checkpoints, tmp_path, 
         line = " ".join(one_line_error(capsys).split())
         assert expected in line, line
     assert a_file.read_text() == "x"
+
+
+def test_eval_without_a_tokenizer_is_one_line_after_the_out_check(checkpoints, tmp_path, no_load, capsys):
+    """transformers' error for a folder without a tokenizer runs over five lines, which eval
+    printed as they were; and the tokenizer was loaded before --out was checked, so an existing
+    --out file was not reported."""
+    import shutil
+
+    folder = tmp_path / "notok"
+    folder.mkdir()
+    for f in [checkpoints[0] / "config.json", *checkpoints[0].glob("*.safetensors")]:
+        shutil.copy(f, folder)
+    assert main(["eval", "--model", str(folder)]) == 2
+    assert f"{folder}: no usable tokenizer in the model folder (" in one_line_error(capsys)
+    existing = tmp_path / "report.json"
+    existing.write_text("x")
+    assert main(["eval", "--model", str(folder), "--out", str(existing)]) == 2
+    assert "the file exists; pass --overwrite to replace it" in one_line_error(capsys)
 
 
 def test_eval_of_a_folder_that_does_not_load_is_one_line_and_leaves_no_folder(checkpoints, tmp_path, capsys):

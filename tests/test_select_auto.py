@@ -424,15 +424,13 @@ def test_select_cli_heuristic_refusals_environment(tmp_path, monkeypatch, capsys
         (["--model", "glm-4.5v-fp8", "--batch-size", "0"], "--batch-size must be a positive integer, got '0'"),
         (["--model", "glm-4.5v-fp8", "--batch-size", "many"], "--batch-size must be a positive integer"),
         (["--model", "glm-4.5v-fp8", "--batch-size", "²"], "--batch-size must be a positive integer"),  # isdigit, not int()
-        (["--model", "glm-4.5v-fp8"], "give --batch-size (the tokens in the batch, M)"),
         (["--model", "glm-4.5v-fp8", "--batch-size", "70000"], "--batch-size: 70000 is above 65536"),
-        (["--batch-size", "4"], "give --model"),
         (["--model", "gpt-5", "--batch-size", "4"], "unknown model 'gpt-5'"),
         (["--model", "glm-4.5v-fp8", "--tp", "3", "--batch-size", "4"], "not divisible by tp (3)"),
         (["--model", "glm-4.5v-fp8", "--scheme", "int4", "--batch-size", "4"], "unknown quantization scheme 'int4'"),
         (["--model", "glm-4.5v-fp8", "--batch-size", "4", "--backend", "fast"], "unknown backend 'fast'"),
         (["--model", "deepseek-v3", "--batch-size", "4", "--device-name", H100, "--backend", "cutlass"],
-         "backend 'cutlass' cannot run this problem: 128x128 block weights"),
+         "backend 'cutlass' (from --backend) cannot run this problem: 128x128 block weights"),
     ],
 )
 def test_select_cli_bad_input_is_one_line_and_exit_2(args, expected, capsys):
@@ -440,6 +438,41 @@ def test_select_cli_bad_input_is_one_line_and_exit_2(args, expected, capsys):
     lines = [line for line in out.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), out
     assert expected in lines[0], lines[0]
+
+
+def test_select_cli_names_moekit_backend_as_the_source_of_a_backend_that_cannot_run(monkeypatch, capsys):
+    """With no --backend, the backend came from MOEKIT_BACKEND: the error said only "backend
+    'cutlass' cannot run", leaving the user to guess where the name came from."""
+    monkeypatch.setenv(ENV_VAR, "cutlass")
+    code, out = run_select(capsys, "--model", "deepseek-v3", "--batch-size", "4", "--device-name", H100)
+    assert code == 2 and len(out.strip().splitlines()) == 1, out
+    assert "backend 'cutlass' (from MOEKIT_BACKEND=cutlass) cannot run this problem: 128x128 block weights" in out
+
+
+def test_backend_unavailable_error_is_one_line_naming_its_source(monkeypatch):
+    """Its message is the one-line error of the commands (bench's for a MOEKIT_BACKEND that cannot
+    run its auto rows printed a bullet list over four lines)."""
+    monkeypatch.setenv(ENV_VAR, "cutlass")
+    with pytest.raises(moekit.BackendUnavailableError) as e:
+        select_backend(SHAPE, get_scheme("bf16"), "cpu", torch.bfloat16, 1)
+    text = str(e.value)
+    assert "\n" not in text and e.value.source == "MOEKIT_BACKEND=cutlass"
+    assert text.startswith("backend 'cutlass' (from MOEKIT_BACKEND=cutlass) cannot run this problem: needs a CUDA device")
+    assert text.endswith("; backends that can: " + ", ".join(e.value.runnable))
+
+
+@pytest.mark.parametrize("dtype,note", [("fp16", True), ("bf16", False)])
+def test_select_cli_says_when_the_table_was_measured_with_another_activation_dtype(tmp_path, monkeypatch, capsys,
+                                                                                   dtype, note):
+    """Tables are filed without the activation dtype: for --dtype fp16 a bf16 table answered
+    silently, as if its times were fp16's."""
+    write_table(tmp_path, {32: {"triton": 20.0, "torch": 60.0}}, **GLM)
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path))
+    code, out = run_select(capsys, "--model", "glm-4.5v-fp8", "--tp", "2", "--batch-size", "32", "--device-name", H100,
+                           "--dtype", dtype)
+    assert code == 0 and "from: decision table" in out, out
+    line = "  measured with bfloat16 activations, not float16: a table answers for every activation dtype"
+    assert (line in out.splitlines()) is note, out
 
 
 def test_select_cli_refuses_a_bad_dtype_as_every_command_does(capsys):

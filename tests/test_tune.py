@@ -1380,6 +1380,43 @@ def test_budget_stops_cleanly_and_a_rerun_finishes(tmp_path, tiny_model, monkeyp
     assert second.calls and set(second.calls).isdisjoint(first.calls)
 
 
+def test_a_size_the_budget_cut_short_is_left_out_of_the_decision_table(tmp_path, tiny_model, monkeypatch):
+    """A size is decided only from triton and every backend asked for there: a winner among the
+    backends a budget cut left timed would be trusted by auto as a comparison that never ran."""
+    default = triton(default_config(SHAPE, FP8_CHANNEL_TOKEN, 1))
+    first = FakeTimer(step=10.0).install(monkeypatch)
+    out = tmp_path / "out"
+    result, text = tune(tiny_model, out, budget="5s", backends=["torch"], batch_sizes=["1"])
+    assert result.exit_code == 0 and first.calls == [f"{default} at M=1"]
+    assert "1" in read(only_file(out / "triton"))["configs"]  # what was tuned is kept
+    assert not (out / "backends").exists()
+    assert "decision table: left undecided at M=1 (torch not timed)" in text
+    # a rerun times the rest and decides the size
+    FakeTimer(us={"backend torch": 50.0}).install(monkeypatch)
+    tune(tiny_model, out, backends=["torch"], batch_sizes=["1"])
+    decided = only_file(out / "backends")
+    assert read(decided)["batch_sizes"]["1"] == {"us": {"triton": 100.0, "torch": 50.0}, "winner": "torch"}
+    # a run asked for one more backend and cut before it (step 1 left out: a budget used up): that
+    # decision no longer answers there; the table is kept aside, not lost
+    monkeypatch.setattr(runner.Worker, "_baseline", lambda self, p, j: None)
+    result, text = tune(tiny_model, out, backends=["torch", "reference"], batch_sizes=["1"], search_space="none")
+    assert not decided.exists() and len(backups_of(decided)) == 1
+    assert "left undecided at M=1 (reference not timed)" in text
+
+
+def test_a_size_an_earlier_run_left_undecided_stays_so(tmp_path, tiny_model, monkeypatch):
+    """The tables are rebuilt from every journal in --out: one a budget cut left short, at a size
+    the next run does not measure, still decides nothing."""
+    FakeTimer(step=10.0).install(monkeypatch)  # M=1's three timings, then M=4's default config: 40 s
+    out = tmp_path / "out"
+    tune(tiny_model, out, budget="35s", backends=["torch", "reference"], between=False)
+    assert list(read(only_file(out / "backends"))["batch_sizes"]) == ["1"]
+    FakeTimer().install(monkeypatch)
+    result, text = tune(tiny_model, out, backends=["torch", "reference"], batch_sizes=["1"])
+    assert list(read(only_file(out / "backends"))["batch_sizes"]) == ["1"]
+    assert "left undecided at M=4 (torch, reference not timed)" in text
+
+
 # -------------------------------------------------------------- the decision timing
 
 

@@ -191,6 +191,7 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
 
     from safetensors import SafetensorError
 
+    from ..bench import environment
     from .experts import ExpertsError
     from .families import UnsupportedModelError
     from .routers import fuse_routers, routers_to_fuse, unfuse_routers
@@ -204,6 +205,7 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
         raise EvalInputError(f"--model {opts.model!r} is not a local model folder (no config.json)")
     _check_backend_names(opts.backends)
     scheme = _check_scheme(opts.scheme, folder)
+    out = _check_out(opts.out, opts.overwrite)  # creates nothing: the report's folders come with it
     text_path = Path(opts.text) if opts.text else DEFAULT_TEXT
     if not text_path.is_file():
         why = "is not a file" if text_path.exists() else "no such file"
@@ -217,13 +219,15 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as e:
-        raise EvalInputError(f"{opts.model}: no usable tokenizer in the model folder ({type(e).__name__}: {e})") from None
+        # one line: transformers' messages run over several (the CLI's errors are one line)
+        raise EvalInputError(f"{opts.model}: no usable tokenizer in the model folder ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())})") from None
     ids = torch.tensor(tokenizer(text).input_ids[: opts.max_tokens], dtype=torch.long)
     if ids.numel() < 2:
         raise EvalInputError(f"{text_path}: fewer than 2 tokens to score")
-    out = _check_out(opts.out, opts.overwrite)  # creates nothing: the report's folders come with it
 
     device = _device(opts)
+    meta = environment(device, opts.argv)  # bench.json's and check.json's: versions, git commit, date, command
     kwargs = {"device_map": str(device)} if device.type == "cuda" else {}
     try:
         model = mh.from_pretrained(folder, backend="reference", scheme=scheme, **kwargs)
@@ -278,6 +282,7 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
     pairwise = {f"{a}|{b}": _compare(logps[a], logps[b]) for i, a in enumerate(labels) for b in labels[i + 1:]}
 
     report = {
+        "metadata": meta,
         "model": str(folder), "text": str(text_path), "scheme": first.scheme.name, "device": str(device),
         "dtype": str(dtype).replace("torch.", ""), "tokens": int(ids.numel()),
         "positions_scored": int(ref.shape[0]), "seq_len": opts.seq_len, "gen_tokens": opts.gen_tokens,

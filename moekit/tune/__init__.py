@@ -11,6 +11,7 @@ on this GPU; write the tables the triton backend and `auto` read (see moekit.tun
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shlex
 import sys
@@ -41,6 +42,7 @@ from .runner import (
     Worker,
     problem_table_name,
     run_journals,
+    run_lock,
     run_workers,
     write_problem_tables,
 )
@@ -70,6 +72,17 @@ def run_tune(opts: TuneOptions, console=None) -> TuneResult:
     console = console or Console()
     device = default_device()
     plan = build_plan(opts, device)
+    with contextlib.ExitStack() as held:
+        try:  # refused at once while another run writes into --out; held until the run ends
+            held.enter_context(run_lock(plan.out_dir))
+        except TuneInputError:
+            remove_if_empty(plan.created)  # an --export-vllm folder this run made
+            raise
+        return _run(opts, plan, device, console)
+
+
+def _run(opts: TuneOptions, plan: TunePlan, device: torch.device, console) -> TuneResult:
+    """The run itself, with --out held (run_lock)."""
     argv = list(sys.argv[1:] if opts.argv is None else opts.argv)
     plan.run_meta["command"] = shlex.join(["moekit", *map(str, argv)])
     devices = _devices(opts, device)

@@ -58,6 +58,9 @@ class Journal:
      "configs": {"<key>": {"config": {...}, "us": .., "p20_us": .., "p80_us": .., "method": .., "flush_us": .., "flush": ..}
                           | {"config": {...}, "error": "<one line>"}},
      "backends": {"<name>": {"us": .., ...} | {"error": "..."}},
+     "backends_asked": ["<name>", ..],  the backends besides triton the last run at this size was asked
+                                        to time: the decision table decides the size only once each has
+                                        a time or an error (output.backend_table)
      "search": {"space": .., "candidates": n, "dropped": {"<key>": why}, "static": {why: count},
                 "complete": bool},
      "decision": {"config": "<triton key chosen>", "candidates": ["<triton key>", ..], "routings": n,
@@ -118,8 +121,17 @@ class Journal:
         already there, else with the first measurement: a fresh journal's first save sets aside
         the file of other conditions it replaces (open), which a size the run never measures
         (a budget cut) must keep."""
-        if self.data.get("incumbent") != {"key": key, "config": config}:
-            self.data["incumbent"] = {"key": key, "config": config}
+        self._note("incumbent", {"key": key, "config": config})
+
+    def set_backends_asked(self, names: list[str]) -> None:
+        """Record the backends besides triton this run times at this size (saved as the incumbent is)."""
+        self._note("backends_asked", list(names))
+
+    def _note(self, field: str, value) -> None:
+        """Set a field that is not a measurement: written at once only into a file of this run's
+        conditions already there, else with the first measurement (set_incumbent says why)."""
+        if self.data.get(field) != value:
+            self.data[field] = value
             if self._replaces is None and self.path.is_file():
                 self.save()
 

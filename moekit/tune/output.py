@@ -25,6 +25,11 @@ triton's fastest configs in the same interleaved rounds, the replays cycling thr
 meta.routings routings: moekit.tune.runner; triton's µs are those of the fastest config there,
 the one the triton table takes: chosen_config); otherwise from the separate timings (those of
 the triton table's config, chosen_config, and each backend's own).
+
+A size gets an entry only once triton and every backend the last run at that size was asked to
+time (journal "backends_asked") have a time or an error there: a winner among the backends a
+budget cut left timed would be trusted by auto as a comparison that never ran (`undecided`). Such
+a size is left out, so auto answers there from the tables after this one, or its heuristic.
 """
 
 from __future__ import annotations
@@ -232,8 +237,18 @@ def triton_table(journals: list[dict], run_meta: dict | None = None) -> dict | N
     return {"meta": meta, "configs": configs}
 
 
-def backend_table(journals: list[dict]) -> dict | None:
-    """The decision table (see the module docstring), or None when nothing ran."""
+def undecided(journal: dict, us: dict, errors: dict) -> list[str]:
+    """The backends asked for at the journal's size (triton, and journal "backends_asked") that
+    have neither a time nor an error there. Journals of a moekit before the field: [] (as before)."""
+    asked = journal.get("backends_asked")
+    if asked is None:
+        return []
+    return [name for name in ["triton", *asked] if name not in us and name not in errors]
+
+
+def backend_table(journals: list[dict], left_out: dict[int, list[str]] | None = None) -> dict | None:
+    """The decision table (see the module docstring), or None when no size is decided. `left_out`,
+    when given, receives {batch size: the backends not timed} of the sizes left undecided."""
     sizes: dict[str, dict] = {}
     routings: set[int] = set()
     for j in journals:
@@ -256,7 +271,10 @@ def backend_table(journals: list[dict]) -> dict | None:
                 errors[name] = result["error"]
             elif name not in us and name not in errors:  # not in the decision timing
                 us[name] = result["us"]
-        if not us:
+        missing = undecided(j, us, errors)
+        if missing and left_out is not None:
+            left_out[j["batch_size"]] = missing
+        if not us or missing:
             continue
         entry: dict = {"us": us, "winner": min(us, key=lambda b: (us[b], b))}
         if errors:
@@ -389,9 +407,22 @@ def write_tables(
     triton = triton_table(journals, run_meta)
     if triton is not None:
         written.append(_write_keeping(Path(out_dir) / "triton" / table_file, triton, "configs", record, log))
-    backends = backend_table(journals)
+    left_out: dict[int, list[str]] = {}
+    backends = backend_table(journals, left_out)
+    backend_path = Path(out_dir) / "backends" / table_file
     if backends is not None:
-        written.append(_write_keeping(Path(out_dir) / "backends" / table_file, backends, "batch_sizes", record, log))
+        written.append(_write_keeping(backend_path, backends, "batch_sizes", record, log))
+    elif backend_path.exists():
+        # no size decided now: an earlier table must not answer for sizes this rebuild leaves
+        # undecided (as a new table would replace it, it is kept, but under a name no lookup reads)
+        kept = _backup_name(backend_path)
+        backend_path.replace(kept)
+        record.pop(str(backend_path.resolve()), None)
+        log(f"kept the previous {backend_path} as {kept.name}: no batch size is decided in the new one")
+    if left_out:
+        sizes = ", ".join(f"M={M} ({', '.join(names)} not timed)" for M, names in sorted(left_out.items()))
+        notes.append(f"decision table: left undecided at {sizes}; auto answers there from the tables after "
+                     "this one, or its heuristic, until a rerun times them")
     if export_dir is not None:
         exported = vllm_table(journals)
         if exported is not None:
@@ -461,6 +492,7 @@ __all__ = [
     "decision_is_current",
     "incumbent_key",
     "triton_table",
+    "undecided",
     "vllm_config",
     "vllm_device_name",
     "vllm_file_name",

@@ -1,7 +1,8 @@
 """Measuring for `moekit tune`: per problem and batch size, the default config, the config the
 backend ran there before this run (the incumbent, where a table gave one) and the other backends
-first (so that a budget cut still leaves a complete decision table, and a table no slower than the
-one it replaces), then the search and GEMM2's own launch.
+first (so that a budget cut leaves the decision table decided wherever this step finished: a size
+it cut short is left out of that table, output.backend_table; and a table no slower than the one
+it replaces), then the search and GEMM2's own launch.
 
 Every measurement is the whole layer through the shared harness (`moekit.timing.time_graph`:
 CUDA graph replays, L2 flushed before each), triton with the config forced
@@ -56,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -77,10 +79,10 @@ from ..inputs import input_seed, make_routing, make_routings, make_weights, make
 from ..spec import QuantScheme
 from ..tables import table_name
 from ..timing import FLUSH_METHOD, Timing, time_graph, time_graphs
-from .journal import MAX_DEATHS, Journal, journal_path, load_journals
+from .journal import MAX_DEATHS, PROGRESS_DIR, Journal, journal_path, load_journals
 from .output import (GEMM2_FIELDS, chosen_config, decision_candidates, decision_is_current, is_between, neighbour_configs,
                      runnable_timings, write_tables)
-from .plan import TunePlan, TuneProblem
+from .plan import TuneInputError, TunePlan, TuneProblem
 from .precompile import Precompiler
 from .space import (
     GEMV_START,
@@ -303,6 +305,41 @@ def _table_lock(out_dir: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+RUN_LOCK = "run.lock"  # under OUT/.progress: held by the run writing into OUT (run_lock)
+
+
+@contextlib.contextmanager
+def run_lock(out_dir: Path):
+    """Hold OUT/.progress/run.lock for a whole run; TuneInputError at once if another run holds it.
+    Two runs into one --out time the same configs, each journal write replacing the other's, and
+    both rebuild the tables from journals the other is rewriting. flock, not the file's existence:
+    the OS releases it when the process ends, crash or kill -9 included, so a lock file left behind
+    never blocks a later run. The holder's pid is written into the file, for the refusal to name."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock (as _table_lock)
+        yield
+        return
+    path = Path(out_dir) / PROGRESS_DIR / RUN_LOCK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:  # "a+": opening must not erase the holder's pid
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip()
+            who = f"another moekit tune (pid {pid})" if pid.isdigit() else "another moekit tune"
+            raise TuneInputError(f"--out {out_dir}: {who} is writing into this folder; wait for it to end, "
+                                 "or give another --out") from None
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def run_journals(plan: TunePlan, p: TuneProblem, name: str) -> tuple[list[dict], dict[int, str]]:
     """The journals of a problem's table on device `name` measured under this run's conditions,
     and {batch size: why} of the others (journal.load_journals): those never feed its tables."""
@@ -431,6 +468,8 @@ class Worker:
                 j.save()
         for M, cfg in self._incumbents(p, self.sizes).items():
             journals[M].set_incumbent(config_key(cfg), cfg.to_dict())  # saved with the first measurement
+        for j in journals.values():  # the decision table decides a size only once all of them are timed
+            j.set_backends_asked(p.backends)
         searching = self.plan.search_space != "none"
         estimate = {M: self._static_candidates(p, M, journals[M]) if searching else 0 for M in self.sizes}
         self.reporter.add_total(sum(estimate.values()) + sum(len(self._baseline_todo(p, j)) for j in journals.values()))
@@ -501,6 +540,7 @@ class Worker:
         for M in sizes:
             j = Journal.open(journal_path(self.plan.out_dir, table_file, M), fp, problem_fields(p), M, self.reporter.log)
             opened.append(j)
+            j.set_backends_asked(p.backends)
             if M in before:
                 j.set_incumbent(config_key(before[M]), before[M].to_dict())
             # the neighbours the backend's lookup would take here: tiled ones only beyond the GEMV
@@ -1046,6 +1086,7 @@ __all__ = [
     "order_candidates",
     "output_tolerance",
     "run_journals",
+    "run_lock",
     "run_workers",
     "split_batch_sizes",
     "write_problem_tables",
