@@ -726,9 +726,13 @@ def _validate(opts: BenchOptions, device: torch.device) -> _Plan:
     check_forced_backend(plan, problems, batch_sizes, device, dtype)
     if opts.mode == "gemm":
         check_gemm_only(plan, problems, batch_sizes, device, dtype)
-        if not _has_gemm_only(baseline):  # each model has a backend with one, but none runs them all
+        if not _has_gemm_only(baseline):  # none runs them all, or only one the CPU interprets, not named
+            interpreted = [n for n in INTERPRETED_ON_CPU if _has_gemm_only(n)] if device.type == "cpu" else []
+            why = (f"; {', '.join(interpreted)} runs on the CPU only in the Triton interpreter, so it is the baseline "
+                   f"only when named: add --backends {interpreted[0]} or --baseline {interpreted[0]}" if interpreted
+                   else "; bench the models in separate runs, or use --mode layer")
             raise BenchInputError("--mode gemm: no backend with a GEMM-only mode can run every model here, to be "
-                                  "the baseline; bench the models in separate runs, or use --mode layer")
+                                  f"the baseline{why}")
     if opts.plots:
         require_plotting()
     columns = [*BASE_COLUMNS, f"speedup_vs_{baseline}", "rel_err"]

@@ -361,8 +361,8 @@ def cmd_eval(args) -> int:
 class _Parser(argparse.ArgumentParser):
     """argparse reports a missing required flag before an unrecognized one, so a mistyped flag
     (`--mdoel x`) read as "--model is required" and was never named. parse_args first parses with
-    every requirement relaxed and reports what it did not recognize (with the command's own usage,
-    not the top-level one), then parses for real. Not with --help: it exits before any requirement
+    every requirement relaxed and reports an unrecognized flag (with the command's own usage, not
+    the top-level one), then parses for real. Not with --help: it exits before any requirement
     is checked, and its usage must show the required flags as required."""
 
     def parse_args(self, args=None, namespace=None):
@@ -376,7 +376,8 @@ class _Parser(argparse.ArgumentParser):
             finally:
                 for a in relaxed:
                     a.required = True
-            if unknown:
+            # a word alone (`bench mixtral`: --model forgotten) is better told by the missing flag
+            if any(u.startswith("-") for u in unknown):
                 getattr(known, "subparser", self).error(f"unrecognized arguments: {' '.join(unknown)}")
         return super().parse_args(args, namespace)
 

@@ -162,7 +162,11 @@ def input_recording_backend():
             self.inputs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def run(self, x, weights, topk_weights, topk_ids):
-            self.inputs.append((x.clone(), topk_weights.clone()))
+            # not while a CUDA graph is captured (bench tries one first): a clone made then is
+            # filled only by a replay, and a capture that fails is never replayed (its zeros were
+            # read as the inputs on an H100)
+            if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self.inputs.append((x.clone(), topk_weights.clone()))
             return super().run(x, weights, topk_weights, topk_ids)
 
     return InputRecordingBackend()

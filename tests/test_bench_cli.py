@@ -938,6 +938,18 @@ def test_gemm_mode_baseline_on_the_cpu():
     assert choose(None, problems, torch.device("cpu"), torch.bfloat16, "layer", ["triton"]) == "torch"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's interpreted triton")
+def test_gemm_mode_without_a_named_triton_says_how_to_name_it(monkeypatch, capsys):
+    """MOEKIT_BACKEND=triton sends auto to triton, which has a GEMM-only mode, but on the CPU it is
+    the baseline only when named: the refusal says so, not that no backend runs the model."""
+    monkeypatch.setenv("MOEKIT_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert main(["bench", "--model", "mixtral-8x7b", "--mode", "gemm", "--backends", "auto", "--batch-sizes", "1",
+                 "--no-plots", *FAST]) == 2
+    out = capsys.readouterr().out
+    assert "add --backends triton or --baseline triton" in out and "separate runs" not in out, out
+
+
 def test_folded_recorded_routing_keeps_each_tokens_experts_distinct():
     """A file's ids folded onto the CPU's 16 experts (id mod 16) sent 0, 16, 32 ... all to expert 0."""
     shape = bench.cpu_shape(bench.get_model("glm-4.5v-fp8", tp=2).shape)

@@ -159,6 +159,10 @@ def test_a_mistyped_flag_is_named_before_a_missing_required_one(command, capsys)
     with pytest.raises(SystemExit):  # nothing unrecognized: the missing flag is reported as before
         main([command])
     assert "the following arguments are required: --model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a word alone, --model forgotten: the missing flag says it best
+        main([command, "olmoe-1b-7b"])
+    err = capsys.readouterr().err
+    assert "the following arguments are required: --model" in err and "unrecognized" not in err, err
 
 
 def test_select_usage_shows_its_required_flags_as_required(capsys):

@@ -1396,12 +1396,29 @@ def test_a_size_the_budget_cut_short_is_left_out_of_the_decision_table(tmp_path,
     tune(tiny_model, out, backends=["torch"], batch_sizes=["1"])
     decided = only_file(out / "backends")
     assert read(decided)["batch_sizes"]["1"] == {"us": {"triton": 100.0, "torch": 50.0}, "winner": "torch"}
-    # a run asked for one more backend and cut before it (step 1 left out: a budget used up): that
-    # decision no longer answers there; the table is kept aside, not lost
-    monkeypatch.setattr(runner.Worker, "_baseline", lambda self, p, j: None)
+    # a run asked for one more backend got to the size and was cut before timing it (the timing
+    # left out): that decision no longer answers there; the table is kept aside, not lost
+    monkeypatch.setattr(runner.Worker, "_measure_backend", lambda self, p, j, name, inputs: None)
     result, text = tune(tiny_model, out, backends=["torch", "reference"], batch_sizes=["1"], search_space="none")
     assert not decided.exists() and len(backups_of(decided)) == 1
     assert "left undecided at M=1 (reference not timed)" in text
+
+
+def test_a_size_the_budget_never_reached_keeps_its_decision(tmp_path, tiny_model, monkeypatch):
+    """What a size was asked for is recorded when a run gets to its step 1: a run that asks for
+    one more backend and is cut before reaching a size leaves that size decided as the run
+    before decided it (complete for what that run asked)."""
+    FakeTimer(us={"backend torch": 50.0}).install(monkeypatch)
+    out = tmp_path / "out"
+    tune(tiny_model, out, backends=["torch"], between=False)  # M = 1 and 4, both decided
+    table = only_file(out / "backends")
+    assert list(read(table)["batch_sizes"]) == ["1", "4"]
+    FakeTimer(step=10.0).install(monkeypatch)  # M=1's reference takes the whole budget: M=4 is never reached
+    result, text = tune(tiny_model, out, budget="5s", backends=["torch", "reference"], between=False)
+    assert list(read(table)["batch_sizes"]) == ["1", "4"]
+    assert set(read(table)["batch_sizes"]["1"]["us"]) == {"triton", "torch", "reference"}
+    assert set(read(table)["batch_sizes"]["4"]["us"]) == {"triton", "torch"}
+    assert "left undecided" not in text
 
 
 def test_a_size_an_earlier_run_left_undecided_stays_so(tmp_path, tiny_model, monkeypatch):

@@ -59,9 +59,26 @@ def test_the_run_lock_is_held_for_the_run_and_released_after(tmp_path, tiny_mode
     monkeypatch.setattr(runner.Worker, "run", measuring)
     opts = TuneOptions(models=[str(tiny_model)], batch_sizes=["1"], out=str(out), argv=["tune"], between=False)
     assert run_tune(opts).exit_code == 130 and seen == [True]
-    assert lock_file(out).exists()
-    with runner.run_lock(out):  # released, though the file stays
+    # the folder this run made, with nothing written into it, went with the lock file
+    assert not out.exists()
+    lock_file(out).parent.mkdir(parents=True)
+    lock_file(out).write_text("4242\n")  # a crashed run's file: flock died with its process
+    with runner.run_lock(out):  # it blocks nothing
         pass
+
+
+def test_a_failed_run_keeps_a_folder_it_did_not_make(tmp_path, tiny_model, monkeypatch):
+    """Only the folder this run created goes: one that was there stays, lock file and all."""
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner.Worker, "run", interrupted)
+    opts = TuneOptions(models=[str(tiny_model)], batch_sizes=["1"], out=str(out), argv=["tune"], between=False)
+    assert run_tune(opts).exit_code == 130
+    assert out.is_dir() and lock_file(out).exists()
 
 
 def test_the_same_model_twice_is_refused(tmp_path, tiny_model, capsys):

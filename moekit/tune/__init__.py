@@ -41,6 +41,7 @@ from .runner import (
     DeviceBroken,
     Worker,
     problem_table_name,
+    discard_run_lock,
     run_journals,
     run_lock,
     run_workers,
@@ -131,6 +132,8 @@ def _run(opts: TuneOptions, plan: TunePlan, device: torch.device, console) -> Tu
     if failure:
         console.print(f"[red]error:[/] {failure}" if exit_code == 1 else failure, highlight=False, soft_wrap=True)
     if not files:
+        if plan.out_dir in plan.created:  # the lock file alone would keep the folder this run made
+            discard_run_lock(plan.out_dir)
         remove_if_empty(plan.created)
         exit_code = exit_code or 1
     return TuneResult(plan.out_dir, files, not_covered, exit_code)

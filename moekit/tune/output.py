@@ -29,7 +29,7 @@ the triton table's config, chosen_config, and each backend's own).
 A size gets an entry only once triton and every backend the last run at that size was asked to
 time (journal "backends_asked") have a time or an error there: a winner among the backends a
 budget cut left timed would be trusted by auto as a comparison that never ran (`undecided`). Such
-a size is left out, so auto answers there from the tables after this one, or its heuristic.
+a size is left out: auto answers there from the decided sizes around it (decisions.BackendTable.locate).
 """
 
 from __future__ import annotations
@@ -421,8 +421,8 @@ def write_tables(
         log(f"kept the previous {backend_path} as {kept.name}: no batch size is decided in the new one")
     if left_out:
         sizes = ", ".join(f"M={M} ({', '.join(names)} not timed)" for M, names in sorted(left_out.items()))
-        notes.append(f"decision table: left undecided at {sizes}; auto answers there from the tables after "
-                     "this one, or its heuristic, until a rerun times them")
+        notes.append(f"decision table: left undecided at {sizes}; auto answers there from the decided sizes "
+                     "around them until a rerun of those sizes times them")
     if export_dir is not None:
         exported = vllm_table(journals)
         if exported is not None:

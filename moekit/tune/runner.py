@@ -325,19 +325,34 @@ def run_lock(out_dir: Path):
     with open(path, "a+") as f:  # "a+": opening must not erase the holder's pid
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
         except BlockingIOError:
             f.seek(0)
             pid = f.read().strip()
             who = f"another moekit tune (pid {pid})" if pid.isdigit() else "another moekit tune"
             raise TuneInputError(f"--out {out_dir}: {who} is writing into this folder; wait for it to end, "
                                  "or give another --out") from None
-        f.truncate(0)
-        f.write(f"{os.getpid()}\n")
-        f.flush()
+        except OSError:  # a file system without flock (ENOLCK on some network ones): unlocked, as off POSIX
+            locked = False
+        if locked:
+            f.truncate(0)
+            f.write(f"{os.getpid()}\n")
+            f.flush()
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            if locked:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def discard_run_lock(out_dir: Path) -> None:
+    """Remove the lock file (and .progress, if nothing else is in it) of a run that is about to
+    remove the --out folder it created and wrote nothing into: left there, it would keep the
+    folder. Called with the lock still held, so no other run can be between its check and this."""
+    path = Path(out_dir) / PROGRESS_DIR / RUN_LOCK
+    path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        path.parent.rmdir()
 
 
 def run_journals(plan: TunePlan, p: TuneProblem, name: str) -> tuple[list[dict], dict[int, str]]:
@@ -468,8 +483,6 @@ class Worker:
                 j.save()
         for M, cfg in self._incumbents(p, self.sizes).items():
             journals[M].set_incumbent(config_key(cfg), cfg.to_dict())  # saved with the first measurement
-        for j in journals.values():  # the decision table decides a size only once all of them are timed
-            j.set_backends_asked(p.backends)
         searching = self.plan.search_space != "none"
         estimate = {M: self._static_candidates(p, M, journals[M]) if searching else 0 for M in self.sizes}
         self.reporter.add_total(sum(estimate.values()) + sum(len(self._baseline_todo(p, j)) for j in journals.values()))
@@ -540,7 +553,6 @@ class Worker:
         for M in sizes:
             j = Journal.open(journal_path(self.plan.out_dir, table_file, M), fp, problem_fields(p), M, self.reporter.log)
             opened.append(j)
-            j.set_backends_asked(p.backends)
             if M in before:
                 j.set_incumbent(config_key(before[M]), before[M].to_dict())
             # the neighbours the backend's lookup would take here: tiled ones only beyond the GEMV
@@ -564,6 +576,8 @@ class Worker:
         self.reporter.add_total(sum(len(cfgs) + len(names) for _, cfgs, names in todo))
         for j, cfgs, names in todo:
             inputs = None
+            if not self.deadline.passed():  # got to this size: decided once all of them are timed
+                j.set_backends_asked(p.backends)
             for item in [*cfgs, *names]:
                 if self.deadline.passed():
                     self.reporter.add_total(-1)
@@ -619,6 +633,10 @@ class Worker:
         if j.data["default"] != config_key(default):
             j.data["default"] = config_key(default)
             j.save()
+        # the run got to this size's step 1: the decision table decides it only once each of these
+        # has a time or an error (output.undecided); a size a budget cut never reached keeps the
+        # field of the run that last got to it
+        j.set_backends_asked(p.backends)
         todo = self._baseline_todo(p, j)
         if not todo:
             return
@@ -1086,6 +1104,7 @@ __all__ = [
     "order_candidates",
     "output_tolerance",
     "run_journals",
+    "discard_run_lock",
     "run_lock",
     "run_workers",
     "split_batch_sizes",
