@@ -233,11 +233,13 @@ def cpu_shape(shape: MoEShape) -> MoEShape:
     )
 
 
-def cpu_banner(batch_sizes: Sequence[int]) -> str:
+def cpu_banner(batch_sizes: Sequence[int], doing: str = "running the CPU backends on",
+               caveat: str = "; timings say nothing about a GPU") -> str:
+    """What a command without a GPU does, on which scaled-down shape (cpu_shape), and what that
+    leaves unsaid (bench's default; check's speaks of its checks)."""
     return (
-        "No CUDA GPU: running the CPU backends on a scaled-down shape (hidden <= "
-        f"{CPU_HIDDEN}, N <= {CPU_N}, experts <= {CPU_MAX_EXPERTS}, batch sizes "
-        f"{' '.join(map(str, batch_sizes))}); timings say nothing about a GPU"
+        f"No CUDA GPU: {doing} a scaled-down shape (hidden <= {CPU_HIDDEN}, N <= {CPU_N}, experts <= "
+        f"{CPU_MAX_EXPERTS}, batch sizes {' '.join(map(str, batch_sizes))}){caveat}"
     )
 
 

@@ -30,13 +30,12 @@ from .api import fused_moe
 from .backends import get_backend
 from .backends.reference import expert_groups
 from .bench import (
-    CPU_HIDDEN,
     CPU_MAX_EXPERTS,
-    CPU_N,
     BenchInputError,
     Problem,
     _one_line,
     print_wide,
+    cpu_banner,
     default_device,
     environment,
     json_safe,
@@ -407,20 +406,14 @@ def run_check(opts: CheckOptions, console=None) -> CheckReport:
         raise
 
 
-def cpu_banner(batch_sizes: Sequence[int]) -> str:
-    """What a check without a GPU checks (bench's banner speaks of timings, which check has none of)."""
-    return (
-        f"No CUDA GPU: checking on the CPU, on a scaled-down shape (hidden <= {CPU_HIDDEN}, N <= {CPU_N}, "
-        f"experts <= {CPU_MAX_EXPERTS}, batch sizes {' '.join(map(str, batch_sizes))}): the kernels a GPU runs, "
-        "at the model's own shape, are not checked here"
-    )
-
-
 def _run(opts, console, device, dtype, batch_sizes, problems: list[Problem], plan, out_dir: Path) -> CheckReport:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     if device.type != "cuda":
-        console.print(cpu_banner(batch_sizes), style="bold yellow", highlight=False)
+        # bench's banner, speaking of checks: check times nothing
+        console.print(cpu_banner(batch_sizes, "checking on the CPU, on",
+                                 ": the kernels a GPU runs, at the model's own shape, are not checked here"),
+                      style="bold yellow", highlight=False)
     meta = environment(device, opts.argv)
     console.print(f"device: {meta['device']}; torch {meta['torch']}, moekit {meta['moekit']}", highlight=False)
 

@@ -144,10 +144,8 @@ class MoELayer(HandleOwner, torch.nn.Module):
         # parallel: None, or "tp" / "ep" with `weights` this rank's shard (see `MoELayer.sharded`)
         self.parallel, self.process_group = parallel, process_group
         self.num_experts = num_experts if parallel == "ep" else weights.num_experts
-        if routing is not None and not 1 <= routing.top_k <= self.num_experts:
-            raise ValueError(f"routing top_k {routing.top_k} does not fit {self.num_experts} experts")
         if routing is not None:
-            try:  # route()'s own check against E, now rather than at the first forward
+            try:  # route()'s own check against E (top_k among it), now rather than at the first forward
                 check_fits(routing, self.num_experts)
             except ValueError as e:
                 raise ValueError(f"routing does not fit this layer's {self.num_experts} experts: {e}") from None

@@ -31,6 +31,7 @@ from ..select import environment_backend, select_backend
 from ..spec import BF16, QuantScheme, get_scheme
 from ..weights import MoEWeights
 from ..weights import _calibrate  # quantize_weights' own measurement of static activation scales
+from ..weights import _not_a_scale  # MoEWeights' rule for a weight scale it refuses
 from . import checkpoint as ckpt_mod
 from .experts import (ExpertsError, MoekitExperts, _hf_weights, check_hf_experts, experts_modules,
                       fp8_experts_class, register, set_backend)
@@ -307,8 +308,7 @@ _SCALE_TENSORS = ("weight_scale", "weight_scale_inv", "input_scale", "gate_up_pr
 
 
 def _valid_scale(t: torch.Tensor) -> bool:
-    t = t.float()
-    return bool(((t >= 0) & (t < float("inf"))).all())  # NaN fails both compares
+    return not bool(_not_a_scale(t.float()).any())  # MoEWeights' own rule
 
 
 def _refused_tensors(ckpt: ckpt_mod.Checkpoint, entry: dict, prefix: str) -> str:
