@@ -112,8 +112,8 @@
 #        test_hf_load.py, test_hf_errors.py; passed on an H100 in the forty-second, with the CLI
 #        fixes (test_select_auto.py, test_compile_ahead.py, test_cutlass_gpu.py, ...), but for
 #        test_hf_load.py (9: the device's transformers) and test_bench_cli.py (1: a test backend
-#        recording during a graph capture): both tests fixed since, not yet re-run on a GPU
-#        (carry device-wheels/ for test_hf_load.py). Run test_triton_gemv.py
+#        recording during a graph capture): both fixed since, and passed on an H200 in the
+#        forty-third (carry device-wheels/ for test_hf_load.py). Run test_triton_gemv.py
 #        with -k filters: unfiltered it passes one call's time. Not
 #        part of `all`. PENDING_TESTS ("test_routing_kernel test_api", say) picks files: all of
 #        them may not fit one call.
