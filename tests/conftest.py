@@ -3,8 +3,16 @@ set before any kernel is defined, so it is set here, before the tests import moe
 
 import os
 
-import pytest
-import torch
+# The interpreter runs tl.dot as numpy's matmul, and a multi-threaded OpenBLAS splits a product
+# between threads by its shape, summing some rows in another order: a token's row then depends on
+# which tile rows it shares (on one CPU, 2 cores, a split call's bf16 rows differed in their last
+# bits from one call's). A GPU's MMA gives each row the same sums wherever it sits, which is what
+# the bitwise tests check; one BLAS thread gives the interpreter that property too. Set before
+# torch imports numpy (which loads OpenBLAS and reads this once).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
