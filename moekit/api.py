@@ -8,10 +8,12 @@ import torch
 
 from .backends import get_backend
 from .backends.glue.ops import narrow_ids, on_device
+from .dtypes import FUSED_MOE_DTYPES, check_fused_moe_dtype
+from .routing import check_flag
 from .select import select_backend
 from .weights import MoEWeights
 
-ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ACTIVATION_DTYPES = FUSED_MOE_DTYPES  # the dtypes of x fused_moe runs (defined in dtypes: select and warmup check them too)
 
 
 def fused_moe(
@@ -36,6 +38,11 @@ def fused_moe(
     Runs on x's GPU whichever GPU is current (on_device). Inside a function torch.compile traces,
     the call is one custom op (custom_ops; `weights` made outside that function).
     """
+    if type(apply_router_weight_on_input) is not bool or type(allow_weight_copies) is not bool:
+        # checked as bools: a string or None was taken by its truthiness ("no" applied the rule);
+        # the common call, two Python bools, makes no call here
+        apply_router_weight_on_input, allow_weight_copies = check_flags(apply_router_weight_on_input,
+                                                                        allow_weight_copies)
     if torch.compiler.is_compiling():
         from . import custom_ops  # imported here: it imports torch._dynamo (~1 s), needed only now
 
@@ -47,9 +54,23 @@ def fused_moe(
             return fused_moe(x, weights, topk_weights, topk_ids, backend,
                              apply_router_weight_on_input=apply_router_weight_on_input,
                              allow_weight_copies=allow_weight_copies)
+    check_tensor("x", x)  # before x.device is read (on_device), as validate_inputs words it
     with on_device(x.device):
         return _fused_moe(x, weights, topk_weights, topk_ids, backend, apply_router_weight_on_input,
                           allow_weight_copies)
+
+
+def check_flags(apply_router_weight_on_input, allow_weight_copies) -> tuple[bool, bool]:
+    """fused_moe's (and tp_ / ep_fused_moe's) two flags as Python bools: ValueError naming the
+    one that is not True or False (routing.check_flag, RoutingConfig's check)."""
+    return (check_flag("apply_router_weight_on_input", apply_router_weight_on_input),
+            check_flag("allow_weight_copies", allow_weight_copies))
+
+
+def check_tensor(name: str, value) -> None:
+    """TypeError unless `value` is a torch.Tensor, naming the argument."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
 def grads_would_be_dropped(x, weights, topk_weights) -> bool:
@@ -154,14 +175,12 @@ def validate_inputs(x, weights, topk_weights, topk_ids, *, device_check: bool = 
     if not isinstance(weights, MoEWeights):
         raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
     for name, t in (("x", x), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_tensor(name, t)
         if t.dim() != 2:
             raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
         if t.device != weights.device:
             raise ValueError(f"{name} is on {t.device} but the weights are on {weights.device}")
-    if x.dtype not in ACTIVATION_DTYPES:
-        raise ValueError(f"x has dtype {x.dtype}; expected bfloat16, float16 or float32")
+    check_fused_moe_dtype(x.dtype, "x has dtype")
     check_weight_dtype(x.dtype, weights)
     if x.shape[1] != weights.hidden:
         raise ValueError(f"x has hidden size {x.shape[1]} but the weights expect {weights.hidden}")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -86,7 +86,7 @@ def warmup(
     batch_sizes: Sequence[int] | None = None,
     dtype: torch.dtype = torch.bfloat16,
     backend: str | None = "auto",
-    ids_dtypes: Sequence[torch.dtype] = (torch.int32, torch.int64),
+    ids_dtypes: torch.dtype | Sequence[torch.dtype] = (torch.int32, torch.int64),
     allow_weight_copies: bool = True,
     on_size: Callable[[int], object] | None = None,
 ) -> WarmupReport:
@@ -94,24 +94,31 @@ def warmup(
     token and x of `dtype` would launch at each batch size (1 ... max_batch_size, or
     `batch_sizes`), launching none (module docstring). `backend` as fused_moe takes it: "auto"
     (MOEKIT_BACKEND first) warms each size's choice; a name, that backend at every size.
-    `ids_dtypes`: the dtypes of the calls' topk_ids, each its own kernels (moekit's router gives
-    int32, transformers' routers int64; both by default). `allow_weight_copies` as fused_moe takes
+    `ids_dtypes`: the dtype of the calls' topk_ids, or a sequence of them, each its own kernels
+    (moekit's router gives int32, transformers' routers int64; both by default). `dtype` is
+    refused (ValueError) where fused_moe would refuse x of it. `allow_weight_copies` as fused_moe takes
     it (a MoELayer's and transformers models' calls pass False). `on_size(M)` is called after each size
     (a progress bar). Largest size first: its workspace, freed, holds every smaller size's, so the
     caching allocator reserves no more than one call's."""
     from .api import check_weight_dtype, ids_for_backend
     from .backends import get_backend
     from .backends.compile_only import compile_only
-    from .dtypes import as_torch_dtype
+    from .dtypes import as_torch_dtype, check_fused_moe_dtype
     from .select import select_backend
 
     dtype = as_torch_dtype(dtype)  # "bf16" as select_backend and MoELayer.warmup take it
+    check_fused_moe_dtype(dtype)  # float64 was reported warmed on reference, for x fused_moe refuses
     if not isinstance(weights, MoEWeights):
         raise TypeError(f"weights must be a moekit.MoEWeights, got {type(weights).__name__}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= weights.num_experts:
         raise ValueError(f"top_k must be an integer in [1, {weights.num_experts}] (the experts), got {top_k!r}")
     sizes = batch_sizes_to_warm(max_batch_size, batch_sizes)
     check_weight_dtype(dtype, weights)
+    if isinstance(ids_dtypes, torch.dtype):  # one dtype, as `dtype` takes it (it failed as "not iterable")
+        ids_dtypes = (ids_dtypes,)
+    if isinstance(ids_dtypes, str) or not isinstance(ids_dtypes, Iterable):
+        raise TypeError(f"ids_dtypes must be torch.int32, torch.int64 or a sequence of them, got "
+                        f"{type(ids_dtypes).__name__} {ids_dtypes!r}")
     ids_dtypes = list(dict.fromkeys(ids_dtypes))
     if not ids_dtypes or any(d not in (torch.int32, torch.int64) for d in ids_dtypes):
         raise ValueError(f"ids_dtypes must name torch.int32 and/or torch.int64 (the topk_ids dtypes), got {ids_dtypes}")

@@ -5,12 +5,14 @@
     out = layer(x, topk_weights, topk_ids)       # or takes the routing as computed elsewhere
 
 The weight tensors are the module's buffers (`w13`, `w2`, and the scales the scheme has), so
-`.to(device)`, `state_dict()` and `load_state_dict()` behave as for any module; `.to(dtype)` and
-`.half()` move nothing but the device: FP8 weights and float32 scales keep their dtypes (the
-activations' dtype is x's). The weights exist once: `auto` chooses per call (each batch size M
-may get another backend) but only among backends that read them as they are, never one that keeps
-a converted copy (the `torch` backend dequantizes FP8 weights to bf16): that one runs only when
-named (`backend="torch"` or MOEKIT_BACKEND=torch). `memory()` reports the bytes of the weights and
+`.to(device)`, `state_dict()` and `load_state_dict()` behave as for any module, and a tensor
+assigned to the layer's MoEWeights (`layer.weights.w13 = new`) becomes the buffer. `.to(dtype)`
+and `.half()` leave FP8 weights and float32 scales as they are (the activations' dtype is x's);
+unquantized (bf16 / fp16) weights follow a conversion to bf16 or fp16, as the model's own layers
+do. The weights exist once: `auto` chooses per call (each batch size M may get another backend)
+but only among backends that read them as they are, never one that keeps a converted copy (the
+`torch` backend dequantizes FP8 weights to bf16): that one runs only when named
+(`backend="torch"` or MOEKIT_BACKEND=torch). `memory()` reports the bytes of the weights and
 of every backend's prepared state.
 """
 
@@ -27,7 +29,7 @@ from .models import ModelSpec, get_model
 from .routing import RoutingConfig, check_fits, route
 from .dtypes import as_torch_dtype
 from .spec import QuantScheme, get_scheme
-from .weights import TENSOR_FIELDS, MoEWeights, scale_values_checked_later
+from .weights import TENSOR_FIELDS, UNQUANTIZED_DTYPES, MoEWeights, scale_values_checked_later
 
 BIAS = "e_score_correction_bias"  # the checkpoint's name for DeepSeek-V3 / GLM-4.5's router bias
 
@@ -74,16 +76,34 @@ def weight_memory(weights: MoEWeights) -> dict:
     return {"weights": weights.nbytes, "prepared": prepared, "total": weights.nbytes + sum(prepared.values())}
 
 
-def apply_keeping_dtypes(module: torch.nn.Module, fn, *args, **kwargs):
+def apply_keeping_dtypes(module: torch.nn.Module, fn, *args, half_precision=(), **kwargs):
     """`Module._apply` for modules holding FP8 weights and float32 scales: Module.to(dtype) /
     .half() would convert every floating point tensor, FP8 included (and lose the scales'
     precision), so each tensor keeps its dtype and takes only fn's device (probed on an empty
-    tensor). Shared by MoELayer and moekit.hf's MoekitExperts."""
+    tensor). The tensors in `half_precision` (unquantized weights) take fn's dtype where it is
+    bfloat16 or float16. Shared by MoELayer and moekit.hf's MoekitExperts."""
     def keep_dtype(t: torch.Tensor) -> torch.Tensor:
         probe = fn(t.new_empty(0))
-        return fn(t) if probe.dtype == t.dtype else t.to(device=probe.device)
+        follows = probe.dtype in UNQUANTIZED_DTYPES and any(t is u for u in half_precision)
+        return fn(t) if probe.dtype == t.dtype or follows else t.to(device=probe.device)
 
     return torch.nn.Module._apply(module, keep_dtype, *args, **kwargs)
+
+
+def _check_leading_dims(x: torch.Tensor, name: str, t: torch.Tensor) -> None:
+    """ValueError unless `t` [..., width] (router logits, or routing results) belongs to x's
+    tokens row by row: x's leading dimensions, or as many rows where either side is flat ([M, H]
+    or [M, width]): the same rows in the same order. Both with leading dimensions, they must be
+    the same ones: [S, B] rows of a [B, S] x have as many tokens and would misroute, silently."""
+    width = t.shape[-1]
+    tokens = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else None
+    rows = t.numel() // width if width else None
+    flat = (t.dim() == 2 or x.dim() == 2) and rows == tokens
+    if t.shape[:-1] != x.shape[:-1] and not flat:
+        raise ValueError(
+            f"{name} {tuple(t.shape)} does not match x {tuple(x.shape)}: expected the same "
+            f"leading dimensions, {tuple(x.shape[:-1]) + (width,)}, or [{tokens}, {width}]"
+        )
 
 
 class MoELayer(HandleOwner, torch.nn.Module):
@@ -166,6 +186,7 @@ class MoELayer(HandleOwner, torch.nn.Module):
             raise ValueError("correction_bias was given but the routing does not use one (use_correction_bias)")
         self._scheme, self._shard = weights.scheme, weights.shard
         self._weights: MoEWeights | None = weights
+        weights._followed_by(self)  # a tensor assigned to them becomes this layer's buffer
 
     # ------------------------------------------------------------------------- constructors
     @classmethod
@@ -248,7 +269,30 @@ class MoELayer(HandleOwner, torch.nn.Module):
             older = self.__dict__.pop("_older_weights", None)
             if older is not None:  # derived state over unchanged storage is refreshed in place, not freed
                 w.carry_prepared_from(older)
+            w._followed_by(self)
         return w
+
+    def _weights_assigned(self, weights: MoEWeights, name: str, old) -> None:
+        """MoEWeights.__setattr__ calls this after a tensor (or the scheme) of weights this layer
+        was made or rebuilt with was replaced and validated: where every buffer is still their
+        tensor as it was, the buffer becomes the new one. Forward had run the new tensor while
+        state_dict() saved the old buffer, and a no-op .to("cpu"), which rebuilds the weights over
+        the buffers, went back to the old one. Weights the layer no longer runs (its buffers since
+        moved, loaded with assign=True or assigned) leave it alone."""
+        was = {n: old if n == name else getattr(weights, n) for n in TENSOR_FIELDS}
+        if any(self._buffers.get(n) is not t for n, t in was.items()):
+            return
+        if name == "scheme":
+            self._scheme = weights.scheme
+        else:  # the dict itself: setattr would drop `weights`, which are these buffers already
+            self._buffers[name] = getattr(weights, name)
+        if self.__dict__.get("_weights") is not weights:  # older weights over these buffers: rebuilt
+            self._drop_weights()
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        if self.__dict__.get("_weights") is not None:  # a copy (deepcopy, pickle) follows its own weights
+            self._weights._followed_by(self)
 
     def _drop_weights(self, keep_derived: bool = False) -> None:
         """The weights are rebuilt (and re-validated) over the buffers at their next use.
@@ -282,8 +326,17 @@ class MoELayer(HandleOwner, torch.nn.Module):
         return weight_memory(self.weights)
 
     def _apply(self, fn, *args, **kwargs):
-        out = apply_keeping_dtypes(self, fn, *args, **kwargs)
-        self._drop_weights(keep_derived=True)
+        # unquantized weights follow .half() / .bfloat16() / .to(bf16 or fp16) as a model's own
+        # layers and moekit.hf's experts do: activations and unquantized weights must share a
+        # dtype, and a bf16 layer left behind by model.half() refused the model's fp16 x. To
+        # float32 / float64 they stay: float32 x runs on them as they are (MoEWeights refuses a
+        # float32 copy). FP8 weights and float32 scales always keep their dtypes.
+        unquantized = () if self._scheme.is_fp8 else (self._buffers["w13"], self._buffers["w2"])
+        out = apply_keeping_dtypes(self, fn, *args, half_precision=unquantized, **kwargs)
+        if unquantized and self._buffers["w13"].dtype != unquantized[0].dtype:
+            # the same unquantized scheme, asked for in the new dtype (spec.FP16)
+            self._scheme = get_scheme("fp16" if self._buffers["w13"].dtype == torch.float16 else "bf16")
+        self._drop_weights(keep_derived=True)  # new tensors (another dtype): the weights rebuilt anew
         return out
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -340,9 +393,8 @@ class MoELayer(HandleOwner, torch.nn.Module):
                     f"{self.routing.top_k}: route with the layer's rule (moekit.route(logits, config=layer.routing)) "
                     f"or call the layer with the router logits"
                 )
-            if topk_weights.dim() != 2:
-                topk_weights = topk_weights.reshape(-1, topk_weights.shape[-1])
-                topk_ids = topk_ids.reshape(-1, topk_ids.shape[-1])
+            topk_weights = self._rows_of(x, "topk_weights", topk_weights)
+            topk_ids = self._rows_of(x, "topk_ids", topk_ids)
         else:
             raise TypeError(
                 f"MoELayer takes (x, router_logits) or (x, topk_weights, topk_ids), got {1 + len(routing)} tensors"
@@ -381,17 +433,19 @@ class MoELayer(HandleOwner, torch.nn.Module):
                 f"router_logits has {logits.shape[-1]} columns but this layer routes over {self.num_experts} experts "
                 f"(expected shape [..., {self.num_experts}], got {tuple(logits.shape)})"
             )
-        tokens = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else None
-        rows = logits.numel() // self.num_experts  # its last dimension, checked above
-        # one side flat ([M, H] or [M, E]) with as many tokens: the same rows in the same order;
-        # both with leading dimensions: the same ones ([S, B] logits of [B, S] x would misroute)
-        flat = (logits.dim() == 2 or x.dim() == 2) and rows == tokens
-        if logits.shape[:-1] != x.shape[:-1] and not flat:
-            raise ValueError(
-                f"router_logits {tuple(logits.shape)} does not match x {tuple(x.shape)}: expected the same "
-                f"leading dimensions, {tuple(x.shape[:-1]) + (self.num_experts,)}, or [{tokens}, {self.num_experts}]"
-            )
+        _check_leading_dims(x, "router_logits", logits)
         return logits
+
+    @staticmethod
+    def _rows_of(x: torch.Tensor, name: str, t):
+        """topk_weights / topk_ids as [M, K] rows of x's tokens, after the check of their leading
+        dimensions that the logits get (routing [S, B, K] of a [B, S, H] x ran, every token with
+        another token's experts); anything not a tensor of at least one dimension as it is, for
+        fused_moe to refuse by name."""
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        _check_leading_dims(x, name, t)
+        return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
     def warmup(self, max_batch_size: int | None = None, *, batch_sizes=None, top_k: int | None = None,
                dtype: torch.dtype = torch.bfloat16, on_size=None):

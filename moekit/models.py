@@ -595,31 +595,37 @@ def _unsupported(path: str, value: Any, supported: str) -> ValueError:
     return ValueError(f"{path}: {value!r} is not supported; moekit supports {supported}")
 
 
-def parse_quantization_config(quant: Any) -> QuantScheme:
-    """The moekit scheme of a config.json `quantization_config` (None or {}: bf16)."""
+def parse_quantization_config(quant: Any, experts: tuple[str, ...] | list[str] | None = None) -> QuantScheme:
+    """The moekit scheme of a config.json `quantization_config` (None or {}: bf16).
+
+    `experts`: the checkpoint names of one experts module's projections (e.g.
+    `model.layers.0.mlp.experts.3.gate_proj`): the scheme of that module, as the config's entries
+    that name it say. None: the scheme of the model's routed experts, those the config does not
+    name one by one (an `ignore` entry naming one layer's experts leaves the others quantized)."""
     if quant is None or quant == {}:
         return BF16
     if not isinstance(quant, dict):
         raise _unsupported(_Q, quant, "an object with a quant_method")
+    names = tuple(experts) if experts is not None else _EXPERT_MODULES
     method = quant.get("quant_method")
     if method == "compressed-tensors":
-        return _parse_compressed_tensors(quant)
+        return _parse_compressed_tensors(quant, experts)
     if method == "fp8":
-        if _skips_experts(quant, ("modules_to_not_convert", "ignored_layers")):
+        if _skips_experts(quant, ("modules_to_not_convert", "ignored_layers"), names):
             return BF16
         return _parse_fp8(quant)
     if method == "fbgemm_fp8":  # FP8 per-channel weights, dynamic per-token activations
         # (its activation_scale_ub caps a row's amax at the bound; moekit takes the row's own
         # amax, as finely as the row allows: README, Quantization schemes)
-        if _skips_experts(quant, ("modules_to_not_convert",)):
+        if _skips_experts(quant, ("modules_to_not_convert",), names):
             return BF16
         return FP8_CHANNEL_TOKEN
     supported = "quant_method " + ", ".join(_SUPPORTED_METHODS)
     raise _unsupported(f"{_Q}.quant_method", method, supported)
 
 
-# Module names of routed experts as checkpoints write them (one per family layout): what a
-# quantization config's ignore / targets / skip lists are matched against.
+# Module names of routed experts as checkpoints write them (one per family layout): what the
+# skip lists of quant_method fp8 / fbgemm_fp8 are matched against for the model as a whole.
 _EXPERT_MODULES = (
     "model.layers.1.mlp.experts.0.gate_proj", "model.layers.1.mlp.experts.0.down_proj",
     "model.layers.1.block_sparse_moe.experts.0.w1", "model.layers.1.block_sparse_moe.experts.0.w2",
@@ -629,30 +635,70 @@ _EXPERT_MODULES = (
 )
 
 
-def _skips_experts(quant: dict, keys: tuple[str, ...]) -> bool:
-    """Whether a skip list of quant_method fp8 / fbgemm_fp8 names the routed experts (transformers
-    matches its entries as substrings of module names): then they are not FP8."""
+def _skips_experts(quant: dict, keys: tuple[str, ...], names: tuple[str, ...]) -> bool:
+    """Whether a skip list of quant_method fp8 / fbgemm_fp8 names these expert projections
+    (transformers matches its entries as substrings of module names): then they are not FP8."""
     for key in keys:
         entries = quant.get(key) or ()
         if not isinstance(entries, (list, tuple)):
             raise _unsupported(f"{_Q}.{key}", entries, f"{key} a list of module names")
-        if any(isinstance(e, str) and e and any(e in name for name in _EXPERT_MODULES) for e in entries):
+        if any(isinstance(e, str) and e and any(e in name for name in names) for e in entries):
             return True
     return False
 
 
 def _ct_matches(entry, name: str) -> bool:
-    """compressed-tensors' rule for a target or ignore entry: "re:<regex>" matched from the start
-    of the module name, a class name ("Linear": every expert projection is one), else the name."""
+    """compressed-tensors' rule for a target or ignore entry (compressed_tensors.utils.match:
+    match_name and _match_class): "re:<regex>" matched from the start of the module name, a class
+    name ("Linear": every expert projection is one), else the module's own name, exactly (a name
+    is one module: one layer's experts named in `ignore` are only that layer's)."""
     if not isinstance(entry, str):
         return False
     if entry.startswith("re:"):
         return re.match(entry[3:], name) is not None
-    return entry in ("Linear", name) or (".experts." in entry and entry.endswith(name.rsplit(".", 1)[-1]))
+    return entry in ("Linear", name)
 
 
-def _covers_experts(entries) -> bool:
-    return isinstance(entries, (list, tuple)) and any(_ct_matches(e, n) for e in entries for n in _EXPERT_MODULES)
+def _ct_matcher(entries):
+    """_ct_matches of any of `entries`, as one test: names in a set, regexes compiled once (an
+    ignore list may name every expert projection of a model: tens of thousands of names)."""
+    entries = [e for e in entries if isinstance(e, str)] if isinstance(entries, (list, tuple)) else []
+    exact = set(entries)
+    patterns = [re.compile(e[3:]) for e in entries if e.startswith("re:")]
+    return lambda name: "Linear" in exact or name in exact or any(p.match(name) for p in patterns)
+
+
+# compressed-tensors for the model as a whole: sample expert projections of each layout, at
+# layers and indices no model has all of (layer 93, expert 255), so that only patterns ("re:",
+# "Linear") match every sample of a layout, never a list of single modules' names.
+_SAMPLED_EXPERTS = tuple(
+    tuple(f"{layout}.layers.{layer}.{block}.experts.{e}.{proj}" for layer in (0, 1, 9, 93) for e in (0, 5, 255)
+          for proj in projections)
+    for layout, block, projections in (
+        ("model", "mlp", ("gate_proj", "up_proj", "down_proj")),
+        ("model", "block_sparse_moe", ("w1", "w3", "w2")),
+        ("model", "feed_forward", ("gate_proj", "up_proj", "down_proj")),
+        ("language_model.model", "feed_forward", ("gate_proj", "up_proj", "down_proj")),
+        ("model.language_model", "mlp", ("gate_proj", "up_proj", "down_proj")),
+    )
+)
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+
+
+def _targets_experts(entries) -> bool:
+    """Whether a config group's targets reach any routed expert: a pattern or class matching a
+    sample, or the name of one expert projection."""
+    return isinstance(entries, (list, tuple)) and any(
+        any(_ct_matches(e, n) for layout in _SAMPLED_EXPERTS for n in layout)
+        or (isinstance(e, str) and not e.startswith("re:") and ".experts." in e and e.rsplit(".", 1)[-1] in _PROJECTIONS)
+        for e in entries)
+
+
+def _ignores_every_expert(entries) -> bool:
+    """Whether an ignore list leaves every routed expert unquantized: its entries match every
+    sample of one layout (names of single experts modules never do)."""
+    ignored = _ct_matcher(entries)
+    return any(all(ignored(n) for n in layout) for layout in _SAMPLED_EXPERTS)
 
 
 def _parse_fp8(quant: dict) -> QuantScheme:
@@ -686,20 +732,33 @@ def _parse_fp8(quant: dict) -> QuantScheme:
 _CT_FORMATS = ("float-quantized", "naive-quantized")
 
 
-def _parse_compressed_tensors(quant: dict) -> QuantScheme:
-    """The scheme of the config groups that target the routed experts; bf16 where none does (an
-    FP8 KV cache or attention alone) or `ignore` names them. Groups of other layers are not
-    read: moekit runs only the experts."""
+def _parse_compressed_tensors(quant: dict, experts: tuple[str, ...] | list[str] | None) -> QuantScheme:
+    """The scheme of the config groups that target the routed experts (`experts`: these expert
+    projections); bf16 where none does (an FP8 KV cache or attention alone) or `ignore` names them.
+    Groups of other layers are not read: moekit runs only the experts."""
     groups = quant.get("config_groups")
     path = f"{_Q}.config_groups"
     if groups is None:
         groups = {}
     if not isinstance(groups, dict):
         raise _unsupported(path, groups, "a config_groups object")
-    if _covers_experts(quant.get("ignore")):
-        return BF16  # quantized elsewhere, the experts left in bf16
-    covering = {name: g for name, g in groups.items()
-                if not isinstance(g, dict) or _covers_experts(g.get("targets", ["Linear"]))}
+    ignore = quant.get("ignore")
+    if experts is None:
+        if _ignores_every_expert(ignore):
+            return BF16  # quantized elsewhere, the experts left in bf16
+        covering = {name: g for name, g in groups.items()
+                    if not isinstance(g, dict) or _targets_experts(g.get("targets", ["Linear"]))}
+    else:
+        is_ignored = _ct_matcher(ignore)
+        ignored = [n for n in experts if is_ignored(n)]
+        if ignored and len(ignored) < len(experts):
+            kept = next(n for n in experts if n not in ignored)
+            raise ValueError(f"{_Q}.ignore names {ignored[0]} but not {kept}: moekit runs one scheme for every "
+                             "expert of a layer")
+        if ignored:
+            return BF16
+        covering = {name: g for name, g in groups.items() if not isinstance(g, dict)
+                    or any(_ct_matches(t, n) for t in g.get("targets", ["Linear"]) for n in experts)}
     if not covering:
         return BF16
     fmt = quant.get("format")

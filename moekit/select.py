@@ -32,8 +32,9 @@ import torch
 
 from . import decisions, env, tables
 from .accumulation import FP8_ACCUMULATION_ENV, fp8_accumulation, table_accumulation
-from .backends.base import assume_capability, backend_names, get_backend
-from .dtypes import as_torch_dtype
+from .backends.base import assume_capability, backend_names, check_shape, get_backend
+from .dtypes import as_torch_dtype, check_fused_moe_dtype
+from .routing import check_flag
 from .spec import MoEShape, QuantScheme, get_scheme
 
 ENV_VAR = "MOEKIT_BACKEND"
@@ -153,9 +154,11 @@ def refusals(
 ) -> dict[str, list[str]]:
     """Every registered backend's reasons not to run (empty list: it can). Cached: it is static.
     A `DeviceSpec` is answered as a CUDA device of its capability, present or not; `dtype` may
-    be its name (moekit.dtypes.as_torch_dtype)."""
+    be its name (moekit.dtypes.as_torch_dtype). ValueError for a dtype fused_moe refuses (float64,
+    int8): answered `reference` before, for an x that fused_moe then refused."""
     device = _device_key(device)
     dtype = as_torch_dtype(dtype)
+    check_fused_moe_dtype(dtype)
     key = (shape, scheme, device, dtype, env.raw("TRITON_INTERPRET"))
     result = {}
     for name in backend_names():
@@ -215,7 +218,13 @@ def select_backend(
     `allow_weight_copies=False`: auto passes over backends that would keep a converted copy of
     the weights (a backend named by argument or MOEKIT_BACKEND is still used). `scheme` may be
     a scheme's name, and `dtype` a torch.dtype or its name ("bf16", "bfloat16", as the commands
-    take it), as everywhere else. ValueError for a num_tokens that is no integer >= 0."""
+    take it), as everywhere else. ValueError for a num_tokens that is no integer >= 0, and for a
+    dtype that fused_moe refuses (dtypes.FUSED_MOE_DTYPES; checked where the problem is first
+    resolved, refusals). TypeError for a shape that is no MoEShape."""
+    if type(shape) is not MoEShape:  # one comparison for the common call; check_shape takes a subclass
+        check_shape(shape)
+    if type(allow_weight_copies) is not bool:  # "no" was taken as True (routing.check_flag)
+        allow_weight_copies = check_flag("allow_weight_copies", allow_weight_copies)
     if not isinstance(scheme, QuantScheme):
         scheme = get_scheme(scheme)
     if not isinstance(dtype, torch.dtype):

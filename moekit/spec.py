@@ -65,12 +65,15 @@ class QuantScheme:
     activation: "tensor" (one scale), "token" (one per row) or "group" (one per 1x128 group);
         None for unquantized activations.
     static_activation: activation scales come from the checkpoint rather than each call.
+    cast_dtype: the unquantized scheme only, "bf16" or "fp16": the dtype quantize_weights casts
+        float32 weights to. Not part of == or hash (see FP16).
     """
 
     name: str
     weight: Granularity | None
     activation: Granularity | None
     static_activation: bool = False
+    cast_dtype: Literal["bf16", "fp16"] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def is_fp8(self) -> bool:
@@ -84,7 +87,15 @@ class QuantScheme:
         return self.name
 
 
-BF16 = QuantScheme("bf16", None, None)
+BF16 = QuantScheme("bf16", None, None, cast_dtype="bf16")
+# "fp16" is the unquantized scheme asked for in float16, not a scheme of its own: the weights' dtype
+# says bf16 or fp16, and tables (file names scheme=bf16, "a bf16 table answers for fp16 too"), check's
+# thresholds and the checkpoint loaders' scheme comparisons know one unquantized scheme, by the name
+# "bf16". So FP16 is equal to BF16 (same name, same rules, ==, same hash) and differs only in
+# cast_dtype, which quantize_weights reads: SCHEMES["fp16"] / get_scheme("fp16") had been BF16
+# itself, and quantize_weights(w13, w2, SCHEMES["fp16"]) made bf16 weights where "fp16" made fp16.
+# A scheme named "fp16" would have split those tables and comparisons in two.
+FP16 = dataclasses.replace(BF16, cast_dtype="fp16")
 FP8_TENSOR_STATIC = QuantScheme("fp8-tensor-static", "tensor", "tensor", static_activation=True)
 FP8_TENSOR_DYNAMIC = QuantScheme("fp8-tensor-dynamic", "tensor", "tensor")
 FP8_CHANNEL_TOKEN = QuantScheme("fp8-channel-token", "channel", "token")
@@ -93,7 +104,7 @@ FP8_BLOCK128 = QuantScheme("fp8-block128", "block", "group")
 SCHEMES: dict[str, QuantScheme] = {
     s.name: s for s in (BF16, FP8_TENSOR_STATIC, FP8_TENSOR_DYNAMIC, FP8_CHANNEL_TOKEN, FP8_BLOCK128)
 }
-SCHEMES["fp16"] = BF16  # the unquantized scheme; the activations' dtype says bf16 or fp16
+SCHEMES["fp16"] = FP16  # the unquantized scheme, asked for in fp16 (see FP16)
 
 
 def get_scheme(scheme: str | QuantScheme) -> QuantScheme:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import numbers
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -67,7 +69,8 @@ class MoEWeights:
         (a non-contiguous w13 gave the triton backend garbage; a scale of the wrong shape failed
         deep inside a backend): the old tensor is put back and the error raised. To change
         several tensors at once (another E, another device), make new weights:
-        dataclasses.replace(weights, w13=..., w2=..., ...) validates them together."""
+        dataclasses.replace(weights, w13=..., w2=..., ...) validates them together. A MoELayer
+        running these weights takes the new tensor as its buffer (MoELayer._weights_assigned)."""
         if name not in (*TENSOR_FIELDS, "scheme") or not self.__dict__.get("_validated"):
             super().__setattr__(name, value)
             return
@@ -80,6 +83,21 @@ class MoEWeights:
         except (ValueError, TypeError):
             super().__setattr__(name, old)
             raise
+        for layer in list(self.__dict__.get("_layers", ())):  # the MoELayers over these tensors follow
+            layer._weights_assigned(self, name, old)
+
+    def _followed_by(self, layer) -> None:
+        """`layer` (a MoELayer whose buffers are these tensors) is told of every tensor or scheme
+        assigned here, so that its buffers follow (MoELayer._weights_assigned). Held weakly: the
+        weights never keep a layer alive."""
+        self.__dict__.setdefault("_layers", weakref.WeakSet()).add(layer)
+
+    def __getstate__(self):
+        # weak references cannot be pickled or deep-copied; a copied MoELayer links its own copy
+        # of the weights again (MoELayer.__setstate__)
+        state = dict(self.__dict__)
+        state.pop("_layers", None)
+        return state
 
     def __repr__(self) -> str:
         """Scheme, sizes, dtype and device, as MoELayer's repr says them: the dataclass repr
@@ -398,10 +416,9 @@ def quantize_weights(
     `input_scales=(a13_scale, a2_scale)`, or pass activations `calibration=x [T, H]` to measure
     them (x is sent through every expert, a conservative bound on what routing will send).
     The unquantized scheme keeps bf16 / fp16 weights as they are and casts float32 / float64
-    ones to the dtype its name says ("bf16": bfloat16, "fp16": float16), as the FP8 schemes
-    quantize weights of any float dtype.
+    ones to the dtype it was asked in ("bf16" or BF16: bfloat16; "fp16" or SCHEMES["fp16"]:
+    float16; QuantScheme.cast_dtype), as the FP8 schemes quantize weights of any float dtype.
     """
-    name = scheme if isinstance(scheme, str) else getattr(scheme, "name", None)
     scheme = get_scheme(scheme)
     if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
         raise TypeError("quantize_weights takes torch tensors w13 [E, 2N, H] and w2 [E, H, N]")
@@ -409,10 +426,13 @@ def quantize_weights(
     if given and not scheme.static_activation:
         raise ValueError(f"{' and '.join(given)}: only for fp8-tensor-static (static activation scales); scheme "
                          f"{scheme.name} computes its activation scales per call")
-    if not w13.is_floating_point() or w13.dtype == quant.FP8_DTYPE:
-        raise ValueError(f"quantize_weights needs float weights, got w13 of dtype {w13.dtype}")
-    if not scheme.is_fp8:
-        target = torch.float16 if name == "fp16" else torch.bfloat16
+    for name, t in (("w13", w13), ("w2", w2)):  # both: an integer w2 was quantized as if it were weights
+        if not t.is_floating_point() or t.dtype == quant.FP8_DTYPE:
+            raise ValueError(f"quantize_weights needs float weights, got {name} of dtype {t.dtype}"
+                             + ("; FP8 weights with their scales are wrapped by MoEWeights.from_fp8"
+                                if t.dtype == quant.FP8_DTYPE else ""))
+    if not scheme.is_fp8:  # get_scheme("fp16") is the unquantized scheme with cast_dtype "fp16"
+        target = torch.float16 if scheme.cast_dtype == "fp16" else torch.bfloat16
         return MoEWeights(scheme, _cast_wide(w13, target), _cast_wide(w2, target))
     if w13.dim() != 3 or w13.shape[1] % 2 or tuple(w2.shape) != (w13.shape[0], w13.shape[2], w13.shape[1] // 2):
         raise ValueError(
@@ -428,11 +448,7 @@ def quantize_weights(
         if input_scales is not None and calibration is not None:
             raise ValueError("give either input_scales= or calibration=, not both")
         if input_scales is not None:
-            scales = [torch.as_tensor(s, dtype=torch.float32, device=w13.device) for s in input_scales]
-            if len(scales) != 2 or any(s.numel() != 1 for s in scales):
-                raise ValueError(f"input_scales must be two scalars (a13, a2), the scales of GEMM1's and GEMM2's "
-                                 f"inputs; got {len(scales)} of sizes {[s.numel() for s in scales]}")
-            a13, a2 = (s.reshape(1) for s in scales)
+            a13, a2 = _static_input_scales(input_scales, w13.device)
         elif calibration is not None:
             a13, a2 = _calibrate(w13, w2, calibration)
         else:
@@ -446,6 +462,22 @@ def quantize_weights(
     # one expert at a time: a whole layer in float32 is several GB (128 experts)
     return quantize_per_expert(lambda e: (w13[e], w2[e]), E, H, N, scheme, w13.device,
                                input_scales=None if a13 is None else (a13, a2))
+
+
+def _static_input_scales(input_scales, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_weights' input_scales=(a13, a2) as two float32 [1] tensors on `device`. A lone
+    scalar, or a None among the two, raised Python's own TypeError ("'float' object is not
+    iterable"), which named neither the argument nor its form."""
+    form = "input_scales must be two scalars (a13, a2), the scales of GEMM1's and GEMM2's inputs"
+    if not isinstance(input_scales, (tuple, list)):
+        raise TypeError(f"{form}, in a tuple or list; got {type(input_scales).__name__}")
+    if any(isinstance(v, bool) or not isinstance(v, (numbers.Real, torch.Tensor)) for v in input_scales):
+        got = ", ".join(type(v).__name__ for v in input_scales)
+        raise TypeError(f"{form}, each a float or a one-element tensor; got ({got})")
+    scales = [torch.as_tensor(v, dtype=torch.float32, device=device) for v in input_scales]
+    if len(scales) != 2 or any(v.numel() != 1 for v in scales):
+        raise ValueError(f"{form}; got {len(scales)} of sizes {[v.numel() for v in scales]}")
+    return scales[0].reshape(1), scales[1].reshape(1)
 
 
 def _cast_wide(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -483,6 +515,10 @@ def quantize_per_expert(expert: Callable[[int], tuple[torch.Tensor, torch.Tensor
 
 @torch.no_grad()
 def _calibrate(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():  # a list or a numpy array: no .dim()
+        got = f"a tensor of dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"calibration must be a float torch.Tensor of activations [T, hidden={w13.shape[2]}], "
+                        f"got {got}")
     if x.dim() != 2 or x.shape[1] != w13.shape[2] or x.shape[0] == 0:
         raise ValueError(
             f"calibration activations must be [T > 0, hidden={w13.shape[2]}], got {tuple(x.shape)}"

@@ -352,3 +352,61 @@ def test_gpu_narrow_ids_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want(static))
+
+
+@pytest.mark.parametrize("flag", ["apply_router_weight_on_input", "allow_weight_copies"])
+@pytest.mark.parametrize("bad", ["no", "False", None, 0, 1])
+def test_flags_must_be_true_or_false(flag, bad):
+    """apply_router_weight_on_input="no" gave exactly the output of True (a non-empty string is
+    truthy), and None quietly meant False; RoutingConfig refuses such values, and so does
+    fused_moe now, with the same check (routing.check_flag)."""
+    w = random_weights(4, 128, 128, "bf16")
+    tw, ids = random_routing(3, 4, 1)
+    with pytest.raises(ValueError, match=rf"^{flag} must be True or False, got {bad!r}$"):
+        moekit.fused_moe(random_x(3, 128), w, tw, ids, "reference", **{flag: bad})
+
+
+def test_numpy_bools_are_bools():
+    """A NumPy bool can only be True or False (RoutingConfig takes it too): it runs as that bool."""
+    np = pytest.importorskip("numpy")
+    w = random_weights(4, 128, 128, "bf16")
+    tw, ids = random_routing(3, 4, 1)
+    x = random_x(3, 128)
+    for value in (True, False):
+        want = moekit.fused_moe(x, w, tw, ids, "reference", apply_router_weight_on_input=value)
+        got = moekit.fused_moe(x, w, tw, ids, "reference", apply_router_weight_on_input=np.bool_(value),
+                               allow_weight_copies=np.True_)
+        assert torch.equal(got, want)
+
+
+def test_an_x_that_is_not_a_tensor_is_a_type_error_naming_x(problem):
+    """x=None or a NumPy x raised an AttributeError from on_device(x.device), before any check;
+    the other inputs already got this TypeError."""
+    np = pytest.importorskip("numpy")
+    x, w, tw, ids = problem
+    for bad in (None, x.float().numpy(), x.tolist()):
+        with pytest.raises(TypeError, match=rf"^x must be a torch.Tensor, got {type(bad).__name__}$"):
+            moekit.fused_moe(bad, w, tw, ids)
+    with pytest.raises(TypeError, match=r"^topk_weights must be a torch.Tensor, got ndarray$"):
+        moekit.fused_moe(x, w, np.asarray(tw), ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int8, torch.float8_e4m3fn])
+def test_select_backend_refuses_what_fused_moe_refuses(problem, dtype):
+    """select_backend answered `reference` for float64 (and int8) activations, and moekit.warmup
+    reported sizes warmed on it, while fused_moe refuses such an x: all three refuse it now, in
+    the same words."""
+    x, w, tw, ids = problem
+    with pytest.raises(ValueError) as run:
+        moekit.fused_moe(torch.zeros(x.shape, dtype=dtype), w, tw, ids)
+    expected = str(run.value).split(";", 1)[1]  # what fused_moe says it expects
+    assert str(run.value) == f"x has dtype {dtype};{expected}"
+    for call in (lambda: moekit.select_backend(w.shape(2), w.scheme, "cpu", dtype, 3),
+                 lambda: moekit.select.refusals(w.shape(2), w.scheme, "cpu", dtype),
+                 lambda: moekit.warmup(w, 2, 2, dtype=dtype)):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == f"dtype is {dtype};{expected}"
+    # what fused_moe runs, select_backend answers
+    for dtype in moekit.api.ACTIVATION_DTYPES:
+        assert moekit.select_backend(w.shape(2), w.scheme, "cpu", dtype, 3).backend

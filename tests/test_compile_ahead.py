@@ -310,6 +310,20 @@ def test_ids_dtypes_are_checked(weights, launches):
     assert launches and all(e[3][0] == ("tensor", "torch.int64", True) for e in launches if e[0] == "align_single_kernel")
 
 
+def test_ids_dtypes_may_be_one_dtype(weights, launches):
+    """warmup(ids_dtypes=torch.int32) raised "'torch.dtype' object is not iterable": one dtype
+    is taken as `dtype` is, and warms what the one-element sequence warms."""
+    warmup(weights, K, batch_sizes=[5], backend="triton", ids_dtypes=(torch.int64,))
+    as_sequence = list(launches)
+    launches.clear()
+    warmup(weights, K, batch_sizes=[5], backend="triton", ids_dtypes=torch.int64)
+    assert launches == as_sequence and launches
+    for bad in ("int32", 5, None):
+        with pytest.raises(TypeError, match=rf"^ids_dtypes must be torch.int32, torch.int64 or a sequence of them, "
+                                            rf"got {type(bad).__name__} "):
+            warmup(weights, K, 2, ids_dtypes=bad)
+
+
 def test_bad_input_is_refused(weights):
     with pytest.raises(ValueError, match=r"top_k must be an integer in \[1, 4\]"):
         warmup(weights, 5, 2)

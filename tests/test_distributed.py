@@ -559,20 +559,27 @@ def test_parallel_calls_are_inference_only_and_say_so(one_rank_group, mode):
     assert len(caught) == 1 and not got.requires_grad and torch.equal(got, want)
 
 
+def _record_count_exchanges(monkeypatch) -> list:
+    """Patch all_to_all_single into a one-rank exchange (output = input) that records what each
+    call sent: the list it returns. Only ep's count exchange may run: [world, (count, failure flag)]."""
+    sent = []
+
+    def exchange_only(output, input, *args, **kwargs):
+        assert input.shape == (1, 2), "the count exchange: [world, (count, failure flag)]"
+        output.copy_(input)
+        sent.append(input.clone())
+
+    monkeypatch.setattr(dist, "all_to_all_single", exchange_only)
+    return sent
+
+
 def test_expert_parallel_checks_everything_before_the_first_collective(one_rank_group, monkeypatch):
     """ep_fused_moe's own checks skipped x's dtype and the top-k limit (and a named backend that
     cannot run was found only by the local fused_moe): those errors came after the count
     exchange had started, leaving the other ranks waiting in the next collective. Each refusal
     takes part in the count exchange alone, with its failure flag set (so that the other ranks
     raise too: test_bad_input_on_one_rank_raises_on_every_rank), and in no other collective."""
-    sent = []
-
-    def exchange_only(output, input, *args, **kwargs):  # a one-rank all_to_all: output = input
-        assert input.shape == (1, 2), "the count exchange: [world, (count, failure flag)]"
-        output.copy_(input)
-        sent.append(input.clone())
-
-    monkeypatch.setattr(dist, "all_to_all_single", exchange_only)
+    sent = _record_count_exchanges(monkeypatch)
     W = random_weights(4, 128, 128, "fp8-channel-token")
     tw, ids = random_routing(5, 4, 2)
     x = random_x(5, 128)
@@ -597,6 +604,27 @@ def test_expert_parallel_checks_everything_before_the_first_collective(one_rank_
     with pytest.raises(ValueError, match="at least one expert per rank"):
         md.ep_fused_moe(x, W, tw, ids, 0)
     assert len(sent) == 9 and all(t.tolist() == [[0, 1]] for t in sent), "every refusal flagged its failure"
+
+
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_parallel_calls_check_their_flags_and_x(one_rank_group, monkeypatch, mode):
+    """As fused_moe: a flag that is not True or False ("no" was taken as True) and an x that is
+    not a tensor are refused, naming them; under ep before the dispatch (the flags were looked
+    at only by the local fused_moe, after the other ranks had begun the exchange)."""
+    sent = _record_count_exchanges(monkeypatch)
+    W = random_weights(4, 128, 128, "bf16")
+    tw, ids = random_routing(5, 4, 1)
+    x = random_x(5, 128)
+    call = (lambda x, **kw: md.tp_fused_moe(x, W, tw, ids, backend="reference", **kw)) if mode == "tp" else (
+        lambda x, **kw: md.ep_fused_moe(x, W, tw, ids, 4, backend="reference", **kw))
+    for flag in ("apply_router_weight_on_input", "allow_weight_copies"):
+        for bad in ("no", None):
+            with pytest.raises(ValueError, match=rf"^{flag} must be True or False, got {bad!r}$"):
+                call(x, **{flag: bad})
+    with pytest.raises(TypeError, match=r"^x must be a torch.Tensor, got NoneType$"):
+        call(None)
+    if mode == "ep":  # each refusal took part in the count exchange alone, flagging its failure
+        assert len(sent) == 5 and all(t.tolist() == [[0, 1]] for t in sent)
 
 
 # ---------------------------------------------------------------- the checks can fail (mutations)

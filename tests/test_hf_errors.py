@@ -379,3 +379,126 @@ def test_quantizing_in_place_releases_each_modules_originals_as_it_goes(monkeypa
     mh.patch_model(model, scheme="fp8-channel-token")
     assert len(alive) == len(modules) > 1 and not any(alive)
     assert {m.scheme.name for m in modules} == {"fp8-channel-token"}
+
+
+# ---- arguments and models moekit.hf took without a word -------------------------------------------
+
+
+def test_transformers_save_pretrained_of_moekit_experts_is_refused(fp8_dir, tmp_path):
+    """model.save_pretrained() (transformers' own, which push_to_hub and Trainer call) wrote
+    moekit's buffers (experts.w13, w2, scales) and no quantization_config: transformers reloaded
+    the folder with random experts and moekit could not read it. It is refused, pointing to
+    moekit.hf.save_pretrained; the refusal survives deepcopy and pickling."""
+    import copy
+    import io
+
+    loaded = mh.from_pretrained(fp8_dir[0], backend="reference")
+    patched = mh.patch_model(tiny_model("qwen3_moe"), backend="reference")
+    for model in (loaded, patched, copy.deepcopy(patched)):
+        for owner in (model, model.model):  # the base model is a PreTrainedModel too
+            out = tmp_path / "out"
+            with pytest.raises(UnsupportedModelError, match=(
+                    rf"^{type(owner).__name__}\.save_pretrained: transformers would write moekit's experts "
+                    r"\((model\.)?layers\.0\.mlp\.experts, \.\.\.\).*use moekit\.hf\.save_pretrained\(model, path\)")):
+                owner.save_pretrained(out)
+            assert not out.exists()
+    buffer = io.BytesIO()
+    torch.save(patched, buffer)  # (a compressed-tensors checkpoint pickles only after its first forward)
+    buffer.seek(0)
+    with pytest.raises(UnsupportedModelError, match="use moekit.hf.save_pretrained"):
+        torch.load(buffer, weights_only=False).save_pretrained(tmp_path / "out")
+    # moekit's own save is the way: transformers reads back what was loaded
+    mh.save_pretrained(loaded, tmp_path / "saved")
+    assert "quantization_config" in json.loads((tmp_path / "saved" / "config.json").read_text())
+    tiny_model("qwen3_moe").save_pretrained(tmp_path / "plain")  # transformers' own experts: saved as ever
+
+
+def test_quantize_model_without_moekit_experts_is_refused():
+    """quantize_model(model, scheme) on transformers' own experts returned None and changed nothing."""
+    model = tiny_model("qwen3_moe")
+    with pytest.raises(UnsupportedModelError, match=r"^Qwen3MoeForCausalLM has no moekit experts to quantize.*"
+                                                    r"moekit\.hf\.patch_model\(model, scheme='fp8-block128'\)"):
+        mh.quantize_model(model, "fp8-block128")
+    assert not mh.experts_modules(model)
+    mh.patch_model(model, backend="reference")
+    mh.quantize_model(model, "fp8-block128")  # moekit's bf16 experts: quantized as before
+    assert {m.scheme.name for m in mh.experts_modules(model).values()} == {"fp8-block128"}
+
+
+def test_calibration_for_a_scheme_without_static_scales_is_refused(fp8_dir, monkeypatch):
+    """calibration= was silently dropped unless the scheme was fp8-tensor-static (quantize_weights
+    refuses it): the user believed scales were measured. Refused before anything loads or changes."""
+    import moekit.hf.load as load
+
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    cases = [("fp8-channel-token", "scheme fp8-channel-token computes its activation scales per call"),
+             (None, "without scheme= the experts are not quantized"),
+             ("bf16", "scheme bf16 does not quantize")]
+    with monkeypatch.context() as m:
+        m.setattr(load, "_model_class", lambda config: pytest.fail("loaded before refusing"))
+        for scheme, why in cases:
+            match = rf"^calibration: only for scheme fp8-tensor-static \(static activation scales\); {why}"
+            with pytest.raises(ValueError, match=match):
+                mh.from_pretrained(fp8_dir[1], scheme=scheme, calibration=ids)
+            _refused_patch(tiny_model("qwen3_moe"), ValueError, match, scheme=scheme, calibration=ids)
+    model = mh.patch_model(tiny_model("qwen3_moe"), backend="reference")
+    with pytest.raises(ValueError, match="scheme fp8-tensor-dynamic computes its activation scales per call"):
+        mh.quantize_model(model, "fp8-tensor-dynamic", ids)
+    assert {m.scheme.name for m in mh.experts_modules(model).values()} == {"bf16"}
+
+
+def test_offloaded_experts_are_refused_before_anything_changes(fp8_dir, tmp_path):
+    """Experts that accelerate offloaded (device_map "disk" / "cpu") are meta tensors its hook loads
+    for each forward: patch_model wrapped the meta tensors, and the first forward failed with
+    "x is on cpu but the weights are on meta", naming nothing."""
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(fp8_dir[1], dtype=torch.bfloat16, device_map=device_map,
+                                                 offload_folder=tmp_path / "offload").eval()
+    assert model.model.layers[1].mlp.experts.gate_up_proj.device.type == "meta"
+    match = (r"^model\.layers\.1\.mlp\.experts: the experts' gate_up_proj is on the meta device \(offloaded by "
+             r"accelerate's device_map to 'cpu' or 'disk'\); moekit needs the experts' weights in memory")
+    from moekit.hf.experts import ExpertsError
+
+    _refused_patch(model, ExpertsError, match)
+    _refused_patch(model, ExpertsError, match, checkpoint=fp8_dir[0])
+
+
+def test_from_pretrained_arguments_that_moekit_sets(fp8_dir, monkeypatch):
+    """experts_implementation= and output_loading_info= gave transformers' raw TypeError ("got
+    multiple values for keyword argument"). experts_implementation="moekit" (what moekit sets) is
+    taken, any other refused by name before loading; output_loading_info returns transformers'
+    info, without the expert tensors moekit reads itself."""
+    import moekit.hf.load as load
+
+    with monkeypatch.context() as m:
+        m.setattr(load, "_model_class", lambda config: pytest.fail("loaded before refusing"))
+        with pytest.raises(ValueError, match=r"^experts_implementation='grouped_mm': moekit\.hf\.from_pretrained runs "
+                                             r"the experts through moekit \('moekit'\)"):
+            mh.from_pretrained(fp8_dir[0], experts_implementation="grouped_mm")
+    model = mh.from_pretrained(fp8_dir[0], backend="reference", experts_implementation="moekit")
+    assert {m.scheme.name for m in mh.experts_modules(model).values()} == {"fp8-channel-token"}
+    model, info = mh.from_pretrained(fp8_dir[0], backend="reference", output_loading_info=True)
+    assert {m.scheme.name for m in mh.experts_modules(model).values()} == {"fp8-channel-token"}
+    assert not info["unexpected_keys"] and not info["missing_keys"], info
+
+
+def test_transposed_experts_of_another_family_are_not_sent_to_patch_model():
+    """Aria's transposed experts were told to "use moekit.hf.patch_model", which refuses Aria."""
+    transformers = pytest.importorskip("transformers")
+    from moekit.hf.experts import ExpertsError, moekit_experts_forward
+
+    config = transformers.AriaTextConfig(hidden_size=64, intermediate_size=128, moe_num_experts=8, moe_topk=2,
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                         vocab_size=256)
+    model = transformers.AriaTextForCausalLM(config).bfloat16()
+    experts = next(m for m in model.modules() if type(m).__name__ == "AriaExperts")
+    with pytest.raises(ExpertsError, match=r"AriaExperts.*its weights are transposed \(\[E, H, 2N\]\), a layout moekit "
+                                           r"runs only for Llama-4's experts"):
+        moekit_experts_forward(experts, torch.randn(3, 64).bfloat16(), torch.zeros(3, 2, dtype=torch.long),
+                               torch.ones(3, 2))
+    with pytest.raises(UnsupportedModelError, match="has no experts module of a family moekit runs"):
+        mh.patch_model(model)  # what the message does not send it to

@@ -1002,3 +1002,118 @@ def test_a_refused_experts_module_leaves_the_model_as_it_was():
     with pytest.raises(ExpertsError, match="its activation is GELU, not SiLU"):
         mh.patch_model(model)
     assert all(model.get_submodule(name) is m for name, m in originals.items())
+
+
+def test_from_pretrained_reads_torch_dtype(bf16_dirs, monkeypatch):
+    """torch_dtype= (transformers' former name of dtype, which it still honours) was passed on to
+    transformers next to moekit's own dtype=bfloat16 and dropped: a float16 request gave bf16."""
+    import moekit.hf.load as load
+
+    model = mh.from_pretrained(bf16_dirs("qwen3_moe"), torch_dtype=torch.float16, backend="reference")
+    assert model.dtype == torch.float16
+    assert {m.w13.dtype for m in mh.experts_modules(model).values()} == {torch.float16}
+    assert mh.from_pretrained(bf16_dirs("qwen3_moe"), backend="reference").dtype == torch.bfloat16  # the default
+    monkeypatch.setattr(load, "_model_class", lambda config: pytest.fail("loaded before refusing"))
+    with pytest.raises(ValueError, match=r"^torch_dtype=torch\.float32: moekit runs the model in torch\.bfloat16 or "
+                                         r"torch\.float16"):
+        mh.from_pretrained(bf16_dirs("qwen3_moe"), torch_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"^dtype= and torch_dtype= both given"):
+        mh.from_pretrained(bf16_dirs("qwen3_moe"), dtype=torch.bfloat16, torch_dtype=torch.float16)
+
+
+def test_float_keeps_bf16_experts_and_runs_float32_activations():
+    """patch_model(model) then model.float(): the bf16 experts were cast to float32, which moekit's
+    weights refuse, and the first forward failed 30 frames deep naming MoEWeights.w13. They now
+    stay bf16 (as MoELayer's do; FP8 experts keep every dtype) and run the float32 activations in
+    float32: transformers' float32 model computes the same products of the same bf16 values."""
+    want_model = tiny_model("mixtral").float()
+    model = mh.patch_model(tiny_model("mixtral"), backend="reference")
+    assert model.float() is model and model.dtype == torch.float32
+    assert {m.w13.dtype for m in mh.experts_modules(model).values()} == {torch.bfloat16}
+    ids = tokens()
+    with torch.no_grad():
+        got, want = model(ids).logits, want_model(ids).logits
+    assert got.dtype == torch.float32
+    # float32 sums of the same products in another order: a few float32 ulps of the logits
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    model.half()  # to fp16 they follow, as before
+    assert {m.w13.dtype for m in mh.experts_modules(model).values()} == {torch.float16}
+
+
+def test_an_ignore_entry_naming_one_layers_experts_is_that_layers_only(tmp_path_factory, tmp_path, caplog):
+    """compressed-tensors matches an ignore entry (not "re:") to one module's name. An ignore list
+    naming layer 0's experts one by one (as llm-compressor writes them), beside layer 0's experts
+    stored bf16, made moekit read every layer's experts as bf16 and refuse layer 1's FP8 ones with
+    "the config has no FP8 quantization_config". Names and a regex of the same modules now load
+    alike: the named layer as stored (bf16), the other FP8, as transformers loads the folder."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from test_hf_tiny import fp8_checkpoint
+
+    fp8, bf16 = fp8_checkpoint(tmp_path_factory, "qwen3_moe")
+    stored = {"fp8": load_file(fp8 / "model.safetensors"), "bf16": load_file(bf16 / "model.safetensors")}
+
+    def folder(name, layer, ignore, experts_stored):
+        out = tmp_path / name
+        shutil.copytree(fp8, out)
+        prefix = f"model.layers.{layer}.mlp.experts."
+        tensors = {k: v for k, v in stored["fp8"].items() if not k.startswith(prefix)}
+        tensors.update({k: v for k, v in stored[experts_stored].items() if k.startswith(prefix)})
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        config = json.loads((out / "config.json").read_text())
+        config["quantization_config"]["ignore"] += ignore
+        (out / "config.json").write_text(json.dumps(config))
+        return out
+
+    ids = tokens()
+    for layer in (0, 1):
+        names = [f"model.layers.{layer}.mlp.experts.{e}.{p}" for e in range(EXPERTS)
+                 for p in ("gate_proj", "up_proj", "down_proj")]
+        for form, ignore in (("names", names), ("regex", [rf"re:model[.]layers[.]{layer}[.]mlp[.]experts[.].*"])):
+            out = folder(f"{form}{layer}", layer, ignore, "bf16")
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="moekit.hf"):
+                model = mh.from_pretrained(out, backend="reference")
+            assert not caplog.records, [r.getMessage() for r in caplog.records]  # bf16 where the config says so
+            schemes = {name: m.scheme.name for name, m in mh.experts_modules(model).items()}
+            assert schemes == {f"model.layers.{i}.mlp.experts": "bf16" if i == layer else "fp8-channel-token"
+                               for i in (0, 1)}, (form, layer)
+            with torch.no_grad():
+                kl, top1 = compare_logits(model(ids).logits,
+                                          AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)(ids).logits)
+            assert kl < KL_MAX and top1 >= TOP1_MIN, (form, layer, kl, top1)
+    # experts named by the ignore list but stored FP8: the message says what the config says of them
+    layer0 = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(EXPERTS) for p in ("gate_proj", "up_proj", "down_proj")]
+    out = folder("named_but_fp8", 0, layer0, "fp8")
+    with pytest.raises(mh.UnsupportedModelError, match=(
+            r"^model\.layers\.0\.mlp\.experts: 'model\.layers\.0\.mlp\.experts' holds FP8 expert weights but the "
+            r"config's quantization_config leaves them unquantized \(its ignore list names them")):
+        mh.from_pretrained(out, backend="reference")
+
+
+def test_experts_whose_activation_is_the_silu_function():
+    """LFM2-MoE's experts hold act_fn = torch.nn.functional.silu (a function, not a module) and
+    compute SiLU(gate) * up as moekit does: refused under experts_implementation="moekit" as "its
+    activation is function, not SiLU". They run, giving transformers' own output."""
+    transformers = pytest.importorskip("transformers")
+    modeling = pytest.importorskip("transformers.models.lfm2_moe.modeling_lfm2_moe")
+    from moekit.hf.experts import moekit_experts_forward
+
+    config = transformers.Lfm2MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS,
+                                        num_experts_per_tok=2)
+    experts = modeling.Lfm2MoeExperts(config).bfloat16()
+    assert experts.act_fn is torch.nn.functional.silu
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g) * 0.1)
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * 0.1)
+    x = torch.randn(16, HIDDEN, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:2] for _ in range(16)])
+    w = torch.rand(16, 2, generator=g)
+    experts.moekit_backend = "reference"
+    with torch.no_grad():
+        got = moekit_experts_forward(experts, x, ids, w)
+        want = experts(x, ids, w)  # transformers' eager forward
+    # bf16 math on both sides, summed in another order: LAYER_TORCH_MAX is one layer's bf16 gap
+    assert float((got.float() - want.float()).norm() / want.float().norm()) < LAYER_TORCH_MAX

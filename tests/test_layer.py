@@ -386,3 +386,119 @@ def test_routing_results_of_another_top_k_than_the_layers_are_refused():
     # without a RoutingConfig the layer takes any top-k
     bare = moekit.MoELayer(layer.weights)
     assert bare(x, *moekit.route(logits, k + 1)).shape == x.shape
+
+
+def test_routing_results_must_have_x_leading_dimensions():
+    """Routing results [S, B, K] of a [B, S, H] x were flattened and run: every token got another
+    token's experts, silently (the same mistake with router logits was refused). They now get
+    the logits' check."""
+    layer = moekit.MoELayer.random(spec("bf16", SOFTMAX), backend="torch")
+    x, logits = inputs(6)
+    tw, ids = moekit.route(logits, config=SOFTMAX)
+    k = SOFTMAX.top_k
+
+    def seq_first(t):  # [B, S, K] rows as [S, B, K]: as many tokens, another order
+        return t.view(2, 3, k).transpose(0, 1).contiguous()
+
+    with pytest.raises(ValueError, match=rf"topk_weights \(3, 2, {k}\) does not match x \(2, 3, {H}\): expected the "
+                                         rf"same leading dimensions, \(2, 3, {k}\), or \[6, {k}\]"):
+        layer(x.view(2, 3, H), seq_first(tw), seq_first(ids))
+    with pytest.raises(ValueError, match=rf"topk_ids \(3, 2, {k}\) does not match x \(2, 3, {H}\)"):
+        layer(x.view(2, 3, H), tw.view(2, 3, k), seq_first(ids))
+    with pytest.raises(ValueError, match=rf"topk_weights \(5, {k}\) does not match x \(6, {H}\)"):
+        layer(x, tw[:5], ids[:5])
+    # taken: the same leading dimensions, or as many tokens with either side flat (as the logits)
+    want = layer(x, tw, ids)
+    assert torch.equal(layer(x.view(2, 3, H), tw.view(2, 3, k), ids.view(2, 3, k)).view(6, H), want)
+    assert torch.equal(layer(x.view(2, 3, H), tw, ids).view(6, H), want)
+    assert torch.equal(layer(x, tw.view(2, 3, k), ids.view(2, 3, k)), want)
+
+
+# ------------------------------------------------------------ assigned weights and dtype conversion
+
+
+def test_a_tensor_assigned_to_the_layers_weights_becomes_its_buffer():
+    """A valid tensor assigned to the MoEWeights a layer runs (`w.w13 = new` for the weights it was
+    made with, or `layer.weights.w13 = new`) split the layer: forward ran the new tensor,
+    state_dict() saved the old buffer, and a no-op .to("cpu") went back to the old weights."""
+    w = random_weights(E, H, N, "fp8-channel-token", seed=0)
+    new = random_weights(E, H, N, "fp8-channel-token", seed=1)
+    layer = moekit.MoELayer(w, SOFTMAX, backend="torch")  # named: keeps a dequantized copy to rebuild
+    twin = moekit.MoELayer(w, SOFTMAX, backend="torch")  # a second layer over the same weights
+    x, logits = inputs(5)
+    old = layer(x, logits)
+    want = moekit.MoELayer(new, SOFTMAX, backend="torch")(x, logits)
+    for name in ("w13", "w13_scale"):  # through the weights the layer was made with
+        setattr(w, name, getattr(new, name).clone())
+    for name in ("w2", "w2_scale"):  # through layer.weights
+        setattr(layer.weights, name, getattr(new, name).clone())
+    for module in (layer, twin):
+        state = module.state_dict(keep_vars=True)
+        assert all(state[name] is t for name, t in w.tensors().items())
+        assert torch.equal(module(x, logits), want)
+        module.to("cpu")  # rebuilds its MoEWeights over the buffers: the new ones
+        assert torch.equal(module(x, logits), want)
+    # a refused assignment changes neither the weights nor the layer
+    buffers = dict(layer.named_buffers())
+    with pytest.raises(ValueError, match="MoEWeights.w13_scale"):
+        layer.weights.w13_scale = torch.ones(E, 3)
+    assert dict(layer.named_buffers()) == buffers
+    # weights a layer no longer runs (its buffers since loaded with assign=True) leave it alone
+    stale = layer.weights
+    layer.load_state_dict(random_weights(E, H, N, "fp8-channel-token", seed=0).tensors(), assign=True)
+    assert torch.equal(layer(x, logits), old)
+    stale.w13 = new.w13.clone()
+    assert layer.w13 is not stale.w13 and torch.equal(layer(x, logits), old)
+
+
+def test_a_copied_layer_follows_its_own_weights():
+    """deepcopy and pickling (torch.save) copy a layer with its MoEWeights: the copy's weights,
+    assigned to, change the copy's buffers, never the original's."""
+    import copy
+    import io
+
+    layer = moekit.MoELayer.random(spec("bf16", SOFTMAX), seed=0, backend="torch")
+    new = moekit.MoELayer.random(spec("bf16", SOFTMAX), seed=1, backend="torch")
+    x, logits = inputs(4)
+    want, old = new(x, logits), layer(x, logits)
+    buf = io.BytesIO()
+    torch.save(layer, buf)
+    buf.seek(0)
+    for twin in (copy.deepcopy(layer), torch.load(buf, weights_only=False)):
+        twin.weights.w13, twin.weights.w2 = new.w13.clone(), new.w2.clone()
+        assert twin.state_dict(keep_vars=True)["w13"] is twin.weights.w13
+        assert torch.equal(twin(x, logits), want)
+        assert torch.equal(layer(x, logits), old)
+
+
+@pytest.mark.parametrize("convert", ["half", "to_float16"])
+def test_unquantized_weights_follow_a_model_to_fp16_and_back(convert):
+    """A bf16 layer ignored model.half() / .to(torch.float16) (every dtype was kept, as FP8 weights
+    must be), then refused the model's fp16 activations. Its unquantized weights now follow a
+    conversion to bf16 or fp16; the correction bias stays float32, and float32 / float64 leave
+    the weights as they are (float32 x runs on them)."""
+    layer = moekit.MoELayer.random(spec("bf16", GLM_LIKE), backend="torch")  # named: may copy the weights
+    model = torch.nn.Sequential(torch.nn.Linear(H, H)).to(torch.bfloat16)
+    model.add_module("moe", layer)
+    x, logits = inputs(5)
+    layer(x.float(), logits)  # the torch backend's float32 copy of the bf16 weights
+    before = layer.weights
+    assert "torch" in before.prepared
+    model.half() if convert == "half" else model.to(torch.float16)
+    assert model[0].weight.dtype == layer.w13.dtype == layer.w2.dtype == torch.float16
+    assert layer.e_score_correction_bias.dtype == torch.float32
+    w = layer.weights  # rebuilt over the new buffers, nothing derived from the bf16 ones kept
+    assert w is not before and w.w13 is layer.w13 and w.prepared == {}
+    # the same unquantized scheme, asked for in fp16: float32 weights quantized to it become fp16
+    assert w.scheme == get_scheme("bf16") and w.scheme.cast_dtype == "fp16"
+    assert moekit.quantize_weights(w.w13.float(), w.w2.float(), w.scheme).w13.dtype == torch.float16
+    tw, ids = moekit.route(logits, config=GLM_LIKE, correction_bias=layer.e_score_correction_bias)
+    fresh = moekit.MoEWeights("fp16", layer.w13.clone(), layer.w2.clone())
+    for dtype in (torch.float16, torch.float32):
+        assert torch.equal(layer(x.to(dtype), logits), moekit.fused_moe(x.to(dtype), fresh, tw, ids, "torch"))
+    for keeps in (torch.nn.Module.float, torch.nn.Module.double):
+        keeps(layer)
+        assert layer.w13.dtype == torch.float16 and layer.e_score_correction_bias.dtype == torch.float32
+    layer.bfloat16()
+    assert layer.w13.dtype == layer.w2.dtype == torch.bfloat16 and layer.weights.scheme.cast_dtype == "bf16"
+    assert layer(x, logits).dtype == torch.bfloat16

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from moekit.models import PRESETS, ModelSpec, get_model, parse_config
+from moekit.models import PRESETS, ModelSpec, get_model, parse_config, parse_quantization_config
 from moekit.routing import RoutingConfig
 from moekit.spec import (
     BF16,
@@ -738,7 +738,6 @@ def test_quantization_that_leaves_the_experts_unquantized_is_bf16():
                                                                  "targets": ["re:.*self_attn.*"]}}}
     cases = {
         "ignore regex": {**channel, "ignore": ["lm_head", "re:.*mlp.experts.*"]},
-        "ignore by name": {**channel, "ignore": ["model.layers.1.block_sparse_moe.experts.0.w1"]},
         "attention only": attention_only,
         "kv cache only": {"quant_method": "compressed-tensors", "config_groups": {},
                           "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}},
@@ -753,6 +752,29 @@ def test_quantization_that_leaves_the_experts_unquantized_is_bf16():
     experts_target = {**channel, "config_groups": {"group_0": {**channel["config_groups"]["group_0"],
                                                                  "targets": ["re:.*experts.*"]}}}
     assert parse_config(_with_quant(experts_target)).scheme == FP8_CHANNEL_TOKEN
+
+
+def test_ignore_entries_naming_single_experts_modules_name_only_those():
+    """compressed-tensors matches an ignore entry that is not "re:" to one module's name exactly.
+    An entry naming one expert projection made every expert of the model bf16 (moekit.hf then
+    refused the other layers' FP8 experts): it names that module only, and the model's experts
+    keep the group's scheme; asked about one experts module (`experts=`), the names decide."""
+    channel = _ct(_w("channel"), _a("token", True))
+    layer0 = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")]
+    layer1 = [name.replace("layers.0", "layers.1") for name in layer0]
+    by_name = {**channel, "ignore": ["lm_head", *layer0]}
+    by_regex = {**channel, "ignore": ["lm_head", r"re:model[.]layers[.]0[.]mlp[.]experts[.].*"]}
+    for quant in (by_name, by_regex):
+        assert parse_config(_with_quant(quant)).scheme == FP8_CHANNEL_TOKEN
+        assert parse_quantization_config(quant, experts=layer0) == BF16
+        assert parse_quantization_config(quant, experts=layer1) == FP8_CHANNEL_TOKEN
+    # a regex of one layer's experts is that layer's too (it was every layer's where it matched the sample)
+    layer1_regex = {**channel, "ignore": [r"re:model[.]layers[.]1[.]mlp[.]experts[.].*"]}
+    assert parse_config(_with_quant(layer1_regex)).scheme == FP8_CHANNEL_TOKEN
+    assert parse_quantization_config(layer1_regex, experts=layer1) == BF16
+    with pytest.raises(ValueError, match=r"ignore names model\.layers\.0\.mlp\.experts\.0\.gate_proj but not "
+                                         r"model\.layers\.0\.mlp\.experts\.0\.up_proj"):
+        parse_quantization_config({**channel, "ignore": layer0[:1]}, experts=layer0)
 
 
 def test_only_the_groups_of_the_experts_must_agree():

@@ -617,3 +617,32 @@ def test_numpy_numbers_are_numbers():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(ValueError, match="RoutingConfig.routed_scaling_factor must be a finite number > 0"):
         RoutingConfig(top_k=2, routed_scaling_factor=None)
+
+
+@pytest.mark.parametrize("bad", ["false", "True", None, 0, 1, torch.tensor(True)])
+def test_route_refuses_a_renormalize_that_is_not_a_bool_as_routing_config_does(bad):
+    """route() took any object by its truthiness: renormalize="false" renormalized, None did not,
+    while RoutingConfig refused both. One check (routing.check_flag) now serves the two."""
+    with pytest.raises(ValueError, match=r"^RoutingConfig.renormalize must be True or False, got "):
+        RoutingConfig(top_k=2, renormalize=bad)
+    with pytest.raises(ValueError, match=r"^renormalize must be True or False, got "):
+        route(L, 2, renormalize=bad)
+
+
+def test_route_takes_numpy_values_as_routing_config_does():
+    """route(L, np.int64(2)) was refused ("top_k must be an integer in [1, E=8], got
+    np.int64(2)") where RoutingConfig(top_k=np.int64(2)) was accepted; NumPy's bool is a bool."""
+    np = pytest.importorskip("numpy")
+    for top_k in (np.int64(2), np.int32(2), np.uint8(2)):
+        want = route(L, 2, renormalize=False)
+        got = route(L, top_k, renormalize=np.False_)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(route(L, config=RoutingConfig(top_k=top_k))[0], route(L, 2)[0])
+    want = route(L, 2, scoring="sigmoid", num_groups=4, topk_groups=2)
+    got = route(L, np.int64(2), scoring="sigmoid", num_groups=np.int64(4), topk_groups=np.int32(2))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for bad in (True, np.True_, 2.0):  # a bool is no count, in either form
+        with pytest.raises(ValueError, match=r"RoutingConfig.top_k must be a positive integer"):
+            RoutingConfig(top_k=bad)
+        with pytest.raises(ValueError, match=r"top_k must be an integer in \[1, E=8\]"):
+            route(L, bad)

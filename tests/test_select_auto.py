@@ -690,3 +690,73 @@ def test_device_families_keep_the_letter_after_the_number():
     assert family("Tesla V100S-PCIE-32GB") == "V100S" != family("Tesla V100-SXM2-16GB") == "V100"
     assert family("NVIDIA A10G") == "A10G" and family("NVIDIA GH200 480GB") == "GH200"
     assert family("NVIDIA L4") == "L4" and family("Tesla T4") == "T4"  # one digit: its tables had no family
+
+
+def test_supports_takes_names_as_select_backend_does():
+    """supports() is public, but only select_backend turned names into objects: called directly
+    with "bfloat16" triton refused "activations must be bfloat16 or float16, got bfloat16",
+    cutlass (and triton on an sm_90) failed on a scheme's name with an AttributeError, and a
+    device's name failed the same way. Every backend's supports() now answers a name as it
+    answers the object it names (Backend normalises them, once for all)."""
+    from moekit.backends.base import assume_capability
+
+    forms = [("cpu", torch.device("cpu"), "bfloat16", torch.bfloat16), ("cpu", torch.device("cpu"), "half", torch.float16)]
+    for name in moekit.backend_names():
+        backend = moekit.get_backend(name)
+        for scheme in SCHEMES:
+            for device_name, device, dtype_name, dtype in forms:
+                assert backend.supports(SHAPE, scheme, device_name, dtype_name) == backend.supports(
+                    SHAPE, get_scheme(scheme), device, dtype), (name, scheme, dtype_name)
+            with assume_capability((9, 0)):  # a Hopper described: the GPU branches of every backend
+                assert backend.supports(SHAPE, scheme, "cuda", "bf16") == backend.supports(
+                    SHAPE, get_scheme(scheme), torch.device("cuda"), torch.bfloat16), (name, scheme)
+    cutlass = moekit.get_backend("cutlass").supports(SHAPE, "fp8-block128", "cpu")
+    assert any("128x128 block weights" in r for r in cutlass)  # the scheme's name was looked at
+
+
+def test_supports_refuses_arguments_it_cannot_read_naming_them():
+    cutlass = moekit.get_backend("cutlass")
+    with pytest.raises(TypeError, match=r"^shape must be a moekit.MoEShape \(e.g. weights.shape\(top_k\)\), "
+                                        r"got tuple \(8, 128, 128, 2\)$"):
+        cutlass.supports((8, 128, 128, 2), FP8, "cpu")
+    with pytest.raises(ValueError, match=r"unknown quantization scheme 'fp9'; expected one of: "):
+        cutlass.supports(SHAPE, "fp9", "cpu")
+    with pytest.raises(TypeError, match=r"^device must be a torch.device or its name \('cuda:0', 'cpu'\), got float 3.5$"):
+        cutlass.supports(SHAPE, FP8, 3.5)
+    with pytest.raises(ValueError, match=r"^device 'gpu' is not a device name: "):
+        cutlass.supports(SHAPE, FP8, "gpu")
+    with pytest.raises(TypeError, match=r"^dtype must be a torch.dtype"):
+        cutlass.supports(SHAPE, FP8, "cpu", 16)
+
+
+def test_a_registered_backends_supports_gets_objects_for_names(registry):
+    """The normalisation is the base class's: a backend registered later gets it too."""
+    from moekit.backends.reference import ReferenceBackend
+
+    seen = []
+
+    class Recording(ReferenceBackend):
+        name = "recording-test"
+
+        def supports(self, shape, scheme, device, dtype=torch.bfloat16):
+            seen.append((scheme, device, dtype))
+            return []
+
+    backend = registry(Recording())
+    backend.supports(SHAPE, "fp8-block128", "cpu", "half")
+    select_backend(SHAPE, "bf16", "cpu", "bfloat16", 4)
+    assert seen == [(get_scheme("fp8-block128"), torch.device("cpu"), torch.float16),
+                    (get_scheme("bf16"), torch.device("cpu"), torch.bfloat16)]
+
+
+def test_select_backend_refuses_a_shape_or_flag_it_cannot_read():
+    """A tuple for the shape raised an AttributeError from cutlass.supports (a list: 'unhashable
+    type'); allow_weight_copies="no" was taken as True."""
+    for bad in ((8, 128, 128, 2), [8, 128, 128, 2]):
+        with pytest.raises(TypeError, match=rf"^shape must be a moekit.MoEShape .*, got {type(bad).__name__} "):
+            select_backend(bad, FP8, "cpu", torch.bfloat16, 4)
+        with pytest.raises(TypeError, match=r"^shape must be a moekit.MoEShape"):
+            select_backend(bad, FP8, DeviceSpec.from_name(H100), torch.bfloat16, 4)
+    for bad in ("no", None, 1):
+        with pytest.raises(ValueError, match=rf"^allow_weight_copies must be True or False, got {bad!r}$"):
+            select_backend(SHAPE, FP8, "cpu", torch.bfloat16, 4, allow_weight_copies=bad)

@@ -416,6 +416,65 @@ def test_quantize_weights_refuses_arguments_it_would_ignore():
             moekit.quantize_weights(w13, w2, "fp8-tensor-static", input_scales=bad)
 
 
+def test_quantize_weights_names_input_scales_and_calibration_of_the_wrong_form():
+    """A lone scalar for input_scales raised "'float' object is not iterable", a None among them
+    "must be real number, not NoneType", and calibration given as a list or a numpy array
+    "'list' object has no attribute 'dim'": none named the argument or the form it takes."""
+    import numpy as np
+
+    w13, w2 = _bf16_experts()
+    for bad, got in ((0.01, "got float"), (torch.tensor([0.1, 0.2]), "got Tensor"),
+                     ((0.01, None), r"got \(float, NoneType\)"), (("0.1", 0.1), r"got \(str, float\)")):
+        with pytest.raises(TypeError, match=r"input_scales must be two scalars \(a13, a2\), the scales of GEMM1's "
+                                            rf"and GEMM2's inputs.*; {got}"):
+            moekit.quantize_weights(w13, w2, "fp8-tensor-static", input_scales=bad)
+    x = random_x(4, H, dtype=torch.float32)
+    for bad, got in ((x.tolist(), "list"), (x.numpy(), "ndarray"), (x.to(torch.int32), "a tensor of dtype torch.int32")):
+        with pytest.raises(TypeError, match=rf"calibration must be a float torch.Tensor of activations \[T, "
+                                            rf"hidden={H}\], got {got}"):
+            moekit.quantize_weights(w13, w2, "fp8-tensor-static", calibration=bad)
+    # the forms it takes: two scalars (numpy's too) or one-element tensors, a float tensor
+    a = moekit.quantize_weights(w13, w2, "fp8-tensor-static", input_scales=[np.float32(0.5), torch.tensor([0.25])])
+    b = moekit.quantize_weights(w13, w2, "fp8-tensor-static", input_scales=(0.5, 0.25))
+    assert torch.equal(a.a13_scale, b.a13_scale) and torch.equal(a.a2_scale, b.a2_scale)
+    assert moekit.quantize_weights(w13, w2, "fp8-tensor-static", calibration=x).a13_scale.shape == (1,)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-channel-token", "bf16"])
+def test_quantize_weights_checks_both_weights_dtypes(scheme):
+    """An integer w2 was quantized silently (only w13's dtype was checked) while an integer w13
+    was refused."""
+    w13, w2 = _bf16_experts()
+    for name, bad in (("w13", (w13.float() * 100).to(torch.int64)), ("w2", (w2.float() * 100).to(torch.int64))):
+        given = {"w13": w13, "w2": w2, name: bad}
+        with pytest.raises(ValueError, match=f"quantize_weights needs float weights, got {name} of dtype torch.int64"):
+            moekit.quantize_weights(given["w13"], given["w2"], scheme)
+    fp8 = random_weights(E, H, N, "fp8-channel-token")
+    with pytest.raises(ValueError, match="got w2 of dtype torch.float8_e4m3fn; FP8 weights with their scales are "
+                                         "wrapped by MoEWeights.from_fp8"):
+        moekit.quantize_weights(w13, fp8.w2, scheme)
+
+
+def test_the_fp16_scheme_object_casts_to_fp16_as_its_name_does():
+    """SCHEMES["fp16"] / get_scheme("fp16") was the bf16 scheme object itself, so
+    quantize_weights(w13, w2, SCHEMES["fp16"]) made bf16 weights where the name "fp16" made fp16
+    ones (a loop over SCHEMES built bf16 twice). It is now the same unquantized scheme (equal, one
+    name in tables) asked for in fp16."""
+    from moekit import tables
+    from moekit.spec import MoEShape, get_scheme
+
+    w13, w2 = (t.float() for t in _bf16_experts())
+    for asked, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        for scheme in (asked, SCHEMES[asked], get_scheme(asked)):
+            got = moekit.quantize_weights(w13, w2, scheme)
+            assert got.w13.dtype == got.w2.dtype == dtype, (asked, scheme)
+            assert got.scheme == SCHEMES["bf16"] and got.scheme.name == "bf16"
+    # one unquantized scheme wherever schemes are compared, hashed or filed
+    assert SCHEMES["fp16"] == SCHEMES["bf16"] and len({SCHEMES["fp16"], SCHEMES["bf16"]}) == 1
+    shape = MoEShape(E, H, N, K)
+    assert tables.table_name(shape, SCHEMES["fp16"], "NVIDIA H200") == tables.table_name(shape, SCHEMES["bf16"], "NVIDIA H200")
+
+
 def test_select_takes_a_schemes_name_and_cutlass_counts_groups_as_torch_does():
     """select_backend with scheme="fp8-channel-token" raised AttributeError ('str' has no
     is_fp8); cutlass took 1024 experts, but torch's grouped GEMMs check group_count < 1024."""

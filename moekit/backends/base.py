@@ -5,10 +5,12 @@ from __future__ import annotations
 import abc
 import contextlib
 import contextvars
+import functools
 
 import torch
 
-from ..spec import MoEShape, QuantScheme
+from ..dtypes import as_torch_dtype
+from ..spec import MoEShape, QuantScheme, get_scheme
 from ..weights import MoEWeights
 
 
@@ -17,6 +19,8 @@ class Backend(abc.ABC):
 
     `supports` says, without running anything, every reason the backend cannot run a problem
     (an empty list means it can). `run` receives inputs already validated by `moekit.fused_moe`.
+    A subclass's `supports` receives its arguments normalised (supports_args), whatever its
+    caller passed: __init_subclass__ wraps it.
     """
 
     name: str
@@ -32,8 +36,19 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def supports(
-        self, shape: MoEShape, scheme: QuantScheme, device: torch.device, dtype: torch.dtype = torch.bfloat16
+        self, shape: MoEShape, scheme: QuantScheme | str, device: torch.device | str,
+        dtype: torch.dtype | str = torch.bfloat16,
     ) -> list[str]: ...
+
+    def __init_subclass__(cls, **kwargs):
+        # supports() is public and select_backend takes names ("fp8-block128", "cuda", "bfloat16"):
+        # passed to supports() directly, each backend refused "bfloat16" as not bfloat16, or failed
+        # with an AttributeError on a str, or said yes to a scheme it never looked at. Normalised
+        # here, once for every backend (and any registered later), not in each one.
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("supports")
+        if own is not None:
+            cls.supports = _normalising(own)
 
     @abc.abstractmethod
     def run(
@@ -59,6 +74,43 @@ class Backend(abc.ABC):
         the weights (in weights.prepared). `auto` in a `moekit.MoELayer` never picks such a
         backend; naming it does."""
         return False
+
+
+def supports_args(shape, scheme, device, dtype) -> tuple[MoEShape, QuantScheme, torch.device, torch.dtype]:
+    """supports()'s arguments in the one form every backend reads: a scheme's name as the scheme
+    (spec.get_scheme: ValueError listing the schemes), a device's name as a torch.device, a
+    dtype's name as the torch.dtype (dtypes.as_torch_dtype). A shape that is no MoEShape, a
+    device neither a torch.device nor a str, or a dtype neither a torch.dtype nor a str, is a
+    TypeError naming the argument."""
+    check_shape(shape)
+    scheme = get_scheme(scheme)
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError as e:  # torch's message lists the device types
+            raise ValueError(f"device {device!r} is not a device name: {e}") from None
+    elif not isinstance(device, torch.device):
+        raise TypeError(f"device must be a torch.device or its name ('cuda:0', 'cpu'), got "
+                        f"{type(device).__name__} {device!r}")
+    return shape, scheme, device, as_torch_dtype(dtype)
+
+
+def check_shape(shape) -> None:
+    """TypeError unless `shape` is a moekit.MoEShape (a tuple of sizes failed deep inside a
+    backend's supports() with an AttributeError)."""
+    if not isinstance(shape, MoEShape):
+        raise TypeError(f"shape must be a moekit.MoEShape (e.g. weights.shape(top_k)), got "
+                        f"{type(shape).__name__} {shape!r}")
+
+
+def _normalising(supports):
+    """A backend's own supports() behind supports_args (Backend.__init_subclass__)."""
+
+    @functools.wraps(supports)
+    def wrapper(self, shape, scheme, device, dtype=torch.bfloat16):
+        return supports(self, *supports_args(shape, scheme, device, dtype))
+
+    return wrapper
 
 
 _REGISTRY: dict[str, Backend] = {}

@@ -158,7 +158,6 @@ class CutlassBackend(Backend):
 
     def supports(self, shape: MoEShape, scheme: QuantScheme, device: torch.device, dtype=torch.bfloat16):
         reasons = []
-        device = torch.device(device)
         if device.type != "cuda":
             reasons.append(f"needs a CUDA device, got {device.type}")
         else:

@@ -63,7 +63,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..api import fused_moe, grads_would_be_dropped, validate_inputs
+from ..api import check_flags, fused_moe, grads_would_be_dropped, validate_inputs
 from ..select import select_backend
 from ..weights import MoEWeights, Shard
 from .checks import as_count, check_rank, check_shard, check_whole
@@ -161,6 +161,9 @@ def ep_fused_moe(
                                 allow_weight_copies=allow_weight_copies)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     try:
+        # the flags too: refused by fused_moe only after the dispatch, they left the other ranks waiting
+        apply_router_weight_on_input, allow_weight_copies = check_flags(apply_router_weight_on_input,
+                                                                        allow_weight_copies)
         topk_weights, topk_ids = _check_inputs(x, local_weights, topk_weights, topk_ids, num_experts, rank, world,
                                                apply_router_weight_on_input)
         # the local backend, chosen now for the rows this rank sends (a named backend that cannot

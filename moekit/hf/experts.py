@@ -86,6 +86,9 @@ def run_experts(
     Auto never picks a backend that would keep a converted (dequantized) copy of the experts
     (allow_weight_copies=False): FP8 experts stay FP8 unless a backend is named explicitly."""
     shape = hidden_states.shape
+    if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):  # model.double(): named here
+        raise ExpertsError(f"{label}: hidden states are {hidden_states.dtype}; moekit's experts take bfloat16, "
+                           "float16 or float32 activations (model.bfloat16(), .half() or .float())")
     x = hidden_states.reshape(-1, shape[-1])
     ids, w = _routing(top_k_index, top_k_weights, x.shape[0], label)
     _note_backend(module, weights, x, ids.shape[1], backend, label)
@@ -130,7 +133,10 @@ def _note_backend(module, weights: MoEWeights, x, top_k, backend, label) -> None
 
 
 def _is_silu(act) -> bool:
-    return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")
+    """SiLU as a module (nn.SiLU, transformers' SiLUActivation) or as the function itself
+    (LFM2-MoE's act_fn = F.silu)."""
+    return (act is torch.nn.functional.silu or isinstance(act, nn.SiLU)
+            or type(act).__name__ in ("SiLU", "SiLUActivation"))
 
 
 # The attributes that change FP8Experts._apply_gate away from SiLU(gate) * up (transformers 5.25).
@@ -164,14 +170,16 @@ def check_hf_experts(module: nn.Module, label: str | None = None) -> None:
     if not getattr(module, "is_concatenated", True):
         problems.append("gate and up rows are interleaved, not concatenated")
     if getattr(module, "is_transposed", False):
-        problems.append("its weights are transposed ([E, H, 2N]); use moekit.hf.patch_model")
+        # the one transposed family moekit runs is Llama-4, whose block patch_model replaces
+        problems.append("its weights are transposed ([E, H, 2N]), a layout moekit runs only for Llama-4's "
+                        "experts (through moekit.hf.patch_model)")
     if getattr(module, "has_post_expert_norm", False):
         problems.append("it normalizes each expert's output")
     if getattr(module, "_is_expert_parallel", False):
         problems.append("it is expert-parallel (sharded experts)")
     act = getattr(module, "act_fn", None)
     if act is not None and not _is_silu(act):
-        problems.append(f"its activation is {type(act).__name__}, not SiLU")
+        problems.append(f"its activation is {getattr(act, '__name__', type(act).__name__)}, not SiLU")
     apply_gate = getattr(type(module), "_apply_gate", None)
     if apply_gate is not None and apply_gate is _fp8_experts_gate():
         # transformers' FP8Experts has one gate for every model, SiLU(gate) * up unless one of these
@@ -285,7 +293,8 @@ class MoekitExperts(HandleOwner, nn.Module):
     Buffers (moved by .to() / .cuda() with the model, part of its state_dict):
         w13 [E, 2N, H], w2 [E, H, N] (FP8 e4m3fn, or bf16/fp16 for the bf16 scheme),
         w13_scale, w2_scale (float32, by granularity), a13_scale, a2_scale (fp8-tensor-static).
-        .half() / .to(dtype) keep FP8 experts' dtypes (as MoELayer does); bf16 experts follow.
+        .half() / .to(dtype) keep FP8 experts' dtypes (as MoELayer does); bf16 experts follow to
+        bf16 / fp16 and stay bf16 under .float() (float32 activations run on them).
     forward(hidden_states, top_k_index, top_k_weights) is the contract of transformers'
     experts modules. `backend` picks the moekit backend ("auto": MOEKIT_BACKEND, then auto).
     """
@@ -335,11 +344,11 @@ class MoekitExperts(HandleOwner, nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         # model.half() / model.to(torch.float16) must not cast FP8 weights or float32 scales; bf16
-        # experts follow the model's dtype as transformers' own experts would (activations and
-        # unquantized weights must share a dtype)
-        if self.scheme is not None and self.scheme.is_fp8:
-            return apply_keeping_dtypes(self, fn, *args, **kwargs)
-        return super()._apply(fn, *args, **kwargs)
+        # experts follow the model to bf16 / fp16 (activations and unquantized weights must share
+        # a dtype) but not to float32 or float64, which moekit refuses as weights: model.float()
+        # keeps them bf16, and float32 activations run on them (computed in float32), as MoELayer
+        unquantized = (self._buffers["w13"], self._buffers["w2"]) if self.loaded and not self.scheme.is_fp8 else ()
+        return apply_keeping_dtypes(self, fn, *args, half_precision=unquantized, **kwargs)
 
     def moe_weights(self) -> MoEWeights:
         """The MoEWeights over the current buffers (rebuilt after the module moves)."""

@@ -33,8 +33,8 @@ from ..weights import MoEWeights
 from ..weights import _calibrate  # quantize_weights' own measurement of static activation scales
 from ..weights import _not_a_scale  # MoEWeights' rule for a weight scale it refuses
 from . import checkpoint as ckpt_mod
-from .experts import (ExpertsError, MoekitExperts, _hf_weights, check_hf_experts, experts_modules,
-                      fp8_experts_class, register, set_backend)
+from .experts import (IMPLEMENTATION, ExpertsError, MoekitExperts, _hf_weights, _is_silu, check_hf_experts,
+                      experts_modules, fp8_experts_class, register, set_backend)
 from .families import Family, UnsupportedModelError, family_of_config, family_of_module
 from .routers import RoutedExperts, fuse_routers, routers_to_fuse, swap_routers
 
@@ -59,9 +59,10 @@ def _check_experts_math(hf_experts: nn.Module, family: Family, label: str | None
     no bias, ...; check_hf_experts, or the activation alone for Llama-4's transposed experts)."""
     if not family.transposed:
         check_hf_experts(hf_experts, label)
-    elif not type(getattr(hf_experts, "act_fn", nn.SiLU())).__name__.startswith("SiLU"):
-        raise ExpertsError(f"{label or type(hf_experts).__name__}: activation {type(hf_experts.act_fn).__name__} "
-                           "is not SiLU")
+    elif not _is_silu(getattr(hf_experts, "act_fn", nn.SiLU())):
+        act = hf_experts.act_fn
+        raise ExpertsError(f"{label or type(hf_experts).__name__}: activation "
+                           f"{getattr(act, '__name__', type(act).__name__)} is not SiLU")
 
 
 def _empty_experts(hf_experts: nn.Module, family: Family, config=None) -> MoekitExperts:
@@ -223,9 +224,11 @@ def _device_of(model: nn.Module, name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def fill_from_checkpoint(model: nn.Module, folder: str | Path, family: Family, ckpt_scheme: QuantScheme,
-                         scheme: QuantScheme | None, dtype: torch.dtype) -> dict[str, MoekitExperts]:
-    """Load every MoekitExperts of `model` from the checkpoint at `folder`."""
+def fill_from_checkpoint(model: nn.Module, folder: str | Path, family: Family, scheme: QuantScheme | None,
+                         dtype: torch.dtype) -> dict[str, MoekitExperts]:
+    """Load every MoekitExperts of `model` from the checkpoint at `folder`, each under the scheme
+    its config gives that module (an `ignore` entry may name one layer's experts)."""
+    raw = _raw_config(Path(folder))
     ckpt = ckpt_mod.Checkpoint(folder)
     try:
         found = ckpt_mod.find_experts(ckpt, family)
@@ -268,11 +271,17 @@ def fill_from_checkpoint(model: nn.Module, folder: str | Path, family: Family, c
             E, H, N = module.num_experts, module.hidden_dim, module.intermediate_dim
             device = _device_of(model, name)
             stored = ckpt_mod.experts_dtype(ckpt, entry, prefix)
+            experts = sorted(entry["experts"]) if "experts" in entry else range(E)
+            ckpt_scheme = _checkpoint_scheme(raw, folder, [f"{prefix}.{e}.{p}" for e in experts
+                                                           for p in family.projections])
             try:
                 if stored == torch.float8_e4m3fn:
                     if not ckpt_scheme.is_fp8:
                         raise ckpt_mod.CheckpointError(
-                            f"{prefix!r} holds FP8 expert weights but the config has no FP8 quantization_config"
+                            f"{prefix!r} holds FP8 expert weights but "
+                            + ("the config has no quantization_config" if _quant_config(raw) is None else
+                               "the config's quantization_config leaves them unquantized (its ignore list "
+                               "names them, or no FP8 group targets them)")
                         )
                     if scheme is not None and scheme != ckpt_scheme:
                         raise UnsupportedModelError(
@@ -382,9 +391,27 @@ def _capture_inputs(model: nn.Module, modules: dict[str, MoekitExperts], input_i
 
 
 def quantize_model(model: nn.Module, scheme: str | QuantScheme, calibration: torch.Tensor | None = None) -> None:
-    """Requantize every bf16 MoekitExperts of `model` to `scheme` (static: calibrated on token ids)."""
+    """Requantize every bf16 MoekitExperts of `model` to `scheme` (static: calibrated on token ids).
+    A model without moekit's experts (transformers' own, which this does not replace) is refused."""
     scheme = get_scheme(scheme)
+    _check_calibration_scheme(calibration, scheme)
+    if not experts_modules(model):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no moekit experts to quantize (transformers' own experts stay as they are): "
+            f"call moekit.hf.patch_model(model, scheme={scheme.name!r}), which replaces and quantizes them"
+        )
     _quantize_modules(model, scheme, _calibration_inputs(model, scheme, calibration))
+
+
+def _check_calibration_scheme(calibration, scheme: QuantScheme | None) -> None:
+    """ValueError for calibration= that nothing would read (a user who passes it believes static
+    scales are measured): only fp8-tensor-static takes it, as quantize_weights refuses it."""
+    if calibration is None or (scheme is not None and scheme.static_activation):
+        return
+    why = ("without scheme= the experts are not quantized (an FP8 checkpoint's load as stored)" if scheme is None
+           else f"scheme {scheme.name} computes its activation scales per call" if scheme.is_fp8
+           else f"scheme {scheme.name} does not quantize")
+    raise ValueError(f"calibration: only for scheme fp8-tensor-static (static activation scales); {why}")
 
 
 def _calibration_inputs(model: nn.Module, scheme: QuantScheme, calibration: torch.Tensor | None) -> dict:
@@ -414,9 +441,21 @@ def _check_bf16_experts(hf: nn.Module, family: Family, name: str) -> None:
     """What _hf_to_moekit refuses, checked without building anything (patch_model: every module
     before the first is replaced)."""
     _check_experts_math(hf, family, name)
+    _check_in_memory(hf, name)
     if hf.gate_up_proj.dtype not in (torch.bfloat16, torch.float16):
         raise ExpertsError(f"{name}: experts are {hf.gate_up_proj.dtype}; moekit needs bf16/fp16 "
                            "(load with dtype=torch.bfloat16)")
+
+
+def _check_in_memory(hf: nn.Module, name: str) -> None:
+    """ExpertsError for experts whose weights accelerate offloaded (device_map with "cpu" or
+    "disk" offload): they are meta tensors that accelerate's hook on the layer loads for each
+    forward, and the MoekitExperts put in their place would hold the meta tensors themselves."""
+    meta = [k for k, t in (*hf.named_parameters(), *hf.named_buffers()) if t.device.type == "meta"]
+    if meta:
+        raise ExpertsError(f"{name}: the experts' {meta[0]} is on the meta device (offloaded by accelerate's "
+                           "device_map to 'cpu' or 'disk'); moekit needs the experts' weights in memory: load "
+                           "the model with every layer on a device (no offloading)")
 
 
 def _hf_to_moekit(hf: nn.Module, family: Family, name: str) -> MoekitExperts:
@@ -439,6 +478,7 @@ def _fp8_experts_family(hf: nn.Module, model: nn.Module, name: str) -> Family:
         raise UnsupportedModelError(f"{name}: transformers' FP8Experts in a {family.name} model: moekit runs "
                                     f"{family.name}'s experts from its checkpoint (patch_model(checkpoint=...))")
     _check_experts_math(hf, family, name)
+    _check_in_memory(hf, name)
     _hf_weights(hf, name)  # the tensors' own checks (block size, scales), remembered on the module
     return family
 
@@ -574,15 +614,18 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
     - checkpoint=None: the model's own expert weights, kept as they are (scheme None or "bf16",
       no copy) or quantized to `scheme` one experts module at a time, each releasing its bf16
       originals, after every check (below).
-      fp8-tensor-static measures its activation scales on `calibration` (token ids [B, T]).
+      fp8-tensor-static measures its activation scales on `calibration` (token ids [B, T]);
+      calibration for another scheme is refused, not ignored.
     - checkpoint=PATH: the experts are (re)loaded from that checkpoint's safetensors files, FP8
       as stored (e.g. a model that transformers loaded with dequantized experts).
     - fused_routing=True: the routers run through moekit.route too (routers.py), each checked
       against transformers' own first.
     Anything refused (a backend that cannot run, the argument's or MOEKIT_BACKEND's, a checkpoint
-    that does not fit, calibration ids or the calibration forward) leaves the model as it was;
-    refilling experts that are moekit's already from a checkpoint holds their former tensors until
-    every module is read, for that. Returns the model.
+    that does not fit, calibration ids or the calibration forward, experts that accelerate
+    offloaded) leaves the model as it was; refilling experts that are moekit's already from a
+    checkpoint holds their former tensors until every module is read, for that. The patched
+    model's transformers save_pretrained is refused (_SaveRefused): save it with
+    moekit.hf.save_pretrained. Returns the model.
     """
     register()
     # refused before anything changes; the experts are checked to be moekit's once they are
@@ -595,6 +638,7 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
     else:
         ckpt_scheme = _checkpoint_scheme(_raw_config(Path(checkpoint)), checkpoint)
     want = get_scheme(scheme) if scheme is not None else None
+    _check_calibration_scheme(calibration, want)
     calibration = _calibration_ids(calibration, vocab_size=_vocab_size(getattr(model, "config", None)))
     _check_backend_name(backend)
     _refuse_before_change(model)
@@ -613,7 +657,7 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
         if checkpoint is not None:
             dtype = next((m.moe_weights().w13.dtype for m in modules.values()
                           if m.loaded and not m.scheme.is_fp8), torch.bfloat16)
-            fill_from_checkpoint(model, checkpoint, family, ckpt_scheme, want, dtype)
+            fill_from_checkpoint(model, checkpoint, family, want, dtype)
             target = want if want is not None and want != ckpt_scheme else None
         else:
             empty = [name for name, m in modules.items() if not m.loaded]
@@ -631,7 +675,37 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
     if target is not None:
         _quantize_modules(model, target, inputs)
     set_backend(model, backend)
+    _refuse_transformers_save(model)
     return model
+
+
+class _SaveRefused:
+    """Stands in for transformers' save_pretrained (which push_to_hub calls too) on a model whose
+    experts are moekit's: it would write their buffers under moekit's names (experts.w13, w2,
+    scales) and no quantization_config, a checkpoint that transformers reloads with random experts
+    and moekit cannot read. An object, not a bound method, so torch.save and deepcopy keep it."""
+
+    def __init__(self, owner: str, experts: str):
+        self.owner, self.experts = owner, experts
+
+    def __call__(self, *args, **kwargs):
+        raise UnsupportedModelError(
+            f"{self.owner}.save_pretrained: transformers would write moekit's experts ({self.experts}) under "
+            "moekit's internal tensor names (w13, w2, ...), which neither transformers nor moekit loads; use "
+            "moekit.hf.save_pretrained(model, path), a checkpoint both load, or save the model before moekit "
+            "patches it"
+        )
+
+
+def _refuse_transformers_save(model: nn.Module) -> None:
+    """Put _SaveRefused in place of save_pretrained on every transformers model (the model and
+    any PreTrainedModel inside it, such as model.model) that holds moekit's experts."""
+    for module in model.modules():
+        if callable(getattr(type(module), "save_pretrained", None)):
+            inside = experts_modules(module)
+            if inside:
+                module.__dict__["save_pretrained"] = _SaveRefused(type(module).__name__, next(iter(inside)) +
+                                                                  (", ..." if len(inside) > 1 else ""))
 
 
 def _shallow_state(obj) -> dict:
@@ -695,12 +769,17 @@ def _raw_config(folder: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _checkpoint_scheme(raw: dict, folder) -> QuantScheme:
+def _quant_config(raw: dict):
     quant = raw.get("quantization_config")
     if quant is None and isinstance(raw.get("text_config"), dict):
         quant = raw["text_config"].get("quantization_config")
+    return quant
+
+
+def _checkpoint_scheme(raw: dict, folder, experts: list[str] | None = None) -> QuantScheme:
+    """The experts' scheme in the config (`experts`: of these expert projections, one module's)."""
     try:
-        return parse_quantization_config(quant)
+        return parse_quantization_config(_quant_config(raw), experts)
     except ValueError as e:
         raise UnsupportedModelError(f"{folder}: moekit cannot run this checkpoint's quantization: {e}") from None
 
@@ -789,7 +868,7 @@ def _vocab_size(config) -> int | None:
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _model_dtype_arg(dtype, raw: dict) -> torch.dtype:
+def _model_dtype_arg(dtype, raw: dict, argument: str = "dtype") -> torch.dtype:
     """from_pretrained's dtype: torch.bfloat16 or torch.float16, their names, or "auto" (the
     config's own when it is one of those, else bf16); anything else refused before loading."""
     if dtype == "auto":
@@ -799,12 +878,12 @@ def _model_dtype_arg(dtype, raw: dict) -> torch.dtype:
         return _DTYPES[dtype.removeprefix("torch.")]
     if dtype in _DTYPES.values():
         return dtype
-    raise ValueError(f"dtype={dtype!r}: moekit runs the model in torch.bfloat16 or torch.float16 (or their "
+    raise ValueError(f"{argument}={dtype!r}: moekit runs the model in torch.bfloat16 or torch.float16 (or their "
                      "names, or 'auto' for the config's own)")
 
 
 def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str | QuantScheme | None = None, *,
-                    dtype: torch.dtype | str = torch.bfloat16, calibration=None, model_class=None,
+                    dtype: torch.dtype | str | None = None, calibration=None, model_class=None,
                     fused_routing: bool = False, **kwargs) -> nn.Module:
     """Load a local transformers MoE model with its routed experts in moekit.
 
@@ -817,19 +896,36 @@ def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str 
     backend name or "auto" (then MOEKIT_BACKEND, then moekit's choice); one that cannot run the
     experts, named here or by MOEKIT_BACKEND, is refused at load. `fused_routing=True`: the
     routers run through moekit.route too (routers.py), each checked against transformers' own
-    first. Other keyword arguments go to transformers' from_pretrained (device_map,
-    attn_implementation, ...); `model_class` overrides the Auto class.
+    first. `dtype` (None: bf16): torch.bfloat16 or torch.float16, their names, or "auto";
+    transformers' older name `torch_dtype` is read as it. Other keyword arguments go to
+    transformers' from_pretrained (device_map, attn_implementation, ...), but for
+    experts_implementation, which moekit sets ("moekit" only); output_loading_info=True returns
+    (model, loading info) as transformers does, without the expert tensors moekit read itself;
+    `model_class` overrides the Auto class.
     """
     from transformers import AutoConfig
 
     register()
     folder = Path(path)
     raw = _raw_config(folder)
-    dtype = _model_dtype_arg(dtype, raw)
+    argument = "dtype"
+    torch_dtype = kwargs.pop("torch_dtype", None)  # transformers' former name, still read by it: here too
+    if torch_dtype is not None:
+        if dtype is not None:
+            raise ValueError("dtype= and torch_dtype= both given: pass dtype= only (torch_dtype is its former name)")
+        dtype, argument = torch_dtype, "torch_dtype"
+    dtype = _model_dtype_arg(torch.bfloat16 if dtype is None else dtype, raw, argument)
+    implementation = kwargs.pop("experts_implementation", IMPLEMENTATION)
+    if implementation != IMPLEMENTATION:
+        raise ValueError(f"experts_implementation={implementation!r}: moekit.hf.from_pretrained runs the experts "
+                         f"through moekit ({IMPLEMENTATION!r}); for transformers' own experts load the model with "
+                         "transformers' from_pretrained")
+    loading_info = kwargs.pop("output_loading_info", False)
     ckpt_scheme = _checkpoint_scheme(raw, folder)
     config = AutoConfig.from_pretrained(folder)
     family = family_of_config(config)
     want = get_scheme(scheme) if scheme is not None else None
+    _check_calibration_scheme(calibration, want)
     if ckpt_scheme.is_fp8 and want is not None and want != ckpt_scheme:
         raise UnsupportedModelError(
             f"{folder}: the checkpoint is {ckpt_scheme.name}; moekit loads FP8 experts as stored and does not "
@@ -862,11 +958,12 @@ def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str 
                                               output_loading_info=True, **kwargs)
     finally:
         report_logger.removeFilter(drop)
+    info = _without_expert_keys(info)
     _report(info, folder)
     modules = experts_modules(model)
     if not modules:
         raise UnsupportedModelError(f"{type(model).__name__}: no experts module was built for family {family.name}")
-    fill_from_checkpoint(model, folder, family, ckpt_scheme, want, dtype)
+    fill_from_checkpoint(model, folder, family, want, dtype)
     if want is not None and want.static_activation and any(not m.scheme.is_fp8 for m in modules.values()):
         # read as bf16 to be calibrated (also under an FP8 config whose experts are stored unquantized)
         _set_implementation(model)  # the calibration forward runs moekit's experts without a warning
@@ -876,15 +973,23 @@ def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str 
     _check_backend(modules, backend, _model_dtype(model, modules))
     if fused_routing:
         fuse_routers(model)
-    return model
+    _refuse_transformers_save(model)
+    return (model, info) if loading_info else model
 
 
 _EXPERT_KEY = re.compile(r"\.experts\.(\d+\.[^.]+\.[a-z_]+|" + "|".join(ckpt_mod.FUSED_NAMES) + ")$")
 
 
+def _without_expert_keys(info: dict) -> dict:
+    """transformers' loading info without the expert tensors it lists as unexpected, which moekit
+    reads itself."""
+    unexpected = info.get("unexpected_keys", ())
+    return {**info, "unexpected_keys": type(unexpected)(k for k in unexpected if not _EXPERT_KEY.search(k))}
+
+
 def _report(info: dict, folder) -> None:
-    """What transformers did not load, leaving out the expert tensors moekit reads itself."""
-    unexpected = sorted(k for k in info.get("unexpected_keys", ()) if not _EXPERT_KEY.search(k))
+    """What transformers did not load (the expert tensors moekit reads itself left out)."""
+    unexpected = sorted(info.get("unexpected_keys", ()))
     missing = sorted(info.get("missing_keys", ()))
     mismatched = info.get("mismatched_keys", ())
     for what, keys in (("unexpected (not used)", unexpected), ("missing (newly initialized)", missing),

@@ -43,26 +43,20 @@ class RoutingConfig:
     def __post_init__(self):
         """What needs no logits to check (route() checks the rest against E): a rule that could
         not run was accepted and failed at the first forward (apply_on_input at top-k 2)."""
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 1:
+        for name in ("top_k", "num_groups", "topk_groups"):  # NumPy integers as Python ones
+            object.__setattr__(self, name, as_int(getattr(self, name)))
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
             raise ValueError(f"RoutingConfig.top_k must be a positive integer, got {self.top_k!r}")
-        object.__setattr__(self, "top_k", int(self.top_k))  # a NumPy integer as a Python one
         if self.scoring not in _SCORINGS:
             raise ValueError(f"RoutingConfig.scoring {self.scoring!r}: expected one of {_SCORINGS}")
         for name in ("renormalize", "use_correction_bias", "apply_on_input"):
-            value = getattr(self, name)
-            if not isinstance(value, (bool, np.bool_)):  # NumPy's bool too
-                raise ValueError(f"RoutingConfig.{name} must be True or False, got {value!r}")
-            object.__setattr__(self, name, bool(value))
+            object.__setattr__(self, name, check_flag(f"RoutingConfig.{name}", getattr(self, name)))
         if not _is_scale(self.routed_scaling_factor):
             raise ValueError(f"RoutingConfig.routed_scaling_factor must be a finite number > 0, "
                              f"got {self.routed_scaling_factor!r}")
         if (self.num_groups is None) != (self.topk_groups is None):
             raise ValueError(f"RoutingConfig.num_groups and topk_groups go together, got {self.num_groups!r} "
                              f"and {self.topk_groups!r}")
-        for name in ("num_groups", "topk_groups"):  # NumPy integers as Python ones, as top_k
-            value = getattr(self, name)
-            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
-                object.__setattr__(self, name, int(value))
         _check_groups(self.num_groups, self.topk_groups, "RoutingConfig.")  # the rest needs E: check_fits
         if self.apply_on_input and self.top_k != 1:
             raise ValueError(f"RoutingConfig.apply_on_input (the weight scales the expert's input, Llama-4) "
@@ -72,6 +66,25 @@ class RoutingConfig:
             raise ValueError("RoutingConfig.apply_on_input with renormalize=True: a renormalized top-1 weight is "
                              "always 1, so the input would not be scaled at all; pass renormalize=False, as "
                              "Llama-4 does (its input is scaled by sigmoid of the chosen logit)")
+
+
+def check_flag(name: str, value) -> bool:
+    """`value` as a Python bool; ValueError naming `name` unless it is True or False (NumPy's
+    bool too: it can only be one of the two). Anything else was taken by its truthiness, so
+    renormalize="false" or apply_router_weight_on_input="no" turned the rule on, and None off.
+    One check for RoutingConfig, route() and fused_moe's flags."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def as_int(value):
+    """An integer (NumPy's too) as a Python int, so that the range checks, and torch and Triton
+    after them, see one type; anything else unchanged, for those checks to refuse showing what
+    was passed. A bool is not a count: left as it is, for the checks to refuse."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return value
 
 
 def _is_scale(value) -> bool:
@@ -171,6 +184,10 @@ def route(
         num_groups, topk_groups = config.num_groups, config.topk_groups
         routed_scaling_factor = config.routed_scaling_factor
     renormalize, scoring, routed_scaling_factor = _given(renormalize), _given(scoring), _given(routed_scaling_factor)
+    # checked as RoutingConfig checks its fields (the same helpers), so the two ways of giving a
+    # rule accept the same values
+    renormalize = check_flag("renormalize", renormalize)
+    top_k, num_groups, topk_groups = as_int(top_k), as_int(num_groups), as_int(topk_groups)
 
     _check_logits_form(router_logits)
     num_tokens, num_experts = router_logits.shape
