@@ -29,7 +29,7 @@ from .models import ModelSpec, get_model
 from .routing import RoutingConfig, check_fits, route
 from .dtypes import as_torch_dtype
 from .spec import QuantScheme, get_scheme
-from .weights import TENSOR_FIELDS, UNQUANTIZED_DTYPES, MoEWeights, scale_values_checked_later
+from .weights import TENSOR_FIELDS, UNQUANTIZED_DTYPES, FollowsWeights, MoEWeights, scale_values_checked_later
 
 BIAS = "e_score_correction_bias"  # the checkpoint's name for DeepSeek-V3 / GLM-4.5's router bias
 
@@ -106,7 +106,7 @@ def _check_leading_dims(x: torch.Tensor, name: str, t: torch.Tensor) -> None:
         )
 
 
-class MoELayer(HandleOwner, torch.nn.Module):
+class MoELayer(HandleOwner, FollowsWeights, torch.nn.Module):
     """The routed experts of one MoE layer; see the module docstring.
 
     weights: the layer's `MoEWeights` (used as they are, not copied). routing: the model's
@@ -272,27 +272,16 @@ class MoELayer(HandleOwner, torch.nn.Module):
             w._followed_by(self)
         return w
 
-    def _weights_assigned(self, weights: MoEWeights, name: str, old) -> None:
-        """MoEWeights.__setattr__ calls this after a tensor (or the scheme) of weights this layer
-        was made or rebuilt with was replaced and validated: where every buffer is still their
-        tensor as it was, the buffer becomes the new one. Forward had run the new tensor while
-        state_dict() saved the old buffer, and a no-op .to("cpu"), which rebuilds the weights over
-        the buffers, went back to the old one. Weights the layer no longer runs (its buffers since
-        moved, loaded with assign=True or assigned) leave it alone."""
-        was = {n: old if n == name else getattr(weights, n) for n in TENSOR_FIELDS}
-        if any(self._buffers.get(n) is not t for n, t in was.items()):
-            return
-        if name == "scheme":
-            self._scheme = weights.scheme
-        else:  # the dict itself: setattr would drop `weights`, which are these buffers already
-            self._buffers[name] = getattr(weights, name)
+    # FollowsWeights: a tensor assigned to the weights this layer runs becomes its buffer
+    def _weights_followed(self) -> MoEWeights | None:
+        return self.__dict__.get("_weights")
+
+    def _set_scheme(self, scheme: QuantScheme) -> None:
+        self._scheme = scheme
+
+    def _buffers_assigned(self, weights: MoEWeights) -> None:
         if self.__dict__.get("_weights") is not weights:  # older weights over these buffers: rebuilt
             self._drop_weights()
-
-    def __setstate__(self, state) -> None:
-        super().__setstate__(state)
-        if self.__dict__.get("_weights") is not None:  # a copy (deepcopy, pickle) follows its own weights
-            self._weights._followed_by(self)
 
     def _drop_weights(self, keep_derived: bool = False) -> None:
         """The weights are rebuilt (and re-validated) over the buffers at their next use.
@@ -351,7 +340,14 @@ class MoELayer(HandleOwner, torch.nn.Module):
                 else:
                     error_msgs.append(f"{prefix}{name} must be a float32 (or bf16 / fp16) tensor, got {t.dtype}")
                 continue
-            if isinstance(t, torch.Tensor) and buf is not None and t.dtype != buf.dtype:
+            if (isinstance(t, torch.Tensor) and buf is not None and not self._scheme.is_fp8
+                    and {t.dtype, buf.dtype} == set(UNQUANTIZED_DTYPES)):
+                # bf16 and fp16 are one unquantized scheme, and the layer follows .half() /
+                # .bfloat16(): a state dict of the model in the other one loads converted to this
+                # layer's dtype, as nn.Linear's copy_ converts it (also under assign=True, so that
+                # the weights keep the layer's dtype)
+                state_dict[prefix + name] = t.to(buf.dtype)
+            elif isinstance(t, torch.Tensor) and buf is not None and t.dtype != buf.dtype:
                 error_msgs.append(
                     f"{prefix}{name} has dtype {t.dtype} in the state dict but {buf.dtype} in this layer "
                     f"(scheme {self._scheme.name}); load weights of the same scheme"

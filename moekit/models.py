@@ -601,7 +601,10 @@ def parse_quantization_config(quant: Any, experts: tuple[str, ...] | list[str] |
     `experts`: the checkpoint names of one experts module's projections (e.g.
     `model.layers.0.mlp.experts.3.gate_proj`): the scheme of that module, as the config's entries
     that name it say. None: the scheme of the model's routed experts, those the config does not
-    name one by one (an `ignore` entry naming one layer's experts leaves the others quantized)."""
+    name one by one (an `ignore` entry naming one layer's experts leaves the others quantized).
+    The config alone does not say which modules the model has, so an `ignore` list naming every
+    expert projection one by one still reads as the groups' scheme here; moekit.hf reads each
+    module by the checkpoint's own expert names (hf/load.py `_checkpoint_schemes`), which can tell."""
     if quant is None or quant == {}:
         return BF16
     if not isinstance(quant, dict):
@@ -670,7 +673,10 @@ def _ct_matcher(entries):
 
 # compressed-tensors for the model as a whole: sample expert projections of each layout, at
 # layers and indices no model has all of (layer 93, expert 255), so that only patterns ("re:",
-# "Linear") match every sample of a layout, never a list of single modules' names.
+# "Linear") match every sample of a layout, never a list of single modules' names. Without the
+# model's own module names this cannot tell a list naming every expert (all bf16) from one naming
+# some (the others FP8): it answers for the patterns only (parse_config's ModelSpec, the CLI's
+# --model config.json), and moekit.hf, which has the names, does not use it.
 _SAMPLED_EXPERTS = tuple(
     tuple(f"{layout}.layers.{layer}.{block}.experts.{e}.{proj}" for layer in (0, 1, 9, 93) for e in (0, 5, 255)
           for proj in projections)

@@ -54,10 +54,12 @@ class MoEWeights:
     # the rank's part of a whole layer these weights are (moekit.distributed), None for a whole layer
     shard: Shard | None = None
     # Per-backend derived state (e.g. a dequantized copy for the `torch` backend), built once and
-    # refreshed in place after a tensor is written: read it through prepared_state().
-    prepared: dict = dataclasses.field(default_factory=dict, repr=False)
+    # refreshed in place after a tensor is written: read it through prepared_state(). Not init
+    # fields, so that dataclasses.replace(weights, w13=...) starts its own: shared, each call of the
+    # one rebuilt (and freed) the other's, memory a CUDA graph captured with the other reads.
+    prepared: dict = dataclasses.field(init=False, default_factory=dict, repr=False)
     # per backend, the values its state was made from (_values_stamp)
-    _stamps: dict = dataclasses.field(default_factory=dict, repr=False)
+    _stamps: dict = dataclasses.field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self):
         self.scheme = get_scheme(self.scheme)
@@ -70,7 +72,7 @@ class MoEWeights:
         deep inside a backend): the old tensor is put back and the error raised. To change
         several tensors at once (another E, another device), make new weights:
         dataclasses.replace(weights, w13=..., w2=..., ...) validates them together. A MoELayer
-        running these weights takes the new tensor as its buffer (MoELayer._weights_assigned)."""
+        running these weights takes the new tensor as its buffer (FollowsWeights)."""
         if name not in (*TENSOR_FIELDS, "scheme") or not self.__dict__.get("_validated"):
             super().__setattr__(name, value)
             return
@@ -83,18 +85,18 @@ class MoEWeights:
         except (ValueError, TypeError):
             super().__setattr__(name, old)
             raise
-        for layer in list(self.__dict__.get("_layers", ())):  # the MoELayers over these tensors follow
+        for layer in list(self.__dict__.get("_layers", ())):  # the modules over these tensors follow
             layer._weights_assigned(self, name, old)
 
     def _followed_by(self, layer) -> None:
-        """`layer` (a MoELayer whose buffers are these tensors) is told of every tensor or scheme
-        assigned here, so that its buffers follow (MoELayer._weights_assigned). Held weakly: the
-        weights never keep a layer alive."""
+        """`layer` (a module whose buffers are these tensors: FollowsWeights) is told of every
+        tensor or scheme assigned here, so that its buffers follow. Held weakly: the weights never
+        keep a layer alive."""
         self.__dict__.setdefault("_layers", weakref.WeakSet()).add(layer)
 
     def __getstate__(self):
-        # weak references cannot be pickled or deep-copied; a copied MoELayer links its own copy
-        # of the weights again (MoELayer.__setstate__)
+        # weak references cannot be pickled or deep-copied; a copied module links its own copy
+        # of the weights again (FollowsWeights.__setstate__)
         state = dict(self.__dict__)
         state.pop("_layers", None)
         return state
@@ -342,6 +344,36 @@ def scale_values_checked_later():
         yield
     finally:
         _VALUES_DEFERRED.reset(token)
+
+
+class FollowsWeights:
+    """A torch module whose buffers are the tensors of the MoEWeights it runs (MoELayer, moekit.hf's
+    MoekitExperts): a tensor or scheme assigned to those weights becomes the module's buffer.
+    Forward had run the new tensor while state_dict() saved the old buffer, a no-op .to("cpu")
+    went back to the old one, and load_state_dict wrote into buffers forward no longer read.
+    The module calls `weights._followed_by(self)` for the weights it runs and gives
+    `_weights_followed()` (those weights, to link a copy to its own), `_set_scheme(scheme)` and
+    `_buffers_assigned(weights)` (the buffers now hold a new tensor of `weights`)."""
+
+    def _weights_assigned(self, weights: MoEWeights, name: str, old) -> None:
+        """MoEWeights.__setattr__ calls this after a tensor (or the scheme) of weights this module
+        was made or rebuilt with was replaced and validated: where every buffer is still their
+        tensor as it was, the buffer becomes the new one. Weights the module no longer runs (its
+        buffers since moved, loaded with assign=True or assigned) leave it alone."""
+        was = {n: old if n == name else getattr(weights, n) for n in TENSOR_FIELDS}
+        if any(self._buffers.get(n) is not t for n, t in was.items()):
+            return
+        if name == "scheme":
+            self._set_scheme(weights.scheme)
+        else:  # the dict itself: the module's setattr would drop `weights`, which are these buffers already
+            self._buffers[name] = getattr(weights, name)
+        self._buffers_assigned(weights)
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        weights = self._weights_followed()
+        if weights is not None:  # a copy (deepcopy, pickle) follows its own weights
+            weights._followed_by(self)
 
 
 def _validate(w: MoEWeights) -> None:

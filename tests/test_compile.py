@@ -162,6 +162,34 @@ def test_route_compiles_with_its_checks_in_the_graph(config, device):
         with pytest.raises(RuntimeError, match="router_logits has NaN or inf"):
             compiled(x, logits)
 
+@pytest.mark.parametrize("argument", ["renormalize", "top_k", "apply_router_weight_on_input"])
+def test_a_numpy_flag_or_count_inside_fullgraph_names_the_argument(argument):
+    """Dynamo traces a NumPy scalar (np.bool_ / np.int64, taken as its value in eager code) as an
+    array: the checks' repr() of it stopped fullgraph tracing with dynamo's "repr() on tensor",
+    moekit's argument unnamed. The refusal now names it and says to convert it beforehand; the same
+    value converted compiles and runs as eager."""
+    import numpy as np
+
+    weights = random_weights(E, H, N, "fp8-channel-token")
+    x = random_x(6, H)
+    logits = torch.randn(6, E, generator=torch.Generator().manual_seed(1))
+
+    def block(value):
+        given = {argument: value}
+        top_k = given.pop("top_k", 1)  # top-1: the router weight may multiply the input
+        on_input = given.pop("apply_router_weight_on_input", False)
+        tw, ids = moekit.route(logits, top_k, **given)
+        return moekit.fused_moe(x, weights, tw, ids, "reference", apply_router_weight_on_input=on_input)
+
+    numpy_value = np.int64(1) if argument == "top_k" else np.bool_(argument != "renormalize")
+    with pytest.raises(Exception, match=rf"{argument}: a NumPy scalar inside torch\.compile, which traces it as an "
+                                        rf"array, not a constant; convert it to a Python (bool|int) outside"):
+        _compiled(lambda: block(numpy_value))()
+    torch._dynamo.reset()
+    python_value = numpy_value.item()
+    assert torch.equal(_compiled(lambda: block(python_value))(), block(numpy_value))
+
+
 class _Block(torch.nn.Module):
     """A decoder block's MoE half, as a model repeats it: what regional compilation compiles once."""
 

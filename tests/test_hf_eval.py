@@ -116,7 +116,7 @@ def test_eval_options_are_refused_before_the_model_loads(checkpoints, tmp_path, 
         ([fp8, "--scheme", "bogus"], "--scheme: unknown quantization scheme 'bogus'; expected one of: bf16"),
         # an FP8 checkpoint is loaded as stored: the command line's words, not from_pretrained's scheme=None
         ([fp8, "--scheme", "fp8-block128"],
-         "the checkpoint is fp8-channel-token, and FP8 experts are loaded as stored; leave out --scheme"),
+         "are fp8-channel-token, and FP8 experts are loaded as stored; leave out --scheme"),
         # static scales need calibration text, which no flag gives: say so, and what to do instead
         ([bf16, "--scheme", "fp8-tensor-static"], "which moekit eval does not take; use --scheme fp8-tensor-dynamic"),
         ([fp8, "--out", str(tmp_path)], f"--out {tmp_path}: is a folder"),

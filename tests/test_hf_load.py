@@ -1117,3 +1117,84 @@ def test_experts_whose_activation_is_the_silu_function():
         want = experts(x, ids, w)  # transformers' eager forward
     # bf16 math on both sides, summed in another order: LAYER_TORCH_MAX is one layer's bf16 gap
     assert float((got.float() - want.float()).norm() / want.float().norm()) < LAYER_TORCH_MAX
+
+
+def test_an_ignore_list_naming_every_expert_leaves_scheme_free(tmp_path_factory, tmp_path):
+    """compressed-tensors writes `ignore` as the names of the unquantized Linear modules: a
+    checkpoint whose experts are all stored bf16 names every expert projection one by one. The
+    model-level reading of the config (sampled names at layer 93 / expert 255) took that for FP8,
+    and from_pretrained(scheme="fp8-tensor-dynamic") was refused with "the checkpoint is
+    fp8-channel-token". The scheme is now decided from each module's own names: all bf16, so
+    scheme= quantizes them (from_pretrained, patch_model with the checkpoint, eval's --scheme);
+    where one layer stays FP8, a scheme= other than its own is refused naming that layer."""
+    from safetensors.torch import load_file, save_file
+
+    from moekit.hf.eval import _check_scheme
+    from test_hf_tiny import fp8_checkpoint
+
+    fp8, bf16 = fp8_checkpoint(tmp_path_factory, "qwen3_moe")
+    stored = {"fp8": load_file(fp8 / "model.safetensors"), "bf16": load_file(bf16 / "model.safetensors")}
+    projections = ("gate_proj", "up_proj", "down_proj")
+
+    def folder(name, layers):
+        """The FP8 checkpoint with `layers`' experts stored bf16 and named in `ignore`."""
+        out = tmp_path / name
+        shutil.copytree(fp8, out)
+        prefixes = tuple(f"model.layers.{i}.mlp.experts." for i in layers)
+        tensors = {k: v for k, v in stored["fp8"].items() if not k.startswith(prefixes)}
+        tensors.update({k: v for k, v in stored["bf16"].items() if k.startswith(prefixes)})
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        config = json.loads((out / "config.json").read_text())
+        config["quantization_config"]["ignore"] += [f"{p}{e}.{proj}" for p in prefixes for e in range(EXPERTS)
+                                                    for proj in projections]
+        (out / "config.json").write_text(json.dumps(config))
+        return out
+
+    layers = json.loads((fp8 / "config.json").read_text())["num_hidden_layers"]
+    every = folder("every", range(layers))
+    for scheme in ("fp8-tensor-dynamic", "fp8-block128"):
+        model = mh.from_pretrained(every, scheme=scheme, backend="reference")
+        assert {m.scheme.name for m in mh.experts_modules(model).values()} == {scheme}
+        assert _check_scheme(scheme, every).name == scheme
+    model = mh.patch_model(tiny_model("qwen3_moe"), scheme="fp8-tensor-dynamic", backend="reference",
+                           checkpoint=every)
+    assert {m.scheme.name for m in mh.experts_modules(model).values()} == {"fp8-tensor-dynamic"}
+
+    # layer 0 bf16, the others FP8 as stored: their own scheme quantizes layer 0 to it; another is refused
+    some = folder("some", [0])
+    model = mh.from_pretrained(some, scheme="fp8-channel-token", backend="reference")
+    assert {m.scheme.name for m in mh.experts_modules(model).values()} == {"fp8-channel-token"}
+    with pytest.raises(mh.UnsupportedModelError, match=r"the checkpoint's experts model\.layers\.1\.mlp\.experts "
+                                                        r"are fp8-channel-token; moekit loads FP8 experts as stored"):
+        mh.from_pretrained(some, scheme="fp8-tensor-dynamic", backend="reference")
+
+
+def test_a_tensor_assigned_to_moekit_experts_weights_becomes_its_buffer():
+    """MoekitExperts, as MoELayer (FollowsWeights): a tensor assigned to the weights moe_weights()
+    gives split the module: forward ran the new tensor, state_dict() kept the old buffer, and a
+    later load_state_dict wrote into buffers forward no longer read. A copy follows its own."""
+    import copy
+
+    model = mh.patch_model(tiny_model("qwen3_moe"), backend="reference")
+    m = next(iter(mh.experts_modules(model).values()))
+    w = m.moe_weights()
+    g = torch.Generator().manual_seed(3)
+    new = (torch.randn(w.w13.shape, generator=g) * 0.05).to(w.w13.dtype)
+    x = torch.randn(3, w.hidden, generator=g).to(w.w13.dtype)
+    ids, tw = torch.tensor([[0, 1]] * 3), torch.full((3, 2), 0.5, dtype=x.dtype)
+
+    def want(w13):
+        return moekit.fused_moe(x, moekit.MoEWeights(w.scheme, w13, w.w2), tw, ids, "reference")
+
+    w.w13 = new
+    assert m.state_dict(keep_vars=True)["w13"] is new and m.moe_weights() is w  # the same weights run on
+    assert torch.equal(m(x, ids, tw), want(new))
+    m.to("cpu")
+    assert m.moe_weights().w13 is new
+    zeros = {k: torch.zeros_like(v) if k == "w13" else v for k, v in m.state_dict().items()}
+    m.load_state_dict(zeros)
+    assert torch.equal(m(x, ids, tw), want(zeros["w13"]))
+    twin = copy.deepcopy(m)
+    twin.moe_weights().w13 = new.clone()
+    assert twin.state_dict(keep_vars=True)["w13"] is twin.moe_weights().w13
+    assert torch.equal(twin(x, ids, tw), want(new)) and torch.equal(m(x, ids, tw), want(zeros["w13"]))

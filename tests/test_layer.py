@@ -184,6 +184,30 @@ def test_load_state_dict_refuses_another_dtype():
         moekit.MoELayer.random(spec(), seed=1).load_state_dict(state)
 
 
+@pytest.mark.parametrize("built, saved", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)])
+def test_load_state_dict_converts_between_bf16_and_fp16(built, saved):
+    """An unquantized layer follows model.half(), so a state dict of model.half() holds fp16
+    weights: loading it into a bf16-built layer was refused ("load weights of the same scheme"),
+    though bf16 and fp16 are one scheme and nn.Linear converts on load. It now loads converted to
+    the layer's dtype (also with assign=True); another dtype (float32) is still refused."""
+    source = moekit.MoELayer.random(spec("bf16"), seed=0, backend="reference").to(saved)
+    state = source.state_dict()
+    x, logits = inputs(5)
+    for assign in (False, True):
+        b = moekit.MoELayer.random(spec("bf16"), seed=1, backend="reference").to(built)
+        b.load_state_dict(state, assign=assign)
+        assert b.w13.dtype == b.w2.dtype == built and b.weights.w13 is b.w13
+        assert torch.equal(b.w13, state["w13"].to(built)) and torch.equal(b.w2, state["w2"].to(built))
+        want = moekit.fused_moe(x.to(built), moekit.MoEWeights(b.weights.scheme, state["w13"].to(built),
+                                                               state["w2"].to(built)),
+                                *moekit.route(logits, config=GLM_LIKE,
+                                              correction_bias=state["e_score_correction_bias"]), "reference")
+        assert torch.equal(b(x.to(built), logits), want)
+    wrong = {k: v.float() if k == "w13" else v for k, v in state.items()}
+    with pytest.raises(RuntimeError, match=f"w13 has dtype torch.float32 in the state dict but {built}"):
+        moekit.MoELayer.random(spec("bf16"), seed=1).to(built).load_state_dict(wrong)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_load_state_dict_takes_a_float_correction_bias(dtype):
     """Checkpoints hold e_score_correction_bias in bf16 too: it was refused ("load weights of the

@@ -115,6 +115,29 @@ def test_float32_activations_on_bf16_weights_are_a_copy_a_layer_avoids():
 # ------------------------------------------------------------------------------ prepared state
 
 
+def test_replaced_weights_keep_their_own_derived_state():
+    """dataclasses.replace(weights, w13=...) (what MoEWeights.__setattr__ recommends for several
+    tensors at once) passed the `prepared` / `_stamps` dicts on: old and new weights shared them,
+    and each call of one rebuilt (and freed) the other's dequantized copy."""
+    import dataclasses
+
+    w = random_weights(E, 128, 128, "fp8-channel-token", seed=1)
+    new = random_weights(E, 128, 128, "fp8-channel-token", seed=2)
+    tw, ids = random_routing(M, E, K)
+    x = random_x(M, 128)
+    moekit.fused_moe(x, w, tw, ids, "torch")
+    copy = w.prepared["torch"][x.dtype][0]
+    r = dataclasses.replace(w, w13=new.w13.clone(), w13_scale=new.w13_scale.clone())
+    assert r.prepared == {} and r._stamps == {}  # fresh: nothing derived from w's tensors
+    mixed = moekit.MoEWeights(w.scheme, r.w13, w.w2, r.w13_scale, w.w2_scale)
+    for _ in range(2):  # alternating calls: each keeps its own copy, each computing its own weights
+        assert torch.equal(moekit.fused_moe(x, r, tw, ids, "torch"), moekit.fused_moe(x, mixed, tw, ids, "torch"))
+        out = moekit.fused_moe(x, w, tw, ids, "torch")
+        assert w.prepared["torch"][x.dtype][0] is copy
+    assert torch.equal(out, moekit.fused_moe(x, moekit.MoEWeights(w.scheme, **w.tensors()), tw, ids, "torch"))
+    assert r.prepared["torch"][x.dtype][0] is not copy
+
+
 def test_torch_backend_sees_weights_written_in_place():
     """The torch backend's dequantized copy was kept after the FP8 weights changed in place
     (a load_state_dict into the same storage): the next call computed with the old weights."""

@@ -72,8 +72,10 @@ def _check_scheme(name: str | None, folder: Path):
     """The scheme --scheme names (None: the checkpoint's own), refused now, in the command line's
     terms, where from_pretrained would refuse it in its own (scheme=None, calibration=)."""
     from ..spec import get_scheme
-    from .families import UnsupportedModelError
-    from .load import _checkpoint_scheme, _raw_config
+    from transformers import AutoConfig
+
+    from .families import UnsupportedModelError, family_of_config
+    from .load import _checkpoint_schemes, _fp8_not_converted
 
     if name is None:
         return None
@@ -81,16 +83,17 @@ def _check_scheme(name: str | None, folder: Path):
         scheme = get_scheme(name)
     except ValueError as e:
         raise EvalInputError(f"--scheme: {e}") from None
-    try:
-        stored = _checkpoint_scheme(_raw_config(folder), folder)
+    try:  # each experts module's scheme, as from_pretrained reads them
+        schemes = _checkpoint_schemes(folder, family_of_config(AutoConfig.from_pretrained(folder)))
     except (UnsupportedModelError, ValueError) as e:
         raise EvalInputError(" ".join(str(e).split())) from None
-    if stored.is_fp8 and scheme != stored:
+    refused = _fp8_not_converted(schemes, scheme)
+    if refused:
         raise EvalInputError(
-            f"--scheme {scheme.name}: the checkpoint is {stored.name}, and FP8 experts are loaded as stored; "
-            "leave out --scheme"
+            f"--scheme {scheme.name}: the checkpoint's experts {refused[0]} are {refused[1].name}, and FP8 experts "
+            "are loaded as stored; leave out --scheme"
         )
-    if scheme.static_activation and not stored.is_fp8:
+    if scheme.static_activation and any(not s.is_fp8 for s in schemes.values()):
         raise EvalInputError(
             f"--scheme {scheme.name}: quantizing an unquantized checkpoint to it needs calibration text for "
             "its static activation scales, which moekit eval does not take; use --scheme fp8-tensor-dynamic, "

@@ -33,7 +33,7 @@ from ..handles import HandleOwner
 from ..layer import apply_keeping_dtypes
 from ..select import ENV_VAR, select_backend
 from ..spec import BF16, BLOCK, FP8_BLOCK128
-from ..weights import TENSOR_FIELDS, MoEWeights
+from ..weights import TENSOR_FIELDS, FollowsWeights, MoEWeights
 
 log = logging.getLogger("moekit.hf")
 
@@ -287,7 +287,7 @@ def register() -> None:
 # ------------------------------------------------------------------------ moekit's own module
 
 
-class MoekitExperts(HandleOwner, nn.Module):
+class MoekitExperts(HandleOwner, FollowsWeights, nn.Module):
     """A layer's routed experts in moekit's layout, run by moekit.fused_moe.
 
     Buffers (moved by .to() / .cuda() with the model, part of its state_dict):
@@ -354,15 +354,35 @@ class MoekitExperts(HandleOwner, nn.Module):
         """The MoEWeights over the current buffers (rebuilt after the module moves)."""
         if not self.loaded:
             raise ExpertsError(f"{self.label}: the experts' weights were never loaded")
-        tensors = {k: self._buffers[k] for k in TENSOR_FIELDS if self._buffers.get(k) is not None}
         # values written in place (load_state_dict into the same storage) need no new MoEWeights:
         # it reads these tensors, and its prepared state follows their versions (prepared_state)
-        key = tuple((k, t.data_ptr(), t.device, t.dtype, tuple(t.shape)) for k, t in tensors.items())
+        key = self._buffers_key()
         cached = self.__dict__.get("_moekit_cached")
         if cached is None or cached[0] != key:
+            tensors = {k: self._buffers[k] for k in TENSOR_FIELDS if self._buffers.get(k) is not None}
             cached = (key, MoEWeights(self.scheme, **tensors))
             self.__dict__["_moekit_cached"] = cached
+            cached[1]._followed_by(self)  # a tensor assigned to them becomes this module's buffer
         return cached[1]
+
+    def _buffers_key(self) -> tuple:
+        """What the cached MoEWeights were made over: each buffer's storage, device, dtype, shape."""
+        return tuple((k, t.data_ptr(), t.device, t.dtype, tuple(t.shape))
+                     for k in TENSOR_FIELDS if (t := self._buffers.get(k)) is not None)
+
+    # FollowsWeights: a tensor assigned to the weights moe_weights() gave becomes the buffer
+    def _weights_followed(self) -> MoEWeights | None:
+        cached = self.__dict__.get("_moekit_cached")
+        return cached[1] if cached is not None else None
+
+    def _set_scheme(self, scheme) -> None:
+        self.scheme = scheme
+
+    def _buffers_assigned(self, weights: MoEWeights) -> None:
+        if self._weights_followed() is weights:  # they run on over the new buffer, their derived state kept
+            self.__dict__["_moekit_cached"] = (self._buffers_key(), weights)
+        else:  # older weights over these buffers: rebuilt at the next call
+            self.__dict__.pop("_moekit_cached", None)
 
     @property
     def nbytes(self) -> int:

@@ -231,14 +231,8 @@ def fill_from_checkpoint(model: nn.Module, folder: str | Path, family: Family, s
     raw = _raw_config(Path(folder))
     ckpt = ckpt_mod.Checkpoint(folder)
     try:
-        found = ckpt_mod.find_experts(ckpt, family)
+        found = _found_experts(ckpt, folder, family)
         modules = experts_modules(model)
-        if not found:
-            g, u, d = family.projections
-            raise ckpt_mod.CheckpointError(
-                f"{str(folder)!r}: no expert tensors found (looked for '<...>.experts.<e>.{g}|{u}|{d}.weight' "
-                "and '<...>.experts.gate_up_proj')"
-            )
         renamings = _renamings(model)
         base = getattr(model, "base_model_prefix", "model")
         by_module: dict[str, str] = {}
@@ -271,9 +265,7 @@ def fill_from_checkpoint(model: nn.Module, folder: str | Path, family: Family, s
             E, H, N = module.num_experts, module.hidden_dim, module.intermediate_dim
             device = _device_of(model, name)
             stored = ckpt_mod.experts_dtype(ckpt, entry, prefix)
-            experts = sorted(entry["experts"]) if "experts" in entry else range(E)
-            ckpt_scheme = _checkpoint_scheme(raw, folder, [f"{prefix}.{e}.{p}" for e in experts
-                                                           for p in family.projections])
+            ckpt_scheme = _module_scheme(raw, folder, prefix, entry, family, E)
             try:
                 if stored == torch.float8_e4m3fn:
                     if not ckpt_scheme.is_fp8:
@@ -636,7 +628,7 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
             raise UnsupportedModelError(f"{weightless}: these experts hold no weights moekit can use (per-expert "
                                         "layers of transformers' quantized Llama-4); pass checkpoint=")
     else:
-        ckpt_scheme = _checkpoint_scheme(_raw_config(Path(checkpoint)), checkpoint)
+        _raw_config(Path(checkpoint))  # not a model folder: refused before anything changes
     want = get_scheme(scheme) if scheme is not None else None
     _check_calibration_scheme(calibration, want)
     calibration = _calibration_ids(calibration, vocab_size=_vocab_size(getattr(model, "config", None)))
@@ -658,7 +650,8 @@ def patch_model(model: nn.Module, scheme: str | QuantScheme | None = None, backe
             dtype = next((m.moe_weights().w13.dtype for m in modules.values()
                           if m.loaded and not m.scheme.is_fp8), torch.bfloat16)
             fill_from_checkpoint(model, checkpoint, family, want, dtype)
-            target = want if want is not None and want != ckpt_scheme else None
+            # each module holds the scheme the config gives it (an ignore list may leave some bf16)
+            target = want if want is not None and any(m.scheme != want for m in modules.values()) else None
         else:
             empty = [name for name, m in modules.items() if not m.loaded]
             if empty:
@@ -782,6 +775,53 @@ def _checkpoint_scheme(raw: dict, folder, experts: list[str] | None = None) -> Q
         return parse_quantization_config(_quant_config(raw), experts)
     except ValueError as e:
         raise UnsupportedModelError(f"{folder}: moekit cannot run this checkpoint's quantization: {e}") from None
+
+
+def _found_experts(ckpt: ckpt_mod.Checkpoint, folder, family: Family) -> dict[str, dict]:
+    """find_experts, refusing a checkpoint without expert tensors."""
+    found = ckpt_mod.find_experts(ckpt, family)
+    if not found:
+        g, u, d = family.projections
+        raise ckpt_mod.CheckpointError(
+            f"{str(folder)!r}: no expert tensors found (looked for '<...>.experts.<e>.{g}|{u}|{d}.weight' "
+            "and '<...>.experts.gate_up_proj')"
+        )
+    return found
+
+
+def _module_scheme(raw: dict, folder, prefix: str, entry: dict, family: Family, num_experts: int) -> QuantScheme:
+    """The scheme the config gives the checkpoint's experts module at `prefix`, read from its expert
+    projections' own names (fused tensors: `num_experts` of them)."""
+    experts = sorted(entry["experts"]) if "experts" in entry else range(num_experts)
+    return _checkpoint_scheme(raw, folder, [f"{prefix}.{e}.{p}" for e in experts for p in family.projections])
+
+
+def _checkpoint_schemes(folder, family: Family, raw: dict | None = None) -> dict[str, QuantScheme]:
+    """{experts prefix: its scheme} for every experts module of the checkpoint at `folder`, before
+    any model is built. Read from the checkpoint's own expert names, not from the config alone: a
+    compressed-tensors `ignore` list may name every expert projection one by one (as
+    compressed-tensors writes it), which leaves them bf16 only a reading of the real names can tell."""
+    raw = _raw_config(Path(folder)) if raw is None else raw
+    ckpt = ckpt_mod.Checkpoint(folder)
+    try:
+        schemes = {}
+        for prefix, entry in _found_experts(ckpt, folder, family).items():
+            # fused tensors hold the experts along dim 0 ([E, ...]), as read_unquantized reads them
+            fused = entry.get("fused", {})
+            key = fused.get("gate_up_proj") or fused.get("down_proj")
+            schemes[prefix] = _module_scheme(raw, folder, prefix, entry, family,
+                                             ckpt.info(key)[0][0] if key else 0)
+        return schemes
+    finally:
+        ckpt.close()
+
+
+def _fp8_not_converted(schemes: dict[str, QuantScheme], want: QuantScheme | None) -> tuple[str, QuantScheme] | None:
+    """The first experts module (prefix, its scheme) whose config says FP8 of another scheme than
+    `want`: moekit loads FP8 experts as stored and does not convert them (None: nothing refused)."""
+    if want is None:
+        return None
+    return next(((p, s) for p, s in schemes.items() if s.is_fp8 and s != want), None)
 
 
 def _model_class(config):
@@ -921,23 +961,25 @@ def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str 
                          f"through moekit ({IMPLEMENTATION!r}); for transformers' own experts load the model with "
                          "transformers' from_pretrained")
     loading_info = kwargs.pop("output_loading_info", False)
-    ckpt_scheme = _checkpoint_scheme(raw, folder)
     config = AutoConfig.from_pretrained(folder)
     family = family_of_config(config)
     want = get_scheme(scheme) if scheme is not None else None
     _check_calibration_scheme(calibration, want)
-    if ckpt_scheme.is_fp8 and want is not None and want != ckpt_scheme:
+    schemes = _checkpoint_schemes(folder, family, raw)  # each module's, as fill_from_checkpoint reads it
+    refused = _fp8_not_converted(schemes, want)
+    if refused:
         raise UnsupportedModelError(
-            f"{folder}: the checkpoint is {ckpt_scheme.name}; moekit loads FP8 experts as stored and does not "
-            f"convert them to {want.name} (leave scheme=None)"
+            f"{folder}: the checkpoint's experts {refused[0]} are {refused[1].name}; moekit loads FP8 experts as "
+            f"stored and does not convert them to {want.name} (leave scheme=None)"
         )
-    if want is not None and want.static_activation and not ckpt_scheme.is_fp8 and calibration is None:
+    to_quantize = any(not s.is_fp8 for s in schemes.values())  # experts the config leaves unquantized
+    if want is not None and want.static_activation and to_quantize and calibration is None:
         raise UnsupportedModelError(
             f"scheme {want.name} needs static activation scales: pass calibration= (token ids, or a text "
             "that the model's tokenizer encodes), or use fp8-tensor-dynamic"
         )
     ids = None
-    if want is not None and want.static_activation and not ckpt_scheme.is_fp8:
+    if want is not None and want.static_activation and to_quantize:
         ids = _calibration_ids(calibration, folder, _vocab_size(config))  # refused before the weights load
     _check_backend_name(backend)
     quant = getattr(config, "quantization_config", None)

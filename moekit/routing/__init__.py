@@ -44,7 +44,7 @@ class RoutingConfig:
         """What needs no logits to check (route() checks the rest against E): a rule that could
         not run was accepted and failed at the first forward (apply_on_input at top-k 2)."""
         for name in ("top_k", "num_groups", "topk_groups"):  # NumPy integers as Python ones
-            object.__setattr__(self, name, as_int(getattr(self, name)))
+            object.__setattr__(self, name, as_int(getattr(self, name), f"RoutingConfig.{name}"))
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
             raise ValueError(f"RoutingConfig.top_k must be a positive integer, got {self.top_k!r}")
         if self.scoring not in _SCORINGS:
@@ -74,17 +74,28 @@ def check_flag(name: str, value) -> bool:
     renormalize="false" or apply_router_weight_on_input="no" turned the rule on, and None off.
     One check for RoutingConfig, route() and fused_moe's flags."""
     if not isinstance(value, (bool, np.bool_)):
+        _refuse_traced_numpy(name, value, "bool")
         raise ValueError(f"{name} must be True or False, got {value!r}")
     return bool(value)
 
 
-def as_int(value):
+def as_int(value, name: str):
     """An integer (NumPy's too) as a Python int, so that the range checks, and torch and Triton
     after them, see one type; anything else unchanged, for those checks to refuse showing what
     was passed. A bool is not a count: left as it is, for the checks to refuse."""
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
+    _refuse_traced_numpy(name, value, "int")
     return value
+
+
+def _refuse_traced_numpy(name: str, value, python_type: str) -> None:
+    """Inside torch.compile, dynamo traces a NumPy scalar as a 0-d array whose value is data, not
+    a constant: it cannot be read as a flag or a count there, and the checks' repr() of it stops
+    the trace with dynamo's own "repr() on tensor". A ValueError naming the argument instead."""
+    if torch.compiler.is_compiling() and isinstance(value, (np.ndarray, np.generic)):
+        raise ValueError(f"{name}: a NumPy scalar inside torch.compile, which traces it as an array, not a "
+                         f"constant; convert it to a Python {python_type} outside the compiled function")
 
 
 def _is_scale(value) -> bool:
@@ -187,7 +198,8 @@ def route(
     # checked as RoutingConfig checks its fields (the same helpers), so the two ways of giving a
     # rule accept the same values
     renormalize = check_flag("renormalize", renormalize)
-    top_k, num_groups, topk_groups = as_int(top_k), as_int(num_groups), as_int(topk_groups)
+    top_k, num_groups, topk_groups = as_int(top_k, "top_k"), as_int(num_groups, "num_groups"), as_int(
+        topk_groups, "topk_groups")
 
     _check_logits_form(router_logits)
     num_tokens, num_experts = router_logits.shape
