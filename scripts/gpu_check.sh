@@ -113,7 +113,11 @@
 #        fixes (test_select_auto.py, test_compile_ahead.py, test_cutlass_gpu.py, ...), but for
 #        test_hf_load.py (9: the device's transformers) and test_bench_cli.py (1: a test backend
 #        recording during a graph capture): both fixed since, and passed on an H200 in the
-#        forty-third (carry device-wheels/ for test_hf_load.py). Run test_triton_gemv.py
+#        forty-third (carry device-wheels/ for test_hf_load.py). The forty-third's review fixes:
+#        test_layer.py, test_api.py, test_hf_load.py and test_weights_validation.py passed on an
+#        H100 at 0553f12; the second review's fixes after it not yet on a GPU (test_layer.py,
+#        test_hf_load.py, test_weights_validation.py, test_compile.py, test_hf_eval.py,
+#        test_select_auto.py, test_hf_errors.py). Run test_triton_gemv.py
 #        with -k filters: unfiltered it passes one call's time. Not
 #        part of `all`. PENDING_TESTS ("test_routing_kernel test_api", say) picks files: all of
 #        them may not fit one call.
