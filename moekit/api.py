@@ -8,12 +8,11 @@ import torch
 
 from .backends import get_backend
 from .backends.glue.ops import narrow_ids, on_device
-from .dtypes import FUSED_MOE_DTYPES, check_fused_moe_dtype
+from .dtypes import check_fused_moe_dtype
 from .routing import check_flag
 from .select import select_backend
 from .weights import MoEWeights
 
-ACTIVATION_DTYPES = FUSED_MOE_DTYPES  # the dtypes of x fused_moe runs (defined in dtypes: select and warmup check them too)
 
 
 def fused_moe(

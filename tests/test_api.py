@@ -408,5 +408,5 @@ def test_select_backend_refuses_what_fused_moe_refuses(problem, dtype):
             call()
         assert str(e.value) == f"dtype is {dtype};{expected}"
     # what fused_moe runs, select_backend answers
-    for dtype in moekit.api.ACTIVATION_DTYPES:
+    for dtype in moekit.dtypes.FUSED_MOE_DTYPES:
         assert moekit.select_backend(w.shape(2), w.scheme, "cpu", dtype, 3).backend
