@@ -1198,3 +1198,21 @@ def test_a_tensor_assigned_to_moekit_experts_weights_becomes_its_buffer():
     twin.moe_weights().w13 = new.clone()
     assert twin.state_dict(keep_vars=True)["w13"] is twin.moe_weights().w13
     assert torch.equal(twin(x, ids, tw), want(new)) and torch.equal(m(x, ids, tw), want(zeros["w13"]))
+
+
+def test_from_pretrained_works_out_each_modules_scheme_once(tmp_path_factory, monkeypatch):
+    """from_pretrained reads each experts module's scheme from the checkpoint's expert names before
+    building the model (to refuse a scheme= it cannot honour); fill_from_checkpoint then read them
+    all again. It now takes them as worked out: one reading per module, the same schemes."""
+    from moekit.hf import load
+    from test_hf_tiny import fp8_checkpoint
+
+    fp8, _ = fp8_checkpoint(tmp_path_factory, "qwen3_moe")
+    real = load._module_scheme
+    read = []
+    monkeypatch.setattr(load, "_module_scheme",
+                        lambda raw, folder, prefix, *a: read.append(prefix) or real(raw, folder, prefix, *a))
+    model = mh.from_pretrained(fp8, backend="reference")
+    modules = mh.experts_modules(model)
+    assert sorted(read) == sorted(modules), read  # each module once (its prefix is its name here)
+    assert {m.scheme.name for m in modules.values()} == {"fp8-channel-token"}

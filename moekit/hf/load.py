@@ -225,9 +225,11 @@ def _device_of(model: nn.Module, name: str) -> torch.device:
 
 
 def fill_from_checkpoint(model: nn.Module, folder: str | Path, family: Family, scheme: QuantScheme | None,
-                         dtype: torch.dtype) -> dict[str, MoekitExperts]:
+                         dtype: torch.dtype, schemes: dict[str, QuantScheme] | None = None) -> dict[str, MoekitExperts]:
     """Load every MoekitExperts of `model` from the checkpoint at `folder`, each under the scheme
-    its config gives that module (an `ignore` entry may name one layer's experts)."""
+    its config gives that module (an `ignore` entry may name one layer's experts). `schemes`:
+    {experts prefix: scheme} as `_checkpoint_schemes` worked them out for this checkpoint already
+    (from_pretrained does, to refuse before the model is built); None: worked out here."""
     raw = _raw_config(Path(folder))
     ckpt = ckpt_mod.Checkpoint(folder)
     try:
@@ -265,7 +267,7 @@ def fill_from_checkpoint(model: nn.Module, folder: str | Path, family: Family, s
             E, H, N = module.num_experts, module.hidden_dim, module.intermediate_dim
             device = _device_of(model, name)
             stored = ckpt_mod.experts_dtype(ckpt, entry, prefix)
-            ckpt_scheme = _module_scheme(raw, folder, prefix, entry, family, E)
+            ckpt_scheme = schemes[prefix] if schemes is not None else _module_scheme(raw, folder, prefix, entry, family, E)
             try:
                 if stored == torch.float8_e4m3fn:
                     if not ckpt_scheme.is_fp8:
@@ -965,7 +967,7 @@ def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str 
     family = family_of_config(config)
     want = get_scheme(scheme) if scheme is not None else None
     _check_calibration_scheme(calibration, want)
-    schemes = _checkpoint_schemes(folder, family, raw)  # each module's, as fill_from_checkpoint reads it
+    schemes = _checkpoint_schemes(folder, family, raw)  # each module's; fill_from_checkpoint reads them as given
     refused = _fp8_not_converted(schemes, want)
     if refused:
         raise UnsupportedModelError(
@@ -1005,7 +1007,7 @@ def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str 
     modules = experts_modules(model)
     if not modules:
         raise UnsupportedModelError(f"{type(model).__name__}: no experts module was built for family {family.name}")
-    fill_from_checkpoint(model, folder, family, want, dtype)
+    fill_from_checkpoint(model, folder, family, want, dtype, schemes)
     if want is not None and want.static_activation and any(not m.scheme.is_fp8 for m in modules.values()):
         # read as bf16 to be calibrated (also under an FP8 config whose experts are stored unquantized)
         _set_implementation(model)  # the calibration forward runs moekit's experts without a warning
