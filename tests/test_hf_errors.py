@@ -496,6 +496,8 @@ def test_transposed_experts_of_another_family_are_not_sent_to_patch_model():
                                          vocab_size=256)
     model = transformers.AriaTextForCausalLM(config).bfloat16()
     experts = next(m for m in model.modules() if type(m).__name__ == "AriaExperts")
+    if not hasattr(experts, "gate_up_proj"):  # transformers' Aria of another version (the GPU machine's)
+        pytest.skip("this transformers' AriaExperts holds no fused gate_up_proj to be transposed")
     with pytest.raises(ExpertsError, match=r"AriaExperts.*its weights are transposed \(\[E, H, 2N\]\), a layout moekit "
                                            r"runs only for Llama-4's experts"):
         moekit_experts_forward(experts, torch.randn(3, 64).bfloat16(), torch.zeros(3, 2, dtype=torch.long),

@@ -211,4 +211,6 @@ def test_default_backends_leave_out_the_interpreted_ones_on_the_cpu(model_dir):
     runnable = [b for b in ("torch", "cutlass") if not get_backend(b).supports(weights.shape(1), weights.scheme, cpu,
                                                                                torch.bfloat16)]
     assert planned == ["reference", *runnable] and "triton" not in planned
+    if get_backend("triton").supports(weights.shape(1), weights.scheme, cpu, torch.bfloat16):
+        pytest.skip("named triton runs on the CPU only under TRITON_INTERPRET=1 (a GPU machine's run has it unset)")
     assert _plan_backends(["triton"], weights, cpu, torch.bfloat16) == ["reference", "triton"]

@@ -449,7 +449,7 @@ L = make_logits(4, 8, seed=1)
         (dict(router_logits=L, top_k=2, correction_bias=torch.zeros(1, 8)),
          r"correction_bias shape \(1, 8\)"),
         (dict(router_logits=L, top_k=2, correction_bias=torch.zeros(8, dtype=torch.int32)),
-         r"correction_bias must be a floating point tensor"),
+         r"correction_bias must be a floating point torch.Tensor"),
         (dict(router_logits=L, top_k=2, correction_bias=torch.full((8,), float("nan"))),
          r"correction_bias has non-finite"),
         (dict(router_logits=L, top_k=2, routed_scaling_factor=0.0), r"routed_scaling_factor must be"),
@@ -538,7 +538,7 @@ def test_a_keyword_beside_config_is_refused_even_at_its_default():
     with pytest.raises(ValueError, match="config must be a moekit.RoutingConfig, got dict"):
         route(L, config={"top_k": 2})
     for bad in ("2.5", None, float("nan"), True):
-        with pytest.raises(ValueError, match="routed_scaling_factor must be a finite number > 0"):
+        with pytest.raises(ValueError, match="routed_scaling_factor must be a number > 0 that float32 holds"):
             route(L, 2, routed_scaling_factor=bad)
 
 
@@ -615,7 +615,7 @@ def test_numpy_numbers_are_numbers():
     want = route(L, 2, routed_scaling_factor=2.5)
     got = route(L, 2, routed_scaling_factor=np.float32(2.5))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    with pytest.raises(ValueError, match="RoutingConfig.routed_scaling_factor must be a finite number > 0"):
+    with pytest.raises(ValueError, match="RoutingConfig.routed_scaling_factor must be a number > 0 that float32 holds"):
         RoutingConfig(top_k=2, routed_scaling_factor=None)
 
 
@@ -646,3 +646,50 @@ def test_route_takes_numpy_values_as_routing_config_does():
             RoutingConfig(top_k=bad)
         with pytest.raises(ValueError, match=r"top_k must be an integer in \[1, E=8\]"):
             route(L, bad)
+
+
+def test_scaling_factor_and_bias_edges_named():
+    """A fresh-eyes review's edges: a routed_scaling_factor float32 cannot hold made every weight
+    inf (1e39) or 0 (1e-46) without a word; a NumPy-array bias was reported as "got float32"; a
+    bias on another device was copied over at every call (a CUDA error inside a graph capture);
+    float64 logits beyond float32's range were reported as NaN or inf."""
+    np = pytest.importorskip("numpy")
+    for bad in (1e39, 1e-46, -1.0):
+        with pytest.raises(ValueError, match=r"routed_scaling_factor must be a number > 0 that float32 holds, "
+                                             r"in \[1\.18e-38, 3\.4e\+38\], got"):
+            route(L, 2, routed_scaling_factor=bad)
+        with pytest.raises(ValueError, match=r"RoutingConfig\.routed_scaling_factor must be a number > 0"):
+            RoutingConfig(top_k=2, routed_scaling_factor=bad)
+    weights, _ = route(L, 2, routed_scaling_factor=3e38 / 2)  # inside the range: finite weights
+    assert bool(torch.isfinite(weights).all())
+    with pytest.raises(ValueError, match=r"must be a floating point torch\.Tensor of shape \[E=8\], got ndarray"):
+        route(L, 2, scoring="sigmoid", correction_bias=np.zeros(8, np.float32))
+    with pytest.raises(ValueError, match=r"correction_bias is on meta, router_logits on cpu: expected both on one"):
+        route(L, 2, scoring="sigmoid", correction_bias=torch.zeros(8, device="meta"))
+    wide = L.double()
+    wide[1, 2] = 1e39  # finite in float64
+    with pytest.raises(ValueError, match=r"1 torch\.float64 value\(s\) beyond float32's range"):
+        route(wide, 2)
+    wide[1, 3] = float("nan")  # a real NaN beside it: named as such once nothing overflows
+    wide[1, 2] = 0.0
+    with pytest.raises(ValueError, match=r"1 non-finite value\(s\) \(NaN or inf\)"):
+        route(wide, 2)
+
+
+def test_a_numpy_scaling_factor_is_kept_as_a_python_float():
+    """RoutingConfig kept a NumPy routed_scaling_factor as it was, and torch.compile(fullgraph=True)
+    of route(config=...) stopped on dynamo's "repr() on tensor". It is a Python float now, and the
+    compiled routing equals eager's."""
+    np = pytest.importorskip("numpy")
+    cfg = RoutingConfig(top_k=2, scoring="sigmoid", renormalize=True, routed_scaling_factor=np.float64(2.5))
+    assert type(cfg.routed_scaling_factor) is float and cfg.routed_scaling_factor == 2.5
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda logits: route(logits, config=cfg), backend="aot_eager", fullgraph=True)
+    got, want = compiled(L), route(L, config=cfg)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])  # aot_eager runs eager's ops
+    # given to route() inside the compiled function: refused naming it, as NumPy flags and counts are
+    inside = torch.compile(lambda logits: route(logits, 2, routed_scaling_factor=np.float32(2.5)),
+                           backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"routed_scaling_factor: a NumPy scalar inside torch\.compile"):
+        inside(L)
+    torch._dynamo.reset()

@@ -7,7 +7,6 @@ rule as one Triton kernel, which fused.py launches for GPU logits.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from typing import Literal
 
@@ -51,8 +50,10 @@ class RoutingConfig:
             raise ValueError(f"RoutingConfig.scoring {self.scoring!r}: expected one of {_SCORINGS}")
         for name in ("renormalize", "use_correction_bias", "apply_on_input"):
             object.__setattr__(self, name, check_flag(f"RoutingConfig.{name}", getattr(self, name)))
+        object.__setattr__(self, "routed_scaling_factor",
+                           as_float(self.routed_scaling_factor, "RoutingConfig.routed_scaling_factor"))
         if not _is_scale(self.routed_scaling_factor):
-            raise ValueError(f"RoutingConfig.routed_scaling_factor must be a finite number > 0, "
+            raise ValueError(f"RoutingConfig.routed_scaling_factor must be {_SCALE_RANGE}, "
                              f"got {self.routed_scaling_factor!r}")
         if (self.num_groups is None) != (self.topk_groups is None):
             raise ValueError(f"RoutingConfig.num_groups and topk_groups go together, got {self.num_groups!r} "
@@ -89,6 +90,16 @@ def as_int(value, name: str):
     return value
 
 
+def as_float(value, name: str):
+    """A real number (NumPy's too) as a Python float, as as_int does for counts: a NumPy scalar
+    kept in a RoutingConfig is traced by torch.compile as an array, and stopped a fullgraph trace.
+    torch.compile's symbolic numbers and anything else unchanged, for the range check to judge."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, torch.SymInt, torch.SymFloat)):
+        return float(value)
+    _refuse_traced_numpy(name, value, "float")
+    return value
+
+
 def _refuse_traced_numpy(name: str, value, python_type: str) -> None:
     """Inside torch.compile, dynamo traces a NumPy scalar as a 0-d array whose value is data, not
     a constant: it cannot be read as a flag or a count there, and the checks' repr() of it stops
@@ -98,12 +109,19 @@ def _refuse_traced_numpy(name: str, value, python_type: str) -> None:
                          f"constant; convert it to a Python {python_type} outside the compiled function")
 
 
+# routed_scaling_factor multiplies float32 weights: outside float32's normal range it made every
+# weight inf (1e39) or 0 (1e-46) without a word
+_SCALE_MIN, _SCALE_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+_SCALE_RANGE = f"a number > 0 that float32 holds, in [{_SCALE_MIN:.3g}, {_SCALE_MAX:.3g}]"
+
+
 def _is_scale(value) -> bool:
-    """A finite number > 0 (NumPy's too, and torch.compile's symbolic numbers: compared, never
-    passed to math.isfinite, which dynamic shapes cannot trace; NaN fails both comparisons)."""
+    """A number > 0 within float32's normal range (NumPy's too, and torch.compile's symbolic
+    numbers: compared, never passed to math.isfinite, which dynamic shapes cannot trace; NaN
+    fails both comparisons)."""
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymInt, torch.SymFloat)):
         return False
-    return 0 < value < math.inf
+    return _SCALE_MIN <= value <= _SCALE_MAX
 
 
 class _Default:
@@ -198,6 +216,7 @@ def route(
     # checked as RoutingConfig checks its fields (the same helpers), so the two ways of giving a
     # rule accept the same values
     renormalize = check_flag("renormalize", renormalize)
+    routed_scaling_factor = as_float(routed_scaling_factor, "routed_scaling_factor")
     top_k, num_groups, topk_groups = as_int(top_k, "top_k"), as_int(num_groups, "num_groups"), as_int(
         topk_groups, "topk_groups")
 
@@ -321,14 +340,26 @@ def _check_logits_values(router_logits: torch.Tensor) -> torch.Tensor:
     logits = router_logits.float()
     finite = torch.isfinite(logits)
     if _check_on_device(logits.device):
-        torch._assert_async(finite.all(), "moekit.route: router_logits has NaN or inf values")
+        torch._assert_async(finite.all(), "moekit.route: " + _NOT_FINITE)
     elif not bool(finite.all()):
         bad = int((~finite).sum())
+        overflowed = int((torch.isfinite(router_logits) & ~finite).sum())  # float64 beyond float32's range
+        if overflowed:
+            raise ValueError(
+                f"router_logits has {overflowed} {router_logits.dtype} value(s) beyond float32's range "
+                f"(|x| > {torch.finfo(torch.float32).max:.3g}) out of {logits.numel()}; routing computes in "
+                "float32: expected logits float32 holds"
+            )
         raise ValueError(
             f"router_logits has {bad} non-finite value(s) (NaN or inf) out of {logits.numel()}; "
             "expected all finite"
         )
     return logits
+
+
+# the device-side assertions' message (here and in _kernels.py): a float64 logit beyond float32's
+# range becomes inf when routing reads it as float32, which the host check tells apart
+_NOT_FINITE = "router_logits has NaN or inf values (or float64 values beyond float32's range)"
 
 
 def _check_rule(top_k, num_experts, scoring, num_groups, topk_groups, routed_scaling_factor):
@@ -339,9 +370,7 @@ def _check_rule(top_k, num_experts, scoring, num_groups, topk_groups, routed_sca
     if scoring not in _SCORINGS:
         raise ValueError(f"unknown scoring {scoring!r}; expected one of {_SCORINGS}")
     if not _is_scale(routed_scaling_factor):  # torch.compile(dynamic=True): a symbolic float
-        raise ValueError(
-            f"routed_scaling_factor must be a finite number > 0, got {routed_scaling_factor!r}"
-        )
+        raise ValueError(f"routed_scaling_factor must be {_SCALE_RANGE}, got {routed_scaling_factor!r}")
     if (num_groups is None) != (topk_groups is None):
         raise ValueError(
             f"num_groups and topk_groups go together, got num_groups={num_groups!r}, "
@@ -393,15 +422,18 @@ def _check_bias(correction_bias, num_experts, device) -> torch.Tensor | None:
     if correction_bias is None:
         return None
     if not isinstance(correction_bias, torch.Tensor) or not correction_bias.is_floating_point():
-        raise ValueError(
-            f"correction_bias must be a floating point tensor of shape [E={num_experts}], got "
-            f"{getattr(correction_bias, 'dtype', type(correction_bias).__name__)}"
-        )
+        got = correction_bias.dtype if isinstance(correction_bias, torch.Tensor) else type(correction_bias).__name__
+        raise ValueError(f"correction_bias must be a floating point torch.Tensor of shape [E={num_experts}], got {got}")
     if tuple(correction_bias.shape) != (num_experts,):
         raise ValueError(
             f"correction_bias shape {tuple(correction_bias.shape)} does not match the router "
             f"logits: expected ({num_experts},)"
         )
+    if correction_bias.device != device:
+        # copied over on every call otherwise: a blocking host-to-device copy per layer, and a
+        # CUDA error inside a graph capture; torch's own `scores + bias` refuses it too
+        raise ValueError(f"correction_bias is on {correction_bias.device}, router_logits on {device}: "
+                         "expected both on one device (move the bias once, with its model)")
     bias = correction_bias.to(device=device, dtype=torch.float32)
     if _check_on_device(bias.device):  # every call of a MoELayer with a bias comes here: no host sync
         # once per bias and version: a layer's bias is constant, and the check is 3 launches

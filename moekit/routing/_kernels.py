@@ -63,7 +63,8 @@ def route_kernel(
     ok = row_ok[:, None] & col_ok[None, :]
     offsets = rows[:, None].to(tl.int64) * stride_m + cols[None, :].to(tl.int64) * stride_e  # strides of any size
     logits = tl.load(logits_ptr + offsets, mask=ok, other=0.0).to(tl.float32)  # masked off: 0, finite
-    tl.device_assert(tl.abs(logits) < float("inf"), "moekit.route: router_logits has NaN or inf values")
+    tl.device_assert(tl.abs(logits) < float("inf"),
+                     "moekit.route: router_logits has NaN or inf values (or float64 values beyond float32's range)")
 
     if SOFTMAX:
         shifted = tl.where(col_ok[None, :], logits, float("-inf"))
