@@ -679,18 +679,24 @@ class _Plan:
 MAX_SEED = 2**31  # input_seed(seed, M) stays far inside a torch Generator's 64-bit seed
 
 
-def check_run_settings(seed) -> None:
-    """BenchInputError for what bench, check and tune refuse before anything runs: the
-    environment's MOEKIT_FP8_ACCUMULATION and MOEKIT_PDL (else every triton point would fail on
-    them, or a table be built with a traceback), a MOEKIT_BACKEND naming no backend (every auto
-    row failed on it, after the whole run) and a --seed out of range."""
+def check_environment() -> None:
+    """ValueError (naming the variable) for an environment bench, check, tune and eval refuse
+    before anything runs: a bad MOEKIT_FP8_ACCUMULATION or MOEKIT_PDL (else every triton point
+    would fail on them, a table be built with a traceback, or eval load the whole model first)
+    and a MOEKIT_BACKEND naming no backend (every auto row failed on it, after the whole run)."""
     from .backends.triton.launch import fp8_accumulation, pdl_wanted
     from .select import environment_backend
 
+    fp8_accumulation()
+    pdl_wanted()
+    environment_backend()
+
+
+def check_run_settings(seed) -> None:
+    """BenchInputError for what bench, check and tune refuse before anything runs: the
+    environment (check_environment) and a --seed out of range."""
     try:
-        fp8_accumulation()
-        pdl_wanted()
-        environment_backend()
+        check_environment()
     except ValueError as e:
         raise BenchInputError(str(e)) from None
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
@@ -940,8 +946,11 @@ def _run(opts: BenchOptions, plan: _Plan, console, Progress, cols) -> BenchResul
         console=console, transient=True,
     )
     # gemm mode aligns its routing before timing, and a recorded routing is the file's: one routing
-    routings = opts.routings if opts.mode == "layer" and plan.routing_kind != "file" else 1
-    if routings == 1 and opts.routings != DEFAULT_ROUTINGS:  # asked for, but nothing to cycle through
+    one_routing = opts.mode != "layer" or plan.routing_kind == "file"
+    routings = 1 if one_routing else opts.routings
+    # said only where --routings asked for more than that one routing (the default is not asking;
+    # `--routings 1` in layer mode is the user's own choice, not one bench made for them)
+    if one_routing and opts.routings not in (1, DEFAULT_ROUTINGS):
         why = "--mode gemm times one aligned routing" if opts.mode == "gemm" else "a routing file is its own rows"
         console.print(f"  --routings {opts.routings} has no effect here: {why}", highlight=False)
     if device.type != "cuda" and opts.l2_flush != FLUSH_WITH[0]:  # the default is not asked for: said in the metadata

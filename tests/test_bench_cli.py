@@ -192,7 +192,7 @@ def test_routing_rotation_gives_every_closure_the_same_sequence():
     assert len(inputs.make_routings("file", 4, shape, 4, recorded=recorded)) == 1
 
 
-def test_bench_cycles_through_routings_in_layer_mode_only(tmp_path, tiny_config, monkeypatch, registry):
+def test_bench_cycles_through_routings_in_layer_mode_only(tmp_path, tiny_config, monkeypatch, registry, capsys):
     calls = []
     original = bench.time_graphs
 
@@ -208,9 +208,13 @@ def test_bench_cycles_through_routings_in_layer_mode_only(tmp_path, tiny_config,
     assert doc["metadata"]["routings"] == 3
     assert CPU or "3 routings" in doc["metadata"]["timing"]  # the CPU timing text names no graphs
     assert isinstance(calls[-1], inputs.RoutingRotation) and len(calls[-1]) == 3
+    capsys.readouterr()
     assert main(["bench", "--model", str(tiny_config), "--routings", "1", "--batch-sizes", "5",
                  "--backends", "reference", "--no-plots", "--out", str(tmp_path / "p"), *FAST]) == 0
     assert calls[-1] is None
+    # one routing because it was asked for: no note (it said "a routing file is its own rows",
+    # with no routing file given)
+    assert "has no effect" not in capsys.readouterr().out
     # gemm mode times inputs aligned beforehand: one routing whatever --routings says
     monkeypatch.setattr(GemmOnlyBackend, "prepared", 0)  # a class-wide count another test reads
     registry(GemmOnlyBackend())

@@ -135,6 +135,22 @@ def test_eval_options_are_refused_before_the_model_loads(checkpoints, tmp_path, 
     assert a_file.read_text() == "x"
 
 
+@pytest.mark.parametrize("name,value,expected", [
+    ("MOEKIT_FP8_ACCUMULATION", "bad", "expected one of precise, fast"),
+    ("MOEKIT_PDL", "maybe", "expected 1 (on, the default where the GPU has it) or 0 (off)"),
+    ("MOEKIT_BACKEND", "nonsense", "unknown backend 'nonsense'; expected one of: auto, "),
+])
+def test_eval_refuses_a_bad_environment_before_the_model_loads(name, value, expected, model_dir, tmp_path,
+                                                                  no_load, monkeypatch, capsys):
+    """bench, check and tune refuse these up front (test_bench_cli); eval loaded the whole model
+    first and then said "cannot load the model (ValueError: MOEKIT_FP8_ACCUMULATION='bad' ...)"."""
+    monkeypatch.setenv(name, value)
+    out = tmp_path / "reports" / "r.json"
+    assert main(["eval", "--model", str(model_dir), "--out", str(out)]) == 2
+    line = " ".join(one_line_error(capsys).split())
+    assert f"{name}='{value}': {expected}" in line and "cannot load" not in line, line
+    assert not (tmp_path / "reports").exists()
+
 def test_eval_without_a_tokenizer_is_one_line_after_the_out_check(checkpoints, tmp_path, no_load, capsys):
     """transformers' error for a folder without a tokenizer runs over five lines, which eval
     printed as they were; and the tokenizer was loaded before --out was checked, so an existing
@@ -152,6 +168,21 @@ def test_eval_without_a_tokenizer_is_one_line_after_the_out_check(checkpoints, t
     assert main(["eval", "--model", str(folder), "--out", str(existing)]) == 2
     assert "the file exists; pass --overwrite to replace it" in one_line_error(capsys)
 
+
+def test_eval_of_a_folder_whose_tokenizer_is_empty_names_the_tokenizer(tmp_path, no_load, capsys):
+    """Without tokenizer files, transformers 5.25 builds a Qwen3-MoE folder's tokenizer with an
+    empty vocabulary (Mixtral's raises, above), which encodes any text into no ids: eval blamed the
+    text ("eval.txt: fewer than 2 tokens to score"). It names the tokenizer, as from_pretrained's
+    calibration text does (test_hf_errors), and how to save one."""
+    from test_hf_tiny import tiny_model
+
+    folder = tmp_path / "qwen3"
+    tiny_model("qwen3_moe").save_pretrained(folder)
+    assert main(["eval", "--model", str(folder)]) == 2
+    line = " ".join(one_line_error(capsys).split())
+    assert f"the tokenizer of {str(folder)!r} encoded the text into no token ids" in line, line
+    assert "tokenizer.json" in line and "moekit.hf.save_pretrained does not write the tokenizer" in line, line
+    assert "fewer than 2 tokens" not in line
 
 def test_eval_of_a_folder_that_does_not_load_is_one_line_and_leaves_no_folder(checkpoints, tmp_path, capsys):
     """A folder without weights, or with a truncated safetensors file, ended in a traceback

@@ -414,12 +414,28 @@ def test_triton_interpreter_one_layer(bf16_dirs, device):
     assert float((got.float() - want.float()).norm() / want.float().norm()) < 0.05
 
 
-def test_torch_backend_on_fp8_is_logged(bf16_dirs, caplog):
-    """Running FP8 experts on the `torch` backend (a dequantized bf16 copy) is never silent."""
+def test_torch_backend_on_fp8_is_logged(bf16_dirs, caplog, monkeypatch):
+    """Running FP8 experts on the `torch` backend (a dequantized bf16 copy) is never silent: at
+    info level, since only a named backend gets there (the argument or MOEKIT_BACKEND). auto
+    never picks it for moekit's experts (allow_weight_copies=False): on the CPU they run
+    `reference`, without the message (the README said auto's pick was logged as a warning; that
+    branch could not be reached and is gone)."""
     model = mh.from_pretrained(bf16_dirs("olmoe"), scheme="fp8-tensor-dynamic", backend="torch")
-    with caplog.at_level(logging.INFO, logger="moekit.hf"), torch.no_grad():
-        model(tokens())
-    assert any("dequantized" in r.getMessage() for r in caplog.records)
+
+    def logged() -> list[int]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="moekit.hf"), torch.no_grad():
+            model(tokens())
+        return [r.levelno for r in caplog.records if "dequantized" in r.getMessage()]
+
+    assert logged() == [logging.INFO] * len(mh.experts_modules(model))
+    mh.set_backend(model, "auto")
+    assert logged() == []  # the message is said whenever torch is chosen, whoever chose it
+    weights = next(iter(mh.experts_modules(model).values())).moe_weights()
+    assert moekit.select_backend(weights.shape(2), weights.scheme, "cpu", torch.bfloat16, 64,
+                                 allow_weight_copies=False).backend == "reference"
+    monkeypatch.setenv("MOEKIT_BACKEND", "torch")
+    assert logged() == [logging.INFO] * len(mh.experts_modules(model))
 
 
 def test_transformers_fp8_experts_cache_follows_every_tensor():

@@ -194,11 +194,16 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
 
     from safetensors import SafetensorError
 
-    from ..bench import environment
+    from ..bench import check_environment, environment
     from .experts import ExpertsError
     from .families import UnsupportedModelError
+    from .load import EmptyTokenizerError, _encode
     from .routers import fuse_routers, routers_to_fuse, unfuse_routers
 
+    try:  # bench's, check's and tune's check: refused before the model loads, not after
+        check_environment()
+    except ValueError as e:
+        raise EvalInputError(str(e)) from None
     if opts.max_tokens < 2:
         raise EvalInputError(f"--max-tokens must be at least 2, got {opts.max_tokens}")
     if opts.seq_len < 1 or opts.gen_tokens < 0:
@@ -225,7 +230,11 @@ def run_eval(opts: EvalOptions, console=None) -> dict:
         # one line: transformers' messages run over several (the CLI's errors are one line)
         raise EvalInputError(f"{opts.model}: no usable tokenizer in the model folder ({type(e).__name__}: "
                              f"{' '.join(str(e).split())})") from None
-    ids = torch.tensor(tokenizer(text).input_ids[: opts.max_tokens], dtype=torch.long)
+    try:
+        ids = _encode(tokenizer, text, folder)[0, : opts.max_tokens]
+    except EmptyTokenizerError as e:  # not the text's fault, as "fewer than 2 tokens" below would say
+        raise EvalInputError(f"{e}; add them to the folder (moekit.hf.save_pretrained does not write the "
+                             "tokenizer: save it with the tokenizer's own save_pretrained)") from None
     if ids.numel() < 2:
         raise EvalInputError(f"{text_path}: fewer than 2 tokens to score")
 

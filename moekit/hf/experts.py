@@ -109,7 +109,10 @@ def run_experts(
 
 def _note_backend(module, weights: MoEWeights, x, top_k, backend, label) -> None:
     """Once per module and request: check the backend can run (a clear error if it cannot),
-    and say so when FP8 experts are about to run as a dequantized bf16 copy (`torch`)."""
+    and say so when FP8 experts are about to run as a dequantized bf16 copy (`torch`). Only a
+    named backend (the argument, set_backend, MOEKIT_BACKEND) gets there: with
+    allow_weight_copies=False auto passes over `torch` for FP8 weights, so this is info, the
+    user's own choice, not a warning."""
     key = (backend, env.raw(ENV_VAR), x.device, x.dtype, weights.scheme.name)
     seen = module.__dict__.setdefault("_moekit_checked", set())
     if key in seen:
@@ -117,13 +120,10 @@ def _note_backend(module, weights: MoEWeights, x, top_k, backend, label) -> None
     choice = select_backend(weights.shape(top_k), weights.scheme, x.device, x.dtype, max(x.shape[0], 1), backend,
                             allow_weight_copies=False)
     if weights.scheme.is_fp8 and choice.backend == "torch":
-        msg = (
-            "%s: FP8 experts (%s) run on the `torch` backend (%s), which keeps a dequantized "
-            "%s copy of the experts and does not quantize activations; the FP8 kernels are the "
-            "`triton`/`cutlass` backends on a GPU, the FP8-exact CPU path is `reference`"
-        )
-        level = logging.WARNING if choice.source == "heuristic" else logging.INFO
-        log.log(level, msg, label, weights.scheme.name, choice.detail, x.dtype)
+        log.info("%s: FP8 experts (%s) run on the `torch` backend (%s), which keeps a dequantized %s copy of the "
+                 "experts and does not quantize activations; the FP8 kernels are the `triton`/`cutlass` backends "
+                 "on a GPU, the FP8-exact CPU path is `reference`", label, weights.scheme.name, choice.detail,
+                 x.dtype)
     else:
         log.debug("%s: moekit backend %s", label, choice)
     seen.add(key)

@@ -871,11 +871,26 @@ def _tokenize(text: str, folder: Path | None) -> torch.Tensor:
                         "folder's tokenizer, which patch_model does not have (from_pretrained does)")
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(folder)(text, return_tensors="pt").input_ids
-    if not ids.numel():  # transformers builds a tokenizer with an empty vocabulary where the files are missing
-        raise ValueError(f"calibration: the tokenizer of {str(folder)!r} encoded the text into no token ids (a "
-                         "folder without its tokenizer files, such as tokenizer.json, gives an empty one): pass "
-                         "token ids, or add the tokenizer's files to the folder")
+    try:
+        return _encode(AutoTokenizer.from_pretrained(folder), text, folder)
+    except EmptyTokenizerError as e:
+        raise ValueError(f"calibration: {e}: pass token ids, or add the tokenizer's files to the folder") from None
+
+
+class EmptyTokenizerError(ValueError):
+    """A model folder's tokenizer encoded a text into no token ids: see _encode."""
+
+
+def _encode(tokenizer, text: str, folder: Path) -> torch.Tensor:
+    """The text's token ids, [1, T]. Where a folder lacks its tokenizer files, transformers builds
+    some families' tokenizers (Qwen2's, so Qwen3-MoE's) with an empty vocabulary instead of raising,
+    and that tokenizer encodes any text into no ids: EmptyTokenizerError names the folder, so that
+    the error is not blamed on the text or the ids later (shared by from_pretrained's calibration
+    text and moekit eval). An empty (or blank) text is left to the caller's own count check."""
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    if not ids.numel() and text.strip():
+        raise EmptyTokenizerError(f"the tokenizer of {str(folder)!r} encoded the text into no token ids (a folder "
+                                  "without its tokenizer files, such as tokenizer.json, gives an empty one)")
     return ids
 
 
