@@ -115,9 +115,11 @@
 #        recording during a graph capture): both fixed since, and passed on an H200 in the
 #        forty-third (carry device-wheels/ for test_hf_load.py). The forty-third's review fixes:
 #        test_layer.py, test_api.py, test_hf_load.py and test_weights_validation.py passed on an
-#        H100 at 0553f12; the second review's fixes after it not yet on a GPU (test_layer.py,
-#        test_hf_load.py, test_weights_validation.py, test_compile.py, test_hf_eval.py,
-#        test_select_auto.py, test_hf_errors.py). Run test_triton_gemv.py
+#        H100 at 0553f12; the second review's fixes after it (test_layer.py, test_hf_load.py,
+#        test_weights_validation.py, test_compile.py, test_hf_eval.py, test_select_auto.py,
+#        test_hf_errors.py) and the forty-fourth's routing and README fixes (test_routing.py,
+#        test_routing_kernel.py, test_hf_routers.py, test_bench_cli.py) passed on an H100 in the
+#        forty-fourth. Run test_triton_gemv.py
 #        with -k filters: unfiltered it passes one call's time. Not
 #        part of `all`. PENDING_TESTS ("test_routing_kernel test_api", say) picks files: all of
 #        them may not fit one call.
@@ -183,7 +185,11 @@ run_all() {
 local status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-git log -1 --format='commit %h %s' 2>/dev/null || true
+if [[ -f .snapshot-commit ]]; then  # a git-archived snapshot (scripts/snapshot.sh): its own commit
+  echo "commit $(cat .snapshot-commit) (snapshot)"
+else
+  git log -1 --format='commit %h %s' 2>/dev/null || true
+fi
 
 if want tests; then
   python3 -m pytest -q -m gpu -p no:cacheprovider tests "${pytest_args[@]}" 2>&1 | tee "$WORK/gpu_tests.log"
