@@ -24,7 +24,9 @@ never worse, one miss fewer). What runs at that size is `moekit.select`'s busine
 it can run here, else the fastest backend measured (or interpolated) there that can.
 
 A table that does not load or does not validate is skipped with ONE `BackendTableWarning` per file
-(naming the file and the problem); the caller falls back to the next table or the heuristic.
+(naming the file and the problem); the caller falls back to the next table or the heuristic. A
+folder that cannot be listed is skipped by moekit.tables.find_tables, with a warning of its own:
+the other folders' tables, the shipped ones included, are still read.
 Nothing here raises into a forward pass: `find_table` catches every error.
 """
 
@@ -309,9 +311,12 @@ def _layered_valid(shape, scheme, device_name, accumulation: str, skipped: list 
     tune of a few sizes hides no other size of the tables after it). The result reads as the first
     table's file; `filled_from` names the others whose points it holds."""
     try:
-        candidates = tables.find_tables("backends", shape, scheme, device_name, accumulation)
-    except Exception as e:  # noqa: BLE001 - an unreadable folder must not break a forward pass
-        _warn_once(tables.search_dirs("backends")[0], f"cannot search for tables: {e}")
+        # a folder that cannot be listed is skipped there, with a warning (and in `skipped`): the
+        # other folders', the shipped one included, are still searched
+        candidates = tables.find_tables("backends", shape, scheme, device_name, accumulation, skipped=skipped)
+    except Exception as e:  # noqa: BLE001 - never expected; whatever it is must not break a forward pass
+        _warn_once(tables.table_name(shape, scheme, device_name, accumulation),
+                   f"cannot search for it: {type(e).__name__}: {e}")
         return None
     first: BackendTable | None = None
     points: list[Point] = []

@@ -19,6 +19,11 @@ Looking a table up lists folders and reads files, so what a lookup found is memo
 keyed by the caller's question and MOEKIT_CONFIG_DIR): tables written or edited later, by this
 process or another, are seen after `clear_cache()` (`moekit.select.clear_cache()` calls it;
 `moekit tune` does after writing its tables) or in a new process.
+
+Nothing unreadable is fatal, nor hides the other folders' tables: a folder that cannot be listed
+(one of another user, mode 0700) is skipped with a warning of this logger, once per folder and
+process; a file named like a table that cannot be read (a broken symlink, no permission) is skipped
+by its loader with a warning naming it, as one that is not valid JSON.
 """
 
 from __future__ import annotations
@@ -184,17 +189,49 @@ _missing_warned: set[Path] = set()
 def _warn_if_missing(root: Path) -> None:
     """A MOEKIT_CONFIG_DIR folder that does not exist (a typo) is said once per process: its
     tables would otherwise be passed over in silence."""
-    if root not in _missing_warned and not root.is_dir():
+    if root in _missing_warned:
+        return
+    try:
+        missing = not root.is_dir()
+    except OSError:  # a folder above it the process cannot search: _folder_names says so, per table folder
+        return
+    if missing:
         _missing_warned.add(root)
         log.warning("%s names %s, which is not a folder: no tuned tables are read from it", CONFIG_DIR_ENV, root)
 
 
+def _folder_names(folder: Path, skipped: list | None = None) -> list[str] | None:
+    """The names in a table folder, sorted; [] where there is no such folder (a MOEKIT_CONFIG_DIR
+    without a `backends/`, say); None where it cannot be listed (one the process may not search,
+    as `moekit tune` under umask 077 leaves for a server of another user): a warning of this
+    logger once per folder and process, and (folder, problem) appended to `skipped` when given.
+    Its tables are not read; the other folders', the shipped ones included, are."""
+    try:
+        with os.scandir(folder) as entries:
+            return sorted(entry.name for entry in entries)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as e:
+        why = e.strerror or str(e)
+        if skipped is not None:
+            skipped.append((folder, f"cannot list this table folder: {why}"))
+        if folder not in _missing_warned:
+            _missing_warned.add(folder)
+            log.warning("moekit: cannot list the table folder %s (%s): its tables are not read (the other folders' "
+                        "and the shipped ones are)", folder, why)
+        return None
+
+
 def find_tables(
     kind: Kind, shape: MoEShape, scheme: QuantScheme, device_name: str, accumulation: str = "precise",
-    skip_roots: Sequence[Path] = (),
+    skip_roots: Sequence[Path] = (), skipped: list | None = None,
 ) -> list[Path]:
     """Candidate table files of one accumulation mode, best first (none from the table roots in
     `skip_roots`: the tuner looks past its own output, moekit.tune.runner.Worker._incumbents).
+    Never raises for a folder or file it cannot read: a folder that cannot be listed is skipped
+    with a warning (_folder_names: `skipped` gets its (folder, problem)); an entry named like a
+    table is listed whatever it is (a broken symlink, one the process may not read), and the
+    caller's loading skips it with a warning naming it.
 
     In each folder (user folders before shipped ones): the exact device name, then another
     device name of the same GPU model (H100 SXM for an H100 PCIe, say). After every folder's,
@@ -211,24 +248,24 @@ def find_tables(
     stem_without_device = exact.replace(f"device_name={normalize_device_name(device_name)},", "")
     found: list[Path] = []
     borrowed: list[Path] = []
-    skipped = {Path(root).resolve() for root in skip_roots}
+    looked_past = {Path(root).resolve() for root in skip_roots}
     for d in search_dirs(kind):
-        if skipped and d.parent.resolve() in skipped:
+        if looked_past and d.parent.resolve() in looked_past:
             continue
-        if (d / exact).is_file():
+        names = _folder_names(d, skipped)
+        if names is None:
+            continue
+        if exact in names:
             found.append(d / exact)
-        if family is None or not d.is_dir():
+        if family is None:
             continue
         lent: list[tuple[int, Path]] = []  # this folder's tables of other GPU models, by the group's order
-        for path in sorted(d.glob("*.json")):
-            named = parse_table_name(path.name)
+        for name in names:
+            named = parse_table_name(name)
             other = named["device_name"] if named else None
-            if (
-                path.name == exact
-                or other is None
-                or path.name.replace(f"device_name={other},", "") != stem_without_device
-            ):
+            if name == exact or other is None or name.replace(f"device_name={other},", "") != stem_without_device:
                 continue
+            path = d / name
             if device_family(other) == family:
                 found.append(path)
             elif group is not None and device_family(other) in group:

@@ -5,14 +5,18 @@ table of decode sizes, so hides no other size of the tables after it."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import pathlib
 
 import pytest
 import torch
 
 from moekit import decisions, select, tables
 from moekit.accumulation import FP8_ACCUMULATION_ENV
-from moekit.backends.triton.config import KernelConfig, get_config
+from moekit.backends.triton.config import KernelConfig, default_config, get_config
+from moekit.spec import MoEShape
 from moekit.select import DeviceSpec, explain
 
 from test_accumulation_tables import FP8, H100, H200, SHAPE, isolated, write_configs, write_decisions  # noqa: F401
@@ -197,3 +201,106 @@ def test_a_config_dir_that_is_not_a_folder_is_said_once(tmp_path, monkeypatch, c
             assert tables.search_dirs(kind)[:2] == [typo / kind, real / kind]
     said = [r.getMessage() for r in caplog.records]
     assert said == [f"MOEKIT_CONFIG_DIR names {typo}, which is not a folder: no tuned tables are read from it"]
+
+
+def test_a_table_folder_that_cannot_be_listed_is_skipped_with_a_warning_and_the_shipped_tables_answer(
+        tmp_path, monkeypatch, caplog):
+    """`moekit tune` under umask 077 leaves OUT/triton and OUT/backends mode 0700: a server of
+    another user pointing MOEKIT_CONFIG_DIR there could neither list them nor stat a file in them.
+    Every triton lookup raised PermissionError (a forward pass with it), and the decision side fell
+    back to the heuristic, the shipped table unread. Now such a folder is skipped with one warning
+    naming it, and the shipped tables answer."""
+    monkeypatch.setattr(tables, "_missing_warned", set())
+    user = tmp_path / "user"
+    write_configs(user, {1: A, 4096: A})
+    write_decisions(user, {1: {"triton": 1.0, "cutlass": 9.0}})
+    write_configs(tmp_path / "shipped", {1: B, 4096: C})
+    shipped = write_decisions(tmp_path / "shipped", {1: {"triton": 9.0, "cutlass": 1.0}})
+    # what the kernel answers to another user (the tests may run as root, whom it lets through)
+    denied = [str(user / kind) for kind in tables.KINDS]
+    inside = tuple(d + os.sep for d in denied)
+    real_scandir, real_stat = os.scandir, pathlib.Path.stat
+
+    def scandir(path="."):
+        if str(path) in denied or str(path).startswith(inside):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_scandir(path)
+
+    def stat(self, *args, **kwargs):
+        if str(self).startswith(inside):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    monkeypatch.setattr(pathlib.Path, "stat", stat)
+    device = DeviceSpec.from_name(H100)
+    with caplog.at_level("WARNING", logger="moekit.tables"):
+        for _ in range(2):  # the second time after clear_cache: nothing said again
+            select.clear_cache()
+            assert [config(m) for m in (1, 4096)] == [B, C]
+            assert decisions.find_table(SHAPE, FP8, H100).path == shipped
+            assert select.select_backend(SHAPE, FP8, device, torch.bfloat16, 1).backend == "cutlass"
+    said = sorted(r.getMessage() for r in caplog.records)
+    assert said == [f"moekit: cannot list the table folder {folder} (Permission denied): its tables are not read "
+                    "(the other folders' and the shipped ones are)" for folder in sorted(denied)], said
+    text = "\n".join(explain(SHAPE, FP8, device, torch.bfloat16, 1))
+    assert f"from: decision table {shipped}" in text and f"skipped table {user / 'backends'}: cannot list" in text, text
+
+
+def test_a_broken_symlink_named_like_a_table_is_skipped_with_a_warning_naming_it(tmp_path, monkeypatch, caplog):
+    """A dangling link named like a table (of this device name, or of another name of its GPU
+    model) in a MOEKIT_CONFIG_DIR folder: the triton lookup raised FileNotFoundError for the other
+    name's, and passed over this name's without a word. Both are now skipped with one warning each,
+    naming the link, and the shipped tables answer."""
+    user = tmp_path / "user"
+    write_configs(tmp_path / "shipped", {1: B, 4096: C})
+    shipped = write_decisions(tmp_path / "shipped", {1: {"triton": 9.0, "cutlass": 1.0}})
+    links = {kind: [user / kind / tables.table_name(SHAPE, FP8, name) for name in (H100, "NVIDIA H100 PCIe")]
+             for kind in tables.KINDS}
+    for link in links["triton"] + links["backends"]:
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(tmp_path / "gone.json")
+    select.clear_cache()
+    with caplog.at_level("WARNING", logger="moekit.triton"), pytest.warns(decisions.BackendTableWarning) as caught:
+        assert [config(m) for m in (1, 64, 4096)] == [B, B, C]
+        assert decisions.find_table(SHAPE, FP8, H100).path == shipped
+        assert decisions.find_table(SHAPE, FP8, H100).path == shipped
+    for link in links["triton"]:
+        assert [f"ignoring tuned table {link}: [Errno 2]" in r.getMessage() for r in caplog.records].count(True) == 1
+    for link in links["backends"]:
+        assert [f"ignoring backend table {link}: cannot read it" in str(w.message) for w in caught].count(True) == 1
+
+
+def test_a_table_entry_that_cannot_run_is_skipped_when_read_and_hides_no_other_entry(tmp_path, caplog):
+    """An entry that loads but cannot run (BLOCK_M=48, not a power of two) was replaced by the
+    analytic default at lookup time without a word, and its size, in the range of the user's table,
+    hid the shipped entries around it. README: such an entry is skipped with a warning naming it.
+    It is skipped when the table is read: the file's valid entries and the shipped table answer."""
+    bad = {**A.to_dict(), "BLOCK_M": 48}
+    path = write_configs(tmp_path / "user", {128: D})
+    doc = json.loads(path.read_text())
+    tables.write_json_atomically(path, {**doc, "configs": {"64": bad, **doc["configs"]}})
+    write_configs(tmp_path / "shipped", {1: B, 64: C, 4096: C})
+    assert default_config(SHAPE, FP8, 64) != C  # what M = 64 and 70 ran before
+    with caplog.at_level("WARNING", logger="moekit.triton"):
+        assert [config(m) for m in (1, 64, 70, 128, 4096)] == [B, C, C, D, C]
+        assert [config(m) for m in (64, 70)] == [C, C]
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"moekit: tuned table {path}: ignoring the entry of batch size 64: it cannot run {FP8.name}: "
+                    "BLOCK_M=48 must be a power of two >= 16"], said
+    # a file of no runnable entry hides nothing
+    tables.write_json_atomically(path, {**doc, "configs": {"64": bad}})
+    select.clear_cache()
+    assert [config(m) for m in (1, 64, 4096)] == [B, C, C]
+    # nor does one whose GEMM2 would keep more of the intermediate than KEEP_A2 holds (6 K steps of
+    # 128 < 1024): that one raised in the forward pass (launch._check_config)
+    wide = MoEShape(SHAPE.num_experts, SHAPE.hidden, 1024, SHAPE.top_k)
+    keep = KernelConfig(64, 128, 128, 8, 8, 3, N_TILES2=2, KEEP_A2=1)
+    assert not keep.problems(FP8)
+    tables.write_json_atomically(tmp_path / "user" / "triton" / tables.table_name(wide, FP8, H100),
+                                 {"meta": {}, "configs": {"64": keep.to_dict()}})
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="moekit.triton"):
+        assert get_config(wide, FP8, 64, H100) == default_config(wide, FP8, 64)
+    assert "batch size 64: it cannot run fp8-channel-token: KEEP_A2=1 holds GEMM2's inner dimension in at most 6 " \
+           "K steps of 128; this problem's intermediate has 1024 columns" in caplog.text

@@ -25,7 +25,9 @@ the shipped ones) hold {"meta": {...}, "configs": {"<batch size>": {BLOCK_M: ..,
 the tables found are layered (each answers within the range of sizes it measured, where no table
 found before it does: _layered_table), and the entry of the nearest measured batch size (in log
 space) is used; in fast accumulation mode, over the union of the fast-mode tables' sizes and the
-precise tables' (fast entries first).
+precise tables' (fast entries first). An entry that is not a config, or whose config cannot run the
+table's problem (entry_problems), is skipped with a warning naming the file, the size and why when
+the table is read (load_table), so it takes no part in the nearest-size lookup or the layering.
 """
 
 from __future__ import annotations
@@ -377,15 +379,34 @@ class TunedTable:
     top_k: int | None  # the top-k it was measured with (meta.top_k), None where the meta has none
 
 
-def load_table(path: Path) -> TunedTable | None:
+def load_table(path: Path, scheme: QuantScheme | None = None, shape: MoEShape | None = None) -> TunedTable | None:
     """A tuned triton table, read once per version of the file (and again after
-    moekit.tables.clear_cache()); None, with a warning, for a file that is not one."""
-    st = path.stat()
-    return _load_table(path, (st.st_mtime_ns, st.st_size, st.st_ino), tables.generation())
+    moekit.tables.clear_cache()); None, with a warning, for a file that is not one or cannot be
+    read (a broken symlink, a file or folder the process may not read: never an error). Given
+    the problem the table is for (`scheme`, and `shape` for its intermediate size), an entry whose
+    config cannot run it is skipped with a warning too (entry_problems), so that it takes no part
+    in the nearest-size lookup or the layering of tables (_layered_table)."""
+    try:
+        st = path.stat()
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+    except OSError:
+        stamp = None  # _load_table's read fails alike, and its warning names the file and the error
+    return _load_table(path, stamp, tables.generation(), scheme, shape)
+
+
+def entry_problems(cfg: KernelConfig, scheme: QuantScheme, shape: MoEShape | None = None) -> list[str]:
+    """Why a table's config cannot run its problem (empty when it can): KernelConfig.problems,
+    and with `shape` the intermediate size KEEP_A2 must hold (what launch._check_config refuses)."""
+    out = cfg.problems(scheme)
+    if not out and shape is not None and cfg.KEEP_A2 and not cfg.keep_a2_fits(shape.n):
+        out.append(f"KEEP_A2=1 holds GEMM2's inner dimension in at most {cfg.KEEP_A2_STEPS} K steps of "
+                   f"{cfg.gemm2().BLOCK_K}; this problem's intermediate has {shape.n} columns")
+    return out
 
 
 @functools.lru_cache(maxsize=256)
-def _load_table(path: Path, stamp, generation: int = 0) -> TunedTable | None:
+def _load_table(path: Path, stamp, generation: int = 0, scheme: QuantScheme | None = None,
+                shape: MoEShape | None = None) -> TunedTable | None:
     """load_table's cached work: `stamp` and `generation` only key the cache (a rewritten file,
     also within one tick of a coarse clock, has another size or inode, or a clear_cache between)."""
     try:
@@ -409,9 +430,16 @@ def _load_table(path: Path, stamp, generation: int = 0) -> TunedTable | None:
                             "integer)", path, key)
                 continue
             try:
-                configs[int(key)] = KernelConfig.from_table_entry(entry)
+                cfg = KernelConfig.from_table_entry(entry)
             except ValueError as e:
                 log.warning("moekit: tuned table %s: ignoring the entry of batch size %s: %s", path, key, e)
+                continue
+            problems = entry_problems(cfg, scheme, shape) if scheme is not None else []
+            if problems:
+                log.warning("moekit: tuned table %s: ignoring the entry of batch size %s: it cannot run %s: %s",
+                            path, key, scheme.name, "; ".join(problems))
+                continue
+            configs[int(key)] = cfg
         return TunedTable(configs, top_k)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         log.warning("moekit: ignoring tuned table %s: %s", path, e)
@@ -432,7 +460,7 @@ def _layered_table(shape: MoEShape, scheme: QuantScheme, device_name: str, accum
     for path in find_tables("triton", shape, scheme, device_name, accumulation, skip_roots):
         if not keep(path):
             continue
-        table = load_table(path)
+        table = load_table(path, scheme, shape)
         if table is not None and table.top_k not in (None, shape.top_k):
             # its name has E, N, H and the scheme, not top-k: measured on other rows per expert
             log.warning("moekit: tuned table %s was measured with top_k=%d, this layer has top_k=%d: not used",
@@ -537,8 +565,7 @@ class ProblemConfigs:
         return cfg
 
     def _choose(self, num_tokens: int) -> KernelConfig:
+        # every entry runs this problem: load_table skipped the others, with a warning, before
+        # the nearest size and the layering were worked out
         table = self.table if gemv_may_win(self.shape, num_tokens) else self.tiled
-        cfg = nearest(table, num_tokens) if table else None
-        if cfg is not None and not cfg.problems(self.scheme):
-            return cfg
-        return default_config(self.shape, self.scheme, num_tokens)
+        return nearest(table, num_tokens) if table else default_config(self.shape, self.scheme, num_tokens)
