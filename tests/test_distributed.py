@@ -28,10 +28,13 @@ What is checked, and where the tolerances come from (u = 2^-8, the unit roundoff
       So ||dist - single|| <= u (2 ||single|| + sum_i c_i ||t_i||) to first order, with t_i the
       rounded pieces (c = 1 for partials and EP pairs, 2 for the torch backend's q_jr); the test
       allows twice that (slack for float32 GEMM-order noise, ~2^-24 * H relative).
-      With float32 activations and top-2 the EP result must equal the single-process one
-      bitwise: each pair's expert output is the same (an expert's rows are the same rows, in the
-      same order, on the destination as in the single process), nothing is rounded to bf16, and
-      a + b = b + a in float32. (With top-k > 2 the order of the k-term sum could show.)
+      With float32 activations, top-2 and the reference backend the EP result must equal the
+      single-process one bitwise: each pair's expert output is the same (an expert's rows are the
+      same rows, in the same order, on the destination as in the single process, and reference
+      gathers them into a tensor of their own), nothing is rounded to bf16, and a + b = b + a in
+      float32. (With top-k > 2 the order of the k-term sum could show. The torch backend's
+      per-expert GEMM reads the rows in place, at another offset on the destination, and a
+      float32 GEMM's last bits can depend on that alignment: seen with H = 65.)
    b. Where distribution changes a dynamic scale (reference backend: fp8-channel-token and
       fp8-tensor-dynamic under TP: the intermediate's scale is taken over the shard's columns;
       fp8-tensor-dynamic under EP: x's and the intermediate's scales over the rows a rank
@@ -49,6 +52,7 @@ import contextlib
 import dataclasses
 import datetime
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -221,7 +225,37 @@ def _refusals(rank: int, world: int, c: Case) -> dict:
             x, md.shard_weights_tp(random_weights(c.E, c.H, c.N * world, c.scheme), (rank + 1) % world, world),
             tw, ids, backend=c.backend)),
     }
+    # x of another dtype on rank 0 (float32 beside bf16: each valid with bf16 weights): the rows
+    # differ in bytes; the dispatch aborted the job in gloo, now every rank raises a ValueError
+    odd_x = x.float() if rank == 0 else x
+    outs["ep-dtype-mismatch"] = _raised(lambda: md.ep_fused_moe(odd_x, local, tw, ids, c.E, backend=c.backend))
     outs["after-refusals"] = md.ep_fused_moe(x, local, tw, ids, c.E, backend=c.backend)
+    outs.update(_nan_scale_on_one_rank(rank, world, c, x, tw, ids))
+    return outs
+
+
+def _nan_scale_on_one_rank(rank: int, world: int, c: Case, x, tw, ids) -> dict:
+    """A MoELayer whose loaded state has a NaN weight scale on the last rank only (a corrupt
+    checkpoint shard), under EP and TP, then the good state loaded and the next call. The scale
+    check was left to the local fused_moe: under EP after the dispatch (the failing rank raised,
+    the others waited in the return exchange, or gloo aborted them), under TP before the failing
+    rank's all-reduce (its NEXT call's all-reduce then paired with the others': wrong outputs on
+    every rank, no error)."""
+    outs = {}
+    for mode in ("ep", "tp"):
+        W = random_weights(c.E, c.H, c.N * world, "fp8-channel-token", seed=13)  # N / world whole for TP
+        rows = (x, tw, ids) if mode == "ep" else _inputs(c)[1:]  # TP: the whole (same) batch on every rank
+        layer = moekit.MoELayer.sharded(W, mode, backend=c.backend)
+        good = {k: v.clone() for k, v in layer.state_dict().items()}
+        outs[f"{mode}-nan-scale-expected"] = layer(*rows)
+        bad = {k: v.clone() for k, v in good.items()}
+        if rank == world - 1:
+            bad["w2_scale" if mode == "ep" else "w13_scale"][0, 0] = float("nan")
+        layer.load_state_dict(bad)  # the layer checks the values at its next call (pending)
+        outs[f"{mode}-one-rank-nan-scale"] = _raised(lambda: layer(*rows))
+        outs[f"{mode}-nan-scale-retried"] = _raised(lambda: layer(*rows))  # the same call again, not reloaded
+        layer.load_state_dict(good)
+        outs[f"{mode}-after-nan-scale"] = layer(*rows)
     return outs
 
 
@@ -387,7 +421,7 @@ def _check_ep(c: Case, rank_outs: list[torch.Tensor]) -> None:
     if c.total_tokens:
         out = torch.cat(rank_outs)
         single = _single(c, *inputs)
-        if c.dtype == torch.float32 and c.K <= 2:
+        if c.dtype == torch.float32 and c.K <= 2 and c.backend == "reference":  # module docstring, 2a
             _assert_equal(out, single, f"{c.name} (float32, top-{c.K}) vs single-process")
         _check_against_single(c, out, single, pair_pieces, [1] * len(pair_pieces), inputs)
 
@@ -436,6 +470,44 @@ def test_bad_input_on_one_rank_raises_on_every_rank(world):
     for o in outs:
         assert torch.equal(o["after-one-rank-bad-ids"], o["ep-good"])
         assert torch.equal(o["after-refusals"], o["ep-good"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_with_x_of_different_dtypes_raise_on_every_rank(world):
+    """EP: float32 x on rank 0 and bf16 on the others (each valid with bf16 weights) made rows of
+    different byte sizes: gloo aborted the job in the dispatch. The rows' layout travels beside
+    the counts, and every rank raises the same ValueError naming each rank's dtype."""
+    outs = _outputs(world)
+    ranks = "; ".join(f"rank {r}: {'torch.float32' if r == 0 else 'torch.bfloat16'}, H = 128" for r in range(world))
+    for o in outs:
+        assert o["ep-dtype-mismatch"] == (
+            f"ValueError: ep_fused_moe: the ranks' x differ in dtype or hidden size ({ranks}); every rank of the "
+            "group must pass x of one dtype and size (the dispatched rows are x's bytes); no rank ran the layer"
+        )
+        assert torch.equal(o["after-refusals"], o["ep-good"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", ["ep", "tp"])
+def test_a_corrupt_scale_on_one_rank_raises_on_every_rank(world, mode):
+    """A NaN weight scale loaded into one rank's layer: that rank raises the scale's ValueError,
+    every other rank a RuntimeError naming it, none returns an output; the next call, after the
+    good state is loaded, is the layer's output on every rank (EP: the others had hung or been
+    aborted; TP: every rank's outputs were wrong, silently)."""
+    outs = _outputs(world)
+    last = world - 1
+    scale = "w2_scale" if mode == "ep" else "w13_scale"
+    assert outs[last][f"{mode}-one-rank-nan-scale"].startswith(f"ValueError: MoEWeights.{scale} has 1 value(s) that are NaN")
+    what = "inputs" if mode == "ep" else "weights"
+    for rank in range(last):
+        assert outs[rank][f"{mode}-one-rank-nan-scale"] == (
+            f"RuntimeError: {mode}_fused_moe: rank(s) [{last}] of the process group refused their {what} "
+            "(their own error says why); no rank ran the layer"
+        )
+    for o in outs:  # a retry without reloading (the failing rank's check still pending) fails alike
+        assert o[f"{mode}-nan-scale-retried"] == o[f"{mode}-one-rank-nan-scale"]
+    for o in outs:
+        assert torch.equal(o[f"{mode}-after-nan-scale"], o[f"{mode}-nan-scale-expected"])
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -512,6 +584,35 @@ def test_shard_ep_holds_whole_experts(scheme):
             assert torch.equal(s.a13_scale, W.a13_scale) and torch.equal(s.a2_scale, W.a2_scale)
 
 
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8-tensor-static", "fp8-block128"])
+def test_shards_are_copies_in_memory_of_their_own(scheme, mode):
+    """The docstrings: 'contiguous copies: the full weights can be freed afterwards'. An EP shard
+    was t[start:end].contiguous(), the slice itself (a slice of dim 0 is contiguous already), and
+    so was TP's w2 over one rank: each rank kept the whole layer's storage alive, a per-rank
+    state_dict saved the whole tensors, and writing the full weights in place changed the shard."""
+    W = random_weights(4, 128, 256, scheme, seed=14)
+    shard = md.shard_weights_ep if mode == "ep" else md.shard_weights_tp
+    full = {t.untyped_storage().data_ptr() for t in W.tensors().values()}
+    for world in (1, 2):
+        for rank in range(world):
+            s = shard(W, rank, world)
+            before = {name: t.clone() for name, t in s.tensors().items()}
+            for name, t in s.tensors().items():
+                assert t.is_contiguous(), name
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), f"{name}: shares a larger storage"
+                assert t.untyped_storage().data_ptr() not in full, f"{name}: a view of the full weights"
+            for t in W.tensors().values():  # the full weights written in place leave the shard as it was
+                t.view(torch.uint8).add_(1)
+            assert all(torch.equal(s.tensors()[name].view(torch.uint8), b.view(torch.uint8))
+                       for name, b in before.items())
+            for t in W.tensors().values():
+                t.view(torch.uint8).sub_(1)
+            buf = io.BytesIO()  # one rank's state_dict holds its shard, not the whole layer
+            torch.save(moekit.MoELayer(s, parallel=mode, num_experts=4 if mode == "ep" else None).state_dict(), buf)
+            assert buf.tell() < s.nbytes + 8192
+
+
 # ------------------------------------------------------------- one process, a one-rank group
 
 
@@ -561,11 +662,12 @@ def test_parallel_calls_are_inference_only_and_say_so(one_rank_group, mode):
 
 def _record_count_exchanges(monkeypatch) -> list:
     """Patch all_to_all_single into a one-rank exchange (output = input) that records what each
-    call sent: the list it returns. Only ep's count exchange may run: [world, (count, failure flag)]."""
+    call sent: the list it returns. Only ep's count exchange may run: [world, (count, word)], the
+    word 1 for a failure (ep._rank_word)."""
     sent = []
 
     def exchange_only(output, input, *args, **kwargs):
-        assert input.shape == (1, 2), "the count exchange: [world, (count, failure flag)]"
+        assert input.shape == (1, 2), "the count exchange: [world, (count, failure flag or rows' layout)]"
         output.copy_(input)
         sent.append(input.clone())
 
@@ -603,7 +705,15 @@ def test_expert_parallel_checks_everything_before_the_first_collective(one_rank_
         md.ep_fused_moe(x, W, tw, ids, 4, apply_router_weight_on_input=True)
     with pytest.raises(ValueError, match="at least one expert per rank"):
         md.ep_fused_moe(x, W, tw, ids, 0)
-    assert len(sent) == 9 and all(t.tolist() == [[0, 1]] for t in sent), "every refusal flagged its failure"
+    # a scale whose value check is pending (a MoELayer's weights after a load): fused_moe's check
+    # ran after the dispatch had begun, leaving the other ranks waiting in the return exchange
+    bad = dict(W.tensors(), w2_scale=W.w2_scale.clone().fill_(float("nan")))
+    with moekit.weights.scale_values_checked_later():
+        pending = moekit.MoEWeights(W.scheme, **bad)
+    assert pending.scale_values_pending
+    with pytest.raises(ValueError, match="MoEWeights.w2_scale has .* NaN"):
+        md.ep_fused_moe(x, pending, tw, ids, 4)
+    assert len(sent) == 10 and all(t.tolist() == [[0, 1]] for t in sent), "every refusal flagged its failure"
 
 
 @pytest.mark.parametrize("mode", ["tp", "ep"])
@@ -819,6 +929,69 @@ def test_init_from_env_returns_the_group_made_before(one_rank_group, monkeypatch
     assert md.init_from_env().local_rank == 3
     with pytest.raises(ValueError, match="init_from_env\\(backend='nccl'\\) but the process group already initialised uses 'gloo'"):
         md.init_from_env(backend="nccl")
+
+
+@pytest.mark.parametrize("made_with", [None, "cpu:gloo"])
+def test_init_from_env_takes_a_group_made_without_a_backend_name(made_with, tmp_path, monkeypatch):
+    """`dist.init_process_group()` under torchrun names no backend: dist.get_backend() then says
+    'undefined' ('cpu:gloo' or 'cpu:gloo,cuda:nccl' for one made with device:backend pairs).
+    Only the exact "nccl" counted as a GPU group, so init_from_env answered the CPU on a GPU host,
+    and init_from_env(backend="gloo") raised 'already initialised uses 'undefined''."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    if torch.cuda.is_available():  # there a group made without a name is torch's GPU group
+        pytest.skip("checks the CPU side: a group made without a backend name on a GPU host is an nccl group")
+    kw = {} if made_with is None else {"backend": made_with}
+    dist.init_process_group(init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60), **kw)
+    try:
+        assert dist.get_backend() == (made_with or "undefined")
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+        for backend in (None, "gloo"):
+            env = md.init_from_env(backend=backend)
+            assert (env.backend, env.device) == ("gloo", torch.device("cpu"))
+        with pytest.raises(ValueError, match="init_from_env\\(backend='nccl'\\) but the process group already initialised uses 'gloo'"):
+            md.init_from_env(backend="nccl")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_mixed_group_is_a_gpu_group_unless_gloo_is_asked_for(one_rank_group, monkeypatch):
+    """A group with nccl for CUDA beside gloo for the CPU (what init_process_group() made on a GPU
+    host in some torch versions, or "cpu:gloo,cuda:nccl" by name): the GPU, nccl, unless
+    backend="gloo" asks for its CPU side. Checked without a GPU: the configuration and CUDA's
+    presence are patched."""
+    from moekit.distributed import launch
+
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert launch.group_backends() == {"cpu": "gloo", "cuda": "nccl"}
+    assert launch.group_device() == torch.device("cuda", 0)
+    env = md.init_from_env()
+    assert (env.backend, env.device) == ("nccl", torch.device("cuda", 0))
+    env = md.init_from_env(backend="gloo")
+    assert (env.backend, env.device) == ("gloo", torch.device("cpu"))
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
+    with pytest.raises(ValueError, match="init_from_env\\(backend='gloo'\\) but the process group already initialised uses 'nccl'"):
+        md.init_from_env(backend="gloo")
+
+
+def test_a_refusing_rank_sends_its_flag_where_its_data_is(one_rank_group, monkeypatch):
+    """A rank that fails its checks sends zero counts and its failure flag where the other ranks'
+    counts are: on its data's device (the weights'). It took the device from the backend's name,
+    the current GPU for "nccl" only, so the CPU for a GPU group made without a name ('undefined')
+    while the counts of the others, on their GPUs, went through NCCL: a hang. Here the group says
+    nccl and the data is on the CPU: the flag follows the data."""
+    sent = _record_count_exchanges(monkeypatch)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
+    W = random_weights(4, 128, 128, "bf16")
+    tw, ids = random_routing(5, 4, 2)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\)"):
+        md.ep_fused_moe(random_x(5, 128), W, tw, ids + 4, 4)
+    assert len(sent) == 1 and sent[0].device == torch.device("cpu") and sent[0].tolist() == [[0, 1]]
 
 
 @pytest.mark.parametrize("argv,world,expected", [

@@ -30,11 +30,16 @@ under expert parallelism (a fixed-capacity dispatch, padding every rank's buffer
 would be).
 
 Bad input on one rank: each rank's tokens are its own, so a bad input (an id out of range, a
-wrong shape, another rank's shard) is usually on one rank only. Every rank checks its inputs
-before any collective and still takes part in step 2, sending a failure flag beside its counts:
-then every rank raises (the failing one its own error, the others a RuntimeError naming it)
-instead of some waiting in the dispatch for the group's timeout. (Ids on a GPU are checked by a
-device-side assertion, which stops that rank's CUDA context instead.)
+wrong shape, another rank's shard, a corrupt weight scale loaded on one rank) is usually on one
+rank only. Every rank checks its inputs before any collective (fused_moe's checks, its pending
+check of the scales' values included) and still takes part in step 2, sending a failure flag
+beside its counts: then every rank raises (the failing one its own error, the others a
+RuntimeError naming it) instead of some waiting in the dispatch for the group's timeout. The same
+integer carries the layout of the rank's rows (x's dtype and H: bf16 on one rank and float32 on
+another are both valid, but their rows differ in bytes): where the ranks differ, every rank raises
+a ValueError naming each rank's. (Ids on a GPU are checked by a device-side assertion, which stops
+that rank's CUDA context instead. A failure inside the local fused_moe, after the dispatch, such
+as running out of memory, is not exchanged: the other ranks then wait in step 5.)
 
 What is and is not the single-process result (same backend, full weights):
   - For the schemes whose activation quantization is per row (bf16, fp8-tensor-static,
@@ -43,9 +48,14 @@ What is and is not the single-process result (same backend, full weights):
     would. The only difference from the single-process layer is the combine: single-process
     sums the k float32 pair results and rounds once; EP receives each pair already rounded to x's
     dtype (fused_moe returns x's dtype), then sums in float32 and rounds: k extra roundings of
-    2^-8 relative (bf16) each. With float32 activations there is no such rounding and EP is
-    exact up to the order of the k-term sum (j order here; the backends' own combines sum over j
-    too).
+    2^-8 relative (bf16) each. With float32 activations there is no such rounding, and with
+    top-1 or top-2 (a + b = b + a; with k > 2 the order of the sum could show) EP is bitwise the
+    single-process layer WHERE the backend gives an expert's rows the same bits in both: the
+    destination runs the same rows of each expert in the same order, but at another offset of
+    its buffers. The reference backend gathers each expert's rows into a tensor of their own
+    (bitwise on the CPU: tested); the torch backend's per-expert GEMM reads them in place, and a
+    float32 GEMM's last bits can depend on the rows' memory alignment (on the CPU with H = 65, a
+    row of 260 bytes: ~1e-7 relative; with H = 128 bitwise). GPU backends: not tested.
   - fp8-tensor-dynamic computes ONE activation scale per fused_moe call: EP computes it per
     destination rank over the rows it received (x rows and intermediates), single-process over
     the whole batch. The destination's amax is <= the whole batch's, so quantization is at least
@@ -64,9 +74,11 @@ import torch
 import torch.distributed as dist
 
 from ..api import check_flags, fused_moe, grads_would_be_dropped, validate_inputs
+from ..dtypes import FUSED_MOE_DTYPES
 from ..select import select_backend
 from ..weights import MoEWeights, Shard
 from .checks import as_count, check_rank, check_shard, check_whole
+from .launch import group_device
 
 _META_BYTES = 8  # int32 local expert id + float32 routing weight, at the front of each row
 
@@ -101,7 +113,9 @@ def shard_weights_ep(weights: MoEWeights, rank: int, world_size: int) -> MoEWeig
     kw = {}
     for name, t in weights.tensors().items():
         per_expert = name in ("w13", "w2", "w13_scale", "w2_scale")  # a13/a2 are not per expert
-        kw[name] = t[start:end].contiguous() if per_expert else t.clone()
+        # clone, not .contiguous(): a slice of dim 0 is contiguous already, and .contiguous() would
+        # return that view, keeping the whole layer's storage alive (and saved by state_dict)
+        kw[name] = (t[start:end] if per_expert else t).clone(memory_format=torch.contiguous_format)
     return MoEWeights(weights.scheme, **kw, shard=Shard("ep", rank, world_size, weights.num_experts))
 
 
@@ -109,7 +123,8 @@ def _check_inputs(x, local_weights, topk_weights, topk_ids, num_experts, rank, w
     """Everything fused_moe would refuse on the received rows is refused here, before the first
     collective (the module docstring: how the other ranks learn of it): its validate_inputs
     against the model's num_experts (GPU ids: a device-side assertion, no host sync), the shard,
-    and top-k = 1 under apply_router_weight_on_input. Returns topk_weights and topk_ids as
+    top-k = 1 under apply_router_weight_on_input, and the scales' values where their check is
+    pending (MoEWeights.check_scale_values: a MoELayer's weights after a load). Returns topk_weights and topk_ids as
     validate_inputs does (float32, int32)."""
     start, end = expert_range(num_experts, rank, world)
     topk_weights, topk_ids = validate_inputs(x, local_weights, topk_weights, topk_ids, num_experts=num_experts)
@@ -125,6 +140,8 @@ def _check_inputs(x, local_weights, topk_weights, topk_ids, num_experts, rank, w
         )
     if apply_on_input and topk_ids.shape[1] != 1:
         raise ValueError(f"apply_router_weight_on_input needs top-k = 1, got top-k = {topk_ids.shape[1]}")
+    if local_weights.scale_values_pending:  # fused_moe's check (a layer's first call after a load), made here
+        local_weights.check_scale_values()  # instead of after the dispatch; no cost once it has run
     return topk_weights, topk_ids
 
 
@@ -172,14 +189,16 @@ def ep_fused_moe(
         select_backend(local_weights.shape(1), local_weights.scheme, x.device, x.dtype, max(topk_ids.numel(), 1),
                        backend, allow_weight_copies=allow_weight_copies)
     except Exception as error:  # noqa: BLE001 - re-raised once the other ranks know (module docstring)
-        _exchange_counts(torch.zeros(world, dtype=torch.long, device=_group_device(group)), group, failed=error)
+        zeros = torch.zeros(world, dtype=torch.long, device=_flag_device(x, local_weights, group))
+        _exchange_counts(zeros, group, failed=error)
         raise
     M, K = topk_ids.shape
     H = x.shape[1]
 
-    # 1. plan, 2. counts (host sync; every rank raises here if one failed its checks)
+    # 1. plan, 2. counts (host sync; every rank raises here if one failed its checks, or if the
+    # ranks' rows differ in layout)
     flat_ids, dest, order, send_counts, starts = _plan(topk_ids, num_experts, world)
-    send_splits, recv_splits = _exchange_counts(send_counts, group)
+    send_splits, recv_splits = _exchange_counts(send_counts, group, x.dtype, H)
 
     # 3. dispatch: pack [local id | weight | x row] per pair, in destination order.
     row_bytes, x_bytes = _row_bytes(H, x.dtype)
@@ -237,28 +256,64 @@ def _bounds(num_experts: int, world: int, device: torch.device) -> tuple[torch.T
     )
 
 
-def _group_device(group) -> torch.device:
-    """The device the group's collectives take tensors on: the current GPU for nccl, else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _flag_device(x, local_weights, group) -> torch.device:
+    """Where a rank that failed its checks puts its (zero) counts: where the other ranks' counts
+    are, the device of their data (their ids, checked to be on the weights' device), so the
+    weights' device, else x's. Not the group's backend name: a group made without one reads
+    'undefined', one of several backends 'cpu:gloo,cuda:nccl' (launch.group_device: for a rank
+    whose arguments hold no tensor at all)."""
+    if isinstance(local_weights, MoEWeights):
+        return local_weights.device
+    if isinstance(x, torch.Tensor):
+        return x.device
+    return group_device(group)
 
 
-def _exchange_counts(send_counts: torch.Tensor, group, failed: Exception | None = None) -> tuple[list[int], list[int]]:
-    """all_to_all_single of the per-rank pair counts, each beside a flag saying whether this rank
-    failed its checks (`failed`: then the counts are zeros and the caller re-raises its error).
-    Raises RuntimeError where another rank failed. The .tolist() is the device-to-host sync that
-    all_to_all_single's uneven split sizes need (accepted: see the module docstring)."""
-    flag = torch.full_like(send_counts, int(failed is not None))
-    send = torch.stack([send_counts, flag], dim=1)  # row r goes to rank r
+# x's dtypes, numbered for the count exchange (dtypes.FUSED_MOE_DTYPES: what validate_inputs lets through)
+_X_DTYPES = FUSED_MOE_DTYPES
+
+
+def _rank_word(failed: bool, x_dtype: torch.dtype | None, hidden: int) -> int:
+    """What a rank sends beside its counts, in one integer (one fill: no extra collective, no
+    host-to-device copy): 1 where it failed its checks, else its rows' layout, 2 * (H * n + the
+    index of x's dtype in _X_DTYPES) (n = len(_X_DTYPES)). A row's bytes follow from x's dtype and
+    H, which each rank has checked against its own weights only: ranks that differ would take
+    different byte counts to the dispatch (gloo aborts the process, NCCL hangs or misreads)."""
+    return 1 if failed else 2 * (hidden * len(_X_DTYPES) + _X_DTYPES.index(x_dtype))
+
+
+def _layout(word: int) -> str:
+    """The row layout a _rank_word says, in words."""
+    hidden, code = divmod(word // 2, len(_X_DTYPES))
+    return f"{_X_DTYPES[code]}, H = {hidden}"
+
+
+def _exchange_counts(send_counts: torch.Tensor, group, x_dtype: torch.dtype | None = None, hidden: int = 0,
+                     failed: Exception | None = None) -> tuple[list[int], list[int]]:
+    """all_to_all_single of the per-rank pair counts, each beside this rank's word (_rank_word: a
+    flag saying whether it failed its checks, `failed`, then the counts are zeros and the caller
+    re-raises its error; else its rows' layout). Raises RuntimeError where another rank failed,
+    else ValueError on every rank where the ranks' layouts differ. The .tolist() is the
+    device-to-host sync that all_to_all_single's uneven split sizes need (accepted: see the
+    module docstring)."""
+    word = torch.full_like(send_counts, _rank_word(failed is not None, x_dtype, hidden))
+    send = torch.stack([send_counts, word], dim=1)  # row r goes to rank r
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     received = recv.tolist()
-    failed_ranks = [source for source, (_, flagged) in enumerate(received) if flagged]
-    if failed_ranks and failed is None:
+    failed_ranks = [source for source, (_, word) in enumerate(received) if word & 1]
+    if failed is not None:
+        return [], []
+    if failed_ranks:
         raise RuntimeError(
             f"ep_fused_moe: rank(s) {failed_ranks} of the process group refused their inputs (their own error "
             f"says why); no rank ran the layer"
+        )
+    if len({word for _, word in received}) > 1:
+        ranks = "; ".join(f"rank {source}: {_layout(word)}" for source, (_, word) in enumerate(received))
+        raise ValueError(
+            f"ep_fused_moe: the ranks' x differ in dtype or hidden size ({ranks}); every rank of the group "
+            f"must pass x of one dtype and size (the dispatched rows are x's bytes); no rank ran the layer"
         )
     return send_counts.tolist(), [count for count, _ in received]
 
@@ -277,7 +332,7 @@ def ep_comm_only(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, grou
     world = dist.get_world_size(group)
     M, K = topk_ids.shape
     send_counts = _plan(topk_ids, num_experts, world)[3]
-    send_splits, recv_splits = _exchange_counts(send_counts, group)
+    send_splits, recv_splits = _exchange_counts(send_counts, group, x.dtype, x.shape[1])
     row_bytes, _ = _row_bytes(x.shape[1], x.dtype)
     send = torch.zeros(M * K, row_bytes, dtype=torch.uint8, device=x.device)
     recv = torch.empty(sum(recv_splits), row_bytes, dtype=torch.uint8, device=x.device)
@@ -285,7 +340,7 @@ def ep_comm_only(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, grou
     back = torch.empty(M * K, x.shape[1], dtype=x.dtype, device=x.device)
 
     def run() -> None:
-        _exchange_counts(send_counts, group)
+        _exchange_counts(send_counts, group, x.dtype, x.shape[1])
         dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
         dist.all_to_all_single(back, y, send_splits, recv_splits, group=group)
 

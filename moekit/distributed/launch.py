@@ -17,7 +17,7 @@ class DistEnv:
     world_size: int
     local_rank: int
     device: torch.device
-    backend: str  # the process group's backend: "nccl" or "gloo"
+    backend: str  # the process group's backend for `device`: "nccl" or "gloo"
 
 
 def _env_int(name: str, default: int | None) -> int:
@@ -50,7 +50,10 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> DistE
     Where a default group exists already (made by the caller, by torchrun or by
     torch.multiprocessing and init_process_group), its rank, world size and backend are
     returned; LOCAL_RANK comes from the environment where set, else from the current CUDA device
-    (nccl) or the rank (gloo: one host assumed). A `backend` other than the group's is an error.
+    (nccl) or the rank (gloo: one host assumed). The backend is read from the group's
+    configuration: a group made without one (dist.get_backend says 'undefined') or with several
+    ('cpu:gloo,cuda:nccl') is a GPU group where it has nccl for CUDA (`backend="gloo"` picks the
+    CPU side of a mixed one). A `backend` the group does not have is an error.
     """
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed")
@@ -93,16 +96,48 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> DistE
     return DistEnv(rank, world, local_rank, device, backend)
 
 
+def group_backends(group=None) -> dict[str, str]:
+    """{device type: backend} of a process group (None: the default group), from its backend
+    configuration: {"cuda": "nccl"} for nccl, {"cpu": "gloo", "cuda": "gloo"} for gloo,
+    {"cpu": "gloo", "cuda": "nccl"} for a group made with "cpu:gloo,cuda:nccl". A group made
+    without a backend (init_process_group() as torchrun users often write it) reads 'undefined'
+    in dist.get_backend; its configuration says what torch chose for it."""
+    config = str(dist.get_backend_config(group)).lower()
+    pairs = [item.split(":", 1) for item in config.split(",") if ":" in item]
+    return {device.strip(): backend.strip() for device, backend in pairs}
+
+
+def _serves_cuda(backends: dict[str, str]) -> bool:
+    """Whether a group with these backends takes its data on the GPU: it has nccl (a GPU-only
+    backend) for cuda, and CUDA is there. A gloo group (it takes CUDA tensors too, through host
+    copies) is taken as a CPU group, as init_from_env makes it."""
+    return backends.get("cuda") == "nccl" and torch.cuda.is_available()
+
+
+def group_device(group=None) -> torch.device:
+    """The device a group's collectives take this process's tensors on, where no tensor says so:
+    the current GPU for a group with nccl for CUDA (its only backend, or beside gloo for the
+    CPU, or chosen by torch for a group made without a backend on a GPU host), else the CPU.
+    Callers with data follow the data's device instead (a mixed group takes either)."""
+    if _serves_cuda(group_backends(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _existing_group(backend: str | None) -> DistEnv:
-    """The DistEnv of the default group made before (init_from_env's docstring)."""
-    pg_backend = str(dist.get_backend()).lower()
-    if backend is not None and backend != pg_backend:
-        raise ValueError(
-            f"init_from_env(backend={backend!r}) but the process group already initialised uses {pg_backend!r}"
-        )
+    """The DistEnv of the default group made before (init_from_env's docstring). Its backend is
+    read from its configuration (group_backends), so that a group made without a backend name
+    ('undefined') or with several ('cpu:gloo,cuda:nccl') is understood: the device is the GPU
+    where the group has nccl for CUDA, else the CPU, or the one `backend` names among the group's
+    backends (gloo of a mixed group: the CPU); DistEnv.backend is the backend of that device."""
+    backends = group_backends()
+    if backend is not None and backend not in backends.values():
+        names = set(backends.values())
+        uses = names.pop() if len(names) == 1 else ",".join(f"{d}:{b}" for d, b in backends.items())
+        raise ValueError(f"init_from_env(backend={backend!r}) but the process group already initialised uses {uses!r}")
+    nccl = backend == "nccl" if backend is not None else _serves_cuda(backends)
     rank = dist.get_rank()
-    nccl = pg_backend == "nccl"
     default_local = torch.cuda.current_device() if nccl else rank
     local_rank = _env_int("LOCAL_RANK", default_local)
     device = torch.device(f"cuda:{local_rank}") if nccl else torch.device("cpu")
-    return DistEnv(rank, dist.get_world_size(), local_rank, device, pg_backend)
+    return DistEnv(rank, dist.get_world_size(), local_rank, device, "nccl" if nccl else backends.get("cpu", "gloo"))

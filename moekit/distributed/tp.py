@@ -38,6 +38,8 @@ Why the all-reduce runs in float32 (`reduce_dtype`, default torch.float32):
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -85,24 +87,30 @@ def shard_weights_tp(weights: MoEWeights, rank: int, world_size: int) -> MoEWeig
         return torch.cat([t[:, lo:hi], t[:, half + lo : half + hi]], dim=1).contiguous()
 
     w13 = rows(weights.w13, lo, hi, N)
-    w2 = weights.w2[:, :, lo:hi].contiguous()
+    w2 = _copy(weights.w2[:, :, lo:hi])
     kw: dict[str, torch.Tensor] = {}
     if s.is_fp8:
         if s.weight == "tensor":
-            kw["w13_scale"], kw["w2_scale"] = weights.w13_scale.clone(), weights.w2_scale.clone()
+            kw["w13_scale"], kw["w2_scale"] = _copy(weights.w13_scale), _copy(weights.w2_scale)
         elif s.weight == "channel":
             kw["w13_scale"] = rows(weights.w13_scale, lo, hi, N)
-            kw["w2_scale"] = weights.w2_scale.clone()
+            kw["w2_scale"] = _copy(weights.w2_scale)
         elif s.weight == "block":
             b_lo, b_hi, b_half = lo // BLOCK, hi // BLOCK, N // BLOCK
             kw["w13_scale"] = rows(weights.w13_scale, b_lo, b_hi, b_half)  # [E, 2n/128, ceil(H/128)]
-            kw["w2_scale"] = weights.w2_scale[:, :, b_lo:b_hi].contiguous()  # [E, ceil(H/128), n/128]
+            kw["w2_scale"] = _copy(weights.w2_scale[:, :, b_lo:b_hi])  # [E, ceil(H/128), n/128]
         else:  # a new weight granularity must say how it shards
             raise NotImplementedError(f"shard_weights_tp does not know weight granularity {s.weight!r}")
         for name in ("a13_scale", "a2_scale"):
             if getattr(weights, name) is not None:
-                kw[name] = getattr(weights, name).clone()
+                kw[name] = _copy(getattr(weights, name))
     return MoEWeights(s, w13, w2, **kw, shard=Shard("tp", rank, world_size, N))
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy in memory of its own. Not .contiguous(): a slice that is contiguous
+    already (the whole of N over one rank) would come back as a view of the full weights."""
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def tp_fused_moe(
@@ -124,16 +132,33 @@ def tp_fused_moe(
     rank gets the same output [M, H] in x's dtype. `backend` is the single-device backend of the
     local experts. `reduce_dtype`: the dtype of the all-reduce (float32 by default: exact and
     order-independent, see the module docstring), a floating point dtype; None reduces in x's dtype.
-    Weights tagged by shard_weights_tp must be this rank's shard (a ValueError otherwise, on the
-    ranks whose shard it is not: the others then wait in the all-reduce until the group's timeout,
-    or until torchrun stops them when the failing rank exits).
+    Weights tagged by shard_weights_tp must be this rank's shard (a ValueError otherwise).
     `allow_weight_copies` as for fused_moe (a MoELayer passes False: auto keeps no converted copy).
     Every rank must call this (it is a collective), also with M = 0.
+
+    Failures: inputs that are wrong alike on every rank (x, the routing, the flags: every rank has
+    the same) fail alike, before the all-reduce. Where the weights' scale values are still to be
+    checked (MoEWeights.scale_values_pending: a MoELayer's first call after its weights were
+    loaded), that check and the shard check run first and the ranks exchange a failure flag (one
+    all-reduce of [world] int32, in that call only): a corrupt scale or a wrong shard on one rank
+    makes every rank raise (that rank its own error, the others a RuntimeError naming it; a retry
+    without reloading exchanges and raises again on every rank, the group stays in step). Any
+    other error on one rank alone (a wrong shard of weights already checked, a failure inside the
+    local fused_moe such as running out of memory) has no such exchange (it would cost every call
+    a collective): that rank raises and the others wait in the all-reduce. If the failing rank
+    then exits, they wait until the group's timeout, or until torchrun stops them; if it goes on
+    to call the layer again, its next all-reduce pairs with theirs and BOTH calls return wrong
+    sums, without an error. After an exception from tp_fused_moe on any rank, do not go on with
+    the group: exit (or abort it) on every rank.
     """
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
         raise TypeError(f"reduce_dtype must be a floating point torch.dtype or None, got {reduce_dtype!r}")
     if isinstance(local_weights, MoEWeights):
-        check_shard(local_weights, "tp", dist.get_rank(group), dist.get_world_size(group))
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if world > 1 and (local_weights.scale_values_pending or local_weights in _AGREE_AGAIN):
+            _check_weights_together(local_weights, rank, world, group)
+        else:
+            check_shard(local_weights, "tp", rank, world)
     partial = fused_moe(
         x, local_weights, topk_weights, topk_ids, backend,
         apply_router_weight_on_input=apply_router_weight_on_input, allow_weight_copies=allow_weight_copies,
@@ -144,3 +169,42 @@ def tp_fused_moe(
     # M = 0 still all-reduces (an empty tensor): ranks never skip a collective on a local condition.
     dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
     return buf.to(x.dtype)
+
+
+# Weights whose last flag exchange heard of a failure on another rank: their next call exchanges
+# again, as the failing rank's does (its check is still pending), so that a retry of the same call
+# pairs the same collectives on every rank (and raises on every rank again).
+_AGREE_AGAIN: weakref.WeakSet = weakref.WeakSet()
+
+
+def _check_weights_together(weights: MoEWeights, rank: int, world: int, group) -> None:
+    """The shard and the scales' pending value check of this rank, then a failure flag exchanged
+    with every rank (tp_fused_moe's docstring: only where the scale check is pending, so once
+    after each load): raises this rank's error, or a RuntimeError naming the ranks that failed.
+    The flags live on the weights' device, where the rank's data is (a group made without a
+    backend name, or with several, takes its tensors on either). Under CUDA-graph capture or while
+    torch.compile traces, check_scale_values reads nothing and leaves the check pending, on every
+    rank alike: then nothing is exchanged (fused_moe checks them at a later eager call)."""
+    failed = None
+    try:
+        check_shard(weights, "tp", rank, world)
+        weights.check_scale_values()
+    except Exception as error:  # noqa: BLE001 - re-raised below, once the other ranks know
+        failed = error
+    if failed is None and weights.scale_values_pending:  # nothing could be read: nothing to tell
+        return
+    flags = torch.zeros(world, dtype=torch.int32, device=weights.device)
+    flags[rank] = int(failed is not None)
+    dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
+    failed_ranks = flags.nonzero().flatten().tolist()
+    if failed_ranks:
+        _AGREE_AGAIN.add(weights)
+    else:
+        _AGREE_AGAIN.discard(weights)
+    if failed is not None:
+        raise failed
+    if failed_ranks:
+        raise RuntimeError(
+            f"tp_fused_moe: rank(s) {failed_ranks} of the process group refused their weights (their own error "
+            f"says why); no rank ran the layer"
+        )
