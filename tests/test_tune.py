@@ -15,7 +15,15 @@ import io
 import itertools
 import json
 import os
+import queue
 import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
 
 import pytest
 import time
@@ -1390,7 +1398,11 @@ def test_a_size_the_budget_cut_short_is_left_out_of_the_decision_table(tmp_path,
     assert result.exit_code == 0 and first.calls == [f"{default} at M=1"]
     assert "1" in read(only_file(out / "triton"))["configs"]  # what was tuned is kept
     assert not (out / "backends").exists()
-    assert "decision table: left undecided at M=1 (torch not timed)" in text
+    # no size decided, no table written: auto does not answer from decided sizes there, it takes
+    # another table found for the problem (the shipped ones) or its heuristic, and the note says so
+    note = next(line for line in text.splitlines() if "decision table:" in line)
+    assert "no batch size decided, none written (left undecided at M=1 (torch not timed))" in note
+    assert "another decision table it finds" in note and "heuristic" in note and "decided sizes around" not in note
     # a rerun times the rest and decides the size
     FakeTimer(us={"backend torch": 50.0}).install(monkeypatch)
     tune(tiny_model, out, backends=["torch"], batch_sizes=["1"])
@@ -1432,6 +1444,7 @@ def test_a_size_an_earlier_run_left_undecided_stays_so(tmp_path, tiny_model, mon
     result, text = tune(tiny_model, out, backends=["torch", "reference"], batch_sizes=["1"])
     assert list(read(only_file(out / "backends"))["batch_sizes"]) == ["1"]
     assert "left undecided at M=4 (torch, reference not timed)" in text
+    assert "(beyond the decided M=1: from another decision table found for this problem there" in text
 
 
 # -------------------------------------------------------------- the decision timing
@@ -2496,3 +2509,399 @@ def test_a_size_between_in_one_run_and_tuned_in_the_next_is_a_tuned_size(tmp_pat
     j = journals(out)
     assert "between_configs" not in j[4] and j[4]["search"]
     assert config_key(FAST_CFG) in j[8]["between_configs"], "M = 8 timed without M = 4's best config"
+
+
+# --------------------------------------------------- SIGTERM and SIGHUP stop a run as Ctrl-C does
+
+
+class SignalTimer(FakeTimer):
+    """FakeTimer sending this process `signum` when a measurement whose name starts with `at`
+    begins (once per run): Python runs the handler at once, inside the measurement."""
+
+    def __init__(self, signum, at, **kw):
+        super().__init__(**kw)
+        self.signum, self.at, self.sent = signum, at, False
+
+    def __call__(self, fn, *, reps, warmup, device, what):
+        if not self.sent and what.startswith(self.at):
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
+        return super().__call__(fn, reps=reps, warmup=warmup, device=device, what=what)
+
+
+@pytest.fixture
+def as_if_killed():
+    """SIGTERM and SIGHUP, outside a run's own handlers, end the measurement as their default
+    action would end the process: a Killed (nothing in the tuner un-marks it), recorded here."""
+    died = []
+
+    def killed(signum, frame):
+        died.append(signum)
+        raise Killed(signal.Signals(signum).name)
+
+    before = {s: signal.signal(s, killed) for s in (signal.SIGTERM, signal.SIGHUP)}
+    yield killed, died
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("at", ["backend torch", "triton", "decision: triton"])
+def test_a_sigterm_or_sighup_stops_the_run_as_ctrl_c_does(signame, at, tmp_path, tiny_model, monkeypatch,
+                                                          as_if_killed):
+    """A SIGTERM (timeout, a scheduler, systemd) or SIGHUP (a closed terminal) during a measurement
+    ended the process there, which the journal counts as a death: after two, a backend, a config
+    or a decision timing that never failed was recorded as failed for good ("the process died 2
+    times"). Now it stops the run as Ctrl-C does: the measurement un-marked, the tables rebuilt,
+    exit status 128 + the signal, the handlers before restored; a third run measures it."""
+    handler, died = as_if_killed
+    signum = getattr(signal, signame)
+    decisions_on(monkeypatch)
+    out = tmp_path / "out"
+    kw = dict(batch_sizes=["1"], backends=["torch"], between=False)
+    for _ in range(runner.MAX_DEATHS):
+        timer = SignalTimer(signum, at).install(monkeypatch)
+        result, text = tune(tiny_model, out, **kw)
+        assert timer.sent and died == []
+        assert result.exit_code == 128 + signum, text
+        assert f"stopped by {signame}: rerun the same command" in text
+        assert signal.getsignal(signum) is handler  # the run's handler went with it
+        assert all(j["in_flight"] == {} for j in journals(out).values())
+    again = FakeTimer().install(monkeypatch)
+    result, text = tune(tiny_model, out, **kw)
+    assert result.exit_code == 0 and "died" not in text, text
+    j = journals(out)[1]
+    assert any(call.startswith(at) for call in again.calls)
+    assert "error" not in j["backends"]["torch"] and not j["decision"].get("error")
+    assert all("error" not in entry for entry in j["configs"].values())
+    assert list(read(only_file(out / "backends"))["batch_sizes"]) == ["1"]
+
+
+def test_signals_are_taken_only_in_the_main_thread_and_never_over_an_ignored_one():
+    """Python runs signal handlers in the main thread only (signal.signal refuses elsewhere): a
+    run in another thread changes nothing. A signal ignored before (nohup ignores SIGHUP) stays
+    ignored; the others are the run's while it lasts and given back after."""
+    seen = []
+
+    def in_thread():
+        with runner.stop_on_signals():
+            seen.append(signal.getsignal(signal.SIGTERM))
+
+    before = signal.getsignal(signal.SIGTERM)
+    worker = threading.Thread(target=in_thread)
+    worker.start()
+    worker.join()
+    assert seen == [before]
+    hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with runner.stop_on_signals():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not before
+            with pytest.raises(runner.Stopped) as stopped:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1)  # the handler runs before this returns
+            assert isinstance(stopped.value, KeyboardInterrupt) and stopped.value.signum == signal.SIGTERM
+            os.kill(os.getpid(), signal.SIGTERM)  # a repeat while the run stops: ignored
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGHUP, hup)
+
+
+def test_a_worker_process_stopped_by_a_signal_unmarks_its_measurement_and_tells_the_parent(
+        tmp_path, tiny_model, monkeypatch, as_if_killed):
+    """A worker process (several GPUs) is stopped by the parent's terminate() (SIGTERM) or by a
+    SIGTERM to the process group: it un-marks its measurement as the run in one process does and
+    tells the parent, which stops the run rather than go on as if its sizes were done."""
+    _, died = as_if_killed
+    from moekit.tune.plan import build_plan
+
+    opts = TuneOptions(models=[str(tiny_model)], scheme="fp8-channel-token", batch_sizes=["1"], backends=["torch"],
+                       reps=1, warmup=0, out=str(tmp_path / "out"), space=interpreter_space, argv=["tune"],
+                       gemm2=False, between=False, compile_workers=0)
+    plan = build_plan(opts, torch.device("cpu"))
+    SignalTimer(signal.SIGTERM, "backend torch").install(monkeypatch)
+    events = queue.Queue()
+    with pytest.raises(runner.Stopped):
+        runner._worker_main(0, plan, ["cpu"], [[1]], events, None)
+    assert died == []
+    assert all(j["in_flight"] == {} for j in journals(tmp_path / "out").values())
+    kinds = [events.get_nowait() for _ in range(events.qsize())]
+    assert (0, "stopped", signal.SIGTERM) in kinds
+
+
+def test_run_workers_stops_its_workers_gently_and_hears_of_one_stopped(monkeypatch):
+    """The parent, stopped, sends its workers SIGTERM and waits for them (their journals saved
+    before it rebuilds the tables from them); a worker stopped alone stops the parent's run."""
+    import torch.multiprocessing as mp
+
+    class Process:
+        def __init__(self):
+            self.calls = []
+
+        def is_alive(self):
+            return "join" not in self.calls
+
+        def terminate(self):
+            self.calls.append("terminate")
+
+        def join(self, timeout=None):
+            self.calls.append("join")
+
+    class Context:
+        def __init__(self, events, stop_parent):
+            self.events, self.stop_parent, self.processes = events, stop_parent, [Process()]
+
+        def join(self, timeout=None):
+            if self.stop_parent:
+                raise runner.Stopped(signal.SIGTERM)
+            self.events.put((0, "stopped", int(signal.SIGHUP)))
+            return True
+
+    plan = types.SimpleNamespace(batch_sizes=[1, 4])
+    for stop_parent in (True, False):
+        made = []
+        monkeypatch.setattr(mp, "spawn", lambda fn, args, nprocs, join: made.append(Context(args[3], stop_parent))
+                            or made[-1])
+        heard = []
+        with pytest.raises(runner.Stopped) as stopped:
+            runner.run_workers(plan, ["cpu", "cpu"], None, lambda *event: heard.append(event))
+        assert stopped.value.signum == (signal.SIGTERM if stop_parent else signal.SIGHUP)
+        assert made[0].processes[0].calls == (["terminate", "join"] if stop_parent else [])
+        assert heard == []  # a stop is no progress event
+
+
+SIGTERM_RUN = textwrap.dedent("""
+    import json, os, signal, sys
+    from moekit.timing import Timing
+    from moekit.tune import TuneOptions, precompile, run_tune, runner
+    from moekit.tune.space import interpreter_space
+
+    def main():
+        model, out, pids = sys.argv[1:4]
+        pools = []
+        submit = precompile.Precompiler.submit
+
+        def recording(self, *a, **k):
+            futures = submit(self, *a, **k)
+            if self._pool is not None:
+                pools.append(self._pool)
+            return futures
+
+        def timer(fn, *, reps, warmup, device, what):
+            if pools:  # the search: its helpers compile ahead; SIGTERM, as `timeout` or systemd sends it
+                with open(pids, "w") as f:
+                    json.dump([p.pid for p in pools[0]._processes.values()], f)
+                os.kill(os.getpid(), signal.SIGTERM)
+            return Timing.from_samples([100.0], "fake")
+
+        precompile.Precompiler.submit = recording
+        runner.measure_time = timer
+        runner.get_ceilings = lambda device: None
+        runner.Worker._decide = lambda self, p, j: None
+        opts = TuneOptions(models=[model], scheme="fp8-channel-token", batch_sizes=["1"], backends=["torch"], reps=1,
+                           warmup=0, out=out, space=interpreter_space, argv=["tune"], gemm2=False, between=False,
+                           compile_workers=1)
+        return run_tune(opts).exit_code
+
+    if __name__ == "__main__":
+        sys.exit(main())
+""")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # ended, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_sigterm_to_the_process_ends_the_run_and_its_compile_helpers(tmp_path, tiny_model):
+    """A real SIGTERM to a tune process with compile helpers: the process ended at once (status
+    -15), the config in flight counted as a death, and its helper processes, blocked on their
+    queue, stayed behind for good. Now the run stops as on Ctrl-C, exits with 143, and its
+    helpers are shut down with it."""
+    script, pids, log = tmp_path / "run.py", tmp_path / "pids.json", tmp_path / "run.log"
+    script.write_text(SIGTERM_RUN)
+    out = tmp_path / "out"
+    with open(log, "w") as output_file:  # a file, not a pipe: a helper left behind would hold a pipe open
+        run = subprocess.run([sys.executable, str(script), str(tiny_model), str(out), str(pids)], stdout=output_file,
+                             stderr=subprocess.STDOUT, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    helpers = json.loads(pids.read_text()) if pids.exists() else []
+    try:
+        assert helpers, log.read_text()
+        deadline = time.monotonic() + 60
+        while not all(_gone(pid) for pid in helpers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert run.returncode == 128 + signal.SIGTERM, log.read_text()
+        assert "stopped by SIGTERM" in log.read_text()
+        assert all(_gone(pid) for pid in helpers), "compile helpers left running"
+        assert all(j["in_flight"] == {} for j in journals(out).values())
+    finally:
+        for pid in helpers:  # the helpers this test's run started, left behind: ended
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+# ------------------------------------------------------------- --routing FILE: by its content
+
+
+def _record_routing(path, seed):
+    g = torch.Generator().manual_seed(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(64)]), path)
+
+
+def test_a_recorded_routing_is_known_by_its_content_not_the_path_typed(tmp_path, tiny_model, monkeypatch):
+    """The journals kept --routing FILE as typed: the same file by another relative path set
+    every journal aside and measured everything again, and another routing recorded at the same
+    path reused journals measured on the old one. Now the routing's content decides; the
+    resolved path is kept for messages and the tables' meta. A journal of the older form, which
+    cannot tell, is measured again."""
+    recorded = tmp_path / "a" / "r.pt"
+    _record_routing(recorded, 0)
+    out = tmp_path / "out"
+    monkeypatch.chdir(tmp_path / "a")
+    FakeTimer().install(monkeypatch)
+    result, _ = tune(tiny_model, out, batch_sizes=["1"], backends=["torch"], routing="r.pt", between=False)
+    assert result.exit_code == 0
+    meta = read(only_file(out / "backends"))["meta"]
+    assert meta["routing"] == str(recorded.resolve()) and len(meta["routing_sha256"]) == 64
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(recorded, tmp_path / "copy.pt")
+    for typed in ("a/r.pt", "copy.pt"):  # the same routing by another path, or in another file
+        again = FakeTimer().install(monkeypatch)
+        result, text = tune(tiny_model, out, batch_sizes=["1"], backends=["torch"], routing=typed, between=False)
+        assert result.exit_code == 0 and again.calls == [] and "set aside" not in text, text
+
+    _record_routing(recorded, 1)  # recorded anew at the same path
+    anew = FakeTimer().install(monkeypatch)
+    result, text = tune(tiny_model, out, batch_sizes=["1"], backends=["torch"], routing="a/r.pt", between=False)
+    assert "set aside" in text and "routing_sha256:" in text and len(anew.calls) >= 3, text
+
+    path = next((out / ".progress").glob("*/M=1.json"))  # as an older moekit wrote it: the path as typed
+    data = read(path)
+    fingerprint = {k: v for k, v in data["fingerprint"].items() if k not in ("routing_file", "routing_sha256")}
+    path.write_text(json.dumps({**data, "fingerprint": {**fingerprint, "routing": "a/r.pt"}}))
+    older = FakeTimer().install(monkeypatch)
+    result, text = tune(tiny_model, out, batch_sizes=["1"], backends=["torch"], routing="a/r.pt", between=False)
+    assert "set aside" in text and "routing: 'a/r.pt' -> 'file'" in text and len(older.calls) >= 3, text
+
+
+# ---------------------------------------------- the vLLM file of another scheme, the written record
+
+
+def test_the_vllm_file_of_another_scheme_is_kept_before_it_is_replaced(tmp_path, tiny_model, monkeypatch):
+    """fp8-channel-token and fp8-tensor-dynamic both write vLLM's dtype=fp8_w8a8 file: a second
+    run of the other scheme into the same folders replaced the first's silently, since the record
+    of what tune wrote had the path alone. Now it records for which problem it wrote each file,
+    and keeps the other problem's file (saying so); a rerun of the same problem adds no copy."""
+    FakeTimer().install(monkeypatch)
+    out, export = tmp_path / "out", tmp_path / "vllm"
+    tune(tiny_model, out, "fp8-channel-token", export_vllm=str(export))
+    vllm_file = only_file(export)
+    first = vllm_file.read_text()
+    FakeTimer(us={triton(OTHER_CFG): 10.0}).install(monkeypatch)
+    texts = []
+    for _ in range(2):
+        result, text = tune(tiny_model, out, "fp8-tensor-dynamic", export_vllm=str(export))
+        assert result.exit_code == 0, text
+        assert [k.read_text() for k in backups_of(vllm_file)] == [first]  # once: the rerun's own file replaced
+        texts.append(text)
+    assert f"kept the previous {vllm_file}" in texts[0] and "kept the previous" not in texts[1]
+    record = read(out / ".progress" / "written.json")[str(vllm_file.resolve())]
+    assert record["source"]["scheme"] == "fp8-tensor-dynamic" and record["source"]["top_k"] == 2
+    assert record["source"]["table"].endswith(",scheme=fp8-tensor-dynamic.json")
+
+
+def test_the_message_names_the_problem_that_wrote_the_vllm_file(tmp_path, tiny_model, monkeypatch):
+    FakeTimer().install(monkeypatch)
+    out, export = tmp_path / "out", tmp_path / "vllm"
+    tune(tiny_model, out, "fp8-channel-token", export_vllm=str(export))
+    _, text = tune(tiny_model, out, "fp8-tensor-dynamic", export_vllm=str(export))
+    assert re.search(r"tune wrote it for another problem, E=4,N=128,H=128,device_name=\S+,scheme=fp8-channel-token "
+                     r"with top-2 \(this run: .*scheme=fp8-tensor-dynamic with top-2\)", text), text
+
+
+def test_an_older_record_of_the_bytes_is_still_read(tmp_path, tiny_model, monkeypatch):
+    """written.json of an older moekit held the sha256 of each file's bytes: its own tables are
+    replaced without copies; its vLLM file, which does not say which scheme wrote it, is kept."""
+    import hashlib
+
+    FakeTimer().install(monkeypatch)
+    out, export = tmp_path / "out", tmp_path / "vllm"
+    tune(tiny_model, out, export_vllm=str(export))
+    record = out / ".progress" / "written.json"
+    record.write_text(json.dumps({k: hashlib.sha256(Path(k).read_bytes()).hexdigest() for k in read(record)}))
+    _, text = tune(tiny_model, out, export_vllm=str(export))
+    assert not backups_of(only_file(out / "triton")) and not backups_of(only_file(out / "backends"))
+    assert len(backups_of(only_file(export))) == 1 and "did not record for which problem" in text
+
+
+@pytest.mark.parametrize("table", ["triton", "backends", "vllm"])
+def test_an_interrupt_between_a_table_and_the_record_leaves_no_stray_copies(table, tmp_path, tiny_model,
+                                                                            monkeypatch):
+    """The record of what tune wrote was saved once, after all of a problem's files: a Ctrl-C
+    between a table's write and that save left the record stale, and the rebuild that followed
+    (and every one after) kept tune's own tables as .bak files, "edited, or from elsewhere"."""
+    FakeTimer().install(monkeypatch)
+    out, export = tmp_path / "out", tmp_path / "vllm"
+    tune(tiny_model, out, batch_sizes=["1", "2"], between=False, export_vllm=str(export))
+    real = output.write_json_atomically
+    where = {"triton": out / "triton", "backends": out / "backends", "vllm": export}[table]
+    hit = []
+
+    def interrupted(path, data):
+        written = real(path, data)
+        if Path(path).parent == where and not hit:
+            hit.append(path)
+            raise KeyboardInterrupt  # right after the table, before anything else is saved
+        return written
+
+    monkeypatch.setattr(output, "write_json_atomically", interrupted)
+    FakeTimer(us={triton(OTHER_CFG): 10.0}).install(monkeypatch)
+    result, text = tune(tiny_model, out, batch_sizes=["1", "2", "4"], between=False, export_vllm=str(export))
+    assert hit and result.exit_code == 130
+    monkeypatch.setattr(output, "write_json_atomically", real)
+    result, more = tune(tiny_model, out, batch_sizes=["1", "2", "4"], between=False, export_vllm=str(export))
+    assert result.exit_code == 0
+    assert "kept the previous" not in text + more, text + more
+    assert not list(out.glob("*/*.bak-*")) and not list(export.glob("*.bak-*"))
+
+
+# ------------------------------------------------------- an --out that cannot be used: refused first
+
+
+@pytest.mark.parametrize("blocked", [".progress", "triton", "backends", ".progress/written.json", "vllm-file",
+                                     "journal-folder"])
+def test_an_out_layout_that_cannot_be_used_is_refused_before_measuring(blocked, tmp_path, tiny_model, monkeypatch,
+                                                                      capsys):
+    """A file where tune keeps a folder (.progress, triton, backends, a table's journal folder), or
+    a folder where it writes a file (written.json, the vLLM file): a traceback, at the lock or at
+    the first table written after the first measurements. Now one line, exit status 2, nothing
+    measured."""
+    timer = FakeTimer().install(monkeypatch)
+    out, export = tmp_path / "out", tmp_path / "vllm"
+    device = runner.device_name(torch.device("cuda:0" if CUDA else "cpu"))
+    table = table_name(SHAPE, FP8_CHANNEL_TOKEN, device)
+    path = {"vllm-file": export / output.vllm_file_name(4, 128, device, FP8_CHANNEL_TOKEN),
+            "journal-folder": out / ".progress" / table.removesuffix(".json")}.get(blocked, out / blocked)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if blocked in (".progress/written.json", "vllm-file"):
+        path.mkdir()
+    else:
+        path.write_text("not a folder")
+    argv = ["tune", "--model", str(tiny_model), "--scheme", "fp8-channel-token", "--out", str(out),
+            "--export-vllm", str(export), "--batch-sizes", "1", "--reps", "1", "--warmup", "0", "--no-between",
+            "--no-gemm2-search"]
+    if CUDA:
+        argv += ["--compile-workers", "0"]
+    monkeypatch.setattr("moekit.tune.plan.default_space", lambda device, search: interpreter_space)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.out + captured.err).splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), lines
+    assert str(path) in lines[0] and ("--export-vllm" if blocked == "vllm-file" else "--out") in lines[0]
+    assert timer.calls == []

@@ -39,12 +39,16 @@ from .progress import (
 )
 from .runner import (
     DeviceBroken,
+    Stopped,
     Worker,
+    check_out_layout,
+    device_name,
     problem_table_name,
     discard_run_lock,
     run_journals,
     run_lock,
     run_workers,
+    stop_on_signals,
     write_problem_tables,
 )
 from .space import hopper_space, interpreter_space
@@ -55,7 +59,8 @@ class TuneResult:
     out_dir: Path
     files: list[Path]
     not_covered: list[str]
-    exit_code: int  # 0 done (or budget used up), 1 a failure stopped it, 130 interrupted
+    # 0 done (or budget used up), 1 a failure stopped it, 130 Ctrl-C, 128 + n stopped by signal n (SIGTERM, SIGHUP)
+    exit_code: int
 
 
 def _devices(opts: TuneOptions, device: torch.device) -> list[str]:
@@ -73,12 +78,16 @@ def run_tune(opts: TuneOptions, console=None) -> TuneResult:
     console = console or Console()
     device = default_device()
     plan = build_plan(opts, device)
+    names = sorted({device_name(torch.device(d)) for d in _devices(opts, device)[: len(plan.batch_sizes)]})
     with contextlib.ExitStack() as held:
-        try:  # refused at once while another run writes into --out; held until the run ends
+        try:
+            check_out_layout(plan, names)  # no file where tune keeps a folder, or the other way round
+            # refused at once while another run writes into --out; held until the run ends
             held.enter_context(run_lock(plan.out_dir))
         except TuneInputError:
             remove_if_empty(plan.created)  # an --export-vllm folder this run made
             raise
+        held.enter_context(stop_on_signals())  # SIGTERM and SIGHUP stop the run as Ctrl-C does
         return _run(opts, plan, device, console)
 
 
@@ -125,6 +134,8 @@ def _run(opts: TuneOptions, plan: TunePlan, device: torch.device, console) -> Tu
         failure, exit_code = str(e), 1
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:  # a worker's own traceback
         failure, exit_code = f"a worker process failed:\n{e}", 1
+    except Stopped as e:
+        failure, exit_code = f"stopped by {e.name}: rerun the same command to continue where it stopped", 128 + e.signum
     except KeyboardInterrupt:
         failure, exit_code = "interrupted: rerun the same command to continue where it stopped", 130
     finally:

@@ -16,7 +16,8 @@ the first save of the new journal, so that a size the run does not get to (a bud
 A measurement in progress is marked in `in_flight` before it starts and unmarked after (whether it
 succeeded or failed). A mark that survives means the process died during that measurement (a
 segfault, the OOM killer, kill -9): the next run tries it once more, and after a second death
-records it as failed instead of dying on it forever.
+records it as failed instead of dying on it forever. A stop on purpose un-marks it: Ctrl-C, and
+SIGTERM and SIGHUP, which the run turns into the same (runner.stop_on_signals).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ FORMAT = "moekit-tune-journal"
 VERSION = 1
 PROGRESS_DIR = ".progress"
 MAX_DEATHS = 2  # deaths during one measurement before it is recorded as failed
+# Fingerprint fields that describe, for messages and the tables' meta, without being a condition
+# of the measurements: a recorded routing's file (its content hash, "routing_sha256", is compared).
+NOT_COMPARED = ("routing_file",)
 JOURNAL_NAME = re.compile(r"M=(\d+)\.json")  # a journal; set-aside ones are M=<M>.stale[-n].json
 
 
@@ -98,6 +102,7 @@ class Journal:
             why = mismatch(data, fingerprint, problem)
         if why is None:
             data.setdefault("in_flight", {})
+            data["fingerprint"] = fingerprint  # NOT_COMPARED fields as this run has them (saved with the next change)
             return cls(path, data, log=log)
         return cls(path, fresh, replaces=why, log=log)
 
@@ -196,12 +201,19 @@ def _is_journal(data) -> bool:
 
 
 def mismatch(data: dict, fingerprint: dict, problem: dict) -> str | None:
-    """Why a journal was measured under other conditions than `fingerprint` and `problem`, or None."""
-    if data.get("fingerprint") == fingerprint and data.get("problem") == problem:
+    """Why a journal was measured under other conditions than `fingerprint` and `problem`, or None
+    (NOT_COMPARED fields aside)."""
+    old = data.get("fingerprint") or {}
+    same = _compared(old) == _compared(fingerprint)
+    if same and data.get("problem") == problem:
         return None
-    if data.get("fingerprint") != fingerprint:
-        return "measured under other conditions (" + _differences(data.get("fingerprint") or {}, fingerprint) + ")"
+    if not same:
+        return "measured under other conditions (" + _differences(old, fingerprint) + ")"
     return "measured for another problem (" + _differences(data.get("problem") or {}, problem) + ")"
+
+
+def _compared(fingerprint: dict) -> dict:
+    return {k: v for k, v in fingerprint.items() if k not in NOT_COMPARED}
 
 
 def load_journals(out_dir: Path, table_file_name: str, fingerprint: dict, problem: dict
@@ -228,4 +240,5 @@ def load_journals(out_dir: Path, table_file_name: str, fingerprint: dict, proble
     return sorted(found, key=lambda d: d["batch_size"]), dict(sorted(others.items()))
 
 
-__all__ = ["MAX_DEATHS", "PROGRESS_DIR", "Journal", "journal_dir", "journal_path", "load_journals", "mismatch"]
+__all__ = ["MAX_DEATHS", "NOT_COMPARED", "PROGRESS_DIR", "Journal", "journal_dir", "journal_path", "load_journals",
+           "mismatch"]

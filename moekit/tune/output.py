@@ -9,15 +9,19 @@ DIR/<vLLM name>             with --export-vllm: the same configs in vLLM's fused
 
 Nothing already written is lost: a file about to be replaced is first copied to
 <name>.bak-<date>-<time> (never over an earlier copy) unless it is exactly what tune last wrote
-there and the new one keeps all its batch sizes (`_write_keeping`). So a table edited by hand, one
-from elsewhere, vLLM's own file in its config folder, or a table whose journals were measured under
-other conditions (left out of the rebuild: moekit.tune.journal) is kept, while the rewrites of a
-run and its resumes add no copies. OUT/.progress/written.json holds what tune last wrote (sha256).
+there, for the same problem, and the new one keeps all its batch sizes (`_write_keeping`). So a
+table edited by hand, one from elsewhere, vLLM's own file in its config folder, the vLLM file of
+another scheme tuned into the same folders (fp8-channel-token and fp8-tensor-dynamic both name
+vLLM's `dtype=fp8_w8a8` file), or a table whose journals were measured under other conditions
+(left out of the rebuild: moekit.tune.journal) is kept, while the rewrites of a run and its
+resumes add no copies. OUT/.progress/written.json records what tune last wrote to each file, and
+for which problem (WrittenRecord).
 
 Decision table, version 1 (moekit.decisions reads exactly this):
     {"format": "moekit-backend-table", "version": 1,
      "meta": {"device_name", "num_experts", "hidden", "intermediate" (per GPU), "top_k", "scheme",
-              "dtype", "routing", "mode": "layer", "moekit", "torch", "triton", "date"},
+              "dtype", "routing" (a recorded routing: its file, and "routing_sha256"), "mode": "layer",
+              "moekit", "torch", "triton", "date"},
      "batch_sizes": {"<M>": {"us": {"<backend>": µs}, "winner": "<backend>",
                              "errors": {"<backend>": "<one-line reason>"}}}}
 Each size's µs come from its decision timing when there is a current one (every backend and
@@ -29,7 +33,9 @@ the triton table's config, chosen_config, and each backend's own).
 A size gets an entry only once triton and every backend the last run at that size was asked to
 time (journal "backends_asked") have a time or an error there: a winner among the backends a
 budget cut left timed would be trusted by auto as a comparison that never ran (`undecided`). Such
-a size is left out: auto answers there from the decided sizes around it (decisions.BackendTable.locate).
+a size is left out: auto answers there from the decided sizes around it (decisions.BackendTable.locate);
+beyond the decided sizes, and where none is decided (no table written), from another table found
+for the problem, else the nearest decided size or its heuristic (`_undecided_note`).
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ VLLM_MAX_BLOCK_SIZE_N = 256
 # only orders the tiles; another value would be a config nobody timed).
 VLLM_NUM_WARPS = (4, 8)
 VLLM_GROUP_SIZE_M = (1, 16, 32, 64)
-WRITTEN_RECORD = "written.json"  # under OUT/.progress: sha256 of what tune last wrote to each file
+WRITTEN_RECORD = "written.json"  # under OUT/.progress: what tune last wrote to each file (WrittenRecord)
 
 
 # ------------------------------------------------------------------------- reading journals
@@ -192,7 +198,8 @@ def _common_meta(journals: list[dict]) -> dict:
         "top_k": problem["top_k"],
         "scheme": problem["scheme"],
         "dtype": fp["dtype"],
-        "routing": fp["routing"],
+        "routing": fp.get("routing_file", fp["routing"]),  # a recorded routing: its file (runner.routing_fields)
+        **({"routing_sha256": fp["routing_sha256"]} if "routing_sha256" in fp else {}),
         "mode": "layer",
         "moekit": fp["moekit"],
         "torch": fp["torch"],
@@ -398,31 +405,26 @@ def write_tables(
     """Write the tables of one (device, shape, scheme) from its journals: (paths, notes). A file
     replaced is first kept where something of it would be lost (module docstring), said to `log`."""
     log = log or (lambda text: None)
-    record_path = Path(out_dir) / ".progress" / WRITTEN_RECORD
-    try:
-        record = json.loads(record_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        record = {}
+    record = WrittenRecord(Path(out_dir) / ".progress" / WRITTEN_RECORD)
+    source = {"table": table_file, **journals[-1]["problem"]}  # what writes these files (WrittenRecord)
     written, notes = [], []
     triton = triton_table(journals, run_meta)
     if triton is not None:
-        written.append(_write_keeping(Path(out_dir) / "triton" / table_file, triton, "configs", record, log))
+        written.append(_write_keeping(Path(out_dir) / "triton" / table_file, triton, "configs", record, source, log))
     left_out: dict[int, list[str]] = {}
     backends = backend_table(journals, left_out)
     backend_path = Path(out_dir) / "backends" / table_file
     if backends is not None:
-        written.append(_write_keeping(backend_path, backends, "batch_sizes", record, log))
+        written.append(_write_keeping(backend_path, backends, "batch_sizes", record, source, log))
     elif backend_path.exists():
         # no size decided now: an earlier table must not answer for sizes this rebuild leaves
         # undecided (as a new table would replace it, it is kept, but under a name no lookup reads)
         kept = _backup_name(backend_path)
         backend_path.replace(kept)
-        record.pop(str(backend_path.resolve()), None)
+        record.forget(backend_path)
         log(f"kept the previous {backend_path} as {kept.name}: no batch size is decided in the new one")
     if left_out:
-        sizes = ", ".join(f"M={M} ({', '.join(names)} not timed)" for M, names in sorted(left_out.items()))
-        notes.append(f"decision table: left undecided at {sizes}; auto answers there from the decided sizes "
-                     "around them until a rerun of those sizes times them")
+        notes.append(_undecided_note(left_out, backends))
     if export_dir is not None:
         exported = vllm_table(journals)
         if exported is not None:
@@ -430,40 +432,133 @@ def write_tables(
             ordered = dict(sorted(table.items(), key=lambda kv: int(kv[0])))
             # vLLM's file names have no accumulation mode: a fast-mode tune's export goes to fast/
             fast = journals[-1]["fingerprint"].get("fp8_accumulation") == "fast"
-            written.append(_write_keeping(Path(export_dir) / ("fast" if fast else "") / name, ordered, None, record, log))
+            written.append(_write_keeping(Path(export_dir) / ("fast" if fast else "") / name, ordered, None, record,
+                                          source, log))
             notes += [f"vLLM export: {n}" for n in vllm_notes]
-    write_json_atomically(record_path, record)
     return written, notes
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def _undecided_note(left_out: dict[int, list[str]], backends: dict | None) -> str:
+    """What auto does at the sizes the decision table leaves undecided (backend_table): between
+    decided sizes it interpolates them (decisions.BackendTable.locate); beyond them, and where
+    no size is decided (no table written here), another decision table found for the problem
+    answers (a shipped one, one of another MOEKIT_CONFIG_DIR folder, one borrowed from a GPU of
+    the sharing group: the tables are layered, moekit.decisions), else, beyond the decided
+    sizes, the nearest of them, and with no table at all auto's heuristic."""
+    sizes = ", ".join(f"M={M} ({', '.join(names)} not timed)" for M, names in sorted(left_out.items()))
+    rerun = "until a rerun of those sizes times them"
+    if backends is None:
+        return (f"decision table: no batch size decided, none written (left undecided at {sizes}); auto answers "
+                "from another decision table it finds for this problem (a shipped one, another MOEKIT_CONFIG_DIR "
+                f"folder's), else from its heuristic, {rerun}")
+    decided = sorted(int(m) for m in backends["batch_sizes"])
+    beyond = [M for M in left_out if not decided[0] < M < decided[-1]]
+    where = "from the decided sizes around them"
+    if beyond:
+        where += (f" (beyond the decided M={decided[0]}" + (f"-{decided[-1]}" if len(decided) > 1 else "")
+                  + ": from another decision table found for this problem there, else the nearest decided size)")
+    return f"decision table: left undecided at {sizes}; auto answers there {where} {rerun}"
 
 
-def _write_keeping(path: Path, doc: dict, sizes_field: str | None, record: dict, log: Callable[[str], None]) -> Path:
+class WrittenRecord:
+    """OUT/.progress/written.json: for each file tune writes (its resolved path), what it last
+    wrote there, so that a rewrite keeps (`_write_keeping`) only files that are not its own:
+    {"sha256": digest of the content (_digest), "replacing": that of the file it replaced,
+     "source": {"table": moekit table name, "num_experts", "hidden", "intermediate", "top_k",
+                "scheme"}: the problem whose tables wrote it}.
+    Saved (atomically) at every change, before the file itself is replaced: an interrupt at any
+    point leaves the file either the one replaced or the new one, and the record knows both. (It
+    was saved once after all of a problem's files: an interrupt between left tune's own tables
+    unknown to the record, and the next rebuild kept them as .bak files, "edited, or from
+    elsewhere".) A record of an older moekit holds the sha256 of the file's bytes alone."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            data = {}
+        self.data = data if isinstance(data, dict) else {}
+
+    def get(self, path: Path) -> dict | None:
+        entry = self.data.get(str(path.resolve()))
+        if isinstance(entry, str):  # an older moekit's: the sha256 of the bytes, no source
+            return {"file_sha256": entry}
+        return entry if isinstance(entry, dict) else None
+
+    def set(self, path: Path, entry: dict) -> None:
+        self.data[str(path.resolve())] = entry
+        write_json_atomically(self.path, self.data)
+
+    def forget(self, path: Path) -> None:
+        if self.data.pop(str(path.resolve()), None) is not None:
+            write_json_atomically(self.path, self.data)
+
+
+def _digest(doc) -> str:
+    """sha256 of a JSON document's content (keys sorted, no spaces): the same for the document
+    tune is about to write and for that file read back, whatever the writer's layout."""
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _describe_source(source: dict) -> str:
+    return f"{source.get('table', '?').removesuffix('.json')} with top-{source.get('top_k', '?')}"
+
+
+def _write_keeping(path: Path, doc: dict, sizes_field: str | None, record: WrittenRecord, source: dict,
+                   log: Callable[[str], None]) -> Path:
     """Write `doc` to `path`, first copying the file there to <name>.bak-<date>-<time> if anything of
-    it would be lost: it is not what tune last wrote there (`record`: path -> sha256), or it has
-    batch sizes that `doc` has not (the keys of doc[sizes_field], of doc itself when None)."""
-    key = str(path.resolve())
+    it would be lost: it is not what tune last wrote there (`record`), tune wrote it for another
+    problem (the vLLM file of another scheme, or of another hidden size: vLLM's names have
+    neither), or it has batch sizes that `doc` has not (the keys of doc[sizes_field], of doc
+    itself when None). `source`: the problem writing it now, recorded."""
     try:
         old = path.read_bytes()
     except FileNotFoundError:
         old = None
+    entry: dict = {"sha256": _digest(doc)}
     if old is not None:
-        why = None
-        if record.get(key) != _sha256(old):
-            why = "not the file tune last wrote there (edited, or from elsewhere)"
+        try:
+            old_doc = json.loads(old)
+        except ValueError:
+            old_doc = None
         else:
-            lost = sorted(_sizes(json.loads(old), sizes_field) - _sizes(doc, sizes_field), key=int)
-            if lost:
-                why = f"the new one lacks M={', '.join(lost)}"
+            entry["replacing"] = _digest(old_doc)  # recognised as tune's own if an interrupt leaves it there
+        why = _why_keep(path, old, old_doc, doc, sizes_field, record.get(path), source)
         if why is not None:
             kept = _backup_name(path)
             shutil.copy2(path, kept)
             log(f"kept the previous {path} as {kept.name}: {why}")
+    record.set(path, {**entry, "source": source})
     write_json_atomically(path, doc)
-    record[key] = _sha256(path.read_bytes())
     return path
+
+
+def _why_keep(path: Path, old: bytes, old_doc, doc: dict, sizes_field: str | None, last: dict | None,
+              source: dict) -> str | None:
+    """Why the file at `path` (`old`, parsed: `old_doc`) must be kept before `doc` replaces it (see
+    _write_keeping), or None. `last`: the record of what tune last wrote there."""
+    if last is None:
+        own = False
+    elif "file_sha256" in last:  # an older moekit's record
+        own = hashlib.sha256(old).hexdigest() == last["file_sha256"]
+    else:
+        own = old_doc is not None and _digest(old_doc) in (last.get("sha256"), last.get("replacing"))
+    if not own:
+        return "not the file tune last wrote there (edited, or from elsewhere)"
+    wrote_for = (last or {}).get("source")
+    if wrote_for is None and path.name != source["table"]:  # a moekit table's name says its problem; vLLM's does not
+        return "tune wrote it, but a moekit that did not record for which problem (it may be another scheme's)"
+    if wrote_for is not None and wrote_for != source:
+        return (f"tune wrote it for another problem, {_describe_source(wrote_for)} "
+                f"(this run: {_describe_source(source)})")
+    if not isinstance(old_doc, dict):
+        return "not a JSON object"
+    lost = sorted(_sizes(old_doc, sizes_field) - _sizes(doc, sizes_field), key=int)
+    if lost:
+        return f"the new one lacks M={', '.join(lost)}"
+    return None
 
 
 def _sizes(doc: dict, field: str | None) -> set[str]:

@@ -4,6 +4,7 @@ one line and exit status 2), and turned into a `TunePlan` that worker processes 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import re
 from collections.abc import Sequence
@@ -89,6 +90,8 @@ class TunePlan:
     dtype: torch.dtype
     routing: str  # as given: uniform, skewed or the file
     routing_kind: str  # uniform, skewed or file
+    routing_file: str | None  # a recorded routing (--routing FILE): the file, resolved (for messages)
+    routing_sha256: str | None  # and its topk_ids' content hash (routing_digest): what identifies it
     seed: int
     reps: int
     warmup: int
@@ -141,6 +144,16 @@ def between_sizes(batch_sizes: Sequence[int]) -> list[int]:
         if low < mid < high:
             out.append(mid)
     return out
+
+
+def routing_digest(topk_ids: torch.Tensor) -> str:
+    """sha256 of recorded topk_ids as tune uses them (bench.load_routing_file: int64, [tokens,
+    top_k]): the same routing in another file, or saved another way (.pt, .npy, a dict holding it),
+    gives the same digest; a routing recorded anew at the same path another."""
+    ids = topk_ids.detach().to("cpu", torch.int64).contiguous()
+    digest = hashlib.sha256(f"topk_ids int64 {tuple(ids.shape)}\n".encode())
+    digest.update(ids.numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _schemes(value: str | None) -> list[str | None]:
@@ -247,12 +260,15 @@ def build_plan(opts: TuneOptions, device: torch.device) -> TunePlan:
         if created:
             created_dirs.append(export_dir)
     space = opts.space or default_space(device, opts.search_space)
+    recorded = problems[0].recorded if problems else None
     return TunePlan(
         problems=problems,
         batch_sizes=batch_sizes,
         dtype=dtype,
         routing=opts.routing,
         routing_kind=opts.routing if opts.routing in ROUTINGS else "file",
+        routing_file=None if recorded is None else str(Path(opts.routing).expanduser().resolve()),
+        routing_sha256=None if recorded is None else routing_digest(recorded),
         seed=opts.seed,
         reps=opts.reps,
         warmup=opts.warmup,

@@ -58,7 +58,9 @@ import contextlib
 import dataclasses
 import math
 import os
+import signal
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -79,7 +81,7 @@ from ..inputs import input_seed, make_routing, make_routings, make_weights, make
 from ..spec import QuantScheme
 from ..tables import table_name
 from ..timing import FLUSH_METHOD, Timing, time_graph, time_graphs
-from .journal import MAX_DEATHS, PROGRESS_DIR, Journal, journal_path, load_journals
+from .journal import MAX_DEATHS, PROGRESS_DIR, Journal, journal_dir, journal_path, load_journals
 from .output import (GEMM2_FIELDS, chosen_config, decision_candidates, decision_is_current, is_between, neighbour_configs,
                      runnable_timings, write_tables)
 from .plan import TuneInputError, TunePlan, TuneProblem
@@ -225,6 +227,56 @@ class DeviceBroken(RuntimeError):
     """A failure left the CUDA context unusable: this process cannot measure anything more."""
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP during a run (stop_on_signals): a KeyboardInterrupt, so that it stops the
+    run as Ctrl-C does."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(self.name)
+
+
+# The signals that stop a run as Ctrl-C does: `timeout`, a batch scheduler, systemd and `kill`
+# send SIGTERM; a closed terminal or ssh session SIGHUP. Left to their default action they end the
+# process inside a measurement, which the journal then counts as a death (a crash): after two such
+# stops a config, a backend or a decision timing that never failed was recorded as failed for good.
+STOP_SIGNALS = ("SIGTERM", "SIGHUP")  # SIGHUP: POSIX only
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """While held, SIGTERM and SIGHUP raise `Stopped` (a KeyboardInterrupt) in this process, as
+    SIGINT raises KeyboardInterrupt: the measurement in flight is un-marked rather than counted as
+    a death, the compile helpers are shut down (Precompiler.close, in Worker.run's `finally`), the
+    worker processes are stopped the same way (run_workers), the tables are rebuilt. A repeat
+    while the run stops is ignored (a process-group kill and the parent's own terminate() of its
+    workers both reach a worker): SIGKILL still ends a run stuck in a kernel. A signal ignored
+    here (nohup ignores SIGHUP) stays ignored. Only in the main thread, where Python runs signal
+    handlers (signal.signal refuses elsewhere): in another thread nothing changes. The handlers
+    before are restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stopping: list[int] = []
+
+    def stop(signum, frame):
+        if not stopping:
+            stopping.append(signum)
+            raise Stopped(signum)
+
+    previous = {}
+    for name in STOP_SIGNALS:
+        signum = getattr(signal, name, None)
+        if signum is not None and signal.getsignal(signum) is not signal.SIG_IGN:
+            previous[signum] = signal.signal(signum, stop)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():  # None: one not set from Python, taken as the default
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
 class Reporter(Protocol):
     def device(self, name: str) -> None: ...
     def add_total(self, count: int) -> None: ...
@@ -250,7 +302,7 @@ def fingerprint(plan: TunePlan, name: str, scheme: QuantScheme) -> dict:
     return {
         "device_name": name,
         "dtype": str(plan.dtype).removeprefix("torch."),
-        "routing": plan.routing,
+        **routing_fields(plan),
         "seed": plan.seed,
         "moekit": moekit_version,
         "torch": torch.__version__,
@@ -260,6 +312,21 @@ def fingerprint(plan: TunePlan, name: str, scheme: QuantScheme) -> dict:
         **({"fp8_accumulation": "fast"} if table_accumulation(scheme) == "fast" else {}),
         **({} if pdl_wanted() else {"pdl": "off"}),
     }
+
+
+def routing_fields(plan: TunePlan) -> dict:
+    """The fingerprint's routing: "uniform" or "skewed"; a recorded one (--routing FILE) by its
+    content (plan.routing_sha256), so that the same routing given by another path reuses the
+    journals and another routing recorded at the same path does not; the file itself, resolved,
+    is kept for messages and the tables' meta, and not compared (journal.NOT_COMPARED).
+    A journal of an older moekit holds the file's path as typed under "routing", and nothing that
+    tells whether the file still holds the routing it measured (the file may have been recorded
+    anew, the path was relative to a folder not kept): taken as measured under other conditions,
+    so the sizes are measured again (its journal set aside), which costs time but never mixes
+    two routings in one table."""
+    if plan.routing_sha256 is None:
+        return {"routing": plan.routing}
+    return {"routing": "file", "routing_file": plan.routing_file, "routing_sha256": plan.routing_sha256}
 
 
 def problem_fields(problem: TuneProblem) -> dict:
@@ -355,6 +422,41 @@ def discard_run_lock(out_dir: Path) -> None:
         path.parent.rmdir()
 
 
+def check_out_layout(plan: TunePlan, device_names: Sequence[str]) -> None:
+    """TuneInputError where a path the run writes under --out or --export-vllm is taken by
+    something of the other kind (a file where tune keeps a folder, a folder where it writes a
+    file): checked before anything is measured, since the run would otherwise stop there with a
+    traceback (at the lock, or at the first table written, after the first measurements)."""
+    from .output import WRITTEN_RECORD, vllm_file_name
+
+    out, export = plan.out_dir, plan.export_dir
+    progress = out / PROGRESS_DIR
+    folders = [(progress, "its journal"), (out / "triton", "the triton tables"),
+               (out / "backends", "the decision tables")]
+    files = [(progress / RUN_LOCK, "its lock"), (progress / ".lock", "its lock"),
+             (progress / WRITTEN_RECORD, "its record of the files it wrote")]
+    vllm_folders, vllm_files = [], []
+    for p in plan.problems:
+        fast = table_accumulation(p.scheme) == "fast"  # vLLM's names have no mode: fast/ (output.write_tables)
+        for name in device_names:
+            table = problem_table_name(p, name)
+            folders.append((journal_dir(out, table), f"the journal of {table}"))
+            files += [(out / "triton" / table, "a triton table"), (out / "backends" / table, "a decision table")]
+            if export is not None:
+                if fast:
+                    vllm_folders.append((export / "fast", "the vLLM config files of fast mode"))
+                name_there = vllm_file_name(p.shape.num_experts, p.shape.n, name, p.scheme)
+                vllm_files.append((export / ("fast" if fast else "") / name_there, "a vLLM config file"))
+    for option, folder, must_be_folders, must_be_files in (("--out", out, folders, files),
+                                                           ("--export-vllm", export, vllm_folders, vllm_files)):
+        problems = [(path, f"is not a folder, where tune keeps {what}") for path, what in must_be_folders
+                    if (path.exists() or path.is_symlink()) and not path.is_dir()]  # in order: a parent first
+        problems += [(path, f"is a folder, where tune writes {what}") for path, what in must_be_files if path.is_dir()]
+        if problems:
+            path, problem = problems[0]
+            raise TuneInputError(f"{option} {folder}: {path} {problem}: move it away, or give another {option}")
+
+
 def run_journals(plan: TunePlan, p: TuneProblem, name: str) -> tuple[list[dict], dict[int, str]]:
     """The journals of a problem's table on device `name` measured under this run's conditions,
     and {batch size: why} of the others (journal.load_journals): those never feed its tables."""
@@ -431,6 +533,15 @@ def _kinds(dropped: dict[str, str]) -> dict[str, int]:
         kind = why.split(":", 1)[0]
         counts[kind] = counts.get(kind, 0) + 1
     return counts
+
+
+def _died(reporter: Reporter, p: TuneProblem, j: Journal, what: str) -> str:
+    """The error recorded for a measurement during which the process died MAX_DEATHS times (a
+    segfault, the OOM killer, kill -9; not a Ctrl-C, SIGTERM or SIGHUP: stop_on_signals), said
+    as it is recorded: a rerun does not try it again."""
+    error = f"the process died {MAX_DEATHS} times while measuring it"
+    reporter.log(f"{p.label} M={j.batch_size}: {what} recorded as failed: {error}")
+    return error
 
 
 class Inputs:
@@ -813,7 +924,7 @@ class Worker:
     def _measure_config(self, p: TuneProblem, j: Journal, cfg: KernelConfig, inputs: Inputs, is_default=False) -> None:
         key, what = config_key(cfg), f"triton {config_key(cfg)}"
         if j.deaths(what) >= MAX_DEATHS:
-            j.record_config(key, cfg.to_dict(), {"error": f"the process died {MAX_DEATHS} times while measuring it"})
+            j.record_config(key, cfg.to_dict(), {"error": _died(self.reporter, p, j, f"config {key}")})
             return
         j.begin(what)
         try:
@@ -853,7 +964,7 @@ class Worker:
     def _measure_backend(self, p: TuneProblem, j: Journal, name: str, inputs: Inputs) -> None:
         what = f"backend {name}"
         if j.deaths(what) >= MAX_DEATHS:
-            j.record_backend(name, {"error": f"the process died {MAX_DEATHS} times while measuring it"})
+            j.record_backend(name, {"error": _died(self.reporter, p, j, f"backend {name}")})
             return
         j.begin(what)
         try:
@@ -891,7 +1002,7 @@ class Worker:
         what = f"decision {'/'.join(candidates)} x{routings}"
         if j.deaths(what) >= MAX_DEATHS:
             j.data["decision"] = {"config": candidates[0], "candidates": candidates, "routings": routings,
-                                  "error": f"the process died {MAX_DEATHS} times while measuring it"}
+                                  "error": _died(self.reporter, p, j, "the decision timing")}
             j.save()
             return
         self.reporter.describe(f"{p.label} M={M}: {len(candidates)} triton configs and every backend over "
@@ -1006,6 +1117,10 @@ class Worker:
 # ------------------------------------------------------------------------- several GPUs
 
 
+# How long a worker process told to stop (run_workers) may take to save its journal and end.
+WORKER_STOP_S = 30.0
+
+
 def split_batch_sizes(sizes: Sequence[int], workers: int) -> list[list[int]]:
     """Contiguous runs of the sorted sizes, as even as possible: each worker's sizes neighbour
     each other, so its neighbour pruning has close evidence."""
@@ -1052,10 +1167,14 @@ def _worker_main(index: int, plan: TunePlan, devices: list[str], chunks: list[li
     if device.type == "cuda":
         torch.cuda.set_device(device)
     reporter = QueueReporter(queue, index)
-    try:
-        Worker(plan, device, chunks[index], reporter, deadline_end).run()
-    except DeviceBroken as e:
-        reporter._send("broken", str(e))
+    with stop_on_signals():  # the parent's terminate() (run_workers), or a SIGTERM to the process group
+        try:
+            Worker(plan, device, chunks[index], reporter, deadline_end).run()
+        except DeviceBroken as e:
+            reporter._send("broken", str(e))
+        except KeyboardInterrupt as e:  # torch's spawn wrapper ends the process quietly on it: the parent is told
+            reporter._send("stopped", e.signum if isinstance(e, Stopped) else int(signal.SIGINT))
+            raise
 
 
 def run_workers(plan: TunePlan, devices: list[str], deadline_end: float | None, on_event) -> list[str]:
@@ -1069,6 +1188,7 @@ def run_workers(plan: TunePlan, devices: list[str], deadline_end: float | None, 
     devices = devices[: len(chunks)]
     events = mp.get_context("spawn").Queue()
     broken: list[str] = []
+    stopped: list[int] = []
 
     def drain() -> None:
         while True:
@@ -1078,6 +1198,9 @@ def run_workers(plan: TunePlan, devices: list[str], deadline_end: float | None, 
                 return
             if kind == "broken":
                 broken.append(args[0])
+            elif kind == "stopped":  # a signal to the worker alone: not a progress event
+                stopped.append(args[0])
+                continue
             on_event(worker, kind, *args)
 
     context = mp.spawn(_worker_main, args=(plan, devices, chunks, events, deadline_end),
@@ -1086,19 +1209,28 @@ def run_workers(plan: TunePlan, devices: list[str], deadline_end: float | None, 
         while not context.join(timeout=0.1):
             drain()
     except BaseException:
-        for process in context.processes:  # only the processes this run started
-            if process.is_alive():
-                process.terminate()
+        alive = [process for process in context.processes if process.is_alive()]  # only those this run started
+        for process in alive:  # SIGTERM: each stops as on Ctrl-C (stop_on_signals), un-marking its measurement
+            process.terminate()
+        deadline = time.monotonic() + WORKER_STOP_S
+        for process in alive:  # their journals saved before the parent rebuilds the tables from them
+            process.join(timeout=max(deadline - time.monotonic(), 0.0))
+            if process.is_alive():  # stuck in a kernel or a compile: that measurement counts as a death
+                process.kill()
         raise
     finally:
         drain()
+    if stopped:  # a worker was stopped by a signal of its own: the run stops as if this process had it
+        raise Stopped(stopped[0]) if stopped[0] != signal.SIGINT else KeyboardInterrupt()
     return broken
 
 
 __all__ = [
     "OUTPUT_TOLERANCE",
     "DeviceBroken",
+    "Stopped",
     "Worker",
+    "check_out_layout",
     "device_name",
     "measure_time",
     "order_candidates",
@@ -1108,5 +1240,6 @@ __all__ = [
     "run_lock",
     "run_workers",
     "split_batch_sizes",
+    "stop_on_signals",
     "write_problem_tables",
 ]
