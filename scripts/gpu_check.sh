@@ -119,7 +119,12 @@
 #        test_weights_validation.py, test_compile.py, test_hf_eval.py, test_select_auto.py,
 #        test_hf_errors.py) and the forty-fourth's routing and README fixes (test_routing.py,
 #        test_routing_kernel.py, test_hf_routers.py, test_bench_cli.py) passed on an H100 in the
-#        forty-fourth. Run test_triton_gemv.py
+#        forty-fourth. Written in the forty-fourth after its device time (CPU-tested; not yet on
+#        a GPU): table entries validated when read and unreadable table folders skipped (the
+#        triton lookup every GPU call makes: test_table_layering.py, test_select_auto.py,
+#        test_triton_backend.py), the tuner's signals, routing digest and written record
+#        (test_tune.py), and the distributed fixes (their NCCL side needs two GPUs:
+#        scripts/bench_distributed.py --check under torchrun). Run test_triton_gemv.py
 #        with -k filters: unfiltered it passes one call's time. Not
 #        part of `all`. PENDING_TESTS ("test_routing_kernel test_api", say) picks files: all of
 #        them may not fit one call.
