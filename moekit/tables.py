@@ -213,7 +213,7 @@ def _folder_names(folder: Path, skipped: list | None = None) -> list[str] | None
         return []
     except OSError as e:
         why = e.strerror or str(e)
-        if skipped is not None:
+        if skipped is not None and all(seen != folder for seen, _ in skipped):  # precise and fast both search it
             skipped.append((folder, f"cannot list this table folder: {why}"))
         if folder not in _missing_warned:
             _missing_warned.add(folder)

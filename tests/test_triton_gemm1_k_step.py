@@ -177,5 +177,5 @@ def test_keep_a2_is_checked_against_gemm2s_k_step(device):
     tw, ids = random_routing(4, 3, 2, device=device)
     cfg = KernelConfig(16, 64, 256, 8, 4, 2).with_gemm2(BLOCK_K=64, N_TILES=2, KEEP_A=1)
     assert cfg.keep_a2_fits(384) and not cfg.keep_a2_fits(385)
-    with pytest.raises(ValueError, match="at most 6 K steps of 64; this layer's intermediate has 512 columns"):
+    with pytest.raises(ValueError, match="at most 6 K steps of 64; this problem's intermediate has 512 columns"):
         run(random_x(4, 128, device=device), w, tw, ids, cfg)

@@ -59,7 +59,7 @@ def test_a_longer_intermediate_is_refused_before_any_launch(device, monkeypatch)
     w = random_weights(3, 128, 896, "fp8-block128", device=device)  # seven K steps of 128
     tw, ids = random_routing(5, 3, 2, device=device)
     with pytest.raises(ValueError, match="KEEP_A2=1 holds GEMM2's inner dimension in at most 6 K steps of 128; "
-                                         "this layer's intermediate has 896 columns"):
+                                         "this problem's intermediate has 896 columns"):
         run(random_x(5, 128, device=device), w, tw, ids, BASE.with_gemm2(N_TILES=4, KEEP_A=1))
     assert launched == []
 

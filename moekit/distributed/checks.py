@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import operator
 
+import torch
+
 from ..weights import MoEWeights, Shard
 
 
@@ -53,3 +55,10 @@ def check_shard(weights: MoEWeights, parallel: str, rank: int, world_size: int) 
             f"(shard the whole layer's weights with moekit.distributed.shard_weights_{parallel}(weights, "
             f"{rank}, {world_size}), or MoELayer.sharded)"
         )
+
+
+def own_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy in memory of its own, for a shard. Not .contiguous(): a slice that is
+    contiguous already (one rank's experts along dim 0, the whole of N over one rank) would come
+    back as a view keeping the full weights alive."""
+    return t.clone(memory_format=torch.contiguous_format)

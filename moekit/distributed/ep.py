@@ -74,10 +74,10 @@ import torch
 import torch.distributed as dist
 
 from ..api import check_flags, fused_moe, grads_would_be_dropped, validate_inputs
-from ..dtypes import FUSED_MOE_DTYPES
+from ..dtypes import FUSED_MOE_DTYPES, check_fused_moe_dtype
 from ..select import select_backend
 from ..weights import MoEWeights, Shard
-from .checks import as_count, check_rank, check_shard, check_whole
+from .checks import as_count, check_rank, check_shard, check_whole, own_copy
 from .launch import group_device
 
 _META_BYTES = 8  # int32 local expert id + float32 routing weight, at the front of each row
@@ -115,7 +115,7 @@ def shard_weights_ep(weights: MoEWeights, rank: int, world_size: int) -> MoEWeig
         per_expert = name in ("w13", "w2", "w13_scale", "w2_scale")  # a13/a2 are not per expert
         # clone, not .contiguous(): a slice of dim 0 is contiguous already, and .contiguous() would
         # return that view, keeping the whole layer's storage alive (and saved by state_dict)
-        kw[name] = (t[start:end] if per_expert else t).clone(memory_format=torch.contiguous_format)
+        kw[name] = own_copy(t[start:end] if per_expert else t)
     return MoEWeights(weights.scheme, **kw, shard=Shard("ep", rank, world_size, weights.num_experts))
 
 
@@ -270,22 +270,19 @@ def _flag_device(x, local_weights, group) -> torch.device:
 
 
 # x's dtypes, numbered for the count exchange (dtypes.FUSED_MOE_DTYPES: what validate_inputs lets through)
-_X_DTYPES = FUSED_MOE_DTYPES
-
-
 def _rank_word(failed: bool, x_dtype: torch.dtype | None, hidden: int) -> int:
     """What a rank sends beside its counts, in one integer (one fill: no extra collective, no
     host-to-device copy): 1 where it failed its checks, else its rows' layout, 2 * (H * n + the
-    index of x's dtype in _X_DTYPES) (n = len(_X_DTYPES)). A row's bytes follow from x's dtype and
+    index of x's dtype in FUSED_MOE_DTYPES) (n = len(FUSED_MOE_DTYPES)). A row's bytes follow from x's dtype and
     H, which each rank has checked against its own weights only: ranks that differ would take
     different byte counts to the dispatch (gloo aborts the process, NCCL hangs or misreads)."""
-    return 1 if failed else 2 * (hidden * len(_X_DTYPES) + _X_DTYPES.index(x_dtype))
+    return 1 if failed else 2 * (hidden * len(FUSED_MOE_DTYPES) + FUSED_MOE_DTYPES.index(x_dtype))
 
 
 def _layout(word: int) -> str:
     """The row layout a _rank_word says, in words."""
-    hidden, code = divmod(word // 2, len(_X_DTYPES))
-    return f"{_X_DTYPES[code]}, H = {hidden}"
+    hidden, code = divmod(word // 2, len(FUSED_MOE_DTYPES))
+    return f"{FUSED_MOE_DTYPES[code]}, H = {hidden}"
 
 
 def _exchange_counts(send_counts: torch.Tensor, group, x_dtype: torch.dtype | None = None, hidden: int = 0,
@@ -329,6 +326,7 @@ def ep_comm_only(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, grou
     """For benchmarks: a callable running only the collectives of one `ep_fused_moe` call with
     these inputs (count exchange with its host sync, dispatch, return), on buffers of the same
     sizes; no packing, no experts, no combine. A collective: call it on every rank."""
+    check_fused_moe_dtype(x.dtype, "x has dtype")  # as ep_fused_moe: the count exchange encodes it
     world = dist.get_world_size(group)
     M, K = topk_ids.shape
     send_counts = _plan(topk_ids, num_experts, world)[3]

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from ..api import fused_moe
 from ..spec import BLOCK
 from ..weights import MoEWeights, Shard
-from .checks import check_rank, check_shard, check_whole
+from .checks import check_rank, check_shard, check_whole, own_copy
 
 
 def shard_weights_tp(weights: MoEWeights, rank: int, world_size: int) -> MoEWeights:
@@ -87,30 +87,24 @@ def shard_weights_tp(weights: MoEWeights, rank: int, world_size: int) -> MoEWeig
         return torch.cat([t[:, lo:hi], t[:, half + lo : half + hi]], dim=1).contiguous()
 
     w13 = rows(weights.w13, lo, hi, N)
-    w2 = _copy(weights.w2[:, :, lo:hi])
+    w2 = own_copy(weights.w2[:, :, lo:hi])
     kw: dict[str, torch.Tensor] = {}
     if s.is_fp8:
         if s.weight == "tensor":
-            kw["w13_scale"], kw["w2_scale"] = _copy(weights.w13_scale), _copy(weights.w2_scale)
+            kw["w13_scale"], kw["w2_scale"] = own_copy(weights.w13_scale), own_copy(weights.w2_scale)
         elif s.weight == "channel":
             kw["w13_scale"] = rows(weights.w13_scale, lo, hi, N)
-            kw["w2_scale"] = _copy(weights.w2_scale)
+            kw["w2_scale"] = own_copy(weights.w2_scale)
         elif s.weight == "block":
             b_lo, b_hi, b_half = lo // BLOCK, hi // BLOCK, N // BLOCK
             kw["w13_scale"] = rows(weights.w13_scale, b_lo, b_hi, b_half)  # [E, 2n/128, ceil(H/128)]
-            kw["w2_scale"] = _copy(weights.w2_scale[:, :, b_lo:b_hi])  # [E, ceil(H/128), n/128]
+            kw["w2_scale"] = own_copy(weights.w2_scale[:, :, b_lo:b_hi])  # [E, ceil(H/128), n/128]
         else:  # a new weight granularity must say how it shards
             raise NotImplementedError(f"shard_weights_tp does not know weight granularity {s.weight!r}")
         for name in ("a13_scale", "a2_scale"):
             if getattr(weights, name) is not None:
-                kw[name] = _copy(getattr(weights, name))
+                kw[name] = own_copy(getattr(weights, name))
     return MoEWeights(s, w13, w2, **kw, shard=Shard("tp", rank, world_size, N))
-
-
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy in memory of its own. Not .contiguous(): a slice that is contiguous
-    already (the whole of N over one rank) would come back as a view of the full weights."""
-    return t.clone(memory_format=torch.contiguous_format)
 
 
 def tp_fused_moe(

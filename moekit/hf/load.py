@@ -225,12 +225,14 @@ def _device_of(model: nn.Module, name: str) -> torch.device:
 
 
 def fill_from_checkpoint(model: nn.Module, folder: str | Path, family: Family, scheme: QuantScheme | None,
-                         dtype: torch.dtype, schemes: dict[str, QuantScheme] | None = None) -> dict[str, MoekitExperts]:
+                         dtype: torch.dtype, schemes: dict[str, QuantScheme] | None = None,
+                         raw: dict | None = None) -> dict[str, MoekitExperts]:
     """Load every MoekitExperts of `model` from the checkpoint at `folder`, each under the scheme
     its config gives that module (an `ignore` entry may name one layer's experts). `schemes`:
     {experts prefix: scheme} as `_checkpoint_schemes` worked them out for this checkpoint already
-    (from_pretrained does, to refuse before the model is built); None: worked out here."""
-    raw = _raw_config(Path(folder))
+    (from_pretrained does, to refuse before the model is built); None: worked out here. `raw`:
+    the folder's config.json as read already (None: read here)."""
+    raw = _raw_config(Path(folder)) if raw is None else raw
     ckpt = ckpt_mod.Checkpoint(folder)
     try:
         found = _found_experts(ckpt, folder, family)
@@ -1022,7 +1024,7 @@ def from_pretrained(path: str | Path, backend: str | None = "auto", scheme: str 
     modules = experts_modules(model)
     if not modules:
         raise UnsupportedModelError(f"{type(model).__name__}: no experts module was built for family {family.name}")
-    fill_from_checkpoint(model, folder, family, want, dtype, schemes)
+    fill_from_checkpoint(model, folder, family, want, dtype, schemes, raw)
     if want is not None and want.static_activation and any(not m.scheme.is_fp8 for m in modules.values()):
         # read as bf16 to be calibrated (also under an FP8 config whose experts are stored unquantized)
         _set_implementation(model)  # the calibration forward runs moekit's experts without a warning

@@ -303,6 +303,14 @@ class KernelConfig:
         """Whether GEMM2's inner dimension n fits the K steps KEEP_A2 holds (KEEP_A2_STEPS)."""
         return n <= self.KEEP_A2_STEPS * self.gemm2().BLOCK_K
 
+    def keep_a2_problem(self, n: int) -> str | None:
+        """Why KEEP_A2 cannot run a problem whose intermediate has n columns (None: it can, or
+        KEEP_A2 is off): the launch's refusal and a table entry's, in one wording."""
+        if not self.KEEP_A2 or self.keep_a2_fits(n):
+            return None
+        return (f"KEEP_A2=1 holds GEMM2's inner dimension in at most {self.KEEP_A2_STEPS} K steps of "
+                f"{self.gemm2().BLOCK_K}; this problem's intermediate has {n} columns")
+
     def to_dict(self) -> dict:
         """The fields, without GEMM2's own and OVERLAP where unset (tables of configs that have
         none stay as they were)."""
@@ -398,10 +406,8 @@ def entry_problems(cfg: KernelConfig, scheme: QuantScheme, shape: MoEShape | Non
     """Why a table's config cannot run its problem (empty when it can): KernelConfig.problems,
     and with `shape` the intermediate size KEEP_A2 must hold (what launch._check_config refuses)."""
     out = cfg.problems(scheme)
-    if not out and shape is not None and cfg.KEEP_A2 and not cfg.keep_a2_fits(shape.n):
-        out.append(f"KEEP_A2=1 holds GEMM2's inner dimension in at most {cfg.KEEP_A2_STEPS} K steps of "
-                   f"{cfg.gemm2().BLOCK_K}; this problem's intermediate has {shape.n} columns")
-    return out
+    too_wide = cfg.keep_a2_problem(shape.n) if not out and shape is not None else None
+    return out + [too_wide] if too_wide else out
 
 
 @functools.lru_cache(maxsize=256)

@@ -664,9 +664,9 @@ def _keep_a_steps(cfg: KernelConfig, n: int) -> int:
     `cfg`: GEMM2's launch (cfg.gemm2(), whose BLOCK_K is GEMM2's step)."""
     if not cfg.KEEP_A2:
         return 0
-    if not cfg.keep_a2_fits(n):
-        raise ValueError(f"KEEP_A2=1 holds GEMM2's inner dimension in at most {cfg.KEEP_A2_STEPS} K steps of "
-                         f"{cfg.BLOCK_K}; this layer's intermediate has {n} columns (use KEEP_A2=0)")
+    problem = cfg.keep_a2_problem(n)
+    if problem:
+        raise ValueError(f"{problem} (use KEEP_A2=0)")
     return cdiv(n, cfg.BLOCK_K)
 
 
